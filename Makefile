@@ -1,0 +1,32 @@
+# Two commands: `make demo` (the main job) and `make test` (the whole suite).
+# Both create .venv on first use and are quick once it is installed.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+# The CPU build of torch that lies on disk on these machines; a bare `torch` would pull CUDA.
+TORCH_SPEC ?= torch==2.13.0
+
+.PHONY: demo test lint bench clean
+
+$(VENV)/.installed: pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q "$(TORCH_SPEC)"
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $@
+
+demo: $(VENV)/.installed
+	$(PY) examples/demo.py
+
+test: $(VENV)/.installed
+	$(PY) -m pytest
+
+lint: $(VENV)/.installed
+	$(PY) -m ruff check spectral_callbacks tests examples benchmarks
+	$(PY) -m mypy spectral_callbacks
+
+bench: $(VENV)/.installed
+	$(PY) benchmarks/svd_accuracy.py
+	$(PY) benchmarks/overhead.py
+
+clean:
+	rm -rf $(VENV) demo_output

@@ -1,0 +1,30 @@
+"""Watch the spectra of a transformer's weight matrices change during training.
+
+``SpectralMonitor`` is the Lightning callback; ``find_targets`` maps a model's Q/K/V/O/MLP
+matrices; ``spectral_callbacks.functional`` holds the math as pure tensor functions.
+"""
+
+from __future__ import annotations
+
+from importlib import import_module
+from typing import Any
+
+__version__ = "0.1.0"
+
+# Public names and the module that defines each, imported on first use so `import
+# spectral_callbacks` stays cheap (the CLI's --help should not pay for Lightning).
+_EXPORTS = {
+    "SpectralMonitor": "spectral_callbacks.callback",
+    "find_targets": "spectral_callbacks.targets",
+    "Target": "spectral_callbacks.targets",
+    "format_targets": "spectral_callbacks.targets",
+    "spectral_metrics": "spectral_callbacks.functional",
+}
+
+__all__ = ["__version__", *_EXPORTS]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        return getattr(import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'spectral_callbacks' has no attribute {name!r}")

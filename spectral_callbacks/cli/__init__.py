@@ -1,0 +1,5 @@
+"""The ``spectral-callbacks`` command line."""
+
+from spectral_callbacks.cli.main import main
+
+__all__ = ["main"]
