@@ -1,0 +1,338 @@
+"""Which role each weight plays: built-in name rules per architecture and fused-projection splits.
+
+A rule maps a name pattern to a role (``"O"``), a ``Split`` (one stored parameter holding several
+matrices along its output dimension), a ``Skip`` (deliberately not watched, with the reason), or a
+function of the ``Context`` that returns one of those (for layouts that depend on head counts).
+Patterns are fnmatch-style and match the parameter name or any dotted suffix of it, so
+``attn.c_proj.weight`` matches ``transformer.h.3.attn.c_proj.weight`` but not
+``transformer.h.3.mlp.c_proj.weight``. Built-in rules are tried in order; the first match wins.
+
+Head and latent sizes come from the owning module or its ancestors, by attribute (``num_heads``,
+``n_head``, ``kv_lora_rank`` ...) or from their ``config`` (Hugging Face ``config.num_attention_heads``).
+docs/targets.md has the table of architectures and roles.
+
+Example::
+
+    >>> import torch
+    >>> Split(("Q", "K", "V")).parts("c_attn.weight", (96, 32))
+    [('Q', Rows(start=0, stop=32, groups=1, transposed=False)), ('K', Rows(start=32, stop=64, groups=1, transposed=False)), ('V', Rows(start=64, stop=96, groups=1, transposed=False))]
+    >>> Split(("K", "V"), sizes=(8, 6), groups=4).parts("kv_b_proj.weight", (56, 8))[1]
+    ('V', Rows(start=8, stop=14, groups=4, transposed=False))
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from spectral_callbacks.targets.target import Rows, check_role
+
+
+@dataclass(frozen=True)
+class Split:
+    """One stored parameter holding several matrices stacked along its output dimension.
+
+    The output dimension is ``groups`` equal chunks (1 = one block of rows; the number of heads for
+    per-head interleaving like GPT-NeoX ``(heads, 3, head_dim)``); each chunk holds the parts in
+    order with ``sizes`` rows each (equal parts when ``None``).
+
+    Args:
+        roles: the role of each part; ``None`` leaves that part unwatched.
+        sizes: rows of each part within one chunk; default ``None`` splits the chunk equally.
+        groups: number of interleaved chunks along the output dimension; default 1.
+        transposed: the weight is stored ``(in, out)``; default ``None`` detects Hugging Face
+            ``Conv1D`` (GPT-2) and assumes ``(out, in)`` otherwise.
+
+    Example::
+
+        >>> Split(("Q", "K", "V"), groups=4).parts("query_key_value.weight", (96, 32))[0]
+        ('Q', Rows(start=0, stop=8, groups=4, transposed=False))
+    """
+
+    roles: tuple[str | None, ...]
+    sizes: tuple[int, ...] | None = None
+    groups: int = 1
+    transposed: bool | None = None
+
+    def parts(
+        self, parameter_name: str, shape: tuple[int, int], transposed: bool = False
+    ) -> list[tuple[str, Rows]]:
+        """``(role, Rows)`` of each watched part of an ``(out, in)`` matrix of ``shape``.
+
+        Raises:
+            ValueError: the sizes do not add up to the parameter's output dimension.
+        """
+        roles = tuple(self.roles)
+        for role in roles:
+            if role is not None:
+                check_role(role, f"Split for {parameter_name}")
+        out = shape[0]
+        if not roles or self.groups < 1 or out % self.groups:
+            raise ValueError(
+                f"Split{roles} with groups={self.groups} does not fit {parameter_name} with "
+                f"{out} output rows: `groups` must divide {out} and `roles` must not be empty"
+            )
+        chunk = out // self.groups
+        sizes = self.sizes
+        if sizes is None:
+            if chunk % len(roles):
+                raise ValueError(
+                    f"{parameter_name}: {chunk} rows per group do not split into {len(roles)} "
+                    f"equal parts {roles}; pass Split(..., sizes=...)"
+                )
+            sizes = (chunk // len(roles),) * len(roles)
+        if len(sizes) != len(roles) or sum(sizes) != chunk:
+            raise ValueError(
+                f"{parameter_name}: Split sizes {tuple(sizes)} for roles {roles} must have one "
+                f"size per role and add up to the {chunk} rows of each of {self.groups} groups"
+            )
+        result, start = [], 0
+        for role, size in zip(roles, sizes, strict=True):
+            if role is not None:
+                result.append((role, Rows(start, start + size, self.groups, transposed)))
+            start += size
+        return result
+
+
+@dataclass(frozen=True)
+class Skip:
+    """A parameter deliberately not watched; ``reason`` is shown in the summary.
+
+    ``warn=True`` marks something that looks like a target but could not be mapped (for example a
+    fused projection of unknown layout): ``find_targets`` then warns as well.
+    """
+
+    reason: str
+    warn: bool = False
+
+
+@dataclass(frozen=True)
+class Context:
+    """What a rule function sees: the parameter and the modules that own it.
+
+    Attributes:
+        name: the parameter name with wrapper segments (``_orig_mod.``, DDP ``module.``) removed.
+        parameter: the parameter itself.
+        modules: the module that owns the parameter first, then each ancestor up to the root.
+    """
+
+    name: str
+    parameter: torch.Tensor
+    modules: tuple[nn.Module, ...]
+
+    def lookup(self, *attributes: str) -> int | None:
+        """The first int found under one of ``attributes`` on the owner, its ancestors, or their ``config``."""
+        for module in self.modules:
+            for source in (module, getattr(module, "config", None)):
+                if source is None:
+                    continue
+                for attribute in attributes:
+                    value = getattr(source, attribute, None)
+                    if isinstance(value, int) and not isinstance(value, bool):
+                        return value
+        return None
+
+    @property
+    def out_features(self) -> int:
+        """Output rows of the parameter as an ``(out, in)`` matrix (``Conv1D`` is stored transposed)."""
+        return (
+            self.parameter.shape[1] if is_transposed(self.modules[0]) else self.parameter.shape[0]
+        )
+
+
+Decision = str | Split | Skip
+Rule = Decision | Callable[[Context], Decision]
+
+HEADS = ("num_heads", "num_attention_heads", "n_head", "n_heads")
+KV_HEADS = ("num_key_value_heads", "n_kv_head", "n_kv_heads", "num_kv_heads")
+
+
+def is_transposed(module: nn.Module) -> bool:
+    """Whether ``module`` stores its weight ``(in, out)``: Hugging Face ``Conv1D`` (GPT-2)."""
+    return type(module).__name__ == "Conv1D" and hasattr(module, "nf")
+
+
+def _fused_qkv(ctx: Context) -> Decision:
+    """Rows ``[q; k; v]`` one after the other (GPT-2/nanoGPT ``c_attn``, timm ``qkv``, MHA ``in_proj``)."""
+    out = ctx.out_features
+    heads, kv_heads = ctx.lookup(*HEADS), ctx.lookup(*KV_HEADS)
+    if kv_heads is None or kv_heads == heads or heads is None:
+        if out % 3 == 0:
+            return Split(("Q", "K", "V"))
+    elif out % (heads + 2 * kv_heads) == 0:  # grouped K/V fused with Q (Phi-3 qkv_proj)
+        head_dim = out // (heads + 2 * kv_heads)
+        return Split(
+            ("Q", "K", "V"), sizes=(heads * head_dim, kv_heads * head_dim, kv_heads * head_dim)
+        )
+    return Skip(
+        f"fused QKV of unknown layout ({out} rows, heads={heads}, kv_heads={kv_heads}); "
+        "describe it with mapping={pattern: Split(...)}",
+        warn=True,
+    )
+
+
+def _per_head_qkv(ctx: Context) -> Decision:
+    """GPT-NeoX/Pythia/Bloom ``query_key_value``: rows ``(heads, 3, head_dim)``."""
+    out = ctx.out_features
+    heads = ctx.lookup(*HEADS)
+    if heads is None:
+        head_dim = ctx.lookup("head_size", "head_dim")
+        heads = out // (3 * head_dim) if head_dim else None
+    if heads and out % (3 * heads) == 0:
+        return Split(("Q", "K", "V"), groups=heads)
+    return Skip(
+        f"per-head fused QKV but the head count ({heads}) does not divide {out} rows into "
+        "(heads, 3, head_dim); describe it with mapping={pattern: Split(...)}",
+        warn=True,
+    )
+
+
+def _gate_up(ctx: Context) -> Decision:
+    """Phi-3 style ``gate_up_proj``: rows ``[gate; up]``."""
+    return Split(("MLP_gate", "MLP_up"))
+
+
+def _kv_a(ctx: Context) -> Decision:
+    """MLA / GLA ``kv_a_proj_with_mqa``: rows ``[latent (kv_lora_rank); shared rope key]``."""
+    rank, rope = ctx.lookup("kv_lora_rank"), ctx.lookup("qk_rope_head_dim")
+    if rank is not None and rope is not None and rank + rope == ctx.out_features:
+        return Split(("KV_down", "K_rope"), sizes=(rank, rope))
+    return Skip(
+        f"MLA down-projection with {ctx.out_features} rows but kv_lora_rank={rank} + "
+        f"qk_rope_head_dim={rope} do not add up; describe it with mapping=",
+        warn=True,
+    )
+
+
+def _kv_b(ctx: Context, suffix: str = "") -> Decision:
+    """MLA ``kv_b_proj``: rows per head ``[k_nope; v]`` (DeepSeek-V2/V3)."""
+    nope, value = ctx.lookup("qk_nope_head_dim"), ctx.lookup("v_head_dim")
+    out = ctx.out_features
+    if nope and value and out % (nope + value) == 0:
+        return Split(
+            (f"K{suffix}", f"V{suffix}"), sizes=(nope, value), groups=out // (nope + value)
+        )
+    return Skip(
+        f"MLA up-projection with {out} rows is not a multiple of qk_nope_head_dim={nope} + "
+        f"v_head_dim={value}; describe it with mapping=",
+        warn=True,
+    )
+
+
+def _kv_b_group(ctx: Context) -> Decision:
+    """GLA ``kv_b_proj.<j>``: the up-projection of latent group j, rows per head ``[k_nope; v]``."""
+    group = ctx.name.split(".")[-2]
+    return _kv_b(ctx, suffix=f"_g{group}")
+
+
+_CROSS = Skip("cross-attention: not watched by default; use mapping= to give it roles")
+_EXPERT = Skip("MoE expert (many per layer): not watched by default; use mapping= to watch")
+_ROUTER = Skip("MoE router")
+
+# (pattern, rule), first match wins. Shared leaf names (c_proj, dense, proj) carry their parent.
+BUILTIN_RULES: tuple[tuple[str, Rule], ...] = (
+    # Left out on purpose: listed in the summary, not warned about.
+    ("experts.*", _EXPERT),
+    ("crossattention.*", _CROSS),
+    ("encoder_attn.*", _CROSS),
+    ("multihead_attn.*", _CROSS),
+    ("mlp.gate.weight", _ROUTER),
+    ("router.*", _ROUTER),
+    # GPT-2 (Conv1D, stored (in, out)) and nanoGPT (Linear): c_attn rows [q; k; v].
+    ("attn.c_attn.weight", _fused_qkv),
+    ("attn.c_proj.weight", "O"),
+    ("mlp.c_fc.weight", "MLP_up"),
+    ("mlp.c_proj.weight", "MLP_down"),
+    # timm ViT and most vision transformers.
+    ("attn.qkv.weight", _fused_qkv),
+    ("attn.proj.weight", "O"),
+    ("mlp.fc1.weight", "MLP_up"),
+    ("mlp.fc2.weight", "MLP_down"),
+    # GPT-NeoX / Pythia / Bloom: query_key_value interleaved per head.
+    ("query_key_value.weight", _per_head_qkv),
+    ("attention.dense.weight", "O"),
+    ("self_attention.dense.weight", "O"),
+    ("mlp.dense_h_to_4h.weight", "MLP_up"),
+    ("mlp.dense_4h_to_h.weight", "MLP_down"),
+    # BERT / RoBERTa / ViT before transformers 5 (attention.output.dense before output.dense).
+    ("attention.output.dense.weight", "O"),
+    ("intermediate.dense.weight", "MLP_up"),
+    ("output.dense.weight", "MLP_down"),
+    ("query.weight", "Q"),
+    ("key.weight", "K"),
+    ("value.weight", "V"),
+    # torch.nn.MultiheadAttention / TransformerEncoderLayer.
+    ("in_proj_weight", _fused_qkv),
+    ("q_proj_weight", "Q"),
+    ("k_proj_weight", "K"),
+    ("v_proj_weight", "V"),
+    ("out_proj.weight", "O"),
+    ("linear1.weight", "MLP_up"),
+    ("linear2.weight", "MLP_down"),
+    # Llama / Mistral / Qwen2 / ViT (transformers 5) / DeepSeek; GQA and MQA keep their shapes.
+    ("q_proj.weight", "Q"),
+    ("k_proj.weight", "K"),
+    ("v_proj.weight", "V"),
+    ("o_proj.weight", "O"),
+    ("qkv_proj.weight", _fused_qkv),
+    ("Wqkv.weight", _fused_qkv),
+    ("gate_proj.weight", "MLP_gate"),
+    ("up_proj.weight", "MLP_up"),
+    ("down_proj.weight", "MLP_down"),
+    ("gate_up_proj.weight", _gate_up),
+    # Meta's reference Llama.
+    ("attention.wq.weight", "Q"),
+    ("attention.wk.weight", "K"),
+    ("attention.wv.weight", "V"),
+    ("attention.wo.weight", "O"),
+    ("feed_forward.w1.weight", "MLP_gate"),
+    ("feed_forward.w3.weight", "MLP_up"),
+    ("feed_forward.w2.weight", "MLP_down"),
+    # MLA (DeepSeek-V2/V3), GLA (kv_b_proj per latent group), MFA (low-rank Q).
+    ("q_a_proj.weight", "Q_down"),
+    ("q_b_proj.weight", "Q_up"),
+    ("kv_a_proj_with_mqa.weight", _kv_a),
+    ("kv_b_proj.weight", _kv_b),
+    ("kv_b_proj.[0-9]*.weight", _kv_b_group),
+    # GTA: tied K/V and one shared rope key.
+    ("kv_proj.weight", "KV"),
+    ("k_rope_proj.weight", "K_rope"),
+    # TPA factor matrices.
+    ("W_A_q.weight", "Q_A"),
+    ("W_B_q.weight", "Q_B"),
+    ("W_A_k.weight", "K_A"),
+    ("W_B_k.weight", "K_B"),
+    ("W_A_v.weight", "V_A"),
+    ("W_B_v.weight", "V_B"),
+)
+
+Pattern = str | re.Pattern[str]
+
+
+def match_length(pattern: Pattern, name: str) -> int | None:
+    """How many trailing dotted segments of ``name`` the pattern matched, or ``None`` if none.
+
+    A string is an fnmatch pattern (case-sensitive) tried on the dotted suffixes of ``name``,
+    shortest first; a compiled regular expression is searched in the whole name and covers the
+    segments from its match on.
+
+    >>> match_length("attn.c_proj.weight", "transformer.h.3.attn.c_proj.weight")
+    3
+    >>> match_length("attn.c_proj.weight", "transformer.h.3.mlp.c_proj.weight") is None
+    True
+    >>> match_length(re.compile(r"h\\.\\d+\\.attn"), "transformer.h.3.attn.c_proj.weight")
+    5
+    """
+    if isinstance(pattern, re.Pattern):
+        found = pattern.search(name)
+        return None if found is None else name[found.start() :].count(".") + 1
+    segments = name.split(".")
+    for length in range(1, len(segments) + 1):
+        if fnmatch.fnmatchcase(".".join(segments[-length:]), pattern):
+            return length
+    return None

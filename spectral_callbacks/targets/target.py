@@ -1,0 +1,258 @@
+"""A watched matrix (``Target``), how a stored parameter holds it (``Split``), and the printed map.
+
+A ``Target`` keeps a reference to the live ``Parameter`` and a description of which rows of it form
+the matrix, so ``Target.matrix()`` always reads the current values and costs no copy of the whole
+parameter: a plain or contiguously fused weight gives a view; a matrix interleaved per head (GPT-NeoX
+``query_key_value``, MLA ``kv_b_proj``) gives a copy of just its own rows.
+
+Example::
+
+    >>> import torch
+    >>> fused = torch.nn.Parameter(torch.arange(12.0).reshape(6, 2))  # rows [q; k; v], 2 each
+    >>> k = Target.from_parameter("attn.c_attn.weight", fused, role="K", layer=1, num_layers=3,
+    ...                           rows=Rows(start=2, stop=4), fused=True)
+    >>> k.name, k.shape, k.depth
+    ('attn.c_attn.weight[K]', (2, 2), 0.5)
+    >>> k.matrix()
+    tensor([[4., 5.],
+            [6., 7.]])
+    >>> k.matrix().data_ptr() == fused.data_ptr() + 4 * fused.element_size()  # a view, no copy
+    True
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import torch
+
+from spectral_callbacks.names import relative_depth
+
+# Chart order of roles: the six canonical ones (names.ROLES) with each variant's extra roles placed
+# beside the canonical role they refine (docs/targets.md lists them all). Unknown roles sort last.
+ROLE_ORDER: tuple[str, ...] = (
+    "Q_down",
+    "Q_up",
+    "Q",
+    "Q_A",
+    "Q_B",
+    "KV_down",
+    "K_rope",
+    "K",
+    "K_A",
+    "K_B",
+    "KV",
+    "V",
+    "V_A",
+    "V_B",
+    "O",
+    "MLP_gate",
+    "MLP_up",
+    "MLP_down",
+)
+_ROLE_RE = re.compile(r"^[A-Za-z0-9_]+$")
+_GROUP_SUFFIX = re.compile(r"^(?P<base>.+)_g(?P<group>\d+)$")
+
+
+def role_sort_key(role: str) -> tuple[int, int, str]:
+    """Sort key putting roles in chart order; ``K_g1`` (latent group 1 of GLA) sorts with ``K``.
+
+    >>> sorted(["MLP_down", "V_g0", "K_g1", "Q", "K_g0", "zz"], key=role_sort_key)
+    ['Q', 'K_g0', 'K_g1', 'V_g0', 'MLP_down', 'zz']
+    """
+    base, group = role, 0
+    match = _GROUP_SUFFIX.match(role)
+    if match and match["base"] in ROLE_ORDER:
+        base, group = match["base"], int(match["group"])
+    position = ROLE_ORDER.index(base) if base in ROLE_ORDER else len(ROLE_ORDER)
+    return (position, group, role)
+
+
+def check_role(role: object, where: str) -> str:
+    """``role`` if it is a valid role name (it goes verbatim into logged tags), else a ValueError."""
+    if not isinstance(role, str) or not _ROLE_RE.match(role):
+        raise ValueError(
+            f"{where}: a role must be a non-empty string of letters, digits and '_' (it becomes "
+            f"part of the logged tag spectral_<metric>/L00/<role>), got {role!r}"
+        )
+    return role
+
+
+@dataclass(frozen=True)
+class Rows:
+    """Which rows of a stored parameter's ``(out, in)`` matrix form one target.
+
+    The output dimension is read as ``groups`` equal chunks (one per head for per-head layouts) and
+    the target takes rows ``start:stop`` of every chunk. ``transposed`` marks weights stored
+    ``(in, out)`` such as Hugging Face ``Conv1D`` (GPT-2).
+    """
+
+    start: int = 0
+    stop: int | None = None
+    groups: int = 1
+    transposed: bool = False
+
+    def take(self, weight: torch.Tensor) -> torch.Tensor:
+        """The selected ``(rows, in)`` matrix of ``weight``: a view unless ``groups > 1``."""
+        matrix = weight.t() if self.transposed else weight  # (out, in)
+        if self.groups == 1:
+            return (
+                matrix if (self.start, self.stop) == (0, None) else matrix[self.start : self.stop]
+            )
+        out, inp = matrix.shape
+        per_group = matrix.reshape(
+            self.groups, out // self.groups, inp
+        )  # (groups, chunk, in), a view
+        # Rows of one part are strided across the groups, so a 2-D result needs a copy of them.
+        return per_group[:, self.start : self.stop].reshape(-1, inp)
+
+
+@dataclass(frozen=True)
+class Target:
+    """One watched matrix: a (layer, role) of the model and where its values live.
+
+    Attributes:
+        name: unique name, the parameter name plus ``[role]`` when the parameter is fused,
+            e.g. ``transformer.h.0.attn.c_attn.weight[Q]``.
+        parameter_name: the name of the stored parameter in the model given to ``find_targets``.
+        layer: index of the block in its list of blocks (``transformer.h.3`` -> 3).
+        num_layers: length of that list.
+        role: ``Q``, ``K``, ``V``, ``O``, ``MLP_up``, ``MLP_down`` or a documented extra role;
+            used verbatim in logged tags.
+        shape: ``(out_features, in_features)`` of ``matrix()``.
+        parameter: the live parameter (not a copy); excluded from comparison and repr.
+        rows: which rows of the parameter form this matrix.
+    """
+
+    name: str
+    parameter_name: str
+    layer: int
+    num_layers: int
+    role: str
+    shape: tuple[int, int]
+    parameter: torch.Tensor = field(repr=False, compare=False)
+    rows: Rows = field(default_factory=Rows, repr=False)
+
+    @classmethod
+    def from_parameter(
+        cls,
+        parameter_name: str,
+        parameter: torch.Tensor,
+        *,
+        role: str,
+        layer: int = 0,
+        num_layers: int = 1,
+        rows: Rows | None = None,
+        fused: bool = False,
+    ) -> Target:
+        """A target on ``parameter``; ``fused=True`` appends ``[role]`` to the name."""
+        rows = rows or Rows()
+        check_role(role, f"target {parameter_name}")
+        with torch.no_grad():
+            shape = tuple(rows.take(parameter.detach()).shape)
+        name = f"{parameter_name}[{role}]" if fused else parameter_name
+        return cls(name, parameter_name, layer, num_layers, role, shape, parameter, rows)  # type: ignore[arg-type]
+
+    @property
+    def depth(self) -> float:
+        """Relative depth ``layer / (num_layers - 1)``, 0 for a one-layer model."""
+        return relative_depth(self.layer, self.num_layers)
+
+    def matrix(self) -> torch.Tensor:
+        """The current ``(out_features, in_features)`` values, detached from autograd.
+
+        A view of the parameter when its rows are contiguous (plain, transposed or contiguously
+        fused weights); a copy of only this matrix's rows when they are interleaved per head.
+        """
+        return self.rows.take(self.parameter.detach())
+
+
+@dataclass(frozen=True)
+class Skipped:
+    """A parameter that is not watched, and why (shown by ``format_targets``)."""
+
+    parameter_name: str
+    shape: tuple[int, ...]
+    reason: str
+
+
+class TargetList(list):  # type: ignore[type-arg]
+    """``list[Target]`` that also remembers the parameters that were not watched (``.skipped``).
+
+    ``low_dim`` counts parameters with fewer than 2 dimensions (biases, norm scales), which are
+    never targets and are only counted, not listed.
+    """
+
+    def __init__(
+        self, targets: Iterable[Target] = (), skipped: Iterable[Skipped] = (), low_dim: int = 0
+    ) -> None:
+        super().__init__(targets)
+        self.skipped: list[Skipped] = list(skipped)
+        self.low_dim = low_dim
+
+
+def _shape_text(shape: tuple[int, ...]) -> str:
+    return "(" + ", ".join(str(size) for size in shape) + ")"
+
+
+def _table(rows: list[tuple[str, ...]], right_align: tuple[int, ...] = ()) -> list[str]:
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    lines = []
+    for row in rows:
+        cells = [
+            cell.rjust(width) if i in right_align else cell.ljust(width)
+            for i, (cell, width) in enumerate(zip(row, widths, strict=True))
+        ]
+        lines.append("  ".join(cells).rstrip())
+    return lines
+
+
+def format_targets(targets: Iterable[Target]) -> str:
+    """A table of the watched matrices (layer, role, parameter, shape) and of what was not watched.
+
+    Args:
+        targets: what ``find_targets`` returned (a ``TargetList`` also lists its skipped
+            parameters; a plain list of targets prints only the targets).
+
+    Example::
+
+        >>> import torch
+        >>> w = torch.nn.Parameter(torch.zeros(4, 2))
+        >>> targets = TargetList(
+        ...     [Target.from_parameter("h.0.q.weight", w, role="Q", num_layers=2)],
+        ...     [Skipped("wte.weight", (10, 2), "embedding")], low_dim=3)
+        >>> print(format_targets(targets))
+        layer  role  parameter     shape
+            0  Q     h.0.q.weight  (4, 2)
+        1 target in 2 layers; roles: Q
+        not watched:
+          wte.weight  (10, 2)  embedding
+        and 3 parameters with fewer than 2 dims (biases, norms), never watched
+    """
+    targets = list(targets) if not isinstance(targets, TargetList) else targets
+    lines: list[str] = []
+    if targets:
+        rows = [("layer", "role", "parameter", "shape")]
+        rows += [(str(t.layer), t.role, t.name, _shape_text(t.shape)) for t in targets]
+        lines += _table(rows, right_align=(0,))
+        roles = sorted({t.role for t in targets}, key=role_sort_key)
+        num_layers = max(t.num_layers for t in targets)
+        plural = "" if len(targets) == 1 else "s"
+        lines.append(
+            f"{len(targets)} target{plural} in {num_layers} layers; roles: {' '.join(roles)}"
+        )
+    else:
+        lines.append("no targets")
+    skipped = getattr(targets, "skipped", [])
+    if skipped:
+        lines.append("not watched:")
+        rows = [(s.parameter_name, _shape_text(s.shape), s.reason) for s in skipped]
+        lines += ["  " + line for line in _table(rows)]
+    low_dim = getattr(targets, "low_dim", 0)
+    if low_dim:
+        lines.append(
+            f"and {low_dim} parameters with fewer than 2 dims (biases, norms), never watched"
+        )
+    return "\n".join(lines)
