@@ -32,6 +32,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 from matplotlib.figure import Figure
+from matplotlib.ticker import MaxNLocator
 
 from spectral_callbacks.names import ROLES
 
@@ -246,6 +247,7 @@ def compression_wave(rows: pd.DataFrame, role: str = "Q") -> Figure:
         fig.colorbar(mesh, ax=ax, label="compression (%)")
         ax.set_xlabel("optimizer step")
         ax.set_ylabel("layer")
+        ax.yaxis.set_major_locator(MaxNLocator(integer=True))
         ax.set_title(f"Compression wave of {role_glyph(role)} — {run}")
     return fig
 

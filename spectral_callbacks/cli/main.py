@@ -1,4 +1,9 @@
-"""Entry point of ``spectral-callbacks``: one sub-command per module of this package."""
+"""Entry point of ``spectral-callbacks``: one sub-command per module of this package.
+
+``export`` turns logged curves into tidy rows, ``plot`` draws the standard charts, ``analyze``
+writes the same scalars for a model at rest and ``targets`` prints a model's role map. Heavy
+imports (torch, transformers, matplotlib) happen inside the commands so ``--help`` is quick.
+"""
 
 from __future__ import annotations
 
@@ -6,25 +11,35 @@ import argparse
 import sys
 
 from spectral_callbacks import __version__
+from spectral_callbacks.cli import analyze, export, plot, targets
+from spectral_callbacks.cli.common import PROG, CommandError, say
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of ``spectral-callbacks`` with every sub-command."""
     parser = argparse.ArgumentParser(
-        prog="spectral-callbacks",
+        prog=PROG,
         description="Export, plot and analyze the spectra of transformer weight matrices.",
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
-    parser.add_subparsers(dest="command", metavar="COMMAND")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for module in (export, plot, analyze, targets):
+        module.add_parser(commands)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run one sub-command; the exit status (0 ok, 1 an error reported on stderr, 2 bad usage)."""
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command is None:
         parser.print_help()
         return 0
-    return int(args.func(args))
+    try:
+        return int(args.func(args))
+    except CommandError as error:
+        say(args.command, "error", str(error))
+        return 1
 
 
 if __name__ == "__main__":

@@ -1,0 +1,115 @@
+"""``spectral-callbacks analyze``: the spectral metrics of a saved or pretrained model.
+
+The metrics are written as the scalars a training run logs (at ``--step``, default 0), so
+``spectral-callbacks plot`` puts the model beside training runs; a layer x role table is printed.
+
+Example::
+
+    spectral-callbacks analyze ./gpt2 --logdir runs/gpt2
+    spectral-callbacks analyze last.ckpt --arch train_gpt:GPTModule --logdir runs/d8_final --step 10000
+    spectral-callbacks plot runs/d8 runs/gpt2 --kind alpha-depth -o alpha.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from spectral_callbacks.cli.common import CommandError, say
+
+MODEL_HELP = (
+    "a Hugging Face model directory (config.json + *.safetensors or pytorch_model.bin), a "
+    "Lightning checkpoint (.ckpt) or a state_dict file (.pt, .pth, .bin, .safetensors)"
+)
+ARCH_HELP = (
+    "architecture of a .ckpt or state_dict: hf:CONFIG_DIR (a Hugging Face config) or "
+    "module:Class (an import path; a LightningModule is rebuilt from the checkpoint's "
+    "hyper_parameters)"
+)
+
+
+def add_parser(commands: argparse._SubParsersAction) -> None:
+    parser = commands.add_parser(
+        "analyze",
+        help="compute the spectral metrics of a saved or pretrained model into event files",
+        description="Compute the spectral metrics of every Q/K/V/O/MLP matrix of a model at rest "
+        "and write them as the scalars a training run logs, so plot can compare it with runs.",
+        epilog="examples:\n  spectral-callbacks analyze ./gpt2 --logdir runs/gpt2\n"
+        "  spectral-callbacks analyze last.ckpt --arch train_gpt:GPTModule --logdir runs/final\n"
+        "  spectral-callbacks analyze weights.pt --arch hf:./gpt2_config --logdir runs/w --step 500",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("model", metavar="MODEL", help=MODEL_HELP)
+    parser.add_argument(
+        "--logdir", required=True, metavar="DIR", help="where to write the event file"
+    )
+    parser.add_argument(
+        "--step",
+        type=int,
+        default=0,
+        metavar="N",
+        help="the step the scalars are logged at (default 0)",
+    )
+    parser.add_argument("--arch", metavar="HINT", help=ARCH_HELP)
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from spectral_callbacks.analysis import ModelLoadError, analyze_model, load_model, write_scalars
+    from spectral_callbacks.targets import TargetError
+
+    if args.step < 0:
+        raise CommandError(f"--step must be a non-negative int, got {args.step}")
+    try:
+        model = load_model(args.model, args.arch)
+        with _progress_bar() as advance:
+            rows, num_layers = analyze_model(model, progress=advance)
+    except (ModelLoadError, TargetError) as error:
+        raise CommandError(" ".join(str(error).split())) from None
+    write_scalars(rows, num_layers, args.logdir, step=args.step)
+    print_table(rows, title=f"{args.model}: stable rank / α by layer and role (step {args.step})")
+    say("analyze", "done", f"{len(rows)} matrices of {num_layers} layers written to {args.logdir}")
+    return 0
+
+
+class _progress_bar:
+    """A rich progress bar over matrices on a terminal's stderr; a no-op elsewhere."""
+
+    def __enter__(self):  # -> Callable[[int], None]
+        self._progress = None
+        if not sys.stderr.isatty():
+            return lambda done: None
+        from rich.console import Console
+        from rich.progress import Progress
+
+        self._progress = Progress(console=Console(stderr=True), transient=True)
+        self._progress.start()
+        task = self._progress.add_task("analyzing matrices", total=None)
+        return lambda done: self._progress.advance(task, done)
+
+    def __exit__(self, *exc: object) -> None:
+        if self._progress is not None:
+            self._progress.stop()
+
+
+def print_table(rows, title: str) -> None:  # rows: pd.DataFrame from analyze_model
+    """A layer x role table of ``stable rank / α`` on stdout."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from spectral_callbacks.charts import role_glyph
+    from spectral_callbacks.targets.target import role_sort_key
+
+    roles = sorted(rows["role"].unique(), key=role_sort_key)
+    table = Table(title=title)
+    table.add_column("layer", justify="right")
+    for role in roles:
+        table.add_column(role_glyph(role), justify="right")
+    cells = {(r.layer, r.role): r for r in rows.itertuples(index=False)}
+    for layer in sorted(rows["layer"].unique()):
+        row = [str(layer)]
+        for role in roles:
+            cell = cells.get((layer, role))
+            row.append("" if cell is None else f"{cell.stable_rank:.1f} / {cell.alpha:.2f}")
+        table.add_row(*row)
+    Console(width=max(100, 14 * (len(roles) + 1))).print(table)

@@ -1,0 +1,82 @@
+"""What the sub-commands share: one-line errors, reading runs with their problems, step ranges."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from spectral_callbacks.events import ReadResult, read_runs
+
+PROG = "spectral-callbacks"
+
+
+class CommandError(Exception):
+    """A user error a sub-command reports as one line on stderr, exiting with status 1."""
+
+
+def say(command: str, kind: str, message: str) -> None:
+    """Print one ``spectral-callbacks <command>: <kind>: <message>`` line on stderr."""
+    print(f"{PROG} {command}: {kind}: {message}", file=sys.stderr)
+
+
+def read(command: str, logdirs: list[str], *, all_scalars: bool) -> ReadResult:
+    """Read runs for ``command``, printing notes; problems are left to the caller to report."""
+    result = read_runs(logdirs, all_scalars=all_scalars, progress=sys.stderr.isatty())
+    for note in result.notes:
+        say(command, "note", note)
+    return result
+
+
+def report_problems(command: str, result: ReadResult, outcome: str) -> int:
+    """One error line per problem, the last one saying what was still done; the exit status."""
+    for index, problem in enumerate(result.problems):
+        last = index == len(result.problems) - 1
+        say(command, "error", f"{problem}{' — ' + outcome if last else ''}")
+    return 1 if result.problems else 0
+
+
+def step_range(text: str) -> tuple[int | None, int | None]:
+    """Parse ``A:B`` (inclusive, either end may be empty) for ``--steps``.
+
+    >>> step_range("100:"), step_range(":50"), step_range("10:20")
+    ((100, None), (None, 50), (10, 20))
+    """
+    first, sep, last = text.partition(":")
+    try:
+        if not sep:
+            raise ValueError
+        bounds = (int(first) if first else None, int(last) if last else None)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"must be FIRST:LAST with integer steps, either end may be empty (e.g. 0:1000), got {text!r}"
+        ) from None
+    if None not in bounds and bounds[0] > bounds[1]:  # type: ignore[operator]
+        raise argparse.ArgumentTypeError(f"FIRST must not exceed LAST, got {text!r}")
+    return bounds
+
+
+def layer_choice(text: str) -> int | None:
+    """A layer index for ``--layer``, or ``mean`` for the mean over layers (None).
+
+    >>> layer_choice("3"), layer_choice("mean")
+    (3, None)
+    """
+    if text == "mean":
+        return None
+    try:
+        layer = int(text)
+    except ValueError:
+        layer = -1
+    if layer < 0:
+        raise argparse.ArgumentTypeError(f"must be a layer index >= 0 or 'mean', got {text!r}")
+    return layer
+
+
+def add_logdirs(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "logdir",
+        nargs="+",
+        metavar="LOGDIR",
+        help="a run directory (holding events.out.tfevents.* files), a parent of several runs, "
+        "or an event file; the run name is the path relative to it",
+    )

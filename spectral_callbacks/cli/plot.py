@@ -1,0 +1,141 @@
+"""``spectral-callbacks plot``: the standard charts of one or more runs, written to a file.
+
+Example::
+
+    spectral-callbacks plot runs/d8 runs/d12 runs/gpt2 --kind alpha-depth --role Q -o alpha.png
+    spectral-callbacks plot runs --kind metric-diff --metric train/loss --baseline mha --x tokens -o diff.pdf
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import pandas as pd
+
+from spectral_callbacks.cli.common import (
+    CommandError,
+    add_logdirs,
+    layer_choice,
+    read,
+    report_problems,
+    say,
+    step_range,
+)
+from spectral_callbacks.events import filter_rows
+
+KINDS = {
+    "alpha-depth": "alpha of --role (default Q) vs relative depth i/(L-1), one line per run",
+    "rank-steps": "--metric (default stable_rank) of --layer (default 0) vs step, one line per role",
+    "compression": "final compression %% by layer, grouped bars per role, a panel per run",
+    "compression-wave": "heatmap layer x step of --role's (default Q) compression, a panel per run",
+    "metric-diff": "--metric of each run minus the --baseline run, vs step or --x",
+}
+
+
+def add_parser(commands: argparse._SubParsersAction) -> None:
+    parser = commands.add_parser(
+        "plot",
+        help="draw the standard charts (alpha-depth, rank-steps, compression, ...)",
+        description="Draw one of the standard charts of spectral training dynamics from the "
+        "event files of one or more runs.\n\nkinds:\n"
+        + "\n".join(f"  {kind:17} {text}" for kind, text in KINDS.items()),
+        epilog="examples:\n  spectral-callbacks plot runs/d8 runs/gpt2 --kind alpha-depth -o alpha.png\n"
+        "  spectral-callbacks plot runs/d8 --kind rank-steps --layer 0 -o rank.svg\n"
+        "  spectral-callbacks plot runs --kind metric-diff --metric train/loss --baseline mha "
+        "--x tokens -o diff.pdf",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_logdirs(parser)
+    parser.add_argument("--kind", required=True, choices=list(KINDS), help="which chart")
+    parser.add_argument(
+        "-o", "--output", required=True, metavar="FILE", help="FILE.png, .svg or .pdf"
+    )
+    parser.add_argument(
+        "--role", metavar="ROLE", help="role of alpha-depth / compression-wave (default Q)"
+    )
+    parser.add_argument(
+        "--layer",
+        type=layer_choice,
+        metavar="N",
+        help="layer of rank-steps (default 0), of metric-diff",
+    )
+    parser.add_argument(
+        "--metric",
+        metavar="NAME",
+        help="metric of rank-steps (default stable_rank); the scalar of metric-diff, a tag such "
+        "as train/loss or a spectral metric with --layer and --role",
+    )
+    parser.add_argument(
+        "--baseline", metavar="RUN", help="metric-diff: the run subtracted from the others"
+    )
+    parser.add_argument(
+        "--x",
+        default="step",
+        metavar="SCALAR",
+        help="metric-diff: x axis, 'step' (default) or the tag of another scalar such as tokens "
+        "seen; runs are aligned by interpolation",
+    )
+    parser.add_argument("--steps", type=step_range, metavar="FIRST:LAST", help="only these steps")
+    parser.set_defaults(func=run)
+
+
+def draw(rows: pd.DataFrame, args: argparse.Namespace):  # -> Figure (matplotlib imported lazily)
+    """The figure of ``args.kind`` from ``rows``; chart errors become CommandErrors."""
+    from spectral_callbacks import charts
+
+    try:
+        if args.kind == "alpha-depth":
+            return charts.alpha_vs_depth(rows, role=args.role or "Q")
+        if args.kind == "rank-steps":
+            return charts.rank_vs_steps(
+                rows,
+                layer=0 if args.layer is None else args.layer,
+                metric=args.metric or "stable_rank",
+            )
+        if args.kind == "compression":
+            return charts.compression_by_layer(rows)
+        if args.kind == "compression-wave":
+            return charts.compression_wave(rows, role=args.role or "Q")
+        if args.metric is None or args.baseline is None:
+            tags = sorted(rows.loc[rows["role"].isna(), "metric"].unique())
+            raise CommandError(
+                "--kind metric-diff needs --metric (one of the runs' scalars: "
+                f"{', '.join(tags) or 'none'}) and --baseline RUN (one of: "
+                f"{', '.join(rows['run'].unique())})"
+            )
+        return charts.metric_diff(
+            rows, args.metric, args.baseline, x=args.x, layer=args.layer, role=args.role
+        )
+    except ValueError as error:
+        raise CommandError(f"--kind {args.kind}: {error}") from None
+
+
+def run(args: argparse.Namespace) -> int:
+    from spectral_callbacks.charts import FIGURE_FORMATS, save_figure
+
+    if not args.output.lower().endswith(FIGURE_FORMATS):
+        raise CommandError(
+            f"-o {args.output}: the chart format comes from the extension; use one of "
+            f"{', '.join(FIGURE_FORMATS)}"
+        )
+    result = read("plot", args.logdir, all_scalars=args.kind == "metric-diff")
+    rows = filter_rows(result.rows, steps=args.steps)
+    if rows.empty:
+        if result.problems:
+            return report_problems("plot", result, "nothing to plot")
+        raise CommandError(f"no rows in {', '.join(args.logdir)} between steps {args.steps}")
+    try:
+        figure = draw(rows, args)
+    except CommandError as error:
+        if not result.problems:
+            raise
+        say("plot", "error", str(error))
+        return report_problems("plot", result, "nothing was plotted")
+    save_figure(figure, args.output)
+    if result.problems:
+        runs = ", ".join(rows["run"].unique())
+        return report_problems(
+            "plot", result, f"plotted the runs that could be read ({runs}) to {args.output}"
+        )
+    say("plot", "done", f"{args.kind} of {rows['run'].nunique()} runs to {args.output}")
+    return 0
