@@ -1,0 +1,336 @@
+"""The spectral metrics of DESIGN.md section 2 as pure functions of a top-k spectrum.
+
+Every function takes ``S``, the ``(..., k)`` singular values in descending order (as returned by
+``randomized_svd``), and works batched: a leading batch shape carries through to the result. The
+rules for undefined values are the same everywhere: a metric that is undefined (a zero matrix, a
+spectrum with NaN, too few nonzero values to fit a line, an energy fraction not reached within the
+top-k) is NaN, never a made-up number. Singular values of exactly 0 (below the rank tolerance, see
+``randomized_svd``) take no part in the log-log fits.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from spectral_callbacks.functional.svd import DEFAULT_K, randomized_svd
+
+__all__ = [
+    "ESD_MIN_TAIL",
+    "MIN_FIT_POINTS",
+    "compression",
+    "energy_rank",
+    "energy_rank_key",
+    "esd_alpha",
+    "metrics_from_spectrum",
+    "powerlaw_alpha",
+    "spectral_metrics",
+    "stable_rank",
+]
+
+# A line through two points always has R^2 = 1; three is the least that can show a poor fit.
+MIN_FIT_POINTS = 3
+# The smallest eigenvalue tail the ESD fit may choose; shorter tails give a spuriously small KS
+# distance and a meaningless exponent.
+ESD_MIN_TAIL = 5
+
+
+def stable_rank(S: Tensor, frobenius_sq: Tensor) -> Tensor:
+    r"""Stable rank: squared Frobenius norm over squared spectral norm.
+
+    .. math:: \mathrm{sr}(W) = \frac{\lVert W \rVert_F^2}{\sigma_1^2}
+
+    Args:
+        S: ``(..., k)`` singular values, descending (only ``S[..., 0]`` is used).
+        frobenius_sq: ``(...)`` exact :math:`\lVert W \rVert_F^2`, computed from W itself.
+
+    Returns:
+        ``(...)`` stable rank; NaN for a zero matrix.
+
+    Example::
+
+        >>> stable_rank(torch.tensor([2.0, 2.0, 2.0]), torch.tensor(12.0))
+        tensor(3.)
+        >>> stable_rank(torch.zeros(3), torch.tensor(0.0))
+        tensor(nan)
+    """
+    sigma_1 = S[..., 0]
+    ratio = frobenius_sq / sigma_1.square()
+    return torch.where(sigma_1 > 0, ratio, torch.full_like(ratio, float("nan")))
+
+
+def powerlaw_alpha(S: Tensor, fit_window: tuple[int, int] | None = None) -> tuple[Tensor, Tensor]:
+    r"""Rank-decay exponent :math:`\alpha` of :math:`\sigma_i \approx C\, i^{-\alpha}`, with the R² of the fit.
+
+    Least squares of :math:`y_i = \log \sigma_i` on :math:`x_i = \log i` over the ranks of the
+    window:
+
+    .. math::
+
+        \alpha = -\frac{\operatorname{cov}(x, y)}{\operatorname{var}(x)}, \qquad
+        R^2 = \frac{\operatorname{cov}(x, y)^2}{\operatorname{var}(x)\,\operatorname{var}(y)}
+
+    The window is given in ranks, so the result does not depend on which SVD method computed the
+    spectrum. Ranks with :math:`\sigma_i = 0` are left out; with fewer than 3 points left both
+    results are NaN. A perfectly flat window (``var(y) = 0``) is fit exactly: R² = 1.
+
+    Args:
+        S: ``(..., k)`` singular values, descending.
+        fit_window: 1-based inclusive ranks ``(first, last)``; default ``None`` = all of ranks
+            ``1..k``. ``last`` is clamped to ``k``.
+
+    Returns:
+        ``(alpha, r2)``, each of shape ``(...)``.
+
+    Raises:
+        ValueError: ``fit_window`` is not two ints with ``1 <= first <= last``.
+
+    Example::
+
+        >>> alpha, r2 = powerlaw_alpha(torch.tensor([1.0, 1 / 4, 1 / 9, 1 / 16]))  # i^(-2)
+        >>> alpha, r2
+        (tensor(2.), tensor(1.))
+    """
+    first, last = _window(fit_window, S.shape[-1])
+    S = S[..., first - 1 : last].to(torch.float64)
+    ranks = torch.arange(first, first + S.shape[-1], dtype=torch.float64, device=S.device)
+    x = ranks.log().expand_as(S)
+    valid = S > 0  # NaN compares False, so a NaN spectrum has no valid point
+    weight = valid.to(torch.float64)
+    count = weight.sum(-1)
+    y = torch.where(valid, S.clamp_min(torch.finfo(torch.float64).tiny).log(), 0.0)
+    x_mean = (weight * x).sum(-1) / count.clamp_min(1)
+    y_mean = (weight * y).sum(-1) / count.clamp_min(1)
+    dx = (x - x_mean[..., None]) * weight
+    dy = (y - y_mean[..., None]) * weight
+    cov = (dx * dy).sum(-1)
+    var_x = dx.square().sum(-1)
+    var_y = dy.square().sum(-1)
+    alpha = -cov / var_x
+    r2 = torch.where(var_y > 0, cov.square() / (var_x * var_y), 1.0)
+    enough = count >= MIN_FIT_POINTS
+    nan = torch.full_like(alpha, float("nan"))
+    return torch.where(enough, alpha, nan).float(), torch.where(enough, r2, nan).float()
+
+
+def compression(stable_rank: Tensor, reference: Tensor | float) -> Tensor:
+    r"""Percent of stable rank lost since a reference snapshot (normally the initialization).
+
+    .. math:: \mathrm{compression} = 100 \left(1 - \frac{\mathrm{sr}_t}{\mathrm{sr}_{\mathrm{ref}}}\right)
+
+    Args:
+        stable_rank: ``(...)`` stable rank now.
+        reference: stable rank of the same matrix at the first snapshot (tensor or float).
+
+    Returns:
+        ``(...)`` percent; NaN where the reference is not positive or either input is NaN.
+
+    Example::
+
+        >>> compression(torch.tensor([20.0, 200.0]), torch.tensor(200.0))
+        tensor([90.,  0.])
+    """
+    reference = torch.as_tensor(reference, dtype=stable_rank.dtype, device=stable_rank.device)
+    percent = 100.0 * (1.0 - stable_rank / reference)
+    return torch.where(reference > 0, percent, torch.full_like(percent, float("nan")))
+
+
+def energy_rank(S: Tensor, frobenius_sq: Tensor, energy: float = 0.9) -> Tensor:
+    r"""Smallest rank holding a fraction of the squared Frobenius norm.
+
+    .. math:: r = \min \Big\{ r : \sum_{i \le r} \sigma_i^2 \ge \mathrm{energy} \cdot \lVert W \rVert_F^2 \Big\}
+
+    Args:
+        S: ``(..., k)`` singular values, descending (the top-k of W).
+        frobenius_sq: ``(...)`` exact :math:`\lVert W \rVert_F^2`.
+        energy: fraction in ``(0, 1]`` (default 0.9).
+
+    Returns:
+        ``(...)`` float rank; NaN when the fraction is not reached within the top-k (the answer is
+        then > k, not known), for a zero matrix, or for a NaN spectrum.
+
+    Raises:
+        ValueError: ``energy`` is not in ``(0, 1]``.
+
+    Example::
+
+        >>> energy_rank(torch.tensor([3.0, 1.0]), torch.tensor(10.0))  # 9 / 10 of the energy at rank 1
+        tensor(1.)
+        >>> energy_rank(torch.tensor([1.0, 1.0]), torch.tensor(10.0))  # not within the top 2
+        tensor(nan)
+    """
+    _check_energy(energy)
+    # Squares summed in float64 so the threshold comparison is not decided by float32 rounding.
+    cumulative = S.to(torch.float64).square().cumsum(-1)  # (..., k)
+    target = energy * frobenius_sq.to(torch.float64)
+    reached = cumulative >= target[..., None] * (1 - 1e-12)
+    rank = reached.to(torch.int64).argmax(-1).to(torch.float32) + 1
+    defined = reached.any(-1) & (frobenius_sq > 0)
+    return torch.where(defined, rank, torch.full_like(rank, float("nan")))
+
+
+def esd_alpha(S: Tensor, min_tail: int = ESD_MIN_TAIL) -> Tensor:
+    r"""WeightWatcher-style power-law exponent of the eigenvalue tail, :math:`\lambda_i = \sigma_i^2`.
+
+    For each candidate :math:`x_{\min}` among the top-k eigenvalues, the Clauset-Shalizi-Newman
+    (2009) maximum-likelihood exponent of the tail :math:`\lambda \ge x_{\min}` (``t`` values) is
+
+    .. math:: \hat\alpha = 1 + t \Big/ \sum_{\lambda_i \ge x_{\min}} \log(\lambda_i / x_{\min}),
+
+    and the chosen :math:`x_{\min}` minimizes the Kolmogorov-Smirnov distance between the tail's
+    empirical CDF and :math:`1 - (\lambda / x_{\min})^{1 - \hat\alpha}`. Only the computed top-k
+    is seen, so the result is meaningful when the heavy tail lies inside it.
+
+    Args:
+        S: ``(..., k)`` singular values, descending.
+        min_tail: fewest eigenvalues a tail may have (default 5).
+
+    Returns:
+        ``(...)`` exponent; NaN when fewer than ``min_tail`` eigenvalues are positive or every
+        candidate tail is flat.
+
+    Example::
+
+        >>> esd_alpha(torch.ones(8))  # a flat spectrum has no tail
+        tensor(nan)
+    """
+    lam = S.to(torch.float64).square().flip(-1)  # (..., k) ascending
+    k = lam.shape[-1]
+    xmin = lam[..., :, None]  # (..., k candidates, 1)
+    idx = torch.arange(k, device=S.device)
+    in_tail = idx[None, :] >= idx[:, None]  # (k candidates, k values): value j in tail of i
+    tail_size = (k - idx).to(torch.float64)  # (k,)
+    ratio = torch.where(in_tail & (xmin > 0), lam[..., None, :] / xmin.clamp_min(1e-300), 1.0)
+    log_sum = ratio.log().sum(-1)  # (..., k)
+    alpha = 1 + tail_size / log_sum
+    # KS distance at the tail's data points, both sides of each step of the empirical CDF.
+    position = (idx[None, :] - idx[:, None]).to(torch.float64)  # rank of value j inside tail i
+    fitted = 1 - ratio.pow(1 - alpha[..., None])  # (..., k, k)
+    upper = (position + 1) / tail_size[:, None]
+    lower = position / tail_size[:, None]
+    gap = torch.maximum((fitted - upper).abs(), (fitted - lower).abs())
+    ks = torch.where(in_tail, gap, 0.0).amax(-1)  # (..., k)
+    usable = (xmin[..., 0] > 0) & (tail_size >= min_tail) & (log_sum > 0) & torch.isfinite(ks)
+    ks = torch.where(usable, ks, float("inf"))
+    best = ks.argmin(-1, keepdim=True)
+    chosen = alpha.gather(-1, best)[..., 0]
+    found = usable.any(-1)
+    return torch.where(found, chosen, float("nan")).float()
+
+
+def energy_rank_key(energy: float) -> str:
+    """Metric name of an energy fraction: 0.9 -> ``energy_rank_90``, 0.999 -> ``energy_rank_99_9``.
+
+    >>> energy_rank_key(0.9), energy_rank_key(0.5), energy_rank_key(0.999)
+    ('energy_rank_90', 'energy_rank_50', 'energy_rank_99_9')
+    """
+    _check_energy(energy)
+    percent = round(energy * 100, 6)
+    text = str(int(percent)) if percent == int(percent) else f"{percent:g}".replace(".", "_")
+    return f"energy_rank_{text}"
+
+
+def metrics_from_spectrum(
+    S: Tensor,
+    frobenius_sq: Tensor,
+    *,
+    fit_window: tuple[int, int] | None = None,
+    energy: float = 0.9,
+    esd: bool = False,
+) -> dict[str, Tensor]:
+    r"""Every metric of DESIGN.md section 2 (except ``compression``) from a top-k spectrum.
+
+    Args:
+        S: ``(..., k)`` singular values, descending.
+        frobenius_sq: ``(...)`` exact :math:`\lVert W \rVert_F^2`.
+        fit_window: ranks of the power-law fit (default ``None`` = ``1..k``, see ``powerlaw_alpha``).
+        energy: energy fraction of ``energy_rank`` (default 0.9 -> key ``energy_rank_90``).
+        esd: also compute ``esd_alpha`` (default False).
+
+    Returns:
+        ``{"stable_rank", "alpha", "alpha_r2", "spectral_norm", "frobenius_norm",
+        "energy_rank_90", ["esd_alpha"]}``, each float32 of shape ``(...)``.
+
+    Example::
+
+        >>> S = torch.tensor([4.0, 2.0, 1.0])  # 2^(-(i-1)): not a power law in i
+        >>> out = metrics_from_spectrum(S, torch.tensor(21.0))
+        >>> out["stable_rank"], out["spectral_norm"], out["frobenius_norm"], out["energy_rank_90"]
+        (tensor(1.3125), tensor(4.), tensor(4.5826), tensor(2.))
+    """
+    S = S.float() if S.dtype != torch.float64 else S
+    frobenius_sq = torch.as_tensor(frobenius_sq, device=S.device)
+    alpha, r2 = powerlaw_alpha(S, fit_window)
+    out = {
+        "stable_rank": stable_rank(S, frobenius_sq).float(),
+        "alpha": alpha,
+        "alpha_r2": r2,
+        "spectral_norm": S[..., 0].float(),
+        "frobenius_norm": frobenius_sq.sqrt().float(),
+        energy_rank_key(energy): energy_rank(S, frobenius_sq, energy),
+    }
+    if esd:
+        out["esd_alpha"] = esd_alpha(S)
+    return out
+
+
+def spectral_metrics(
+    W: Tensor,
+    *,
+    k: int = DEFAULT_K,
+    fit_window: tuple[int, int] | None = None,
+    energy: float = 0.9,
+    esd: bool = False,
+    **svd_options: object,
+) -> dict[str, Tensor]:
+    r"""All metrics of ``W``: top-k SVD, exact :math:`\lVert W \rVert_F^2`, ``metrics_from_spectrum``.
+
+    Args:
+        W: ``(m, n)`` or ``(B, m, n)`` float matrix (any float dtype; computed in float32 or better).
+        k: ranks computed (default 32); also the default fit window ``1..k``.
+        fit_window, energy, esd: as in ``metrics_from_spectrum``.
+        **svd_options: passed to ``randomized_svd`` (``n_oversamples``, ``n_iter``, ``generator``,
+            ``init``, ``method``).
+
+    Returns:
+        Metric name -> float32 tensor, scalar for ``(m, n)``, ``(B,)`` for ``(B, m, n)``. A matrix
+        with a NaN/Inf entry gets NaN for every metric; a zero matrix gets 0 norms and NaN for the
+        rest.
+
+    Raises:
+        TypeError, ValueError: as ``randomized_svd``, for bad ``W`` or options.
+
+    Example::
+
+        >>> W = torch.diag(torch.tensor([2.0, 2.0, 1.0, 1.0]))
+        >>> out = spectral_metrics(W)
+        >>> out["stable_rank"], out["frobenius_norm"], out["energy_rank_90"]
+        (tensor(2.5000), tensor(3.1623), tensor(3.))
+    """
+    top = randomized_svd(W, k, **svd_options)  # type: ignore[arg-type]
+    # Exact, from W itself (float64 accumulation): the truncated spectrum would miss the tail.
+    frobenius_sq = torch.linalg.vector_norm(W, dim=(-2, -1), dtype=torch.float64).square()
+    frobenius_sq = torch.where(torch.isfinite(frobenius_sq), frobenius_sq, float("nan"))
+    return metrics_from_spectrum(top.S, frobenius_sq, fit_window=fit_window, energy=energy, esd=esd)
+
+
+def _window(fit_window: tuple[int, int] | None, k: int) -> tuple[int, int]:
+    if fit_window is None:
+        return 1, k
+    ok = isinstance(fit_window, tuple | list) and len(fit_window) == 2
+    ok = ok and all(isinstance(r, int) and not isinstance(r, bool) for r in fit_window)
+    if not ok or not 1 <= fit_window[0] <= fit_window[1]:
+        raise ValueError(
+            f"`fit_window` must be None or 1-based ranks (first, last) with 1 <= first <= last, "
+            f"got {fit_window!r}"
+        )
+    return fit_window[0], min(fit_window[1], k)
+
+
+def _check_energy(energy: float) -> None:
+    if isinstance(energy, bool) or not isinstance(energy, int | float) or not 0 < energy <= 1:
+        raise ValueError(f"`energy` must be a fraction in (0, 1], got {energy!r}")
+    if math.isnan(energy):
+        raise ValueError(f"`energy` must be a fraction in (0, 1], got {energy!r}")
