@@ -343,7 +343,7 @@ def find_targets(
         )
 
     targets = _number_layers(candidates)
-    lists_with_targets = {c.block[0] for c in candidates if c.parts and c.block}
+    blocks_with_targets = {c.block for c in candidates if c.parts and c.block}
     kept: list[Target] = []
     for candidate in candidates:
         shape = tuple(candidate.parameter.shape)
@@ -361,7 +361,7 @@ def find_targets(
                     candidate.parameter,
                     (modules[candidate.name.rpartition(".")[0]],),
                 )
-                inside = candidate.block is not None and candidate.block[0] in lists_with_targets
+                inside = candidate.block in blocks_with_targets
                 skip = _reason_not_matched(ctx, inside)
             skipped.append(Skipped(candidate.name, shape, skip.reason))
             if skip.warn:
