@@ -1,0 +1,126 @@
+"""TensorBoard extras: the custom-scalars layout (multi-line charts) and figures from the charts module.
+
+The layout has, for each logged metric, one chart per layer with every role (like "stable rank by
+matrix type") and one chart per role with every layer; TensorBoard shows them in its Custom Scalars
+tab. Figures are drawn with ``spectral_callbacks.charts`` (object-oriented matplotlib on the Agg
+canvas, no pyplot state) and written with ``add_figure``, which closes them.
+
+Example::
+
+    >>> from types import SimpleNamespace
+    >>> targets = [SimpleNamespace(layer=layer, num_layers=2, role=role)
+    ...            for layer in (0, 1) for role in ("Q", "K")]
+    >>> layout = custom_scalars_layout(targets, metrics=("stable_rank",))
+    >>> layout["spectral stable_rank by layer"]["L01"]
+    ['Multiline', ['spectral_stable_rank/L01/Q', 'spectral_stable_rank/L01/K']]
+    >>> layout["spectral stable_rank by role"]["K"]
+    ['Multiline', ['spectral_stable_rank/L00/K', 'spectral_stable_rank/L01/K', 'spectral_stable_rank/mean/K']]
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import pandas as pd
+
+from spectral_callbacks.names import layer_label, scalar_tag
+
+FIGURE_SECTION = "spectral_figures"
+
+
+def custom_scalars_layout(
+    targets: Sequence[Any], metrics: Sequence[str]
+) -> dict[str, dict[str, list]]:
+    """The ``add_custom_scalars`` layout: per metric, a chart per layer and a chart per role."""
+    num_layers = max((target.num_layers for target in targets), default=1)
+    layers = sorted({target.layer for target in targets})
+    roles = list(dict.fromkeys(target.role for target in targets))
+    present = {(target.layer, target.role) for target in targets}
+    layout: dict[str, dict[str, list]] = {}
+    for metric in metrics:
+        by_layer = {
+            layer_label(layer, num_layers): [
+                "Multiline",
+                [
+                    scalar_tag(metric, layer, role, num_layers)
+                    for role in roles
+                    if (layer, role) in present
+                ],
+            ]
+            for layer in layers
+        }
+        by_role = {
+            role: [
+                "Multiline",
+                [
+                    scalar_tag(metric, layer, role, num_layers)
+                    for layer in layers
+                    if (layer, role) in present
+                ]
+                + [scalar_tag(metric, None, role)],
+            ]
+            for role in roles
+        }
+        layout[f"spectral {metric} by layer"] = by_layer
+        layout[f"spectral {metric} by role"] = by_role
+    return layout
+
+
+def draw_figures(rows: pd.DataFrame) -> dict[str, Any]:
+    """Figures for the rows seen so far: tag -> ``matplotlib.figure.Figure``.
+
+    α vs relative depth per role, stable rank of the first layer vs steps, final compression by
+    layer x role, and the compression heatmap (layer x step) per role. A chart whose metric is not
+    in ``rows`` is left out.
+    """
+    from spectral_callbacks import charts
+
+    figures: dict[str, Any] = {}
+    metrics = set(rows["metric"]) if len(rows) else set()
+    roles = list(dict.fromkeys(rows["role"])) if len(rows) else []
+    if "alpha" in metrics:
+        for role in roles:
+            figures[f"{FIGURE_SECTION}/alpha_vs_depth/{role}"] = charts.alpha_vs_depth(
+                rows, role=role
+            )
+    if "stable_rank" in metrics:
+        first_layer = int(rows["layer"].min())
+        figures[f"{FIGURE_SECTION}/stable_rank_vs_steps/L{first_layer:02d}"] = charts.rank_vs_steps(
+            rows, layer=first_layer, metric="stable_rank"
+        )
+    if "compression" in metrics:
+        figures[f"{FIGURE_SECTION}/compression_by_layer"] = charts.compression_by_layer(rows)
+        for role in roles:
+            figures[f"{FIGURE_SECTION}/compression_wave/{role}"] = charts.compression_wave(
+                rows, role=role
+            )
+    return figures
+
+
+def tensorboard_experiments(loggers: Sequence[Any]) -> list[Any]:
+    """The ``SummaryWriter`` of every TensorBoard logger among ``loggers``."""
+    from lightning.pytorch.loggers import TensorBoardLogger
+
+    return [logger.experiment for logger in loggers if isinstance(logger, TensorBoardLogger)]
+
+
+def add_layout(experiments: Sequence[Any], layout: dict[str, dict[str, list]]) -> None:
+    """Write the custom-scalars layout to every TensorBoard writer."""
+    for experiment in experiments:
+        experiment.add_custom_scalars(layout)
+
+
+def add_figures(experiments: Sequence[Any], figures: dict[str, Any], step: int) -> None:
+    """Write each figure to every TensorBoard writer at ``step`` and close it."""
+    for tag, figure in figures.items():
+        for experiment in experiments:
+            experiment.add_figure(tag, figure, global_step=step, close=False)
+        figure.clear()
+        del figure  # OO-API figures are not tracked by pyplot: dropping the reference frees them
+
+
+def flush(experiments: Sequence[Any]) -> None:
+    """Flush every writer so a running TensorBoard shows the new points within seconds."""
+    for experiment in experiments:
+        experiment.flush()

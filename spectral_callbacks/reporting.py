@@ -1,0 +1,149 @@
+"""Turn snapshot results into logged scalars: per (layer, role), means per role, the callback's health.
+
+Everything runs on the main thread. Tags come from ``spectral_callbacks.names`` (never spelled by
+hand), the step is the optimizer step *of the snapshot*, not of the moment it is logged, and every
+logger in ``trainer.loggers`` gets the same dictionary. A bounded history of recent snapshots is kept
+as tidy rows for the figures.
+
+Example::
+
+    >>> from types import SimpleNamespace
+    >>> targets = [SimpleNamespace(name="h.0.q", layer=0, num_layers=2, role="Q", depth=0.0),
+    ...            SimpleNamespace(name="h.1.q", layer=1, num_layers=2, role="Q", depth=1.0)]
+    >>> reporter = Reporter(targets, metrics=("stable_rank", "compression"))
+    >>> first = reporter.scalars(0, {"h.0.q": {"stable_rank": 20.0}, "h.1.q": {"stable_rank": 10.0}})
+    >>> later = reporter.scalars(25, {"h.0.q": {"stable_rank": 5.0}, "h.1.q": {"stable_rank": 10.0}})
+    >>> {tag: later[tag] for tag in sorted(later)}  # doctest: +NORMALIZE_WHITESPACE
+    {'spectral_compression/L00/Q': 75.0, 'spectral_compression/L01/Q': 0.0,
+     'spectral_compression/mean/Q': 37.5, 'spectral_stable_rank/L00/Q': 5.0,
+     'spectral_stable_rank/L01/Q': 10.0, 'spectral_stable_rank/mean/Q': 7.5}
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import pandas as pd
+
+from spectral_callbacks.names import NUM_LAYERS_TAG, monitor_tag, scalar_tag
+
+#: Metrics the SVD path produces, plus ``compression`` derived from ``stable_rank``.
+KNOWN_METRICS: tuple[str, ...] = (
+    "stable_rank",
+    "alpha",
+    "alpha_r2",
+    "spectral_norm",
+    "frobenius_norm",
+    "energy_rank_90",
+    "esd_alpha",
+    "compression",
+)
+
+TIDY_COLUMNS = ["run", "step", "metric", "layer", "depth", "role", "value", "wall_time"]
+
+
+class Reporter:
+    """Builds and logs the scalars of each snapshot; remembers references and recent history.
+
+    Args:
+        targets: the watched matrices (``name``, ``layer``, ``num_layers``, ``role``, ``depth``).
+        metrics: which metrics to log (see :data:`KNOWN_METRICS`).
+        history_size: how many snapshots the figure history keeps (oldest dropped first).
+            Default ``256``.
+    """
+
+    def __init__(
+        self, targets: Sequence[Any], metrics: Sequence[str], history_size: int = 256
+    ) -> None:
+        self.targets = {target.name: target for target in targets}
+        self.metrics = tuple(metrics)
+        self.num_layers = max((target.num_layers for target in targets), default=1)
+        # Stable rank of each matrix at the first snapshot of the run: the compression reference.
+        self.references: dict[str, float] = {}
+        self.history: collections.deque[tuple[int, float, dict[str, float]]] = collections.deque(
+            maxlen=history_size
+        )
+
+    def scalars(self, step: int, values: Mapping[str, Mapping[str, float]]) -> dict[str, float]:
+        """The tagged scalars of one snapshot (``values``: target name -> metric -> value)."""
+        per_target: dict[str, dict[str, float]] = {}
+        for name, metrics in values.items():
+            row = dict(metrics)
+            if "stable_rank" in row:
+                reference = self.references.setdefault(name, row["stable_rank"])
+                row["compression"] = _compression(row["stable_rank"], reference)
+            per_target[name] = row
+        scalars: dict[str, float] = {}
+        by_role: dict[tuple[str, str], list[float]] = collections.defaultdict(list)
+        for name, row in per_target.items():
+            target = self.targets[name]
+            for metric in self.metrics:
+                if metric not in row:
+                    continue
+                value = float(row[metric])
+                scalars[scalar_tag(metric, target.layer, target.role, self.num_layers)] = value
+                by_role[(metric, target.role)].append(value)
+        for (metric, role), layer_values in by_role.items():
+            finite = [value for value in layer_values if not math.isnan(value)]
+            scalars[scalar_tag(metric, None, role)] = (
+                sum(finite) / len(finite) if finite else math.nan
+            )
+        self.history.append((step, time.time(), scalars))
+        return scalars
+
+    def rows(self, run: str = "") -> pd.DataFrame:
+        """The remembered snapshots as tidy rows (per (layer, role) tags only; no means)."""
+        records = []
+        for step, wall_time, scalars in self.history:
+            for target in self.targets.values():
+                for metric in self.metrics:
+                    tag = scalar_tag(metric, target.layer, target.role, self.num_layers)
+                    if tag in scalars:
+                        records.append(
+                            (
+                                run,
+                                step,
+                                metric,
+                                target.layer,
+                                target.depth,
+                                target.role,
+                                scalars[tag],
+                                wall_time,
+                            )
+                        )
+        return pd.DataFrame.from_records(records, columns=TIDY_COLUMNS)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"references": dict(self.references)}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.references = dict(state.get("references", {}))
+
+
+def health_scalars(**values: float) -> dict[str, float]:
+    """``spectral_monitor/<name>`` scalars, e.g. ``health_scalars(svd_ms=3.0)``.
+
+    >>> health_scalars(svd_ms=3.0, skipped=0)
+    {'spectral_monitor/svd_ms': 3.0, 'spectral_monitor/skipped': 0.0}
+    """
+    return {monitor_tag(name): float(value) for name, value in values.items()}
+
+
+def num_layers_scalar(num_layers: int) -> dict[str, float]:
+    """The one-off ``spectral_monitor/num_layers`` scalar readers use for relative depth."""
+    return {NUM_LAYERS_TAG: float(num_layers)}
+
+
+def log_to_all(loggers: Iterable[Any], scalars: Mapping[str, float], step: int) -> None:
+    """``log_metrics(scalars, step=step)`` on every Lightning logger."""
+    for logger in loggers:
+        logger.log_metrics(dict(scalars), step=step)
+
+
+def _compression(stable_rank: float, reference: float) -> float:
+    """100 · (1 − stable_rank / reference): the percentage of stable rank lost since the reference."""
+    return 100.0 * (1.0 - stable_rank / reference) if reference else math.nan

@@ -1,0 +1,134 @@
+"""A tiny nanoGPT LightningModule on random tokens, and helpers the callback tests share.
+
+The model is ``examples/gpt.py``'s GPT (nanoGPT parameter names, fused ``c_attn``), wrapped so a
+test can switch on manual optimization, two optimizers or a failure at a given step.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+from lightning.pytorch import Callback, LightningModule, Trainer
+from torch.utils.data import DataLoader, TensorDataset
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+from gpt import GPT, GPTConfig  # noqa: E402
+
+from spectral_callbacks.targets import find_targets  # noqa: E402
+
+
+class TinyGPT(LightningModule):
+    """A small GPT on random byte tokens; ``lr`` is high so the spectra move within a few steps."""
+
+    def __init__(
+        self,
+        n_layer: int = 2,
+        n_embd: int = 32,
+        n_head: int = 2,
+        block_size: int = 16,
+        lr: float = 1e-2,
+        manual: bool = False,
+        two_optimizers: bool = False,
+        fail_at_step: int | None = None,
+        interrupt_at_step: int | None = None,
+    ) -> None:
+        super().__init__()
+        self.model = GPT(
+            GPTConfig(n_layer=n_layer, n_head=n_head, n_embd=n_embd, block_size=block_size)
+        )
+        self.lr = lr
+        self.automatic_optimization = not manual
+        self.two_optimizers = two_optimizers
+        self.fail_at_step = fail_at_step
+        self.interrupt_at_step = interrupt_at_step
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor | None:
+        if self.fail_at_step is not None and self.global_step == self.fail_at_step:
+            raise RuntimeError(f"planned failure at step {self.global_step}")
+        if self.interrupt_at_step is not None and self.global_step == self.interrupt_at_step:
+            raise KeyboardInterrupt
+        x, y = batch
+        _, loss = self.model(x, y)
+        if self.automatic_optimization:
+            return loss
+        optimizers = self.optimizers()
+        optimizers = optimizers if isinstance(optimizers, list) else [optimizers]
+        for optimizer in optimizers:
+            optimizer.zero_grad()
+        self.manual_backward(loss)
+        for optimizer in optimizers:  # several optimizers: global_step advances once per step()
+            optimizer.step()
+        return None
+
+    def configure_optimizers(self) -> Any:
+        if not self.two_optimizers:
+            return torch.optim.AdamW(self.parameters(), lr=self.lr)
+        attention = [p for n, p in self.named_parameters() if ".attn." in n]
+        rest = [p for n, p in self.named_parameters() if ".attn." not in n]
+        return [torch.optim.AdamW(attention, lr=self.lr), torch.optim.AdamW(rest, lr=self.lr)]
+
+
+def token_loader(
+    num_batches: int = 64, batch_size: int = 4, block_size: int = 16, seed: int = 0
+) -> DataLoader:
+    """Random byte sequences (next-token targets shifted by one)."""
+    generator = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, 256, (num_batches * batch_size, block_size + 1), generator=generator)
+    return DataLoader(TensorDataset(tokens[:, :-1], tokens[:, 1:]), batch_size=batch_size)
+
+
+def quiet_trainer(**kwargs: Any) -> Trainer:
+    """A CPU Trainer without progress bar, summary or checkpoints unless asked."""
+    options = dict(
+        accelerator="cpu",
+        devices=1,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        log_every_n_steps=1,
+    )
+    options.update(kwargs)
+    return Trainer(**options)
+
+
+def exact_stable_rank(matrix: torch.Tensor) -> float:
+    """‖W‖_F² / σ₁² in float64 with a full SVD: the reference."""
+    singular = torch.linalg.svdvals(matrix.double())
+    return float((singular**2).sum() / singular[0] ** 2)
+
+
+def exact_compute(group: Any, batch: torch.Tensor) -> dict[str, torch.Tensor]:
+    """An exact compute function for tests that do not test the SVD."""
+    singular = torch.linalg.svdvals(batch.double())
+    return {
+        "stable_rank": (singular**2).sum(-1) / singular[..., 0] ** 2,
+        "spectral_norm": singular[..., 0],
+    }
+
+
+class WeightRecorder(Callback):
+    """Copies the watched matrices at the same points as SpectralMonitor (test-only)."""
+
+    def __init__(self) -> None:
+        self.weights: dict[int, dict[str, torch.Tensor]] = {}
+        self._previous = -1
+
+    def _record(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        step = trainer.global_step
+        if step != self._previous:
+            self.weights[step] = {
+                t.name: t.matrix().detach().double().clone() for t in find_targets(pl_module)
+            }
+            self._previous = step
+
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._record(trainer, pl_module)
+
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, *args: Any) -> None:
+        self._record(trainer, pl_module)
+
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._record(trainer, pl_module)
