@@ -31,6 +31,7 @@ from pathlib import Path
 
 import numpy as np
 import pandas as pd
+from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
@@ -102,6 +103,12 @@ def _final(rows: pd.DataFrame, keys: list[str]) -> pd.DataFrame:
     return ordered.groupby(keys, as_index=False, sort=True).last()
 
 
+def _legend(ax: Axes, title: str) -> None:
+    """A legend when something is labelled (a run may be named ""), else none and no warning."""
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(title=title, fontsize="small")
+
+
 def _runs(rows: pd.DataFrame) -> list[str]:
     return list(dict.fromkeys(rows["run"]))  # first-seen order, the order the user named the runs
 
@@ -134,7 +141,7 @@ def alpha_vs_depth(rows: pd.DataFrame, role: str = "Q") -> Figure:
     ax.set_title(f"α of {role_glyph(role)} vs relative depth")
     ax.set_xlim(-0.05, 1.05)
     ax.grid(alpha=0.3)
-    ax.legend(title="run", fontsize="small")
+    _legend(ax, "run")
     return fig
 
 
@@ -172,7 +179,7 @@ def rank_vs_steps(rows: pd.DataFrame, layer: int = 0, metric: str = "stable_rank
     ax.set_ylabel(metric_label(metric))
     ax.set_title(f"{metric_label(metric).split(' ‖')[0]} of layer {layer} vs steps")
     ax.grid(alpha=0.3)
-    ax.legend(title="role" if len(runs) == 1 else "run · role", fontsize="small")
+    _legend(ax, "role" if len(runs) == 1 else "run · role")
     return fig
 
 
@@ -339,7 +346,7 @@ def metric_diff(
     ax.set_ylabel(f"Δ {metric_label(metric)} (run − {baseline})")
     ax.set_title(f"{metric_label(metric)} relative to {baseline}")
     ax.grid(alpha=0.3)
-    ax.legend(title="run", fontsize="small")
+    _legend(ax, "run")
     return fig
 
 

@@ -8,6 +8,7 @@ imports (torch, transformers, matplotlib) happen inside the commands so ``--help
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from spectral_callbacks import __version__
@@ -40,6 +41,11 @@ def main(argv: list[str] | None = None) -> int:
     except CommandError as error:
         say(args.command, "error", str(error))
         return 1
+    except BrokenPipeError:
+        # The reader of stdout stopped early (`export -o - | head`): not an error of ours. Point
+        # stdout at devnull so the interpreter's final flush does not raise again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
 
 
 if __name__ == "__main__":

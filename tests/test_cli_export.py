@@ -1,0 +1,199 @@
+"""`spectral-callbacks export` on event files of real short training runs, as a user runs it."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+from cli_runs import STEPS, logged_by_csv, run_cli, training_runs, write_long_run
+
+from spectral_callbacks.cli.main import main
+from spectral_callbacks.names import parse_tag, scalar_tag
+
+COLUMNS = ["run", "step", "metric", "layer", "depth", "role", "value", "wall_time"]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return training_runs(tmp_path_factory)
+
+
+def _tag(row: pd.Series) -> str:
+    if pd.isna(row["role"]):
+        return row["metric"]
+    return scalar_tag(
+        row["metric"], None if pd.isna(row["layer"]) else int(row["layer"]), row["role"]
+    )
+
+
+def test_export_equals_logged_values_for_every_tag_and_long_runs_whole(
+    runs: Path, tmp_path: Path
+) -> None:
+    tag = write_long_run(tmp_path / "long")
+    out = tmp_path / "all.csv"
+    done = run_cli("export", runs / "tb", tmp_path / "long", "-o", out, "--all-scalars")
+    assert done.returncode == 0, done.stderr
+    rows = pd.read_csv(out)
+    assert list(rows.columns) == COLUMNS
+    assert set(rows.run) == {"a", "b", "long"}
+
+    for run in ("a", "b"):
+        exported = rows[rows.run == run].copy()
+        exported["tag"] = exported.apply(_tag, axis=1)
+        logged = logged_by_csv(runs, run)
+        logged = logged[logged.tag != "epoch"]  # TensorBoard gets it too, but it is not the point
+        merged = logged.merge(exported, on=["tag", "step"], how="left", suffixes=("_logged", ""))
+        assert merged.value.notna().all(), merged[merged.value.isna()].head()
+        # Event files store float32: the export is the logged value rounded to float32, exactly.
+        np.testing.assert_array_equal(
+            merged.value.to_numpy(), merged.value_logged.to_numpy().astype(np.float32)
+        )
+        spectral = exported[exported.role.notna()]
+        logged_spectral = logged[logged.tag.map(parse_tag).notna()]
+        assert len(spectral) == len(logged_spectral) > 0  # nothing more, nothing less
+        assert spectral.step.max() == STEPS
+        per_layer = spectral[spectral.layer.notna()]
+        np.testing.assert_array_equal(per_layer.depth, per_layer.layer / 2)  # L = 3
+
+    long = rows[rows.run == "long"]
+    assert len(long) == 10_500 and long.step.tolist() == list(range(10_500))
+    assert (long.apply(_tag, axis=1) == tag).all()
+    np.testing.assert_array_equal(long.value, (100.0 - np.arange(10_500) / 1000).astype(np.float32))
+    assert done.stderr.strip().endswith(
+        f"10500 rows of 3 runs to {out}".replace("10500", str(len(rows)))
+    )
+
+
+@pytest.mark.parametrize("suffix", [".csv", ".parquet", ".json", ".jsonl"])
+def test_formats_round_trip(runs: Path, tmp_path: Path, suffix: str) -> None:
+    out = tmp_path / f"rows{suffix}"
+    assert main(["export", str(runs / "tb" / "a"), "-o", str(out)]) == 0
+    reader = {".csv": pd.read_csv, ".parquet": pd.read_parquet}.get(suffix)
+    rows = reader(out) if reader else pd.read_json(out, lines=suffix == ".jsonl")
+    assert list(rows.columns) == COLUMNS and (rows.run == "a").all()
+    assert set(rows.metric) == {
+        "stable_rank",
+        "alpha",
+        "alpha_r2",
+        "spectral_norm",
+        "frobenius_norm",
+        "energy_rank_90",
+        "compression",
+    }
+    assert rows.value.notna().sum() > 0 and len(rows) == len(rows.drop_duplicates(COLUMNS[:6]))
+
+
+def test_stdout_and_filters(runs: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    argv = [
+        "export",
+        str(runs / "tb"),
+        "-o",
+        "-",
+        "--metric",
+        "alpha",
+        "--role",
+        "Q",
+        "--layer",
+        "1",
+        "--layer",
+        "mean",
+        "--steps",
+        "5:20",
+    ]
+    assert main(argv) == 0
+    captured = capsys.readouterr()
+    rows = pd.read_csv(pd.io.common.StringIO(captured.out))
+    assert set(rows.metric) == {"alpha"} and set(rows.role) == {"Q"}
+    assert set(rows.layer.fillna(-1)) == {1, -1}
+    assert rows.step.between(5, 20).all() and set(rows.run) == {"a", "b"}
+    assert "rows of 2 runs to stdout" in captured.err
+
+
+def test_usage_errors_in_process(
+    runs: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["export", str(runs / "tb"), "-o", str(tmp_path / "rows.xlsx")]) == 1
+    assert "unknown extension '.xlsx'; use one of .csv, .parquet" in capsys.readouterr().err
+    assert main(["export", str(runs / "tb"), "-o", "-", "--role", "nope"]) == 1
+    err = capsys.readouterr().err
+    assert "the filters left no rows" in err and "roles K, MLP_down, MLP_up, O, Q, V" in err
+    with pytest.raises(SystemExit):
+        main(["export", str(runs), "-o", "-", "--steps", "9"])
+    assert "must be FIRST:LAST" in capsys.readouterr().err
+
+
+def _record_offset(data: bytes, index: int) -> int:
+    """Byte offset of record ``index`` of an event file (length u64, crc u32, data, crc u32)."""
+    offset = 0
+    for _ in range(index):
+        offset += 8 + 4 + int.from_bytes(data[offset : offset + 8], "little") + 4
+    return offset
+
+
+def _one_error_line(stderr: str) -> str:
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1, stderr
+    assert lines[0].startswith("spectral-callbacks export: error: ")
+    return lines[0]
+
+
+def test_bad_input_one_line_each_and_partial_export(runs: Path, tmp_path: Path) -> None:
+    out = tmp_path / "rows.csv"
+    good = runs / "tb" / "a"
+
+    done = run_cli("export", good, tmp_path / "missing", "-o", out)
+    line = _one_error_line(done.stderr)
+    assert done.returncode == 1
+    assert f"{tmp_path / 'missing'}: no such file or directory; give the log directory" in line
+    exported = len(pd.read_csv(out))
+    assert f"exported the {exported} rows that could be read (1 runs) to {out}" in line
+
+    (tmp_path / "empty").mkdir()
+    done = run_cli("export", tmp_path / "empty", "-o", tmp_path / "none.csv")
+    line = _one_error_line(done.stderr)
+    assert (
+        done.returncode == 1
+        and "no TensorBoard event files" in line
+        and "nothing was exported" in line
+    )
+    assert not (tmp_path / "none.csv").exists()
+
+    plain = tmp_path / "plain"
+    shutil.copytree(good, plain)
+    for event_file in plain.glob("events.out.tfevents.*"):  # keep only the first record of each
+        data = event_file.read_bytes()
+        event_file.write_bytes(data[: 8 + 4 + int.from_bytes(data[:8], "little") + 4])
+    done = run_cli("export", plain, "-o", tmp_path / "none.csv")
+    line = _one_error_line(done.stderr)
+    assert f"{plain}: event files hold no spectral scalars" in line and "SpectralMonitor" in line
+
+    cut = tmp_path / "cut"
+    shutil.copytree(good, cut)
+    (event_file,) = sorted(cut.glob("events.out.tfevents.*"))[-1:]
+    data = event_file.read_bytes()
+    event_file.write_bytes(data[: _record_offset(data, 100) + 20])  # in record 100's payload
+    done = run_cli("export", cut, "-o", out)
+    line = _one_error_line(done.stderr)
+    assert done.returncode == 1
+    assert f"{event_file}: damaged event file (truncated record) after" in line
+    partial = pd.read_csv(out)
+    assert f"exported the {len(partial)} rows that could be read" in line
+    assert main(["export", str(good), "-o", str(tmp_path / "whole.csv")]) == 0
+    whole = pd.read_csv(tmp_path / "whole.csv")
+    assert 0 < len(partial) < len(whole)
+    key = ["step", "metric", "layer", "role"]
+    same = partial.merge(whole, on=key, how="left", suffixes=("", "_whole"))
+    np.testing.assert_array_equal(same.value, same.value_whole)  # what was read is right
+
+    corrupt = tmp_path / "corrupt"
+    shutil.copytree(good, corrupt)
+    (event_file,) = sorted(corrupt.glob("events.out.tfevents.*"))[-1:]
+    data = bytearray(event_file.read_bytes())
+    data[-10] ^= 0xFF  # inside the last record's payload
+    event_file.write_bytes(bytes(data))
+    done = run_cli("export", corrupt, "-o", out)
+    line = _one_error_line(done.stderr)
+    assert done.returncode == 1 and "damaged event file (checksum mismatch)" in line
