@@ -262,7 +262,7 @@ def test_multihead_attention_with_separate_kdim_vdim():
     assert targets[1].matrix().data_ptr() == attention.k_proj_weight.data_ptr()
 
 
-@pytest.mark.filterwarnings("error")
+@pytest.mark.filterwarnings("error::spectral_callbacks.targets.TargetWarning")
 def test_layers_count_only_list_entries_that_hold_blocks():
     # a Sequential of embedding, blocks and head: the blocks are layers 0 and 1 of 2
     model = nn.Sequential(

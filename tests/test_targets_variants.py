@@ -60,7 +60,7 @@ def rebuild_qkv(variant: str, attn, m, x: torch.Tensor):
         k = torch.cat([kv[..., : attn.head_dim - rope], k_rope], dim=-1)
         return heads(lin("Q"), H), k, kv
     # MLA and GLA: latent -> per-head [k_nope; v], plus one rope key shared by all heads
-    nope, rope = attn.qk_nope_head_dim, attn.qk_rope_head_dim
+    rope = attn.qk_rope_head_dim
     k_rope = lin("K_rope")[:, :, None, :].expand(B, T, H, rope)
     if variant == "mla":
         q = heads(lin("Q_up", attn.q_a_layernorm(lin("Q_down"))), H)

@@ -97,14 +97,19 @@ class _Candidate:
 def _as_patterns(value: Patterns, argument: str) -> list[Pattern]:
     if value is None:
         return []
-    items = [value] if isinstance(value, (str, re.Pattern)) else list(value)
+    if isinstance(value, (str, re.Pattern)):
+        items: list[object] = [value]
+    elif isinstance(value, Iterable):
+        items = list(value)
+    else:
+        items = [value]
     for item in items:
         if not isinstance(item, (str, re.Pattern)):
             raise TargetError(
                 f"`{argument}` must be a name pattern (fnmatch string or compiled regex) or a "
                 f"list of them, got {item!r}"
             )
-    return items
+    return items  # type: ignore[return-value]
 
 
 def _matches(patterns: list[Pattern], clean: str) -> Pattern | None:
@@ -342,9 +347,9 @@ def find_targets(
             _Candidate(name, ctx.name, parameter, parts, None, _block(name, matched, modules))
         )
 
-    targets = _number_layers(candidates)
     blocks_with_targets = {c.block for c in candidates if c.parts and c.block}
-    kept: list[Target] = []
+    chosen: list[_Candidate] = []
+    unmapped: list[str] = []  # look like targets but could not be mapped: warned about below
     for candidate in candidates:
         shape = tuple(candidate.parameter.shape)
         if _matches(excludes, candidate.clean) is not None:
@@ -365,14 +370,20 @@ def find_targets(
                 skip = _reason_not_matched(ctx, inside)
             skipped.append(Skipped(candidate.name, shape, skip.reason))
             if skip.warn:
-                warnings.warn(
-                    f"{candidate.name} {shape} is not watched: {skip.reason}. Give it a role with "
-                    "mapping={pattern: role or Split(...)}, or silence this with exclude=.",
-                    PartialTargetWarning,
-                    stacklevel=2,
-                )
+                unmapped.append(f"{candidate.name} {shape}: {skip.reason}")
             continue
-        kept.extend(targets[candidate.name])
+        chosen.append(candidate)
+
+    if unmapped:
+        warnings.warn(
+            f"{len(unmapped)} weights that look like targets are not watched:\n  "
+            + "\n  ".join(unmapped[:_MAX_LISTED])
+            + "\nGive them roles with mapping={pattern: role or Split(...)}, or silence this "
+            "with exclude=.",
+            PartialTargetWarning,
+            stacklevel=2,
+        )
+    kept = _number_layers(candidates, chosen)
 
     skipped.sort(key=lambda s: position[s.parameter_name])
     _warn_missing_roles(kept)
@@ -385,16 +396,19 @@ def find_targets(
     return TargetList(kept, skipped, low_dim)
 
 
-def _number_layers(candidates: list[_Candidate]) -> dict[str, list[Target]]:
-    """Targets per parameter name, with layers counted over the list entries that hold targets."""
+def _number_layers(candidates: list[_Candidate], chosen: list[_Candidate]) -> list[Target]:
+    """Targets of the ``chosen`` candidates with layer numbers.
+
+    A layer is the rank of a block among the entries of its list that hold any target before
+    include/exclude (so ``include="h.3.*"`` still reports layer 3 of L); lists left with no
+    chosen target do not count (so ``include="encoder.*"`` numbers the encoder alone).
+    """
     used: dict[str, set[int]] = defaultdict(set)
-    order: list[str] = []
     for c in candidates:
         if c.parts:
-            key = c.block[0] if c.block else ""
-            if key not in used:
-                order.append(key)
-            used[key].add(c.block[1] if c.block else 0)
+            key, index = c.block if c.block else ("", 0)
+            used[key].add(index)
+    order = list(dict.fromkeys(c.block[0] if c.block else "" for c in chosen))
     if len(order) > 1:
         warnings.warn(
             f"targets come from {len(order)} lists of blocks ("
@@ -408,25 +422,24 @@ def _number_layers(candidates: list[_Candidate]) -> dict[str, list[Target]]:
         for rank, index in enumerate(sorted(used[key])):
             layer_of[(key, index)] = offset + rank
         offset += len(used[key])
-    targets: dict[str, list[Target]] = {}
-    for c in candidates:
-        if c.parts:
-            key, index = c.block if c.block else ("", 0)
-            rows0 = c.parts[0][1]
-            whole = rows0.groups == 1 and rows0.start == 0 and rows0.stop in (None, _out(c, rows0))
-            fused = len(c.parts) > 1 or not whole
-            targets[c.name] = [
-                Target.from_parameter(
-                    c.name,
-                    c.parameter,
-                    role=role,
-                    layer=layer_of[(key, index)],
-                    num_layers=offset,
-                    rows=rows,
-                    fused=fused,
-                )
-                for role, rows in c.parts
-            ]
+    targets: list[Target] = []
+    for c in chosen:
+        key, index = c.block if c.block else ("", 0)
+        rows0 = c.parts[0][1]
+        whole = rows0.groups == 1 and rows0.start == 0 and rows0.stop in (None, _out(c, rows0))
+        fused = len(c.parts) > 1 or not whole
+        targets += [
+            Target.from_parameter(
+                c.name,
+                c.parameter,
+                role=role,
+                layer=layer_of[(key, index)],
+                num_layers=offset,
+                rows=rows,
+                fused=fused,
+            )
+            for role, rows in c.parts
+        ]
     return targets
 
 

@@ -1,0 +1,290 @@
+"""find_targets' user-facing behaviour: wrappers, mapping=, include/exclude/roles, errors, warnings."""
+
+from __future__ import annotations
+
+import re
+import warnings
+
+import pytest
+import torch
+from test_targets_torch import NanoBlock, NanoGPT
+from torch import nn
+
+from spectral_callbacks.targets import (
+    AmbiguousTargetWarning,
+    PartialTargetWarning,
+    Split,
+    TargetError,
+    find_targets,
+    format_targets,
+)
+
+SIX = ("Q", "K", "V", "O", "MLP_up", "MLP_down")
+
+
+def keys(targets):
+    return [(t.layer, t.role, t.shape) for t in targets]
+
+
+# --- unwrapping ---------------------------------------------------------------------------------
+
+
+class DDPLike(nn.Module):
+    """Stands in for DistributedDataParallel / DataParallel: the network under ``.module``."""
+
+    def __init__(self, module: nn.Module) -> None:
+        super().__init__()
+        self.module = module
+
+
+@pytest.mark.filterwarnings("error::spectral_callbacks.targets.TargetWarning")
+@pytest.mark.parametrize("wrap", ["compile", "ddp", "lightning", "ddp+compile"])
+def test_wrapped_models_map_like_the_bare_network(wrap):
+    model = NanoGPT(n_layer=2)
+    bare = find_targets(model)
+    if wrap == "compile":
+        wrapped, prefix = torch.compile(model), "_orig_mod."
+    elif wrap == "ddp":
+        wrapped, prefix = DDPLike(model), "module."
+    elif wrap == "ddp+compile":
+        wrapped, prefix = DDPLike(torch.compile(model)), "module._orig_mod."
+    else:
+        lightning = pytest.importorskip("lightning.pytorch")
+
+        class Module(lightning.LightningModule):
+            def __init__(self) -> None:
+                super().__init__()
+                self.model = model
+
+        wrapped, prefix = Module(), "model."
+    targets = find_targets(wrapped)
+    assert keys(targets) == keys(bare)
+    assert [t.parameter_name for t in targets] == [prefix + t.parameter_name for t in bare]
+    assert [t.matrix().data_ptr() for t in targets] == [t.matrix().data_ptr() for t in bare]
+
+
+def test_two_lists_of_blocks_are_numbered_one_after_the_other():
+    model = nn.Transformer(
+        d_model=16,
+        nhead=2,
+        num_encoder_layers=2,
+        num_decoder_layers=3,
+        dim_feedforward=32,
+        batch_first=True,
+    )
+    with pytest.warns(AmbiguousTargetWarning, match="2 lists of blocks"):
+        targets = find_targets(model)
+    assert sorted({(t.layer, t.parameter_name.split(".layers.")[0]) for t in targets}) == [
+        (0, "encoder"),
+        (1, "encoder"),
+        (2, "decoder"),
+        (3, "decoder"),
+        (4, "decoder"),
+    ]
+    assert {t.num_layers for t in targets} == {5}
+    reasons = {s.parameter_name: s.reason for s in targets.skipped}
+    assert reasons["decoder.layers.0.multihead_attn.in_proj_weight"].startswith("cross-attention")
+    # with include= one stack is watched, without a warning
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", category=AmbiguousTargetWarning)
+        encoder = find_targets(model, include="encoder.*")
+    assert {(t.layer, t.num_layers) for t in encoder} == {(0, 2), (1, 2)}
+
+
+# --- mapping= -----------------------------------------------------------------------------------
+
+
+class InterleavedAttention(nn.Module):
+    """A custom fused projection: rows (heads, [q; k; v], head_dim), like GPT-NeoX."""
+
+    def __init__(self, dim: int = 16, heads: int = 4) -> None:
+        super().__init__()
+        self.heads = heads
+        self.wqkv = nn.Linear(dim, 3 * dim, bias=False)
+        self.wout = nn.Linear(dim, dim, bias=False)
+
+    def qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        B, T, _ = x.shape
+        return self.wqkv(x).view(B, T, self.heads, 3, -1).unbind(3)  # each (B, T, h, hd)
+
+
+class CustomNet(nn.Module):
+    def __init__(self, layers: int = 2) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(
+            nn.ModuleDict({"mix": InterleavedAttention()}) for _ in range(layers)
+        )
+
+
+def test_no_match_error_lists_candidates_and_shows_mapping():
+    with pytest.raises(TargetError, match=r"blocks\.0\.mix\.wqkv\.weight \(48, 16\)") as error:
+        find_targets(CustomNet())
+    assert "mapping=" in str(error.value) and "Split" in str(error.value)
+    assert isinstance(error.value, ValueError)
+
+
+def test_mapping_describes_a_per_head_fused_split():
+    torch.manual_seed(0)
+    model = CustomNet()
+    targets = find_targets(model, mapping={"*.wqkv": Split(("Q", "K", "V"), groups=4), "wout": "O"})
+    assert keys(targets)[:4] == [
+        (0, "Q", (16, 16)),
+        (0, "K", (16, 16)),
+        (0, "V", (16, 16)),
+        (0, "O", (16, 16)),
+    ]
+    x = torch.randn(2, 3, 16)
+    q, k, v = model.blocks[1]["mix"].qkv(x)
+    found = {t.role: t.matrix() for t in targets if t.layer == 1}
+    for role, state in zip("QKV", (q, k, v), strict=True):
+        torch.testing.assert_close((x @ found[role].T).view(2, 3, 4, 4), state)
+
+
+def test_mapping_overrides_and_drops_builtin_roles():
+    model = NanoGPT(n_layer=2)
+    targets = find_targets(
+        model,
+        mapping={"mlp.c_fc": "MLP_gate", re.compile(r"\.attn\.c_proj\."): None},
+    )
+    assert [t.role for t in targets if t.layer == 0] == ["Q", "K", "V", "MLP_gate", "MLP_down"]
+    reasons = {s.parameter_name: s.reason for s in targets.skipped}
+    assert reasons["transformer.h.1.attn.c_proj.weight"] == "mapped to None by mapping="
+
+
+def test_mapping_callable_with_no_opinion_falls_back_to_builtin_rules():
+    def only_mlp_up(name: str, parameter: torch.Tensor):
+        return "MLP_in" if name.endswith("c_fc.weight") else None
+
+    targets = find_targets(NanoGPT(n_layer=1), mapping=only_mlp_up)
+    assert [t.role for t in targets] == ["Q", "K", "V", "O", "MLP_down", "MLP_in"]
+    with pytest.warns(PartialTargetWarning, match="3 weights that look like targets") as caught:
+        mapped_only = find_targets(NanoGPT(n_layer=1), mapping=only_mlp_up, builtin_rules=False)
+    assert len(caught) == 1  # one warning listing all three, not three warnings
+    assert [t.role for t in mapped_only] == ["MLP_in"]
+
+
+def test_mapping_patterns_with_different_roles_warn_and_the_first_wins():
+    with pytest.warns(AmbiguousTargetWarning, match="several mapping= patterns"):
+        targets = find_targets(NanoGPT(n_layer=1), mapping={"c_fc": "A", "mlp.*": "B"})
+    assert "A" in {t.role for t in targets}
+
+
+def test_mapping_rejects_bad_roles_and_splits():
+    with pytest.raises(ValueError, match="letters, digits and '_'"):
+        find_targets(NanoGPT(n_layer=1), mapping={"c_fc": "MLP up"})
+    with pytest.raises(TargetError, match="do not split into 5 equal parts"):
+        find_targets(NanoGPT(n_layer=1), mapping={"c_attn": Split(("A", "B", "C", "D", "E"))})
+
+
+def test_two_weights_with_one_layer_and_role_raise():
+    with pytest.raises(TargetError, match="same \\(layer, role\\)"):
+        find_targets(NanoGPT(n_layer=1), mapping={"c_fc": "O"})
+
+
+# --- include / exclude / roles ------------------------------------------------------------------
+
+
+def test_include_exclude_and_roles_filter_and_list_what_they_dropped():
+    model = NanoGPT(n_layer=3)
+    only_attention = find_targets(model, include="*.attn.*", exclude=re.compile(r"h\.2\."))
+    assert keys(only_attention) == [
+        (i, r, (32, 32)) for i in range(2) for r in ("Q", "K", "V", "O")
+    ]
+    assert {t.num_layers for t in only_attention} == {3}  # depth still counts every block
+    text = format_targets(only_attention)
+    assert re.search(
+        r"\n  transformer\.h\.2\.attn\.c_attn\.weight +\(96, 32\) +excluded by exclude=", text
+    )
+    assert re.search(
+        r"\n  transformer\.h\.0\.mlp\.c_fc\.weight +\(128, 32\) +not matched by include=", text
+    )
+    queries = find_targets(model, roles="Q", include="h.1.*")
+    assert [(t.layer, t.role) for t in queries] == [(1, "Q")]
+
+
+def test_roles_that_match_nothing():
+    with pytest.raises(
+        TargetError, match="roles found in this model: Q, K, V, O, MLP_up, MLP_down"
+    ):
+        find_targets(NanoGPT(n_layer=1), roles=["q"])
+    with pytest.warns(PartialTargetWarning, match="MLP_gate"):
+        targets = find_targets(NanoGPT(n_layer=1), roles=["Q", "MLP_gate"])
+    assert [t.role for t in targets] == ["Q"]
+
+
+def test_filters_that_remove_everything_raise():
+    with pytest.raises(TargetError, match="removed by roles=/include=/exclude="):
+        find_targets(NanoGPT(n_layer=1), exclude="transformer.*")
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        (dict(include=5), "`include` must be a name pattern"),
+        (dict(mapping=5), "`mapping` must be a dict"),
+        (dict(roles=[1]), "`roles` must be role names"),
+    ],
+)
+def test_bad_arguments_name_themselves(kwargs, message):
+    with pytest.raises(TargetError, match=message):
+        find_targets(NanoGPT(n_layer=1), **kwargs)
+
+
+def test_model_must_be_a_module():
+    with pytest.raises(TargetError, match="`model` must be a torch.nn.Module, got dict"):
+        find_targets({})  # type: ignore[arg-type]
+
+
+# --- partial matches warn -------------------------------------------------------------------------
+
+
+def test_unknown_weight_inside_a_block_warns_and_is_listed():
+    model = NanoGPT(n_layer=2)
+    model.transformer.h[1].attn.gate = nn.Linear(32, 32)
+    with pytest.warns(
+        PartialTargetWarning,
+        match=r"transformer\.h\.1\.attn\.gate\.weight \(32, 32\): inside a block",
+    ):
+        targets = find_targets(model)
+    assert len(targets) == 12
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", category=PartialTargetWarning)
+        find_targets(model, exclude="attn.gate")  # the way to silence it
+
+
+def test_layer_missing_a_role_warns():
+    model = NanoGPT(n_layer=2)
+    model.transformer.h[1].mlp = nn.Identity()
+    with pytest.warns(PartialTargetWarning, match="layer 1: MLP_up, MLP_down"):
+        find_targets(model)
+
+
+def test_fused_weight_of_unknown_layout_warns_and_is_skipped():
+    block = NanoBlock(32, 4)
+    block.attn.query_key_value = nn.Linear(32, 40)  # not (heads, 3, head_dim)
+    with pytest.warns(PartialTargetWarning, match="query_key_value.weight .* per-head fused QKV"):
+        targets = find_targets(block)
+    assert "attn.query_key_value.weight" not in {t.parameter_name for t in targets}
+
+
+# --- Target -------------------------------------------------------------------------------------
+
+
+def test_matrix_reads_the_live_parameter_without_autograd():
+    model = NanoGPT(n_layer=3)
+    k = find_targets(model, roles="K")[2]
+    assert (k.layer, k.depth, k.name) == (2, 1.0, "transformer.h.2.attn.c_attn.weight[K]")
+    with torch.no_grad():
+        model.transformer.h[2].attn.c_attn.weight[40, 3] = 5.0
+    assert k.matrix()[8, 3].item() == 5.0
+    assert not k.matrix().requires_grad
+
+
+def test_interleaved_split_copies_only_its_own_rows():
+    torch.manual_seed(0)
+    model = CustomNet(layers=1)
+    mapping = {"wqkv": Split(("Q", "K", "V"), groups=4), "wout": "O"}
+    v = find_targets(model, mapping=mapping, roles="V")[0]
+    weight = model.blocks[0]["mix"].wqkv.weight
+    expected = weight.view(4, 3, 4, 16)[:, 2].reshape(16, 16)
+    assert torch.equal(v.matrix(), expected) and v.matrix().numel() == weight.numel() // 3
