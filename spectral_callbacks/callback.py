@@ -82,7 +82,10 @@ class SpectralMonitor(Callback):
         figure_every_n_steps: draw figures for TensorBoard every this many optimizer steps (on the
             first snapshot logged at or after each multiple), and always at the end; ``None`` draws
             them only at the end. Default ``1000``.
-        figures: draw figures at all. Default ``True``.
+        figures: draw figures at all. Default ``True``. They are drawn on a background thread, one
+            drawing at a time (a drawing still running when the next is due skips that one).
+        figure_roles: roles that get an α-vs-depth and a compression-wave figure (``None``: every
+            role; each figure costs ~0.1-1 s of CPU). Default ``("Q",)``.
         synchronous: compute each snapshot inline and wait for it (the naive baseline of
             benchmarks/overhead.py). Default ``False``.
         drain_timeout: seconds to wait for in-flight snapshots at the end of fit or after an
@@ -124,6 +127,7 @@ class SpectralMonitor(Callback):
         max_pending: int = 2,
         figure_every_n_steps: int | None = 1000,
         figures: bool = True,
+        figure_roles: Sequence[str] | None = ("Q",),
         synchronous: bool = False,
         drain_timeout: float = 60.0,
         worker_threads: int | None = 1,
@@ -180,6 +184,8 @@ class SpectralMonitor(Callback):
         self._previous_time: float | None = None
         self._last_figure_step: int | None = None
         self._last_submitted_step: int | None = None
+        self._figure_writer = dashboards.FigureWriter(figure_roles)
+        self._run_name = "this run"
         self._trainer: Trainer | None = None
 
     @property
@@ -359,11 +365,9 @@ class SpectralMonitor(Callback):
 
     def _draw(self, experiments: list[Any], step: int) -> None:
         assert self._reporter is not None
-        rows = self._reporter.rows()
-        if len(rows) == 0:
-            return
-        dashboards.add_figures(experiments, dashboards.draw_figures(rows), step)
-        self._last_figure_step = step
+        rows = self._reporter.rows(run=self._run_name)
+        if len(rows) and self._figure_writer.submit(experiments, rows, step):
+            self._last_figure_step = step
 
     def _finish(self, trainer: Trainer) -> None:
         assert self._engine is not None
@@ -380,11 +384,17 @@ class SpectralMonitor(Callback):
         self._collect_and_log(trainer, wait_seconds=max(0.0, deadline - time.monotonic()))
         self._warn_if_left(trainer)
         experiments = dashboards.tensorboard_experiments(trainer.loggers)
-        if self.figures and experiments and self._reporter is not None:
-            last = self._reporter.history[-1][0] if self._reporter.history else step
-            if self._last_figure_step != last:
+        if self.figures and experiments and self._reporter is not None and self._reporter.history:
+            last = self._reporter.history[-1][0]
+            remaining = max(0.0, deadline - time.monotonic())
+            if self._last_figure_step != last and self._figure_writer.wait(remaining):
                 self._draw(experiments, last)
-            dashboards.flush(experiments)
+            if not self._figure_writer.wait(max(0.0, deadline - time.monotonic())):
+                warnings.warn(
+                    f"SpectralMonitor: the final figures were not written within drain_timeout={self.drain_timeout} s",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
         self._close()
 
     def _finish_after_exception(self, trainer: Trainer) -> None:
@@ -394,6 +404,7 @@ class SpectralMonitor(Callback):
             if trainer.is_global_zero:
                 self._collect_and_log(trainer, wait_seconds=self.drain_timeout)
                 self._warn_if_left(trainer)
+                self._figure_writer.wait(min(self.drain_timeout, 10.0))
         except Exception as error:  # noqa: BLE001 - reported, the original exception propagates
             warnings.warn(
                 f"while shutting down after an exception: {error}", RuntimeWarning, stacklevel=2

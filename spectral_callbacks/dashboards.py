@@ -19,6 +19,7 @@ Example::
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -67,20 +68,22 @@ def custom_scalars_layout(
     return layout
 
 
-def draw_figures(rows: pd.DataFrame) -> dict[str, Any]:
+def draw_figures(rows: pd.DataFrame, roles: Sequence[str] | None = ("Q",)) -> dict[str, Any]:
     """Figures for the rows seen so far: tag -> ``matplotlib.figure.Figure``.
 
-    α vs relative depth per role, stable rank of the first layer vs steps, final compression by
-    layer x role, and the compression heatmap (layer x step) per role. A chart whose metric is not
-    in ``rows`` is left out.
+    α vs relative depth and the compression heatmap (layer x step) for each of ``roles`` (``None``:
+    every role), stable rank of the first layer vs steps, and final compression by layer x role.
+    A chart whose metric is not in ``rows`` is left out. Each figure costs ~0.1-1 s of CPU to draw
+    and render, hence few roles by default.
     """
     from spectral_callbacks import charts
 
     figures: dict[str, Any] = {}
     metrics = set(rows["metric"]) if len(rows) else set()
-    roles = list(dict.fromkeys(rows["role"])) if len(rows) else []
+    present = list(dict.fromkeys(rows["role"])) if len(rows) else []
+    chosen = present if roles is None else [role for role in roles if role in present]
     if "alpha" in metrics:
-        for role in roles:
+        for role in chosen:
             figures[f"{FIGURE_SECTION}/alpha_vs_depth/{role}"] = charts.alpha_vs_depth(
                 rows, role=role
             )
@@ -91,11 +94,68 @@ def draw_figures(rows: pd.DataFrame) -> dict[str, Any]:
         )
     if "compression" in metrics:
         figures[f"{FIGURE_SECTION}/compression_by_layer"] = charts.compression_by_layer(rows)
-        for role in roles:
+        for role in chosen:
             figures[f"{FIGURE_SECTION}/compression_wave/{role}"] = charts.compression_wave(
                 rows, role=role
             )
     return figures
+
+
+class FigureWriter:
+    """Draws and writes figures on a background thread, one drawing at a time.
+
+    Drawing a handful of figures costs seconds of CPU; on the main thread that would stall training.
+    The main thread hands over a copy of the tidy rows (a DataFrame nothing else mutates); if the
+    previous drawing is still running the new one is skipped (never queued). An error while drawing
+    is re-raised on the main thread by the next :meth:`submit` or :meth:`wait`.
+
+    Args:
+        roles: roles that get an α-vs-depth and a compression-wave figure (``None``: all).
+    """
+
+    def __init__(self, roles: Sequence[str] | None = ("Q",)) -> None:
+        self.roles = roles
+        self.skipped = 0
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+
+    @property
+    def busy(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def submit(self, experiments: Sequence[Any], rows: pd.DataFrame, step: int) -> bool:
+        """Start drawing ``rows`` at ``step``; ``False`` if a drawing is still running."""
+        self._raise_error()
+        if self.busy:
+            self.skipped += 1
+            return False
+        self._thread = threading.Thread(
+            target=self._draw,
+            args=(list(experiments), rows, step),
+            name="SpectralMonitor-figures",
+            daemon=True,
+        )
+        self._thread.start()
+        return True
+
+    def wait(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds for the running drawing; ``False`` if it is still running."""
+        if self._thread is not None:
+            self._thread.join(timeout)
+        self._raise_error()
+        return not self.busy
+
+    def _draw(self, experiments: list[Any], rows: pd.DataFrame, step: int) -> None:
+        try:
+            add_figures(experiments, draw_figures(rows, self.roles), step)
+            flush(experiments)
+        except BaseException as error:  # noqa: BLE001 - re-raised on the main thread
+            self._error = error
+
+    def _raise_error(self) -> None:
+        error, self._error = self._error, None
+        if error is not None:
+            raise RuntimeError(f"SpectralMonitor could not draw its figures: {error}") from error
 
 
 def tensorboard_experiments(loggers: Sequence[Any]) -> list[Any]:

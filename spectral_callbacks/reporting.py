@@ -28,7 +28,9 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import pandas as pd
+import torch
 
+from spectral_callbacks.functional import compression
 from spectral_callbacks.names import NUM_LAYERS_TAG, monitor_tag, scalar_tag
 
 #: Metrics the SVD path produces, plus ``compression`` derived from ``stable_rank``.
@@ -145,5 +147,5 @@ def log_to_all(loggers: Iterable[Any], scalars: Mapping[str, float], step: int) 
 
 
 def _compression(stable_rank: float, reference: float) -> float:
-    """100 · (1 − stable_rank / reference): the percentage of stable rank lost since the reference."""
-    return 100.0 * (1.0 - stable_rank / reference) if reference else math.nan
+    """``functional.compression`` on plain floats (the math lives there, not here)."""
+    return float(compression(torch.tensor(stable_rank, dtype=torch.float64), reference))

@@ -10,9 +10,10 @@ from typing import Any
 
 import pytest
 import torch
-from lightning.pytorch.loggers import CSVLogger, Logger
+from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from tiny_models import (
+    RecordingLogger,
     TinyGPT,
     WeightRecorder,
     exact_compute,
@@ -24,31 +25,6 @@ from tiny_models import (
 from spectral_callbacks.callback import SpectralMonitor
 from spectral_callbacks.engine import SpectralComputeError
 from spectral_callbacks.names import NUM_LAYERS_TAG, monitor_tag, scalar_tag
-
-
-class RecordingLogger(Logger):
-    """Keeps every ``log_metrics`` call: (step, metrics)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.records: list[tuple[int | None, dict[str, float]]] = []
-
-    @property
-    def name(self) -> str:
-        return "recording"
-
-    @property
-    def version(self) -> int:
-        return 0
-
-    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
-        self.records.append((step, dict(metrics)))
-
-    def log_hyperparams(self, *args: Any, **kwargs: Any) -> None:
-        pass
-
-    def series(self, tag: str) -> dict[int, float]:
-        return {step: metrics[tag] for step, metrics in self.records if tag in metrics}
 
 
 def _monitor(**kwargs: Any) -> SpectralMonitor:

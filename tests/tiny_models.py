@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.loggers import Logger
 from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
@@ -132,3 +133,28 @@ class WeightRecorder(Callback):
 
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._record(trainer, pl_module)
+
+
+class RecordingLogger(Logger):
+    """Keeps every ``log_metrics`` call: (step, metrics)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.records: list[tuple[int | None, dict[str, float]]] = []
+
+    @property
+    def name(self) -> str:
+        return "recording"
+
+    @property
+    def version(self) -> int:
+        return 0
+
+    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+        self.records.append((step, dict(metrics)))
+
+    def log_hyperparams(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def series(self, tag: str) -> dict[int, float]:
+        return {step: metrics[tag] for step, metrics in self.records if tag in metrics}
