@@ -47,13 +47,13 @@ ROLE_GLYPHS: dict[str, str] = {
     "MLP_down": "MLP↓",
 }
 METRIC_LABELS: dict[str, str] = {
-    "stable_rank": "stable rank ‖W‖²_F / σ₁²",
+    "stable_rank": r"stable rank $\|W\|_F^2 / \sigma_1^2$",
     "alpha": "α (rank-decay exponent)",
     "alpha_r2": "R² of the α fit",
     "compression": "compression (%)",
     "spectral_norm": "spectral norm σ₁",
-    "frobenius_norm": "Frobenius norm ‖W‖_F",
-    "energy_rank_90": "rank holding 90 % of ‖W‖²_F",
+    "frobenius_norm": r"Frobenius norm $\|W\|_F$",
+    "energy_rank_90": r"rank holding 90 % of $\|W\|_F^2$",
     "esd_alpha": "ESD tail exponent",
 }
 # Per-run line styles so runs stay apart when colour already encodes the role.
@@ -177,7 +177,7 @@ def rank_vs_steps(rows: pd.DataFrame, layer: int = 0, metric: str = "stable_rank
             )
     ax.set_xlabel("optimizer step")
     ax.set_ylabel(metric_label(metric))
-    ax.set_title(f"{metric_label(metric).split(' ‖')[0]} of layer {layer} vs steps")
+    ax.set_title(f"{metric_label(metric).split(' $')[0]} of layer {layer} vs steps")
     ax.grid(alpha=0.3)
     _legend(ax, "role" if len(runs) == 1 else "run · role")
     return fig
