@@ -66,6 +66,11 @@ def qwen2():  # q/k/v carry biases
     return transformers.Qwen2ForCausalLM(config)
 
 
+def phi3():  # fused qkv_proj [q; k; v] with GQA sizes, fused gate_up_proj [gate; up]
+    config = transformers.Phi3Config(**SIZES, num_key_value_heads=2, vocab_size=50, pad_token_id=0)
+    return transformers.Phi3ForCausalLM(config)
+
+
 def bert():
     config = transformers.BertConfig(**SIZES, vocab_size=50)
     return transformers.BertModel(config)
@@ -105,6 +110,7 @@ ARCHITECTURES = {
     "llama": (llama, LLAMA_ROLES),
     "mistral": (mistral, LLAMA_ROLES),
     "qwen2": (qwen2, LLAMA_ROLES),
+    "phi3": (phi3, LLAMA_ROLES),
     "bert": (bert, SIX),
     "vit": (vit, SIX),
     "deepseek_v3": (deepseek_v3, MLA_ROLES),
@@ -196,7 +202,9 @@ def test_every_matrix_is_what_the_projection_multiplies_by(architecture):
         close(y_rebuilt, y)
 
 
-@pytest.mark.parametrize("name", ["gpt2", "gpt_neox", "llama", "mistral", "qwen2", "bert", "vit"])
+@pytest.mark.parametrize(
+    "name", ["gpt2", "gpt_neox", "llama", "mistral", "qwen2", "phi3", "bert", "vit"]
+)
 def test_q_k_v_match_the_attention_inputs(name):
     torch.manual_seed(1)
     build, _ = ARCHITECTURES[name]

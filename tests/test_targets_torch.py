@@ -273,3 +273,53 @@ def test_layers_count_only_list_entries_that_hold_blocks():
         (0, 2, "1"),
         (1, 2, "2"),
     ]
+
+
+# --- Meta's reference Llama (llama/model.py, trimmed: no RoPE, no cache) -------------------------
+
+
+class MetaAttention(nn.Module):
+    def __init__(self, dim: int = 32, n_heads: int = 4, n_kv_heads: int = 2) -> None:
+        super().__init__()
+        hd = dim // n_heads
+        self.wq = nn.Linear(dim, n_heads * hd, bias=False)
+        self.wk = nn.Linear(dim, n_kv_heads * hd, bias=False)
+        self.wv = nn.Linear(dim, n_kv_heads * hd, bias=False)
+        self.wo = nn.Linear(n_heads * hd, dim, bias=False)
+
+
+class MetaFeedForward(nn.Module):
+    def __init__(self, dim: int = 32, hidden: int = 48) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class MetaBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.attention, self.feed_forward = MetaAttention(), MetaFeedForward()
+
+
+def test_meta_llama_names_and_the_swiglu_roles():
+    torch.manual_seed(3)
+    model = nn.Module()
+    model.layers = nn.ModuleList(MetaBlock() for _ in range(2))
+    targets = find_targets(model)
+    assert [(t.layer, t.role, t.shape) for t in targets if t.layer == 1] == [
+        (1, "Q", (32, 32)),
+        (1, "K", (16, 32)),
+        (1, "V", (16, 32)),
+        (1, "O", (32, 32)),
+        (1, "MLP_gate", (48, 32)),
+        (1, "MLP_up", (48, 32)),
+        (1, "MLP_down", (32, 48)),
+    ]
+    m = {t.role: t.matrix() for t in targets if t.layer == 1}
+    x = torch.randn(3, 32)
+    expected = (F.silu(x @ m["MLP_gate"].T) * (x @ m["MLP_up"].T)) @ m["MLP_down"].T
+    close(expected, model.layers[1].feed_forward(x))

@@ -123,15 +123,13 @@ def _matches(patterns: list[Pattern], clean: str) -> Pattern | None:
     return None
 
 
-def _user_decision(
-    mapping: UserMapping, ctx: Context, name: str
-) -> tuple[UserDecision, int] | None:
+def _user_decision(mapping: UserMapping, ctx: Context, name: str) -> tuple[Decision, int] | None:
     """The mapping's decision and how many trailing segments it matched, or None (no opinion)."""
     if callable(mapping) and not isinstance(mapping, Mapping):
         decision = mapping(name, ctx.parameter)
         return None if decision is None else (decision, 1)
     module = ctx.name[: -len(".weight")] if ctx.name.endswith(".weight") else None
-    found: list[tuple[Pattern, UserDecision, int]] = []
+    found: list[tuple[Pattern, Decision, int]] = []
     for pattern, value in mapping.items():
         length = match_length(pattern, ctx.name)
         if length is None and module:
@@ -352,27 +350,24 @@ def find_targets(
     unmapped: list[str] = []  # look like targets but could not be mapped: warned about below
     for candidate in candidates:
         shape = tuple(candidate.parameter.shape)
-        if _matches(excludes, candidate.clean) is not None:
-            skipped.append(Skipped(candidate.name, shape, "excluded by exclude="))
-            continue
-        if includes and _matches(includes, candidate.clean) is None:
-            skipped.append(Skipped(candidate.name, shape, "not matched by include="))
-            continue
-        if not candidate.parts:
-            skip = candidate.skip
-            if skip is None:
-                ctx = Context(
-                    candidate.clean,
-                    candidate.parameter,
-                    (modules[candidate.name.rpartition(".")[0]],),
-                )
-                inside = candidate.block in blocks_with_targets
-                skip = _reason_not_matched(ctx, inside)
+        skip = candidate.skip
+        if not candidate.parts and skip is None:
+            owner = (modules[candidate.name.rpartition(".")[0]],)
+            inside = candidate.block in blocks_with_targets
+            skip = _reason_not_matched(Context(candidate.clean, candidate.parameter, owner), inside)
+        if (
+            skip is not None and not skip.warn
+        ):  # an embedding stays "embedding" whatever the filters
             skipped.append(Skipped(candidate.name, shape, skip.reason))
-            if skip.warn:
-                unmapped.append(f"{candidate.name} {shape}: {skip.reason}")
-            continue
-        chosen.append(candidate)
+        elif _matches(excludes, candidate.clean) is not None:
+            skipped.append(Skipped(candidate.name, shape, "excluded by exclude="))
+        elif includes and _matches(includes, candidate.clean) is None:
+            skipped.append(Skipped(candidate.name, shape, "not matched by include="))
+        elif skip is not None:
+            skipped.append(Skipped(candidate.name, shape, skip.reason))
+            unmapped.append(f"{candidate.name} {shape}: {skip.reason}")
+        else:
+            chosen.append(candidate)
 
     if unmapped:
         warnings.warn(

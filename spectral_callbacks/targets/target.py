@@ -23,7 +23,7 @@ Example::
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -197,7 +197,7 @@ def _shape_text(shape: tuple[int, ...]) -> str:
     return "(" + ", ".join(str(size) for size in shape) + ")"
 
 
-def _table(rows: list[tuple[str, ...]], right_align: tuple[int, ...] = ()) -> list[str]:
+def _table(rows: Sequence[tuple[str, ...]], right_align: tuple[int, ...] = ()) -> list[str]:
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     lines = []
     for row in rows:
@@ -234,7 +234,7 @@ def format_targets(targets: Iterable[Target]) -> str:
     targets = list(targets) if not isinstance(targets, TargetList) else targets
     lines: list[str] = []
     if targets:
-        rows = [("layer", "role", "parameter", "shape")]
+        rows: list[tuple[str, ...]] = [("layer", "role", "parameter", "shape")]
         rows += [(str(t.layer), t.role, t.name, _shape_text(t.shape)) for t in targets]
         lines += _table(rows, right_align=(0,))
         roles = sorted({t.role for t in targets}, key=role_sort_key)
@@ -248,8 +248,12 @@ def format_targets(targets: Iterable[Target]) -> str:
     skipped = getattr(targets, "skipped", [])
     if skipped:
         lines.append("not watched:")
-        rows = [(s.parameter_name, _shape_text(s.shape), s.reason) for s in skipped]
-        lines += ["  " + line for line in _table(rows)]
+        lines += [
+            "  " + line
+            for line in _table(
+                [(s.parameter_name, _shape_text(s.shape), s.reason) for s in skipped]
+            )
+        ]
     low_dim = getattr(targets, "low_dim", 0)
     if low_dim:
         lines.append(
