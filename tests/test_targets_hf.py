@@ -104,6 +104,26 @@ def deepseek_v3():
     return transformers.DeepseekV3ForCausalLM(config)
 
 
+def deepseek_v2():  # MLA without a query latent (q_lora_rank=None: a plain q_proj)
+    config = transformers.DeepseekV2Config(
+        **SIZES,
+        num_key_value_heads=4,
+        vocab_size=50,
+        q_lora_rank=None,
+        kv_lora_rank=8,
+        qk_nope_head_dim=8,
+        qk_rope_head_dim=4,
+        v_head_dim=6,
+        first_k_dense_replace=1,
+        moe_intermediate_size=16,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        n_group=1,
+        topk_group=1,
+    )
+    return transformers.DeepseekV2ForCausalLM(config)
+
+
 ARCHITECTURES = {
     "gpt2": (gpt2, SIX),
     "gpt_neox": (gpt_neox, SIX),
@@ -113,6 +133,7 @@ ARCHITECTURES = {
     "phi3": (phi3, LLAMA_ROLES),
     "bert": (bert, SIX),
     "vit": (vit, SIX),
+    "deepseek_v2": (deepseek_v2, ("Q", *MLA_ROLES[2:])),
     "deepseek_v3": (deepseek_v3, MLA_ROLES),
 }
 
@@ -227,9 +248,10 @@ def test_gqa_keys_and_values_keep_their_narrower_shape():
     assert shapes == {"Q": (32, 32), "K": (8, 32), "V": (8, 32)}
 
 
-def test_mla_roles_rebuild_deepseek_query_key_value():
+@pytest.mark.parametrize("name", ["deepseek_v2", "deepseek_v3"])
+def test_mla_roles_rebuild_deepseek_query_key_value(name):
     torch.manual_seed(2)
-    model = deepseek_v3()
+    model = ARCHITECTURES[name][0]()
     targets = find_targets(model)
     states, io = run_with_probes(model, targets)
     by_key = {(t.layer, t.role): t for t in targets}
@@ -237,12 +259,16 @@ def test_mla_roles_rebuild_deepseek_query_key_value():
     for layer, (query, key, value) in enumerate(states):
         attn = model.model.layers[layer].self_attn
         prefix = f"model.layers.{layer}.self_attn"
-        x, _ = io[f"{prefix}.q_a_proj"]
-        q = per_head(
-            attn.q_a_layernorm(x @ by_key[(layer, "Q_down")].matrix().T)
-            @ by_key[(layer, "Q_up")].matrix().T,
-            nope + rope,
-        )
+        if name == "deepseek_v2":  # no query latent: one q_proj
+            x, _ = io[f"{prefix}.q_proj"]
+            q = per_head(x @ by_key[(layer, "Q")].matrix().T, nope + rope)
+        else:
+            x, _ = io[f"{prefix}.q_a_proj"]
+            q = per_head(
+                attn.q_a_layernorm(x @ by_key[(layer, "Q_down")].matrix().T)
+                @ by_key[(layer, "Q_up")].matrix().T,
+                nope + rope,
+            )
         close(q, query)
         x, _ = io[f"{prefix}.kv_a_proj_with_mqa"]
         latent = attn.kv_a_layernorm(x @ by_key[(layer, "KV_down")].matrix().T)
