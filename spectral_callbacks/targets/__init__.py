@@ -5,14 +5,14 @@
 unwatched weight in a user ``mapping``. docs/targets.md has the architecture table.
 """
 
-from spectral_callbacks.targets.find import (
+from spectral_callbacks.targets.errors import (
     AmbiguousTargetWarning,
     PartialTargetWarning,
     TargetError,
     TargetWarning,
-    clean_name,
-    find_targets,
 )
+from spectral_callbacks.targets.find import find_targets
+from spectral_callbacks.targets.matching import clean_name
 from spectral_callbacks.targets.rules import BUILTIN_RULES, Context, Skip, Split
 from spectral_callbacks.targets.target import (
     ROLE_ORDER,

@@ -1,0 +1,19 @@
+"""What ``find_targets`` raises and warns."""
+
+from __future__ import annotations
+
+
+class TargetError(ValueError):
+    """``find_targets`` could not build a usable map: nothing found, a clash, or bad arguments."""
+
+
+class TargetWarning(UserWarning):
+    """Base class of the warnings ``find_targets`` emits."""
+
+
+class PartialTargetWarning(TargetWarning):
+    """Something that looks like a watched matrix was not mapped, or layers have different roles."""
+
+
+class AmbiguousTargetWarning(TargetWarning):
+    """A parameter matched several mapping patterns, or targets come from several lists of blocks."""

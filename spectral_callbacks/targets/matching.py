@@ -1,0 +1,242 @@
+"""Which decision each parameter gets: the user's ``mapping`` first, then the built-in rules.
+
+Names are matched with wrapper segments removed (``torch.compile``'s ``_orig_mod.``, DDP's leading
+``module.``, FSDP/checkpoint wrappers, Lightning's ``_forward_module.``), so wrapped and bare models
+map alike; a weight's block is found on the real name, in the module tree.
+"""
+
+from __future__ import annotations
+
+import re
+import warnings
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from spectral_callbacks.targets.errors import AmbiguousTargetWarning, TargetError
+from spectral_callbacks.targets.rules import (
+    BUILTIN_RULES,
+    Context,
+    Decision,
+    Pattern,
+    Skip,
+    Split,
+    is_transposed,
+    match_length,
+)
+from spectral_callbacks.targets.target import Rows, Skipped
+
+UserDecision = str | Split | Skip | None
+MappingValue = UserDecision | Callable[[str, torch.Tensor], UserDecision]
+UserMapping = Mapping[Pattern, MappingValue] | Callable[[str, torch.Tensor], UserDecision]
+Patterns = Pattern | Iterable[Pattern] | None
+
+# Module names that wrappers insert into parameter names; the rules never see them.
+_WRAPPER_SEGMENTS = frozenset(
+    {"_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_forward_module"}
+)
+_LIST_TYPES = (nn.ModuleList, nn.Sequential)
+_HEAD_NAMES = frozenset({"lm_head", "head", "classifier", "score", "embed_out", "output"})
+
+
+def clean_name(name: str) -> str:
+    """``name`` without wrapper segments (leading DDP ``module.``, ``_orig_mod.``, ...).
+
+    >>> clean_name("module._orig_mod.transformer.h.0.attn.c_attn.weight")
+    'transformer.h.0.attn.c_attn.weight'
+    """
+    segments = name.split(".")
+    while len(segments) > 1 and segments[0] == "module":
+        segments = segments[1:]
+    return ".".join(s for s in segments if s not in _WRAPPER_SEGMENTS)
+
+
+@dataclass
+class Candidate:
+    """A 2-D parameter with its decision, before layers are numbered and filters applied."""
+
+    name: str  # as in the model given
+    clean: str
+    parameter: torch.Tensor
+    parts: list[tuple[str, Rows]]
+    skip: Skip | None
+    block: tuple[str, int] | None  # (list path, index in list)
+
+
+def as_patterns(value: Patterns, argument: str) -> list[Pattern]:
+    if value is None:
+        return []
+    if isinstance(value, (str, re.Pattern)):
+        items: list[object] = [value]
+    elif isinstance(value, Iterable):
+        items = list(value)
+    else:
+        items = [value]
+    for item in items:
+        if not isinstance(item, (str, re.Pattern)):
+            raise TargetError(
+                f"`{argument}` must be a name pattern (fnmatch string or compiled regex) or a "
+                f"list of them, got {item!r}"
+            )
+    return items  # type: ignore[return-value]
+
+
+def matches(patterns: list[Pattern], clean: str) -> Pattern | None:
+    """The first pattern matching the parameter name, or the module name for a ``.weight``."""
+    module = clean[: -len(".weight")] if clean.endswith(".weight") else None
+    for pattern in patterns:
+        if match_length(pattern, clean) is not None:
+            return pattern
+        if module and match_length(pattern, module) is not None:
+            return pattern
+    return None
+
+
+def user_decision(mapping: UserMapping, ctx: Context, name: str) -> tuple[Decision, int] | None:
+    """The mapping's decision and how many trailing segments it matched, or None (no opinion)."""
+    if callable(mapping) and not isinstance(mapping, Mapping):
+        decision = mapping(name, ctx.parameter)
+        return None if decision is None else (decision, 1)
+    module = ctx.name[: -len(".weight")] if ctx.name.endswith(".weight") else None
+    found: list[tuple[Pattern, Decision, int]] = []
+    for pattern, value in mapping.items():
+        length = match_length(pattern, ctx.name)
+        if length is None and module:
+            length = match_length(pattern, module)
+            length = None if length is None else length + 1
+        if length is None:
+            continue
+        decision = value(name, ctx.parameter) if callable(value) else value
+        if decision is None and callable(value):
+            continue  # a callable value returning None has no opinion on this parameter
+        found.append(
+            (pattern, Skip("mapped to None by mapping=") if decision is None else decision, length)
+        )
+    if not found:
+        return None
+    if len({repr(decision) for _, decision, _ in found}) > 1:
+        warnings.warn(
+            f"{name} matches several mapping= patterns with different roles: "
+            + ", ".join(f"{p!r} -> {d!r}" for p, d, _ in found)
+            + f"; using the first ({found[0][0]!r}). Make the patterns disjoint to silence this.",
+            AmbiguousTargetWarning,
+            stacklevel=4,
+        )
+    return found[0][1], found[0][2]
+
+
+def builtin_decision(ctx: Context) -> tuple[Decision, int] | None:
+    for pattern, rule in BUILTIN_RULES:
+        length = match_length(pattern, ctx.name)
+        if length is not None:
+            return (rule(ctx) if callable(rule) else rule), length
+    return None
+
+
+def parts_of(
+    decision: Decision, ctx: Context, name: str, from_user: bool
+) -> list[tuple[str, Rows]]:
+    transposed = is_transposed(ctx.modules[0])
+    if isinstance(decision, str):
+        decision = Split((decision,), transposed=transposed)
+    if not isinstance(decision, Split):
+        raise TargetError(
+            f"mapping= for {name} must give a role string, Split(...), Skip(...) or None, "
+            f"got {decision!r}"
+        )
+    if decision.transposed is not None:
+        transposed = decision.transposed
+    rows, cols = ctx.parameter.shape
+    shape = (cols, rows) if transposed else (rows, cols)
+    try:
+        return decision.parts(name, shape, transposed)
+    except ValueError as error:
+        if from_user:
+            raise TargetError(f"mapping= gave an unusable Split: {error}") from error
+        raise
+
+
+def block_of(name: str, matched: int, modules: Mapping[str, nn.Module]) -> tuple[str, int] | None:
+    """(list path, index) of the outermost ModuleList/Sequential entry on the path before the match."""
+    segments = name.split(".")
+    clean_matched = min(matched, len(clean_name(name).split(".")))
+    for i in range(len(segments) - clean_matched):
+        if segments[i].isdigit():
+            path = ".".join(segments[:i])
+            if isinstance(modules.get(path), _LIST_TYPES):
+                return path, int(segments[i])
+    return None
+
+
+def reason_not_matched(ctx: Context, inside_blocks: bool) -> Skip:
+    segments = ctx.name.split(".")
+    if isinstance(ctx.modules[0], nn.Embedding) or any(
+        "embed" in s or s in ("wte", "wpe") for s in segments
+    ):
+        return Skip("embedding")
+    if set(segments[:-1]) & _HEAD_NAMES and not inside_blocks:
+        return Skip("output head")
+    if inside_blocks:
+        return Skip("inside a block but no rule matched", warn=True)
+    return Skip("outside the blocks; no rule matched")
+
+
+def decide(
+    model: nn.Module,
+    modules: Mapping[str, nn.Module],
+    mapping: UserMapping | None,
+    builtin_rules: bool,
+) -> tuple[list[Candidate], list[Skipped], int, dict[str, int]]:
+    """A decision for every 2-D parameter: ``mapping`` first, then the built-in rules.
+
+    Returns the 2-D candidates, the weights skipped outright (tied, not 2-D), the number of
+    parameters with fewer than 2 dims, and every parameter's position in ``named_parameters``.
+    """
+    candidates, skipped, low_dim = [], [], 0
+    first_name: dict[int, str] = {}
+    position: dict[str, int] = {}  # parameter order, so the summary lists skipped weights in it
+    for name, parameter in model.named_parameters(remove_duplicate=False):
+        position[name] = len(position)
+        if parameter.dim() < 2:
+            low_dim += id(parameter) not in first_name
+            first_name.setdefault(id(parameter), name)
+            continue
+        if id(parameter) in first_name:  # tied weights (GPT-2's lm_head is wte) are watched once
+            tied = Skipped(name, tuple(parameter.shape), f"tied to {first_name[id(parameter)]}")
+            skipped.append(tied)
+            continue
+        first_name[id(parameter)] = name
+        if parameter.dim() > 2:
+            what = "fused MoE experts" if "experts" in name else "not a matrix"
+            reason = f"{parameter.dim()}-D ({what}): only 2-D weights are watched"
+            skipped.append(Skipped(name, tuple(parameter.shape), reason))
+            continue
+        module_path = name.rpartition(".")[0]
+        owners = []
+        path = module_path
+        while True:
+            owners.append(modules[path])
+            if not path:
+                break
+            path = path.rpartition(".")[0]
+        ctx = Context(clean_name(name), parameter, tuple(owners))
+        found = user_decision(mapping, ctx, name) if mapping is not None else None
+        from_user = found is not None
+        if found is None and builtin_rules:
+            found = builtin_decision(ctx)
+        if found is None:
+            candidates.append(
+                Candidate(name, ctx.name, parameter, [], None, block_of(name, 1, modules))
+            )
+            continue
+        decision, matched = found
+        if isinstance(decision, Skip):
+            candidates.append(Candidate(name, ctx.name, parameter, [], decision, None))
+            continue
+        parts = parts_of(decision, ctx, name, from_user)
+        candidates.append(
+            Candidate(name, ctx.name, parameter, parts, None, block_of(name, matched, modules))
+        )
+    return candidates, skipped, low_dim, position
