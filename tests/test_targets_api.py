@@ -288,3 +288,35 @@ def test_interleaved_split_copies_only_its_own_rows():
     weight = model.blocks[0]["mix"].wqkv.weight
     expected = weight.view(4, 3, 4, 16)[:, 2].reshape(16, 16)
     assert torch.equal(v.matrix(), expected) and v.matrix().numel() == weight.numel() // 3
+
+
+def test_multi_query_fused_qkv_is_not_split_into_wrong_thirds():
+    # d + 2 * head_dim = 48 rows divide by 3, but equal thirds would be wrong: q has 32 rows
+    block = NanoBlock(32, 4)
+    block.attn.c_attn = nn.Linear(32, 48)
+    with pytest.warns(
+        PartialTargetWarning, match=r"c_attn.weight \(48, 32\): fused QKV of unknown"
+    ):
+        assert "Q" not in {t.role for t in find_targets(block)}
+    mapped = find_targets(block, mapping={"attn.c_attn": Split(("Q", "K", "V"), sizes=(32, 8, 8))})
+    assert [(t.role, t.shape) for t in mapped][:3] == [
+        ("Q", (32, 32)),
+        ("K", (8, 32)),
+        ("V", (8, 32)),
+    ]
+
+
+def test_transposed_per_head_split_of_an_in_out_weight():
+    torch.manual_seed(4)
+    model = nn.Module()
+    model.proj = nn.Module()
+    model.proj.weight = nn.Parameter(
+        torch.randn(16, 2 * 12)
+    )  # stored (in, out), out = (3 heads, [k; v] of 4)
+    (v,) = find_targets(
+        model, mapping={"proj": Split(("K", "V"), groups=3, transposed=True)}, roles="V"
+    )
+    x = torch.randn(5, 16)
+    expected = (x @ model.proj.weight).view(5, 3, 2, 4)[:, :, 1].reshape(5, 12)
+    torch.testing.assert_close(x @ v.matrix().T, expected)
+    assert v.shape == (12, 16)

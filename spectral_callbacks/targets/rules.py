@@ -138,6 +138,13 @@ class Context:
         return None
 
     @property
+    def in_features(self) -> int:
+        """Input columns of the parameter as an ``(out, in)`` matrix."""
+        return (
+            self.parameter.shape[0] if is_transposed(self.modules[0]) else self.parameter.shape[1]
+        )
+
+    @property
     def out_features(self) -> int:
         """Output rows of the parameter as an ``(out, in)`` matrix (``Conv1D`` is stored transposed)."""
         return (
@@ -150,6 +157,7 @@ Rule = Decision | Callable[[Context], Decision]
 
 HEADS = ("num_heads", "num_attention_heads", "n_head", "n_heads")
 KV_HEADS = ("num_key_value_heads", "n_kv_head", "n_kv_heads", "num_kv_heads")
+HEAD_DIM = ("head_dim", "head_size")
 
 
 def is_transposed(module: nn.Module) -> bool:
@@ -158,36 +166,44 @@ def is_transposed(module: nn.Module) -> bool:
 
 
 def _fused_qkv(ctx: Context) -> Decision:
-    """Rows ``[q; k; v]`` one after the other (GPT-2/nanoGPT ``c_attn``, timm ``qkv``, MHA ``in_proj``)."""
-    out = ctx.out_features
+    """Rows ``[q; k; v]`` one after the other (GPT-2/nanoGPT ``c_attn``, timm ``qkv``, MHA ``in_proj``).
+
+    Equal thirds only when that is certain (out = 3 * in, or 3 * heads * head_dim); grouped K/V
+    (Phi-3 ``qkv_proj``) is sized from the head counts; anything else is left out with a warning
+    rather than split wrongly (e.g. a multi-query ``c_attn`` of d + 2 * head_dim rows).
+    """
+    out, inp = ctx.out_features, ctx.in_features
     heads, kv_heads = ctx.lookup(*HEADS), ctx.lookup(*KV_HEADS)
-    if kv_heads is None or kv_heads == heads or heads is None:
-        if out % 3 == 0:
-            return Split(("Q", "K", "V"))
-    elif out % (heads + 2 * kv_heads) == 0:  # grouped K/V fused with Q (Phi-3 qkv_proj)
-        head_dim = out // (heads + 2 * kv_heads)
-        return Split(
-            ("Q", "K", "V"), sizes=(heads * head_dim, kv_heads * head_dim, kv_heads * head_dim)
-        )
+    head_dim = ctx.lookup(*HEAD_DIM)
+    if heads and kv_heads and kv_heads != heads:
+        if out % (heads + 2 * kv_heads) == 0:
+            head_dim = out // (heads + 2 * kv_heads)
+            sizes = (heads * head_dim, kv_heads * head_dim, kv_heads * head_dim)
+            return Split(("Q", "K", "V"), sizes=sizes)
+    elif out == 3 * inp or (heads and head_dim and out == 3 * heads * head_dim):
+        return Split(("Q", "K", "V"))
     return Skip(
-        f"fused QKV of unknown layout ({out} rows, heads={heads}, kv_heads={kv_heads}); "
-        "describe it with mapping={pattern: Split(...)}",
+        f"fused QKV of unknown layout ({out} rows for {inp} inputs, heads={heads}, "
+        f"kv_heads={kv_heads}); describe it with mapping={{pattern: Split(...)}}",
         warn=True,
     )
 
 
 def _per_head_qkv(ctx: Context) -> Decision:
     """GPT-NeoX/Pythia/Bloom ``query_key_value``: rows ``(heads, 3, head_dim)``."""
-    out = ctx.out_features
-    heads = ctx.lookup(*HEADS)
-    if heads is None:
-        head_dim = ctx.lookup("head_size", "head_dim")
-        heads = out // (3 * head_dim) if head_dim else None
-    if heads and out % (3 * heads) == 0:
+    out, inp = ctx.out_features, ctx.in_features
+    heads, kv_heads = ctx.lookup(*HEADS), ctx.lookup(*KV_HEADS)
+    head_dim = ctx.lookup(*HEAD_DIM)
+    if heads is None and head_dim and out % (3 * head_dim) == 0:
+        heads = out // (3 * head_dim)
+    if heads and head_dim is None and inp % heads == 0:
+        head_dim = inp // heads
+    grouped = kv_heads is not None and kv_heads != heads  # Falcon-style layouts differ
+    if heads and head_dim and out == 3 * heads * head_dim and not grouped:
         return Split(("Q", "K", "V"), groups=heads)
     return Skip(
-        f"per-head fused QKV but the head count ({heads}) does not divide {out} rows into "
-        "(heads, 3, head_dim); describe it with mapping={pattern: Split(...)}",
+        f"per-head fused QKV but {out} rows are not (heads={heads}, 3, head_dim={head_dim})"
+        f"{' with grouped K/V' if grouped else ''}; describe it with mapping={{pattern: Split(...)}}",
         warn=True,
     )
 
