@@ -71,6 +71,19 @@ def phi3():  # fused qkv_proj [q; k; v] with GQA sizes, fused gate_up_proj [gate
     return transformers.Phi3ForCausalLM(config)
 
 
+def t5_encoder():  # nested lists encoder.block.N.layer.M; gated MLP wi_0 (gate), wi_1 (up)
+    config = transformers.T5Config(
+        d_model=32,
+        d_kv=8,
+        d_ff=64,
+        num_layers=2,
+        num_heads=4,
+        vocab_size=50,
+        feed_forward_proj="gated-gelu",
+    )
+    return transformers.T5EncoderModel(config)
+
+
 def bert():
     config = transformers.BertConfig(**SIZES, vocab_size=50)
     return transformers.BertModel(config)
@@ -131,6 +144,7 @@ ARCHITECTURES = {
     "mistral": (mistral, LLAMA_ROLES),
     "qwen2": (qwen2, LLAMA_ROLES),
     "phi3": (phi3, LLAMA_ROLES),
+    "t5_encoder": (t5_encoder, LLAMA_ROLES),
     "bert": (bert, SIX),
     "vit": (vit, SIX),
     "deepseek_v2": (deepseek_v2, ("Q", *MLA_ROLES[2:])),
@@ -156,6 +170,8 @@ def run_with_probes(model, targets):
     with torch.no_grad():
         if isinstance(model, transformers.ViTModel):
             model(pixel_values=torch.randn(batch, 3, 16, 16))
+        elif isinstance(model, transformers.T5EncoderModel):  # relative positions, no position_ids
+            model(input_ids=torch.randint(0, 50, (batch, length)))
         else:
             ids = torch.randint(0, 50, (batch, length))
             model(input_ids=ids, position_ids=torch.zeros(batch, length, dtype=torch.long))
@@ -224,7 +240,7 @@ def test_every_matrix_is_what_the_projection_multiplies_by(architecture):
 
 
 @pytest.mark.parametrize(
-    "name", ["gpt2", "gpt_neox", "llama", "mistral", "qwen2", "phi3", "bert", "vit"]
+    "name", ["gpt2", "gpt_neox", "llama", "mistral", "qwen2", "phi3", "t5_encoder", "bert", "vit"]
 )
 def test_q_k_v_match_the_attention_inputs(name):
     torch.manual_seed(1)
@@ -233,7 +249,10 @@ def test_q_k_v_match_the_attention_inputs(name):
     targets = find_targets(model)
     states, io = run_with_probes(model, targets)
     by_key = {(t.layer, t.role): t for t in targets}
-    head_dim = model.config.hidden_size // model.config.num_attention_heads
+    head_dim = (
+        getattr(model.config, "d_kv", None)
+        or model.config.hidden_size // model.config.num_attention_heads
+    )
     assert len(states) == 2
     for layer, (query, key, value) in enumerate(states):
         for role, state in zip("QKV", (query, key, value), strict=True):

@@ -257,6 +257,7 @@ BUILTIN_RULES: tuple[tuple[str, Rule], ...] = (
     ("crossattention.*", _CROSS),
     ("encoder_attn.*", _CROSS),
     ("multihead_attn.*", _CROSS),
+    ("EncDecAttention.*", _CROSS),
     ("mlp.gate.weight", _ROUTER),
     ("router.*", _ROUTER),
     # GPT-2 (Conv1D, stored (in, out)) and nanoGPT (Linear): c_attn rows [q; k; v].
@@ -309,6 +310,15 @@ BUILTIN_RULES: tuple[tuple[str, Rule], ...] = (
     ("feed_forward.w1.weight", "MLP_gate"),
     ("feed_forward.w3.weight", "MLP_up"),
     ("feed_forward.w2.weight", "MLP_down"),
+    # T5 (gated variants: wi_0 is the gate, wi_1 the linear half).
+    ("SelfAttention.q.weight", "Q"),
+    ("SelfAttention.k.weight", "K"),
+    ("SelfAttention.v.weight", "V"),
+    ("SelfAttention.o.weight", "O"),
+    ("DenseReluDense.wi.weight", "MLP_up"),
+    ("DenseReluDense.wi_0.weight", "MLP_gate"),
+    ("DenseReluDense.wi_1.weight", "MLP_up"),
+    ("DenseReluDense.wo.weight", "MLP_down"),
     # MLA (DeepSeek-V2/V3), GLA (kv_b_proj per latent group), MFA (low-rank Q).
     ("q_a_proj.weight", "Q_down"),
     ("q_b_proj.weight", "Q_up"),
