@@ -1,0 +1,189 @@
+"""Every example runs at a tiny size, in-process, so none of them can rot."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import analyze_pretrained
+import attention_variants
+import data
+import demo
+import pandas as pd
+import pytest
+import torch
+import train_gpt
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+
+from spectral_callbacks.events import read_runs
+
+TINY = [
+    "--depth",
+    "2",
+    "--width",
+    "32",
+    "--heads",
+    "4",
+    "--block-size",
+    "16",
+    "--tokens-per-step",
+    "64",
+]
+QUIET = ["--no-progress", "--accelerator", "cpu"]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread() -> Iterator[None]:
+    """Tiny models are overhead-bound: a second intra-op thread only adds contention."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    logdir = tmp_path_factory.mktemp("runs")
+    argv = [*TINY, *QUIET, "--steps", "4", "--every-n-steps", "2", "--log-every-n-steps", "1"]
+    return train_gpt.main([*argv, "--logdir", str(logdir), "--name", "tiny", "--version", ""])
+
+
+def test_train_gpt_logs_loss_tokens_and_spectra(tiny_run: Path) -> None:
+    rows = read_runs([tiny_run], all_scalars=True).rows
+    tokens = rows[rows["metric"] == "train/tokens"].sort_values("step")
+    assert tokens["value"].tolist() == [64.0 * (step + 1) for step in tokens["step"]]
+    assert len(tokens) == 4 and rows["metric"].eq("train/loss").sum() == 4
+    stable_rank = rows[(rows["metric"] == "stable_rank") & (rows["layer"] == 0)]
+    assert set(stable_rank["role"]) == {"Q", "K", "V", "O", "MLP_up", "MLP_down"}
+    assert {0, 4} <= set(stable_rank["step"])  # the initialization and the final step
+
+
+def test_train_gpt_bad_flags_name_the_flag(tmp_path: Path) -> None:
+    with pytest.raises(
+        MisconfigurationException, match="`--tokens-per-step` .* multiple of `--block-size`"
+    ):
+        train_gpt.main([*TINY[:-1], "100", "--logdir", str(tmp_path)])
+    with pytest.raises(MisconfigurationException, match="`--steps` must be a positive int, got 0"):
+        train_gpt.main([*TINY, "--steps", "0", "--logdir", str(tmp_path)])
+    with pytest.raises(MisconfigurationException, match="multiple of `n_kv_head`.*--kv-heads"):
+        train_gpt.main([*TINY, "--attention", "gqa", "--kv-heads", "3", "--logdir", str(tmp_path)])
+
+
+def test_lr_schedule_warms_up_then_decays_to_the_floor() -> None:
+    module = train_gpt.GPTModule(
+        train_gpt.GPTConfig(n_layer=1, n_head=1, n_embd=8), max_steps=100, warmup_steps=10
+    )
+    factors = [module.lr_factor(step) for step in (0, 9, 10, 55, 100, 150)]
+    assert factors == pytest.approx([0.1, 1.0, 1.0, 0.55, 0.1, 0.1])
+
+
+def test_module_rebuilds_from_its_hyperparameters() -> None:
+    config = train_gpt.GPTConfig(n_layer=1, n_head=2, n_embd=8, attention="mla")
+    module = train_gpt.GPTModule(config, lr=1e-3)
+    rebuilt = train_gpt.GPTModule(**module.hparams)
+    assert rebuilt.model.config == config and rebuilt.lr == 1e-3
+
+
+def test_data_reads_a_user_file_and_names_bad_input(tmp_path: Path) -> None:
+    text = tmp_path / "tiny.txt"
+    text.write_bytes(b"hello world")
+    assert bytes(data.load_bytes(text).tolist()) == b"hello world"
+    with pytest.raises(FileNotFoundError, match="`text` file .*missing.txt"):
+        data.load_bytes(tmp_path / "missing.txt")
+    with pytest.raises(ValueError, match="not more than `block_size` \\(16\\)"):
+        data.RandomWindows(data.load_bytes(text), block_size=16)
+
+
+def test_same_seed_gives_the_same_windows() -> None:
+    text = data.load_bytes(max_bytes=5000)
+    first, second = (iter(data.RandomWindows(text, block_size=8, seed=3)) for _ in range(2))
+    for _ in range(3):
+        torch.testing.assert_close(next(first), next(second))
+
+
+@pytest.mark.slow
+def test_attention_variants_draws_loss_minus_mha(tmp_path: Path) -> None:
+    argv = ["--variants", "mha", "mla", "gla4", "--depth", "1", "--width", "32", "--steps", "4"]
+    argv += [
+        "--tokens-per-step",
+        "64",
+        "--block-size",
+        "16",
+        "--every-n-steps",
+        "2",
+        "--no-progress",
+    ]
+    chart = attention_variants.main([*argv, "--accelerator", "cpu", "--logdir", str(tmp_path)])
+    assert chart.stat().st_size > 0
+    table = attention_variants.final_losses(tmp_path, ["mha", "mla", "gla4"])
+    assert table.loc["mha", "minus mha"] == 0 and table["final loss"].notna().all()
+    roles = set(read_runs([tmp_path / "gla4"]).rows["role"])
+    assert {"Q", "KV_down", "K_rope", "K_g3", "V_g3", "O", "MLP_up"} <= roles
+
+
+def test_attention_variants_refuses_a_used_logdir(tmp_path: Path) -> None:
+    (tmp_path / "mha").mkdir()
+    (tmp_path / "mha" / "events.out.tfevents.1").write_bytes(b"")
+    with pytest.raises(MisconfigurationException, match="already holds a run"):
+        attention_variants.main(["--variants", "mha", "--logdir", str(tmp_path)])
+
+
+def test_analyze_pretrained_charts_a_local_model_beside_a_run(
+    tmp_path: Path, tiny_run: Path
+) -> None:
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, n_positions=32, vocab_size=64)
+    transformers.GPT2Model(config).save_pretrained(tmp_path / "tiny-gpt2")
+    chart = analyze_pretrained.main(
+        [
+            str(tmp_path / "tiny-gpt2"),
+            "--run",
+            str(tiny_run),
+            "--logdir",
+            str(tmp_path / "analyzed"),
+        ]
+    )
+    assert chart == tmp_path / "analyzed" / "alpha_vs_depth_Q.png" and chart.stat().st_size > 0
+    runs = (
+        read_runs([tiny_run, tmp_path / "analyzed" / "tiny-gpt2"])
+        .rows.groupby("run")["layer"]
+        .max()
+    )
+    assert runs.to_dict() == {"tiny": 1, "tiny-gpt2": 1}
+
+
+@pytest.mark.slow
+def test_demo_writes_the_csv_and_every_chart(tmp_path: Path) -> None:
+    argv = ["--depth", "2", "--width", "32", "--heads", "2", "--steps", "6", "--block-size", "16"]
+    written = demo.main(
+        [
+            *argv,
+            "--tokens-per-step",
+            "64",
+            "--every-n-steps",
+            "2",
+            "--no-progress",
+            "--output",
+            str(tmp_path),
+        ]
+    )
+    assert set(written) == {"run", "csv", *(name for name, _ in demo.CHARTS)}
+    for name, _ in demo.CHARTS:
+        assert written[name].stat().st_size > 0, name
+    rows = pd.read_csv(written["csv"])
+    assert set(rows.columns) >= {"run", "step", "metric", "layer", "depth", "role", "value"}
+    assert {0, 6} <= set(rows.loc[rows["metric"] == "stable_rank", "step"])
+    # a second demo in the same folder replaces the run instead of mixing two runs' points
+    demo.main(
+        [
+            *argv,
+            "--tokens-per-step",
+            "64",
+            "--every-n-steps",
+            "2",
+            "--no-progress",
+            "--output",
+            str(tmp_path),
+        ]
+    )
+    assert len(list(written["run"].glob("events.out.tfevents.*"))) == 1
