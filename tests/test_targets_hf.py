@@ -212,6 +212,7 @@ def test_counts_roles_and_layers(architecture):
     targets = find_targets(model)
     assert [(t.layer, t.role) for t in targets] == [(i, r) for i in range(2) for r in roles]
     assert all(t.num_layers == 2 for t in targets)
+    assert all(tuple(t.matrix().shape) == t.shape for t in targets)
     assert len({t.name for t in targets}) == len(targets)
     # no stored row is watched twice: the (parameter, rows) pairs are distinct
     assert len({(t.parameter_name, t.rows) for t in targets}) == len(targets)

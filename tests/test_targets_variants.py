@@ -87,6 +87,7 @@ def test_roles_and_counts_follow_each_variants_role_map(variant):
         assert sorted(roles) == sorted(expected)
     assert [t.layer for t in targets] == sorted(t.layer for t in targets)
     assert all(t.num_layers == L for t in targets)
+    assert all(tuple(t.matrix().shape) == t.shape for t in targets)
     assert len({(t.parameter_name, t.rows) for t in targets}) == len(targets)
 
 

@@ -94,6 +94,12 @@ class Rows:
     groups: int = 1
     transposed: bool = False
 
+    def shape_of(self, stored: tuple[int, ...]) -> tuple[int, int]:
+        """The ``(rows, in)`` shape ``take`` returns for a weight of shape ``stored``."""
+        out, inp = (stored[1], stored[0]) if self.transposed else (stored[0], stored[1])
+        per_group = range(out // self.groups)[self.start : self.stop]
+        return (self.groups * len(per_group), inp)
+
     def take(self, weight: torch.Tensor) -> torch.Tensor:
         """The selected ``(rows, in)`` matrix of ``weight``: a view unless ``groups > 1``."""
         matrix = weight.t() if self.transposed else weight  # (out, in)
@@ -150,10 +156,9 @@ class Target:
         """A target on ``parameter``; ``fused=True`` appends ``[role]`` to the name."""
         rows = rows or Rows()
         check_role(role, f"target {parameter_name}")
-        with torch.no_grad():
-            shape = tuple(rows.take(parameter.detach()).shape)
+        shape = rows.shape_of(tuple(parameter.shape))  # no copy, even for interleaved rows
         name = f"{parameter_name}[{role}]" if fused else parameter_name
-        return cls(name, parameter_name, layer, num_layers, role, shape, parameter, rows)  # type: ignore[arg-type]
+        return cls(name, parameter_name, layer, num_layers, role, shape, parameter, rows)
 
     @property
     def depth(self) -> float:
