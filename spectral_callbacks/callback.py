@@ -32,6 +32,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from spectral_callbacks import dashboards
+from spectral_callbacks import distributed as multi
 from spectral_callbacks.engine import Compute, SnapshotEngine, SnapshotResult, SpectrumCompute
 from spectral_callbacks.reporting import (
     KNOWN_METRICS,
@@ -92,6 +93,9 @@ class SpectralMonitor(Callback):
             exception. Default ``60.0``.
         worker_threads: intra-op threads of the worker (``torch.set_num_threads`` is per thread), so a
             CPU SVD does not claim every core training uses; ``None`` keeps torch's default. Default ``1``.
+        worker_nice: on the CPU, lower the worker thread's priority by this nice increment (Linux),
+            so training threads run first on busy cores and the SVD takes the slack; ``None`` or
+            ``0`` leaves it. Default ``10``.
         history_size: snapshots kept in memory for the figures. Default ``256``.
         compute: replace the SVD + metrics function (``(group, batch) -> {metric: (B,) tensor}``);
             for tests and custom metrics. Default ``None`` (:class:`SpectrumCompute`).
@@ -131,6 +135,7 @@ class SpectralMonitor(Callback):
         synchronous: bool = False,
         drain_timeout: float = 60.0,
         worker_threads: int | None = 1,
+        worker_nice: int | None = 10,
         history_size: int = 256,
         compute: Compute | None = None,
     ) -> None:
@@ -174,6 +179,7 @@ class SpectralMonitor(Callback):
         self.synchronous = synchronous
         self.drain_timeout = drain_timeout
         self.worker_threads = worker_threads
+        self.worker_nice = worker_nice
         self.history_size = history_size
         self.targets: list[Any] = []
         self._engine: SnapshotEngine | None = None
@@ -202,6 +208,7 @@ class SpectralMonitor(Callback):
                 "SpectralMonitor logs its metrics through the Trainer's loggers, but the Trainer has "
                 "none: pass `logger=TensorBoardLogger('runs')` (or any Lightning logger) to the Trainer"
             )
+        multi.check_strategy(trainer, self.schedule.max_overhead)
         self._trainer = trainer
 
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -210,20 +217,22 @@ class SpectralMonitor(Callback):
         self._start(pl_module)
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        if trainer.is_global_zero:
+        if self._runs_here(trainer):
             self._begin(trainer)
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, *args: Any) -> None:
-        if trainer.is_global_zero and self._engine is not None:
+        if self._runs_here(trainer) and self._engine is not None:
             self._after_batch(trainer)
 
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        if trainer.is_global_zero and self._engine is not None:
+        if self._runs_here(trainer) and self._engine is not None:
             self._finish(trainer)
 
     def on_exception(
         self, trainer: Trainer, pl_module: LightningModule, exception: BaseException
     ) -> None:
+        if isinstance(self._engine, multi.DistributedEngine):
+            self._engine.abort()  # peers may never reach another collective
         if self._engine is not None:
             self._finish_after_exception(trainer)
 
@@ -235,6 +244,7 @@ class SpectralMonitor(Callback):
             self._reporter is not None
             and not self._reporter.references
             and self._engine is not None
+            and self._may_wait_for_references()
         ):
             # A checkpoint saved before the first snapshot's result came back would lose the
             # compression reference: wait for it (bounded) so a resume keeps it.
@@ -277,12 +287,13 @@ class SpectralMonitor(Callback):
         devices = {target.matrix().device for target in self.targets}
         cuda = [device for device in devices if device.type == "cuda"]
         self._stream = torch.cuda.Stream(cuda[0]) if cuda and not self.synchronous else None
-        self._engine = SnapshotEngine(
-            self.compute,
+        self._engine = self._make_engine(
             groups,
             max_pending=self.max_pending,
             synchronous=self.synchronous,
             worker_threads=self.worker_threads,
+            # On CUDA the worker only enqueues kernels: lowering its priority would only add latency.
+            worker_nice=self.worker_nice if self._stream is None else None,
         )
         self._engine.skipped = int(self._restored.get("skipped", 0))
         self._reporter = Reporter(self.targets, self.metrics, self.history_size)
@@ -290,13 +301,16 @@ class SpectralMonitor(Callback):
 
     def _begin(self, trainer: Trainer) -> None:
         assert self._reporter is not None
-        log_to_all(
-            trainer.loggers, num_layers_scalar(self._reporter.num_layers), step=trainer.global_step
-        )
-        experiments = dashboards.tensorboard_experiments(trainer.loggers)
-        dashboards.add_layout(
-            experiments, dashboards.custom_scalars_layout(self.targets, self.metrics)
-        )
+        if trainer.is_global_zero:
+            log_to_all(
+                trainer.loggers,
+                num_layers_scalar(self._reporter.num_layers),
+                step=trainer.global_step,
+            )
+            experiments = dashboards.tensorboard_experiments(trainer.loggers)
+            dashboards.add_layout(
+                experiments, dashboards.custom_scalars_layout(self.targets, self.metrics)
+            )
         self._previous_step = trainer.global_step
         self._previous_time = time.perf_counter()
         if trainer.global_step == 0 and self.schedule.last_snapshot_step is None:
@@ -349,6 +363,8 @@ class SpectralMonitor(Callback):
                 skipped=self._engine.skipped,
             )
         )
+        if isinstance(result, multi.GatheredResult):  # per-rank health, the total skipped
+            scalars.update(result.rank_scalars)
         log_to_all(trainer.loggers, scalars, step=result.step)
         self.schedule.record_snapshot_cost(result.main_thread_seconds + result.svd_seconds)
         experiments = dashboards.tensorboard_experiments(trainer.loggers)
@@ -381,6 +397,8 @@ class SpectralMonitor(Callback):
             self._snapshot(step)
             if skipped_here and self._last_submitted_step == step:
                 self._engine.skipped -= 1  # skipped in the last batch, measured now after all
+        if isinstance(self._engine, multi.DistributedEngine):
+            self._engine.flush(deadline)  # every rank sends what is still due: the last collectives
         self._collect_and_log(trainer, wait_seconds=max(0.0, deadline - time.monotonic()))
         self._warn_if_left(trainer)
         experiments = dashboards.tensorboard_experiments(trainer.loggers)
@@ -411,6 +429,32 @@ class SpectralMonitor(Callback):
             )
         finally:
             self._close()
+
+    def _runs_here(self, trainer: Trainer) -> bool:
+        """Rank 0 does all the work of one process; under DDP every rank snapshots its share."""
+        return trainer.is_global_zero or isinstance(self._engine, multi.DistributedEngine)
+
+    def _make_engine(self, groups: list[Any], **options: Any) -> Any:
+        """A SnapshotEngine, or under DDP one over this rank's share that gathers to rank 0."""
+        rank, world_size = multi.world(self._trainer)
+        if world_size == 1:
+            return SnapshotEngine(self.compute, groups, **options)
+        return multi.DistributedEngine(
+            self.compute,
+            self.targets,
+            multi.result_columns(self.metrics),
+            rank=rank,
+            world_size=world_size,
+            group=multi.results_group(2 * self.drain_timeout + 60),
+            **options,
+        )
+
+    def _may_wait_for_references(self) -> bool:
+        """Under DDP only rank 0 logs, and only a reduce already issued can bring the references."""
+        if not isinstance(self._engine, multi.DistributedEngine):
+            return True
+        trainer = self._trainer
+        return trainer is not None and trainer.is_global_zero and bool(self._engine.in_flight)
 
     def _warn_if_left(self, trainer: Trainer) -> None:
         if self._engine is not None and self._engine.pending:

@@ -39,6 +39,7 @@ Example::
 from __future__ import annotations
 
 import collections
+import os
 import queue
 import threading
 import time
@@ -100,6 +101,9 @@ class SnapshotEngine:
         worker_threads: ``torch.set_num_threads`` in the worker thread (it is per-thread for the
             OpenMP pool), so a CPU SVD does not claim every core training uses. ``None`` leaves
             torch's default. Default ``1``.
+        worker_nice: raise the worker thread's nice value by this much (Linux: per thread), so on
+            busy cores the scheduler runs training first and the SVD in what is left. ``None``
+            leaves it. Default ``None``.
 
     Raises:
         ValueError: if ``max_pending`` is not a positive int.
@@ -113,6 +117,7 @@ class SnapshotEngine:
         max_pending: int = 2,
         synchronous: bool = False,
         worker_threads: int | None = 1,
+        worker_nice: int | None = None,
     ) -> None:
         if not isinstance(max_pending, int) or max_pending < 1:
             raise ValueError(f"`max_pending` must be a positive int, got {max_pending!r}")
@@ -121,6 +126,7 @@ class SnapshotEngine:
         self.max_pending = max_pending
         self.synchronous = synchronous
         self.worker_threads = worker_threads
+        self.worker_nice = worker_nice
         self.skipped = 0
         self._jobs: collections.deque[_Job] = collections.deque()
         self._queue: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
@@ -204,6 +210,16 @@ class SnapshotEngine:
     def _loop(self) -> None:
         if self.worker_threads is not None:
             torch.set_num_threads(self.worker_threads)
+        if self.worker_nice and hasattr(os, "setpriority"):
+            try:  # on Linux a thread is a task: this lowers the priority of this thread only
+                thread = threading.get_native_id()
+                os.setpriority(
+                    os.PRIO_PROCESS,
+                    thread,
+                    os.getpriority(os.PRIO_PROCESS, thread) + self.worker_nice,
+                )
+            except OSError:  # not permitted here: run at normal priority
+                pass
         while True:
             job = self._queue.get()
             if job is None:

@@ -1,0 +1,211 @@
+"""Training overhead of SpectralMonitor: the same small GPT without it, with it, and synchronous.
+
+The three variants run alternately in one process (round 1: none, default, synchronous; round 2:
+...), so a machine shared with other work slows them alike; the table gives medians over rounds:
+
+* ``train s``  - wall time of the training loop (first batch start to ``on_train_end``);
+* ``fit s``    - the whole ``trainer.fit`` (including the final snapshot, drain and end figures);
+* ``ratio``    - each against the run without the callback, same round, then the median;
+* ``main ms``  - main-thread milliseconds per snapshot (copy + hand-over; the SVD too when
+  synchronous), from ``spectral_monitor/main_thread_ms``;
+* ``svd ms``   - SVD + metrics milliseconds per snapshot (worker thread or side stream).
+
+The device is chosen automatically (CUDA when available), so the same command prints the same
+table on a GPU::
+
+    python benchmarks/overhead.py                 # 4 layers x 128 wide, 4 x 64 tokens, 300 steps, 3 rounds
+    python benchmarks/overhead.py --width 768 --layers 8 --block 256 --steps 500   # a GPU-sized run
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.loggers import Logger, TensorBoardLogger
+from torch.utils.data import DataLoader, TensorDataset
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+from gpt import GPT, GPTConfig  # noqa: E402
+
+from spectral_callbacks import SpectralMonitor  # noqa: E402
+from spectral_callbacks.names import monitor_tag  # noqa: E402
+
+# Keyword arguments of SpectralMonitor per variant; "none" runs without the callback.
+VARIANTS: dict[str, dict[str, Any]] = {
+    "none": {},
+    "default": {},
+    "synchronous": {"synchronous": True},
+    "no-nice": {"worker_nice": None},  # the default engine at normal worker priority
+    "budget-1%": {"max_overhead": 0.01},
+}
+
+
+class GPTModule(LightningModule):
+    def __init__(self, config: GPTConfig, lr: float = 1e-3) -> None:
+        super().__init__()
+        self.model = GPT(config)
+        self.lr = lr
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        _, loss = self.model(*batch)
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=self.lr)
+
+
+class LoopTimer(Callback):
+    """Wall time from the first batch start to the end of training (before the callback drains).
+
+    Placed first in ``callbacks``, its ``on_train_end`` runs before SpectralMonitor's. On CUDA it
+    waits for the *training* stream only, so work on the callback's side stream still overlaps.
+    """
+
+    def __init__(self) -> None:
+        self.start: float | None = None
+        self.end: float | None = None
+
+    def on_train_batch_start(self, trainer: Trainer, *args: Any) -> None:
+        if self.start is None:
+            _sync()
+            self.start = time.perf_counter()
+
+    def on_train_end(self, trainer: Trainer, *args: Any) -> None:
+        _sync()
+        self.end = time.perf_counter()
+
+
+class HealthLogger(Logger):
+    """Keeps the callback's per-snapshot health scalars in memory."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.main_ms: list[float] = []
+        self.svd_ms: list[float] = []
+        self.skipped = 0.0
+
+    name = "health"  # type: ignore[assignment]
+    version = 0  # type: ignore[assignment]
+
+    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+        if monitor_tag("main_thread_ms") in metrics:
+            self.main_ms.append(metrics[monitor_tag("main_thread_ms")])
+            self.svd_ms.append(metrics[monitor_tag("svd_ms")])
+            self.skipped = metrics[monitor_tag("skipped")]
+
+    def log_hyperparams(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():  # the training stream only: a measurement, not the callback
+        torch.cuda.current_stream().synchronize()
+
+
+def run_once(variant: str, args: argparse.Namespace, logdir: str) -> dict[str, float]:
+    torch.manual_seed(0)
+    config = GPTConfig(
+        n_layer=args.layers, n_head=args.width // 32, n_embd=args.width, block_size=args.block
+    )
+    tokens = torch.randint(0, 256, (args.steps * args.batch, args.block + 1))
+    loader = DataLoader(TensorDataset(tokens[:, :-1], tokens[:, 1:]), batch_size=args.batch)
+    timer, health = LoopTimer(), HealthLogger()
+    callbacks: list[Callback] = [timer]
+    if variant != "none":
+        callbacks.append(SpectralMonitor(**VARIANTS[variant]))
+    trainer = Trainer(
+        accelerator="auto",
+        devices=1,
+        max_steps=args.steps,
+        logger=[TensorBoardLogger(logdir, name=variant), health],
+        callbacks=callbacks,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        log_every_n_steps=50,
+    )
+    start = time.perf_counter()
+    trainer.fit(GPTModule(config), loader)
+    fit = time.perf_counter() - start
+    assert timer.start is not None and timer.end is not None
+    return {
+        "train": timer.end - timer.start,
+        "fit": fit,
+        "main_ms": statistics.median(health.main_ms) if health.main_ms else float("nan"),
+        "svd_ms": statistics.median(health.svd_ms) if health.svd_ms else float("nan"),
+        "snapshots": len(health.main_ms),
+        "skipped": health.skipped,
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--width", type=int, default=128)
+    parser.add_argument("--block", type=int, default=64, help="tokens per sequence")
+    parser.add_argument("--batch", type=int, default=4, help="sequences per batch")
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument(
+        "--variants",
+        default="default,synchronous",
+        help=f"comma-separated, from {', '.join(list(VARIANTS)[1:])}",
+    )
+    args = parser.parse_args(argv)
+
+    import logging
+    import warnings
+
+    logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore", ".*does not have many workers.*")
+    device = (
+        torch.cuda.get_device_name()
+        if torch.cuda.is_available()
+        else f"CPU, {torch.get_num_threads()} threads"
+    )
+    variants = ("none", *args.variants.split(","))
+    unknown = [variant for variant in variants if variant not in VARIANTS]
+    if unknown:
+        parser.error(f"--variants: unknown {unknown}; choose from {', '.join(list(VARIANTS)[1:])}")
+    results: dict[str, list[dict[str, float]]] = {variant: [] for variant in variants}
+    with tempfile.TemporaryDirectory() as logdir:
+        run_once("default", argparse.Namespace(**{**vars(args), "steps": 20}), logdir)  # warm-up
+        for round_index in range(args.rounds):
+            for variant in variants:
+                results[variant].append(run_once(variant, args, logdir))
+            line = ", ".join(f"{v} {results[v][-1]['train']:.2f}s" for v in variants)
+            print(f"round {round_index + 1}/{args.rounds}: {line}", flush=True)
+
+    def median_ratio(variant: str, key: str) -> float:
+        return statistics.median(
+            r[key] / n[key] for r, n in zip(results[variant], results["none"], strict=True)
+        )
+
+    print(
+        f"\n{args.layers} layers x {args.width} wide, {args.batch} x {args.block} tokens/step, "
+        f"{args.steps} steps, {args.rounds} alternating rounds, {device}\n"
+    )
+    print(
+        "| variant | train s | train ratio | fit s | fit ratio | snapshots | skipped | main ms/snapshot | svd ms/snapshot |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|")
+    for variant in variants:
+        runs = results[variant]
+        print(
+            f"| {variant} | {statistics.median(r['train'] for r in runs):.2f} | "
+            f"{median_ratio(variant, 'train'):.3f} | {statistics.median(r['fit'] for r in runs):.2f} | "
+            f"{median_ratio(variant, 'fit'):.3f} | {runs[-1]['snapshots']} | {runs[-1]['skipped']:.0f} | "
+            f"{statistics.median(r['main_ms'] for r in runs):.2f} | {statistics.median(r['svd_ms'] for r in runs):.1f} |"
+        )
+
+
+if __name__ == "__main__":
+    main()
