@@ -268,12 +268,15 @@ BUILTIN_RULES: tuple[tuple[str, Rule], ...] = (
     # timm ViT and most vision transformers.
     ("attn.qkv.weight", _fused_qkv),
     ("attn.proj.weight", "O"),
-    ("mlp.fc1.weight", "MLP_up"),
-    ("mlp.fc2.weight", "MLP_down"),
+    ("fc1.weight", "MLP_up"),  # also OPT/BART/Whisper (fc1/fc2 directly in the layer), Phi
+    ("fc2.weight", "MLP_down"),
+    ("mlp.fc_in.weight", "MLP_up"),  # GPT-J
+    ("mlp.fc_out.weight", "MLP_down"),
     # GPT-NeoX / Pythia / Bloom: query_key_value interleaved per head.
     ("query_key_value.weight", _per_head_qkv),
     ("attention.dense.weight", "O"),
     ("self_attention.dense.weight", "O"),
+    ("self_attn.dense.weight", "O"),  # Phi
     ("mlp.dense_h_to_4h.weight", "MLP_up"),
     ("mlp.dense_4h_to_h.weight", "MLP_down"),
     # BERT / RoBERTa / ViT before transformers 5 (attention.output.dense before output.dense).
