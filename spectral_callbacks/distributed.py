@@ -1,0 +1,470 @@
+"""Several processes (DDP): each rank decomposes its share of the matrices, rank 0 logs them all.
+
+Under DDP every rank holds the same weights after each optimizer step, so the matrices of a
+snapshot are split across ranks (:func:`partition`, balanced by cost) and each rank runs its share
+through its own :class:`~spectral_callbacks.engine.SnapshotEngine`, exactly as one process would.
+The small results (a few floats per matrix) travel to rank 0 without a blocking collective on the
+training path:
+
+::
+
+    scheduled point k (every rank, same order)      gloo thread              rank 0, later hooks
+    -------------------------------------------      -----------              -------------------
+    result of snapshot k-lag is (normally) done ──► pack into a fixed layout
+                                                    reduce(SUM, dst=0, async) ──► Work.is_completed()
+    take + submit snapshot k (own matrices only)                                  polled, never waited
+                                                                                 ──► log with the step
+
+* Collectives are issued only at points every rank reaches in the same order: the scheduled
+  snapshots (the schedule depends only on ``global_step``, identical on every rank) and the end of
+  fit. Polling and logging issue none, so ranks that drift apart by a step cannot deadlock.
+* The results ride on a separate **gloo** process group, created once at fit start: the tensors are
+  on the CPU (no stream of the training device is touched even under NCCL) and the reduce runs on
+  gloo's own thread. The group has a timeout, so a rank that never arrives makes the work fail with
+  an error rather than hang.
+* Layout: rows = all watched matrices; for each (matrix, metric) a value and a presence flag; one
+  health row per rank. A rank writes only its own rows, zeros elsewhere, so a SUM is a gather
+  (NaN metrics such as ``energy_rank_90`` survive: NaN + 0 = NaN).
+* A result that is not done within :data:`DUE_WAIT_SECONDS` of its point is sent as missing,
+  counted in that rank's ``skipped`` and dropped when it arrives; rank 0 logs the rows present.
+* After an exception no collective is issued: rank 0 logs the reduces already complete and its
+  own rows of later snapshots (with a warning that they are partial).
+
+FSDP / FSDP2 / DeepSpeed ZeRO-3 shard the parameters, so no rank holds a whole matrix:
+:func:`check_strategy` rejects them at setup with an error that says what is supported.
+
+Example::
+
+    >>> from types import SimpleNamespace
+    >>> targets = [SimpleNamespace(name=f"w{i}", shape=shape)
+    ...            for i, shape in enumerate([(64, 64), (64, 64), (256, 64), (64, 256)])]
+    >>> partition(targets, world_size=2)
+    [0, 1, 0, 1]
+"""
+
+from __future__ import annotations
+
+import collections
+import datetime
+import time
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+
+from spectral_callbacks.engine import Compute, SnapshotEngine, SnapshotResult
+from spectral_callbacks.names import monitor_tag
+from spectral_callbacks.snapshot import Snapshot, group_by_shape
+
+#: Seconds a rank waits, at a scheduled point, for its result of the snapshot that is due. The
+#: result normally finished long before (it had ``lag`` snapshot intervals); the bound keeps a slow
+#: SVD from stalling training, as the single-process engine skips rather than waits.
+DUE_WAIT_SECONDS = 1.0
+
+#: Per-rank health columns, logged as ``spectral_monitor/rank<r>/<name>``.
+RANK_HEALTH: tuple[str, ...] = ("svd_ms", "main_thread_ms", "matrices", "skipped")
+
+_POLL_SECONDS = 0.005
+
+
+def matrix_cost(shape: Sequence[int]) -> int:
+    """Flops of an SVD-like pass over an ``m x n`` matrix, ``m * n * min(m, n)``: the balancing key.
+
+    >>> matrix_cost((768, 3072))
+    1811939328
+    """
+    m, n = int(shape[0]), int(shape[1])
+    return m * n * min(m, n)
+
+
+def partition(targets: Sequence[Any], world_size: int) -> list[int]:
+    """The rank that analyses each target: longest-processing-time-first over :func:`matrix_cost`.
+
+    Deterministic (ties broken by target order), so every rank computes the same answer without
+    communicating. Same-shaped matrices spread over ranks and are batched again on each rank.
+
+    Args:
+        targets: objects with ``shape`` ``(out, in)``, in the same order on every rank.
+        world_size: number of processes.
+
+    Returns:
+        The owner rank of each target, in target order.
+
+    Raises:
+        ValueError: if ``world_size`` is not a positive int.
+    """
+    if not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"`world_size` must be a positive int, got {world_size!r}")
+    order = sorted(range(len(targets)), key=lambda i: (-matrix_cost(targets[i].shape), i))
+    load = [0] * world_size
+    owners = [0] * len(targets)
+    for index in order:
+        rank = min(range(world_size), key=lambda r: (load[r], r))
+        owners[index] = rank
+        load[rank] += matrix_cost(targets[index].shape)
+    return owners
+
+
+def check_strategy(trainer: Any, max_overhead: float | None = None) -> None:
+    """Reject strategies whose processes do not each hold whole, identical matrices.
+
+    Raises:
+        MisconfigurationException: for FSDP / FSDP2 (``ModelParallelStrategy``) / DeepSpeed ZeRO-3
+            (sharded parameters), for any other multi-process strategy that is not DDP, and for
+            ``max_overhead`` with several processes (the budget is measured per rank, so ranks
+            would snapshot at different steps).
+    """
+    from lightning.pytorch.strategies import (
+        DDPStrategy,
+        DeepSpeedStrategy,
+        FSDPStrategy,
+        ModelParallelStrategy,
+    )
+
+    strategy = getattr(trainer, "strategy", None)
+    name = type(strategy).__name__
+    supported = (
+        "SpectralMonitor supports a single device and DDP (strategy='ddp', 'ddp_spawn', "
+        "'ddp_notebook', DeepSpeed stages 1-2), where every rank holds whole matrices"
+    )
+    zero3 = (
+        isinstance(strategy, DeepSpeedStrategy)
+        and isinstance(getattr(strategy, "config", None), dict)
+        and strategy.zero_stage_3
+    )
+    sharded = isinstance(strategy, (FSDPStrategy, ModelParallelStrategy)) or zero3
+    if sharded:
+        raise MisconfigurationException(
+            f"SpectralMonitor cannot watch a model trained with {name}: it shards the parameters, so "
+            f"no rank holds a whole matrix to decompose. {supported}. Analyse checkpoints of a "
+            "sharded run offline with `spectral-callbacks analyze` instead."
+        )
+    world_size = int(getattr(trainer, "world_size", 1) or 1)
+    if world_size > 1 and not isinstance(strategy, DDPStrategy):
+        raise MisconfigurationException(
+            f"SpectralMonitor does not support {name} with {world_size} processes. {supported}."
+        )
+    if world_size > 1 and max_overhead is not None:
+        raise MisconfigurationException(
+            f"`max_overhead` is not supported with {world_size} processes: each rank measures its own "
+            "step and snapshot times, so ranks would snapshot at different steps; pass "
+            "`max_overhead=None` and choose `every_n_steps` instead"
+        )
+
+
+def result_columns(metrics: Sequence[str]) -> tuple[str, ...]:
+    """The metrics each rank sends: the logged ones, with ``stable_rank`` for ``compression``.
+
+    >>> result_columns(("compression", "alpha"))
+    ('alpha', 'stable_rank')
+    """
+    columns = [metric for metric in metrics if metric != "compression"]
+    if "compression" in metrics and "stable_rank" not in columns:
+        columns.append("stable_rank")
+    return tuple(columns)
+
+
+class ResultLayout:
+    """The fixed float64 layout one snapshot's results travel in, the same on every rank.
+
+    ``[values (T*C) | present (T*C) | health (W*H)]`` for T targets, C metric columns, W ranks and
+    the H :data:`RANK_HEALTH` columns. Float64 holds the float32 results exactly.
+
+    Example::
+
+        >>> layout = ResultLayout(["a", "b"], ("stable_rank",), world_size=2)
+        >>> rank0 = layout.pack(0, {"a": {"stable_rank": 3.0}}, {"svd_ms": 2.0, "matrices": 1})
+        >>> rank1 = layout.pack(1, {"b": {"stable_rank": 5.0}}, {"svd_ms": 4.0, "matrices": 1})
+        >>> metrics, health = layout.unpack(rank0 + rank1)
+        >>> metrics
+        {'a': {'stable_rank': 3.0}, 'b': {'stable_rank': 5.0}}
+        >>> [row["svd_ms"] for row in health]
+        [2.0, 4.0]
+    """
+
+    def __init__(self, names: Sequence[str], columns: Sequence[str], world_size: int) -> None:
+        self.names = list(names)
+        self.index = {name: i for i, name in enumerate(self.names)}
+        self.columns = tuple(columns)
+        self.world_size = world_size
+        self.cells = len(self.names) * len(self.columns)
+        self.size = 2 * self.cells + world_size * len(RANK_HEALTH)
+
+    def pack(
+        self, rank: int, metrics: dict[str, dict[str, float]] | None, health: dict[str, float]
+    ) -> torch.Tensor:
+        """This rank's contribution: its own results and health row, zeros everywhere else."""
+        flat = torch.zeros(self.size, dtype=torch.float64)
+        values = flat[: self.cells].view(len(self.names), len(self.columns))  # (T, C)
+        present = flat[self.cells : 2 * self.cells].view(len(self.names), len(self.columns))
+        for name, row in (metrics or {}).items():
+            for column, metric in enumerate(self.columns):
+                if metric in row:
+                    values[self.index[name], column] = float(row[metric])
+                    present[self.index[name], column] = 1.0
+        own = flat[2 * self.cells :].view(self.world_size, len(RANK_HEALTH))[rank]  # (H,)
+        for column, name in enumerate(RANK_HEALTH):
+            own[column] = float(health.get(name, 0.0))
+        return flat
+
+    def unpack(
+        self, flat: torch.Tensor
+    ) -> tuple[dict[str, dict[str, float]], list[dict[str, float]]]:
+        """The metrics present (target -> metric -> value) and each rank's health row."""
+        values = flat[: self.cells].view(len(self.names), len(self.columns)).tolist()
+        present = flat[self.cells : 2 * self.cells].view(len(self.names), len(self.columns))
+        metrics: dict[str, dict[str, float]] = {}
+        for row, column in (present > 0.5).nonzero().tolist():
+            metrics.setdefault(self.names[row], {})[self.columns[column]] = values[row][column]
+        health = flat[2 * self.cells :].view(self.world_size, len(RANK_HEALTH)).tolist()
+        return metrics, [dict(zip(RANK_HEALTH, row, strict=True)) for row in health]
+
+
+@dataclass
+class GatheredResult(SnapshotResult):
+    """A snapshot's results gathered from every rank; ``rank_scalars`` holds the per-rank health."""
+
+    rank_scalars: dict[str, float] = field(default_factory=dict)
+
+
+def rank_scalars(health: Sequence[dict[str, float]]) -> dict[str, float]:
+    """``spectral_monitor/rank<r>/<name>`` per rank, and the total of ``skipped`` over ranks.
+
+    >>> rank_scalars([{"svd_ms": 2.0, "skipped": 1.0}, {"svd_ms": 3.0, "skipped": 0.0}])
+    {'spectral_monitor/rank0/svd_ms': 2.0, 'spectral_monitor/rank0/skipped': 1.0, \
+'spectral_monitor/rank1/svd_ms': 3.0, 'spectral_monitor/rank1/skipped': 0.0, \
+'spectral_monitor/skipped': 1.0}
+    """
+    scalars = {
+        monitor_tag(f"rank{rank}/{name}"): float(value)
+        for rank, row in enumerate(health)
+        for name, value in row.items()
+    }
+    scalars[monitor_tag("skipped")] = float(sum(row.get("skipped", 0.0) for row in health))
+    return scalars
+
+
+@dataclass
+class _Point:
+    step: int
+    accepted: bool
+
+
+class DistributedEngine:
+    """A :class:`SnapshotEngine` over this rank's share, plus the gather of every rank's results.
+
+    It offers the engine's interface (``groups``, ``submit``, ``collect``, ``pending``,
+    ``skipped``, ``close``) so the callback drives it the same way; :meth:`collect` returns the
+    gathered results on rank 0 and nothing elsewhere. Call :meth:`flush` at the end of fit on every
+    rank, :meth:`abort` after an exception.
+
+    Args:
+        compute: the compute function (see :class:`SnapshotEngine`).
+        targets: every watched matrix, in the same order on every rank.
+        columns: the metric names sent to rank 0 (:func:`result_columns`).
+        rank, world_size: this process and the number of processes.
+        group: the process group the results travel on (a gloo group, see :func:`results_group`).
+        max_pending: as for :class:`SnapshotEngine`. The result of a snapshot is sent
+            ``max(1, max_pending - 1)`` scheduled points after it was taken. Default ``2``.
+        engine_options: passed on to :class:`SnapshotEngine` (``synchronous``, ``worker_threads``,
+            ...).
+    """
+
+    def __init__(
+        self,
+        compute: Compute,
+        targets: Sequence[Any],
+        columns: Sequence[str],
+        *,
+        rank: int,
+        world_size: int,
+        group: Any,
+        max_pending: int = 2,
+        **engine_options: Any,
+    ) -> None:
+        owners = partition(targets, world_size)
+        self.rank, self.world_size, self.group = rank, world_size, group
+        self.owned = [
+            target for target, owner in zip(targets, owners, strict=True) if owner == rank
+        ]
+        self.layout = ResultLayout([target.name for target in targets], columns, world_size)
+        self._local = SnapshotEngine(
+            compute,
+            group_by_shape(self.owned),
+            max_pending=max_pending,
+            **engine_options,
+        )
+        self.groups = self._local.groups
+        self.max_pending = max_pending
+        self.lag = max(1, max_pending - 1)
+        self.missed = 0  # results not done at their point: sent as missing, counted as skipped
+        self._points: collections.deque[_Point] = collections.deque()
+        self._done: dict[int, SnapshotResult] = {}
+        self._late: set[int] = set()
+        self._in_flight: collections.deque[tuple[int, torch.Tensor, Any]] = collections.deque()
+        self._aborted = False
+
+    @property
+    def pending(self) -> int:
+        """Local snapshots not yet decomposed plus reduces not yet complete."""
+        return self._local.pending + len(self._in_flight)
+
+    @property
+    def has_room(self) -> bool:
+        """Always ``True``: every scheduled point must reach :meth:`submit` on every rank, since it
+        issues the collective; the local engine still skips (and counts) a snapshot when full."""
+        return True
+
+    @property
+    def in_flight(self) -> int:
+        """Reduces issued and not yet collected."""
+        return len(self._in_flight)
+
+    @property
+    def skipped(self) -> int:
+        """Snapshots this rank skipped (bound hit) or sent as missing (not done in time)."""
+        return self._local.skipped + self.missed
+
+    @skipped.setter
+    def skipped(self, value: int) -> None:
+        self._local.skipped = value - self.missed
+
+    def submit(self, snapshot: Snapshot) -> bool:
+        """A scheduled point: send the result now due, then hand the new snapshot to the worker."""
+        if self._aborted:
+            return False
+        self._harvest()
+        while len(self._points) >= self.lag:
+            self._send(self._points.popleft(), time.monotonic() + DUE_WAIT_SECONDS)
+        accepted = self._local.submit(snapshot)
+        self._points.append(_Point(snapshot.step, accepted))
+        return accepted
+
+    def flush(self, deadline: float) -> None:
+        """End of fit, on every rank: send every result still due (waiting until ``deadline``)."""
+        if self._aborted:
+            return
+        while self._points:
+            self._send(self._points.popleft(), deadline)
+
+    def collect(self, wait_seconds: float = 0.0) -> list[SnapshotResult]:
+        """Gathered results whose reduce is complete, in step order (rank 0; ``[]`` elsewhere)."""
+        deadline = time.monotonic() + wait_seconds
+        self._harvest()
+        results: list[SnapshotResult] = []
+        while self._in_flight:
+            step, flat, work = self._in_flight[0]
+            if not work.is_completed():
+                if self._aborted or time.monotonic() >= deadline:
+                    break
+                time.sleep(_POLL_SECONDS)
+                continue
+            self._in_flight.popleft()
+            try:
+                work.wait()
+            except Exception as error:  # noqa: BLE001 - a lost peer: reported, training goes on
+                warnings.warn(
+                    f"SpectralMonitor: the results of step {step} could not be gathered from every "
+                    f"rank and are dropped: {error}",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
+                continue
+            if self.rank == 0:
+                results.append(self._decode(step, flat))
+        if self._aborted and self.rank == 0:
+            results.extend(self._partial(deadline))
+        return results
+
+    def abort(self) -> None:
+        """After an exception: issue no more collectives (peers may never reach them)."""
+        self._aborted = True
+        self._in_flight = collections.deque(
+            item for item in self._in_flight if item[2].is_completed()
+        )
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Stop the local worker; reduces still in flight are abandoned (gloo finishes or times out)."""
+        self._local.close(timeout)
+
+    # --- helpers ----------------------------------------------------------------------------
+
+    def _harvest(self) -> None:
+        for result in self._local.collect(wait_seconds=0.0):
+            if result.step in self._late:
+                self._late.discard(result.step)
+            else:
+                self._done[result.step] = result
+
+    def _send(self, point: _Point, deadline: float) -> None:
+        result = self._done.pop(point.step, None)
+        while result is None and point.accepted and time.monotonic() < deadline:
+            for late in self._local.collect(wait_seconds=_POLL_SECONDS):
+                self._done[late.step] = late
+            result = self._done.pop(point.step, None)
+        if result is None and point.accepted:
+            self._late.add(point.step)
+            self.missed += 1
+        health = {"skipped": self.skipped}
+        if result is not None:
+            health.update(
+                svd_ms=1000 * result.svd_seconds,
+                main_thread_ms=1000 * result.main_thread_seconds,
+                matrices=len(result.metrics),
+            )
+        flat = self.layout.pack(self.rank, result.metrics if result else None, health)
+        # 0 is rank 0 of the default group: results_group() holds every rank in order.
+        work = dist.reduce(flat, dst=0, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+        self._in_flight.append((point.step, flat, work))
+
+    def _decode(self, step: int, flat: torch.Tensor) -> GatheredResult:
+        metrics, health = self.layout.unpack(flat)
+        # The snapshot took as long as its slowest rank: that is what the aggregate health shows.
+        svd = max(row["svd_ms"] for row in health) / 1000
+        main = max(row["main_thread_ms"] for row in health) / 1000
+        return GatheredResult(step, metrics, svd, main, rank_scalars(health))
+
+    def _partial(self, deadline: float) -> list[SnapshotResult]:
+        """Rank 0's own rows of snapshots never sent (after an exception), with a warning."""
+        partial = []
+        for point in list(self._points):
+            result = self._done.pop(point.step, None)
+            while result is None and point.accepted and time.monotonic() < deadline:
+                for late in self._local.collect(wait_seconds=_POLL_SECONDS):
+                    self._done[late.step] = late
+                result = self._done.pop(point.step, None)
+            if result is not None:
+                partial.append(result)
+        self._points.clear()
+        if partial:
+            warnings.warn(
+                "SpectralMonitor: training stopped with an exception before the results of step(s) "
+                f"{[r.step for r in partial]} were gathered; only rank 0's share of the matrices "
+                f"({len(self.owned)} of {len(self.layout.names)}) is logged for them",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+        return partial
+
+
+def results_group(timeout_seconds: float) -> Any:
+    """A gloo process group over every rank for the results (a collective: call on every rank).
+
+    Gloo keeps the tensors on the CPU and runs on its own thread whatever the training backend is
+    (NCCL included), and its ``timeout`` turns a rank that never arrives into an error.
+    """
+    return dist.new_group(
+        backend="gloo", timeout=datetime.timedelta(seconds=max(60.0, timeout_seconds))
+    )
+
+
+def world(trainer: Any) -> tuple[int, int]:
+    """``(global_rank, world_size)`` of a Trainer whose process group is up; ``(0, 1)`` otherwise."""
+    world_size = int(getattr(trainer, "world_size", 1) or 1)
+    if world_size < 2 or not (dist.is_available() and dist.is_initialized()):
+        return 0, 1
+    return int(trainer.global_rank), world_size

@@ -1,0 +1,96 @@
+"""A short real DDP run (CPU, gloo) with SpectralMonitor, for tests/test_ddp.py.
+
+``python tests/ddp_train.py OUTDIR [--devices N] [--steps S] [--fail-rank R --fail-step F]``
+
+Lightning's ``strategy="ddp"`` re-runs this script once per extra rank (environment variables
+tell each process its rank), so it must be a file, not a function in the test. Rank 0 saves the
+watched matrices at every optimizer step to ``OUTDIR/weights.pt`` (DDP keeps them identical on
+every rank) so the test can compute the single-process reference on exactly these weights.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.loggers import TensorBoardLogger
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from tiny_models import TinyGPT, WeightRecorder, token_loader  # noqa: E402
+
+from spectral_callbacks import SpectralMonitor  # noqa: E402
+
+EVERY_N_STEPS = 4
+LOG_SPACED_UNTIL = 3  # snapshots at 0, 1, 2 and every 4 steps: several gathers in a short run
+
+
+class FailingGPT(TinyGPT):
+    """Raises on one rank at one step (to test that the other ranks do not hang)."""
+
+    def __init__(self, fail_rank: int, fail_step: int, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.fail_rank, self.fail_step = fail_rank, fail_step
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        if self.global_rank == self.fail_rank and self.global_step == self.fail_step:
+            raise RuntimeError(f"planned failure on rank {self.fail_rank} at step {self.fail_step}")
+        return super().training_step(batch, batch_idx)
+
+
+class RankZeroWeights(WeightRecorder):
+    """WeightRecorder that saves what it recorded when training ends (rank 0 only)."""
+
+    def __init__(self, path: Path) -> None:
+        super().__init__()
+        self.path = path
+
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        super().on_train_end(trainer, pl_module)
+        if trainer.is_global_zero:
+            torch.save(self.weights, self.path)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("outdir", type=Path)
+    parser.add_argument("--devices", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=14)
+    parser.add_argument("--fail-rank", type=int, default=None)
+    parser.add_argument("--fail-step", type=int, default=None)
+    args = parser.parse_args()
+    torch.manual_seed(0)  # the same initial weights on every rank (DDP also broadcasts rank 0's)
+    torch.set_num_threads(1)  # two processes share a small machine
+    options = dict(n_layer=2, n_embd=32, n_head=2)
+    model = (
+        FailingGPT(args.fail_rank, args.fail_step, **options)
+        if args.fail_rank is not None
+        else TinyGPT(**options)
+    )
+    monitor = SpectralMonitor(
+        every_n_steps=EVERY_N_STEPS,
+        log_spaced_until=LOG_SPACED_UNTIL,
+        figures=False,
+        k=8,
+        drain_timeout=30.0,
+    )
+    trainer = Trainer(
+        accelerator="cpu",
+        devices=args.devices,
+        strategy="ddp" if args.devices > 1 else "auto",
+        max_steps=args.steps,
+        logger=TensorBoardLogger(args.outdir, name="tb", version=0),
+        callbacks=[monitor, RankZeroWeights(args.outdir / "weights.pt")],
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        log_every_n_steps=1,
+    )
+    trainer.fit(model, token_loader(num_batches=2 * args.steps))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,243 @@
+"""SpectralMonitor under several processes: real 2-process DDP on the CPU (gloo) through Lightning,
+the cost partition, the result layout, the gather protocol, and the strategies it refuses.
+
+The DDP runs launch ``tests/ddp_train.py`` in a subprocess (Lightning's ``strategy="ddp"`` re-runs
+the script per rank), in their own session so a timeout kills every rank: a test never hangs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.distributed as dist
+from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy, ModelParallelStrategy
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from tensorboard.backend.event_processing import event_accumulator
+from tiny_models import TinyGPT, exact_compute, exact_stable_rank
+
+from spectral_callbacks import distributed as multi
+from spectral_callbacks.callback import SpectralMonitor
+from spectral_callbacks.names import monitor_tag, scalar_tag
+from spectral_callbacks.snapshot import take_snapshot
+from spectral_callbacks.targets import find_targets
+
+SCRIPT = Path(__file__).resolve().parent / "ddp_train.py"
+TIMEOUT_SECONDS = 180
+SCHEDULED = [0, 1, 2, 4, 8, 12, 14]  # ddp_train.py: 0, 1, 2, every 4, and the last step (14)
+
+
+def run_script(outdir: Path, *args: str) -> subprocess.CompletedProcess:
+    """Run ddp_train.py; on timeout kill the whole process group (every rank) and fail."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env.pop("LOCAL_RANK", None)  # never inherit a rank from an outer launcher
+    process = subprocess.Popen(
+        [sys.executable, str(SCRIPT), str(outdir), *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+        start_new_session=True,
+    )
+    try:
+        output, _ = process.communicate(timeout=TIMEOUT_SECONDS)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        output, _ = process.communicate()
+        pytest.fail(f"ddp_train.py hung for {TIMEOUT_SECONDS} s:\n{output[-3000:]}")
+    finally:
+        with contextlib.suppress(ProcessLookupError):  # ranks left after rank 0 returned
+            os.killpg(process.pid, signal.SIGKILL)
+    return subprocess.CompletedProcess(process.args, process.returncode, output, None)
+
+
+def read_scalars(logdir: Path) -> dict[str, dict[int, float]]:
+    reader = event_accumulator.EventAccumulator(
+        str(logdir), size_guidance={event_accumulator.SCALARS: 0}
+    )
+    reader.Reload()
+    return {
+        tag: {event.step: event.value for event in reader.Scalars(tag)}
+        for tag in reader.Tags()["scalars"]
+    }
+
+
+def tiny_targets() -> list:
+    torch.manual_seed(0)
+    return find_targets(TinyGPT(n_layer=2, n_embd=32, n_head=2))
+
+
+@pytest.fixture(scope="module")
+def ddp_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, dict]:
+    outdir = tmp_path_factory.mktemp("ddp")
+    finished = run_script(outdir, "--devices", "2")
+    assert finished.returncode == 0, finished.stdout[-3000:]
+    weights = torch.load(outdir / "weights.pt")
+    return read_scalars(outdir / "tb" / "version_0"), weights
+
+
+# --- real 2-process DDP ---------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_ddp_logs_the_exact_stable_rank_of_every_matrix_at_every_scheduled_step(ddp_run) -> None:
+    scalars, weights = ddp_run
+    targets = tiny_targets()
+    assert len(targets) == 12
+    for target in targets:
+        logged = scalars[scalar_tag("stable_rank", target.layer, target.role, target.num_layers)]
+        assert sorted(logged) == SCHEDULED, target.name
+        for step, value in logged.items():
+            # The single-process reference on the very weights DDP trained (rank 0's copy).
+            expected = exact_stable_rank(weights[step][target.name])
+            assert value == pytest.approx(expected, rel=0.01), (target.name, step)
+        compression = scalars[scalar_tag("compression", target.layer, target.role)]
+        assert compression[14] == pytest.approx(100 * (1 - logged[14] / logged[0]), abs=1e-3)
+
+
+@pytest.mark.slow
+def test_ddp_each_rank_computes_its_share_of_the_matrices(ddp_run) -> None:
+    scalars, _ = ddp_run
+    owners = multi.partition(tiny_targets(), world_size=2)
+    for rank in (0, 1):
+        matrices = scalars[monitor_tag(f"rank{rank}/matrices")]
+        assert sorted(matrices) == SCHEDULED
+        assert set(matrices.values()) == {float(owners.count(rank))}
+        assert 0 < owners.count(rank) < len(owners)
+        assert all(ms > 0 for ms in scalars[monitor_tag(f"rank{rank}/svd_ms")].values())
+        assert set(scalars[monitor_tag(f"rank{rank}/skipped")].values()) == {0.0}
+    # The aggregate is the slowest rank's time: a snapshot is done when every share is.
+    for step, svd_ms in scalars[monitor_tag("svd_ms")].items():
+        per_rank = [scalars[monitor_tag(f"rank{r}/svd_ms")][step] for r in (0, 1)]
+        assert svd_ms == pytest.approx(max(per_rank))
+
+
+@pytest.mark.slow
+def test_ddp_failure_on_one_rank_ends_every_rank_and_rank_zero_keeps_what_it_has(
+    tmp_path: Path,
+) -> None:
+    finished = run_script(tmp_path, "--devices", "2", "--fail-rank", "1", "--fail-step", "6")
+    assert finished.returncode != 0
+    assert "planned failure on rank 1 at step 6" in finished.stdout
+    scalars = read_scalars(tmp_path / "tb" / "version_0")
+    targets = tiny_targets()
+    owners = multi.partition(targets, world_size=2)
+    for target, owner in zip(targets, owners, strict=True):
+        steps = sorted(scalars[scalar_tag("stable_rank", target.layer, target.role)])
+        # 0, 1, 2 were gathered from both ranks before the failure; step 4's rows never left
+        # rank 1, so only rank 0's share of step 4 is logged (with a warning).
+        assert steps == ([0, 1, 2, 4] if owner == 0 else [0, 1, 2]), target.name
+    assert "only rank 0's share of the matrices" in finished.stdout
+
+
+# --- the pieces, in one process -------------------------------------------------------------
+
+
+def diagonal(second: float) -> torch.Tensor:
+    matrix = torch.zeros(4, 3)
+    matrix[0, 0], matrix[1, 1] = 1.0, second
+    return matrix
+
+
+def test_partition_balances_cost_and_is_deterministic() -> None:
+    shapes = [(96, 32)] * 3 + [(32, 32)] * 9 + [(128, 32)] * 2
+    targets = [SimpleNamespace(name=f"w{i}", shape=shape) for i, shape in enumerate(shapes)]
+    for world_size in (1, 2, 3, 4):
+        owners = multi.partition(targets, world_size)
+        assert owners == multi.partition(targets, world_size)
+        assert set(owners) == set(range(world_size))
+        loads = [
+            sum(multi.matrix_cost(t.shape) for t, o in zip(targets, owners, strict=True) if o == r)
+            for r in range(world_size)
+        ]
+        # LPT: no rank exceeds the lightest by more than one matrix's cost.
+        assert max(loads) - min(loads) <= max(multi.matrix_cost(s) for s in shapes)
+    assert multi.partition(targets[:1], 3) == [0]  # more ranks than matrices: some idle
+    with pytest.raises(ValueError, match="`world_size` must be a positive int, got 0"):
+        multi.partition(targets, 0)
+
+
+def test_layout_round_trip_keeps_nan_and_leaves_out_what_is_absent() -> None:
+    layout = multi.ResultLayout(["a", "b", "c"], ("stable_rank", "energy_rank_90"), world_size=3)
+    parts = [
+        layout.pack(0, {"a": {"stable_rank": 2.5, "energy_rank_90": math.nan}}, {"matrices": 1}),
+        layout.pack(1, {"b": {"stable_rank": 7.0}}, {"svd_ms": 3.0, "skipped": 2}),
+        layout.pack(2, None, {"skipped": 1}),  # its result was late: nothing present
+    ]
+    metrics, health = layout.unpack(sum(parts))
+    assert metrics["a"]["stable_rank"] == 2.5 and math.isnan(metrics["a"]["energy_rank_90"])
+    assert metrics["b"] == {"stable_rank": 7.0}
+    assert "c" not in metrics
+    assert [row["skipped"] for row in health] == [0.0, 2.0, 1.0]
+    assert health[1]["svd_ms"] == 3.0 and health[0]["matrices"] == 1.0
+
+
+def test_engine_sends_each_result_at_the_next_point_and_a_late_one_as_missing(
+    tmp_path: Path,
+) -> None:
+    dist.init_process_group(
+        "gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1
+    )
+    try:
+        # diag(1, 1/(i+1)): stable rank 1 + 1/(i+1)^2, a different known answer per matrix.
+        targets = [
+            SimpleNamespace(name=f"w{i}", shape=(4, 3), matrix=lambda i=i: diagonal(1 / (i + 1)))
+            for i in range(3)
+        ]
+        slow = {"on": False}
+
+        def compute(group, batch):
+            if slow["on"]:
+                time.sleep(0.3)  # keep the worker busy past the due wait
+            return exact_compute(group, batch)
+
+        engine = multi.DistributedEngine(
+            compute, targets, ("stable_rank",), rank=0, world_size=1, group=dist.group.WORLD
+        )
+        assert engine.lag == 1
+        assert engine.submit(take_snapshot(engine.groups.values(), 0))
+        assert engine.collect(wait_seconds=0.5) == []  # nothing is sent before the next point
+        engine.submit(take_snapshot(engine.groups.values(), 1))  # sends step 0
+        (first,) = engine.collect(wait_seconds=5)
+        assert first.step == 0
+        ranks = {name: row["stable_rank"] for name, row in first.metrics.items()}
+        assert ranks == pytest.approx({"w0": 2.0, "w1": 1.25, "w2": 1 + 1 / 9})
+        assert first.rank_scalars[monitor_tag("rank0/matrices")] == 3.0
+        slow["on"] = True
+        engine.submit(take_snapshot(engine.groups.values(), 2))  # sends step 1 (done within 1 s)
+        engine.flush(deadline=0.0)  # step 2 is still computing: sent as missing
+        results = engine.collect(wait_seconds=5)
+        assert [r.step for r in results] == [1, 2]
+        assert results[1].metrics == {} and engine.skipped == 1
+        assert results[1].rank_scalars[monitor_tag("skipped")] == 1.0
+        engine.close()
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize(
+    "strategy", [FSDPStrategy(), ModelParallelStrategy()], ids=["fsdp", "fsdp2"]
+)
+def test_sharded_strategies_are_refused_at_setup(strategy) -> None:
+    trainer = SimpleNamespace(strategy=strategy, world_size=2, loggers=[object()])
+    with pytest.raises(MisconfigurationException, match=f"{type(strategy).__name__}: it shards"):
+        SpectralMonitor().setup(trainer, TinyGPT(), "fit")
+
+
+def test_budget_mode_and_non_ddp_multi_process_strategies_are_refused() -> None:
+    ddp = SimpleNamespace(strategy=DDPStrategy(), world_size=2, loggers=[object()])
+    with pytest.raises(MisconfigurationException, match="`max_overhead` is not supported with 2"):
+        SpectralMonitor(max_overhead=0.01).setup(ddp, TinyGPT(), "fit")
+    SpectralMonitor().setup(ddp, TinyGPT(), "fit")  # plain DDP is supported
+    other = SimpleNamespace(strategy=object(), world_size=4, loggers=[object()])
+    with pytest.raises(MisconfigurationException, match="does not support object with 4 processes"):
+        SpectralMonitor().setup(other, TinyGPT(), "fit")
