@@ -154,9 +154,8 @@ def find_targets(
             owner = (modules[candidate.name.rpartition(".")[0]],)
             inside = candidate.block in blocks_with_targets
             skip = reason_not_matched(Context(candidate.clean, candidate.parameter, owner), inside)
-        if (
-            skip is not None and not skip.warn
-        ):  # an embedding stays "embedding" whatever the filters
+        # A deliberate skip keeps its own reason ("embedding") whatever include/exclude say.
+        if skip is not None and not skip.warn:
             skipped.append(Skipped(candidate.name, shape, skip.reason))
         elif matches(excludes, candidate.clean) is not None:
             skipped.append(Skipped(candidate.name, shape, "excluded by exclude="))
@@ -182,7 +181,7 @@ def find_targets(
     skipped.sort(key=lambda s: position[s.parameter_name])
     _warn_missing_roles(kept)
     if not kept:
-        raise _candidate_error([c for c in candidates], filtered=any(c.parts for c in candidates))
+        raise _candidate_error(candidates, filtered=any(c.parts for c in candidates))
     if role_patterns is not None:
         kept = _filter_roles(kept, role_patterns, skipped)
     _check_unique(kept)

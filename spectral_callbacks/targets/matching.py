@@ -66,6 +66,7 @@ class Candidate:
 
 
 def as_patterns(value: Patterns, argument: str) -> list[Pattern]:
+    """``include``/``exclude`` as a list of patterns; a TargetError naming ``argument`` otherwise."""
     if value is None:
         return []
     if isinstance(value, (str, re.Pattern)):
@@ -128,6 +129,7 @@ def user_decision(mapping: UserMapping, ctx: Context, name: str) -> tuple[Decisi
 
 
 def builtin_decision(ctx: Context) -> tuple[Decision, int] | None:
+    """The first built-in rule's decision and how many trailing segments it matched, or None."""
     for pattern, rule in BUILTIN_RULES:
         length = match_length(pattern, ctx.name)
         if length is not None:
@@ -138,6 +140,7 @@ def builtin_decision(ctx: Context) -> tuple[Decision, int] | None:
 def parts_of(
     decision: Decision, ctx: Context, name: str, from_user: bool
 ) -> list[tuple[str, Rows]]:
+    """``(role, Rows)`` of each watched part; a bad user decision raises TargetError."""
     transposed = is_transposed(ctx.modules[0])
     if isinstance(decision, str):
         decision = Split((decision,), transposed=transposed)
@@ -171,6 +174,7 @@ def block_of(name: str, matched: int, modules: Mapping[str, nn.Module]) -> tuple
 
 
 def reason_not_matched(ctx: Context, inside_blocks: bool) -> Skip:
+    """Why a 2-D weight no rule matched is not watched; inside a block that is worth a warning."""
     segments = ctx.name.split(".")
     if isinstance(ctx.modules[0], nn.Embedding) or any(
         "embed" in s or s in ("wte", "wpe") for s in segments
