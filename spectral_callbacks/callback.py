@@ -324,14 +324,19 @@ class SpectralMonitor(Callback):
                 self.schedule.record_step_time(
                     (now - self._previous_time) / (step - self._previous_step)
                 )
+            self._collect_and_log(trainer)  # first: a finished snapshot frees its slot
             if self.schedule.due(self._previous_step, step):
                 self._snapshot(step)
             self._previous_step, self._previous_time = step, now
-        self._collect_and_log(trainer)
+        else:
+            self._collect_and_log(trainer)
 
     def _snapshot(self, step: int) -> None:
         assert self._engine is not None
         self.schedule.record_snapshot(step)
+        if not self._engine.has_room:  # skip before paying for a copy that would be dropped
+            self._engine.skipped += 1
+            return
         start = time.perf_counter()
         with torch.no_grad():
             snapshot = take_snapshot(self._engine.groups.values(), step, stream=self._stream)

@@ -138,6 +138,11 @@ class SnapshotEngine:
         """Snapshots submitted and not yet collected."""
         return len(self._jobs)
 
+    @property
+    def has_room(self) -> bool:
+        """Whether a snapshot submitted now would be accepted (check before paying for the copy)."""
+        return self.pending < self.max_pending
+
     def submit(self, snapshot: Snapshot) -> bool:
         """Hand a snapshot over; ``False`` (and ``skipped`` counts it) if ``max_pending`` are in flight."""
         if self.pending >= self.max_pending:
