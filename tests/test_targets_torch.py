@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from spectral_callbacks.targets import find_targets
+from spectral_callbacks.targets import PartialTargetWarning, find_targets
 
 SDPA = F.scaled_dot_product_attention
 
@@ -323,3 +323,53 @@ def test_meta_llama_names_and_the_swiglu_roles():
     x = torch.randn(3, 32)
     expected = (F.silu(x @ m["MLP_gate"].T) * (x @ m["MLP_up"].T)) @ m["MLP_down"].T
     close(expected, model.layers[1].feed_forward(x))
+
+
+# --- hand-written block: nn.MultiheadAttention + an nn.Sequential MLP -----------------------------
+
+
+class SequentialMlpBlock(nn.Module):
+    def __init__(self, dim: int = 16, heads: int = 2) -> None:
+        super().__init__()
+        self.attn = nn.MultiheadAttention(dim, heads, batch_first=True)
+        self.mlp = nn.Sequential(
+            nn.Linear(dim, 3 * dim), nn.GELU(), nn.Linear(3 * dim, dim), nn.Dropout(0.0)
+        )
+
+
+def test_sequential_mlp_first_linear_is_up_last_is_down():
+    torch.manual_seed(5)
+    model = nn.Module()
+    model.blocks = nn.ModuleList(SequentialMlpBlock() for _ in range(3))
+    targets = find_targets(model)
+    assert [(t.layer, t.role, t.shape) for t in targets if t.layer == 2] == [
+        (2, "Q", (16, 16)),
+        (2, "K", (16, 16)),
+        (2, "V", (16, 16)),
+        (2, "O", (16, 16)),
+        (2, "MLP_up", (48, 16)),
+        (2, "MLP_down", (16, 48)),
+    ]
+    mlp = model.blocks[2].mlp
+    m = {t.role: t.matrix() for t in targets if t.layer == 2}
+    x = torch.randn(4, 16)
+    expected = F.gelu(x @ m["MLP_up"].T + mlp[0].bias) @ m["MLP_down"].T + mlp[2].bias
+    close(expected, mlp(x))
+
+
+def test_sequential_mlp_of_unexpected_shape_warns():
+    block = SequentialMlpBlock()
+    block.mlp = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 32), nn.Linear(32, 16))
+    with pytest.warns(PartialTargetWarning, match="MLP Sequential with 3 Linear layers"):
+        targets = find_targets(block)
+    assert {t.role for t in targets} == {"Q", "K", "V", "O"}
+
+
+def test_numbered_mlp_pattern_falls_through_when_not_a_sequential_of_linears():
+    # "ff.[0-9]*.weight" also matches ff.0.gate_proj.weight (fnmatch's * spans dots): the rule
+    # sees ff.0 is not a Linear inside a Sequential and lets the Llama rules decide
+    mlp = nn.Module()
+    mlp.gate_proj, mlp.up_proj, mlp.down_proj = nn.Linear(8, 12), nn.Linear(8, 12), nn.Linear(12, 8)
+    model = nn.Module()
+    model.ff = nn.ModuleList([mlp])
+    assert [t.role for t in find_targets(model)] == ["MLP_gate", "MLP_up", "MLP_down"]

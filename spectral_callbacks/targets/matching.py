@@ -132,8 +132,11 @@ def builtin_decision(ctx: Context) -> tuple[Decision, int] | None:
     """The first built-in rule's decision and how many trailing segments it matched, or None."""
     for pattern, rule in BUILTIN_RULES:
         length = match_length(pattern, ctx.name)
-        if length is not None:
-            return (rule(ctx) if callable(rule) else rule), length
+        if length is None:
+            continue
+        decision = rule(ctx) if callable(rule) else rule
+        if decision is not None:
+            return decision, length
     return None
 
 

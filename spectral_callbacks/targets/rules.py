@@ -153,7 +153,9 @@ class Context:
 
 
 Decision = str | Split | Skip
-Rule = Decision | Callable[[Context], Decision]
+# A rule is a decision, or a function of the context giving one (None: the rule does not apply,
+# try the next; fnmatch's `*` also spans dots, so a function checks what its pattern cannot).
+Rule = Decision | Callable[[Context], Decision | None]
 
 HEADS = ("num_heads", "num_attention_heads", "n_head", "n_heads")
 KV_HEADS = ("num_key_value_heads", "n_kv_head", "n_kv_heads", "num_kv_heads")
@@ -208,6 +210,21 @@ def _per_head_qkv(ctx: Context) -> Decision:
     )
 
 
+def _sequential_mlp(ctx: Context) -> Decision | None:
+    """An MLP written as ``nn.Sequential(Linear, act, Linear[, Dropout])``: first up, last down."""
+    sequential = ctx.modules[1] if len(ctx.modules) > 1 else None
+    if not ctx.name.split(".")[-2].isdigit() or not isinstance(sequential, nn.Sequential):
+        return None  # not a Linear directly inside a Sequential: let the other rules decide
+    linears = [m for m in sequential if isinstance(m, nn.Linear)]
+    if len(linears) != 2:
+        return Skip(
+            f"an MLP Sequential with {len(linears)} Linear layers (2 expected: up, down); give "
+            "their roles with mapping=",
+            warn=True,
+        )
+    return "MLP_up" if ctx.modules[0] is linears[0] else "MLP_down"
+
+
 def _gate_up(ctx: Context) -> Decision:
     """Phi-3 style ``gate_up_proj``: rows ``[gate; up]``."""
     return Split(("MLP_gate", "MLP_up"))
@@ -240,10 +257,10 @@ def _kv_b(ctx: Context, suffix: str = "") -> Decision:
     )
 
 
-def _kv_b_group(ctx: Context) -> Decision:
+def _kv_b_group(ctx: Context) -> Decision | None:
     """GLA ``kv_b_proj.<j>``: the up-projection of latent group j, rows per head ``[k_nope; v]``."""
     group = ctx.name.split(".")[-2]
-    return _kv_b(ctx, suffix=f"_g{group}")
+    return _kv_b(ctx, suffix=f"_g{group}") if group.isdigit() else None
 
 
 _CROSS = Skip("cross-attention: not watched by default; use mapping= to give it roles")
@@ -305,6 +322,14 @@ BUILTIN_RULES: tuple[tuple[str, Rule], ...] = (
     ("up_proj.weight", "MLP_up"),
     ("down_proj.weight", "MLP_down"),
     ("gate_up_proj.weight", _gate_up),
+    # Hand-written MLPs as nn.Sequential(Linear, act, Linear) (Karpathy's ffwd.net, many ViTs).
+    ("mlp.[0-9]*.weight", _sequential_mlp),
+    ("mlp.net.[0-9]*.weight", _sequential_mlp),
+    ("ffn.[0-9]*.weight", _sequential_mlp),
+    ("ff.[0-9]*.weight", _sequential_mlp),
+    ("ff.net.[0-9]*.weight", _sequential_mlp),
+    ("ffwd.net.[0-9]*.weight", _sequential_mlp),
+    ("feed_forward.[0-9]*.weight", _sequential_mlp),
     # Meta's reference Llama.
     ("attention.wq.weight", "Q"),
     ("attention.wk.weight", "K"),
