@@ -50,6 +50,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--block-size", type=int, default=128)
     parser.add_argument("--lr", type=float, default=2e-3)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--text", type=Path, default=None, help="a text file (default: Python's stdlib)"
+    )
+    parser.add_argument(
+        "--max-bytes", type=int, default=None, help="use only the first bytes of the text"
+    )
     parser.add_argument("--accelerator", default="auto")
     parser.add_argument(
         "--every-n-steps", type=int, default=25, help="SpectralMonitor snapshot interval"
@@ -86,6 +92,8 @@ def main(argv: list[str] | None = None) -> Path:
         *("--accelerator", args.accelerator, "--every-n-steps", str(args.every_n_steps)),
         *("--log-every-n-steps", str(max(1, min(10, args.steps // 20)))),
         "--progress" if args.progress else "--no-progress",
+        *(["--text", str(args.text)] if args.text else []),
+        *(["--max-bytes", str(args.max_bytes)] if args.max_bytes else []),
     ]
     for variant in args.variants:
         run_dir = args.logdir / variant

@@ -52,6 +52,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--block-size", type=int, default=64)
     parser.add_argument("--tokens-per-step", type=int, default=1024)
     parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument(
+        "--max-bytes", type=int, default=None, help="use only the first bytes of the stdlib text"
+    )
     parser.add_argument("--every-n-steps", type=int, default=10, help="snapshot interval")
     parser.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True)
     return parser
@@ -86,6 +89,7 @@ def main(argv: list[str] | None = None) -> dict[str, Path]:
             *("--log-every-n-steps", "5", "--accelerator", "cpu"),
             *("--logdir", str(runs), "--name", RUN_NAME, "--version", ""),
             "--progress" if args.progress else "--no-progress",
+            *(["--max-bytes", str(args.max_bytes)] if args.max_bytes else []),
         ]
     )
     trained = time.perf_counter() - started

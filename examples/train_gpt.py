@@ -167,6 +167,11 @@ def build_parser() -> argparse.ArgumentParser:
     logging.add_argument(
         "--every-n-steps", type=int, default=25, help="SpectralMonitor snapshot interval"
     )
+    logging.add_argument(
+        "--checkpoint",
+        action="store_true",
+        help="save a checkpoint in <run>/checkpoints at the end",
+    )
     logging.add_argument("--no-spectral", action="store_true", help="train without SpectralMonitor")
     logging.add_argument(
         "--progress", action=argparse.BooleanOptionalAction, default=True, help="progress bar"
@@ -245,7 +250,7 @@ def main(argv: list[str] | None = None) -> Path:
         logger=logger,
         callbacks=callbacks,
         log_every_n_steps=args.log_every_n_steps,
-        enable_checkpointing=False,
+        enable_checkpointing=args.checkpoint,
         enable_progress_bar=args.progress,
         enable_model_summary=args.progress,
     )

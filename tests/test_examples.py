@@ -29,7 +29,7 @@ TINY = [
     "--tokens-per-step",
     "64",
 ]
-QUIET = ["--no-progress", "--accelerator", "cpu"]
+QUIET = ["--no-progress", "--accelerator", "cpu", "--max-bytes", "100000"]  # skip reading 30 MB
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -44,7 +44,17 @@ def one_thread() -> Iterator[None]:
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     logdir = tmp_path_factory.mktemp("runs")
-    argv = [*TINY, *QUIET, "--steps", "4", "--every-n-steps", "2", "--log-every-n-steps", "1"]
+    argv = [
+        *TINY,
+        *QUIET,
+        "--steps",
+        "4",
+        "--every-n-steps",
+        "2",
+        "--log-every-n-steps",
+        "1",
+        "--checkpoint",
+    ]
     return train_gpt.main([*argv, "--logdir", str(logdir), "--name", "tiny", "--version", ""])
 
 
@@ -56,6 +66,15 @@ def test_train_gpt_logs_loss_tokens_and_spectra(tiny_run: Path) -> None:
     stable_rank = rows[(rows["metric"] == "stable_rank") & (rows["layer"] == 0)]
     assert set(stable_rank["role"]) == {"Q", "K", "V", "O", "MLP_up", "MLP_down"}
     assert {0, 4} <= set(stable_rank["step"])  # the initialization and the final step
+
+
+def test_train_gpt_checkpoint_rebuilds_the_trained_model(tiny_run: Path) -> None:
+    (checkpoint,) = (tiny_run / "checkpoints").glob("*.ckpt")
+    module = train_gpt.GPTModule.load_from_checkpoint(checkpoint, map_location="cpu")
+    saved = torch.load(checkpoint, map_location="cpu", weights_only=False)["state_dict"]
+    assert module.model.config.n_layer == 2 and module.hparams["max_steps"] == 4
+    for name, value in module.state_dict().items():
+        torch.testing.assert_close(value, saved[name])
 
 
 def test_train_gpt_bad_flags_name_the_flag(tmp_path: Path) -> None:
@@ -104,15 +123,8 @@ def test_same_seed_gives_the_same_windows() -> None:
 @pytest.mark.slow
 def test_attention_variants_draws_loss_minus_mha(tmp_path: Path) -> None:
     argv = ["--variants", "mha", "mla", "gla4", "--depth", "1", "--width", "32", "--steps", "4"]
-    argv += [
-        "--tokens-per-step",
-        "64",
-        "--block-size",
-        "16",
-        "--every-n-steps",
-        "2",
-        "--no-progress",
-    ]
+    argv += ["--tokens-per-step", "64", "--block-size", "16", "--every-n-steps", "2"]
+    argv += ["--no-progress", "--max-bytes", "100000"]
     chart = attention_variants.main([*argv, "--accelerator", "cpu", "--logdir", str(tmp_path)])
     assert chart.stat().st_size > 0
     table = attention_variants.final_losses(tmp_path, ["mha", "mla", "gla4"])
@@ -155,6 +167,7 @@ def test_analyze_pretrained_charts_a_local_model_beside_a_run(
 @pytest.mark.slow
 def test_demo_writes_the_csv_and_every_chart(tmp_path: Path) -> None:
     argv = ["--depth", "2", "--width", "32", "--heads", "2", "--steps", "6", "--block-size", "16"]
+    argv += ["--max-bytes", "100000"]
     written = demo.main(
         [
             *argv,
