@@ -394,7 +394,12 @@ class SpectralMonitor(Callback):
         assert self._engine is not None
         step = trainer.global_step
         deadline = time.monotonic() + self.drain_timeout
-        if self._last_submitted_step != step:
+        final_missing = self._last_submitted_step != step
+        if isinstance(self._engine, multi.DistributedEngine):
+            # A snapshot is a collective point: every rank must decide alike, by the shared schedule
+            # (a local skip of the last scheduled snapshot cannot be retaken on one rank alone).
+            final_missing = self.schedule.last_snapshot_step != step
+        if final_missing:
             # The final step is always measured: make room for it rather than skip it.
             while self._engine.pending >= self.max_pending and time.monotonic() < deadline:
                 self._collect_and_log(trainer, wait_seconds=0.05)
