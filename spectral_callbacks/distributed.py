@@ -409,7 +409,7 @@ class DistributedEngine:
         if result is None and point.accepted:
             self._late.add(point.step)
             self.missed += 1
-        health = {"skipped": self.skipped}
+        health: dict[str, float] = {"skipped": float(self.skipped)}
         if result is not None:
             health.update(
                 svd_ms=1000 * result.svd_seconds,
