@@ -196,8 +196,14 @@ class SpectralMonitor(Callback):
 
     @property
     def state_key(self) -> str:
+        # Two monitors watching different matrices keep separate states. Only plain values go into
+        # the key: `mapping` may hold functions whose repr changes between processes, and a key
+        # that changes would silently lose the compression reference on resume.
+        options = self.target_options
         return self._generate_state_key(
-            metrics=self.metrics, **{k: repr(v) for k, v in self.target_options.items()}
+            roles=repr(options["roles"]),
+            include=repr(options["include"]),
+            exclude=repr(options["exclude"]),
         )
 
     # --- hooks: a guard and one call each ----------------------------------------------------

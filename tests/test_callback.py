@@ -227,3 +227,42 @@ def test_no_targets_is_a_clear_error_listing_candidates() -> None:
 def test_bad_arguments_are_named(kwargs: dict, match: str) -> None:
     with pytest.raises(MisconfigurationException, match=match):
         SpectralMonitor(**kwargs)
+
+
+@pytest.mark.gpu
+def test_cuda_side_stream_snapshots_are_the_weights_at_each_step() -> None:
+    logger, recorder, model = RecordingLogger(), WeightRecorder(), TinyGPT(n_embd=64)
+    monitor = SpectralMonitor(
+        metrics=("stable_rank",), every_n_steps=5, log_spaced_until=4, figures=False, max_pending=8
+    )
+    trainer = quiet_trainer(
+        accelerator="gpu", max_steps=20, logger=logger, callbacks=[monitor, recorder]
+    )
+    trainer.fit(model, token_loader())
+    assert sorted(logger.series(scalar_tag("stable_rank", 0, "Q"))) == [0, 1, 2, 5, 10, 15, 20]
+    from spectral_callbacks.targets import find_targets
+
+    for target in find_targets(model):
+        for step, value in logger.series(
+            scalar_tag("stable_rank", target.layer, target.role)
+        ).items():
+            expected = exact_stable_rank(recorder.weights[step][target.name])
+            assert value == pytest.approx(expected, rel=0.01), (target.name, step)
+
+
+def test_overhead_budget_thins_the_schedule_instead_of_skipping() -> None:
+    def slow(group: Any, batch: torch.Tensor) -> dict[str, torch.Tensor]:
+        time.sleep(0.05)
+        return exact_compute(group, batch)
+
+    logger = RecordingLogger()
+    monitor = _monitor(
+        compute=slow, every_n_steps=1, log_spaced_until=0, max_overhead=0.01, max_pending=8
+    )
+    trainer = quiet_trainer(max_steps=30, logger=logger, callbacks=[monitor])
+    trainer.fit(TinyGPT(), token_loader())
+    logged = sorted(logger.series(scalar_tag("stable_rank", 0, "Q")))
+    # A snapshot costs >= 150 ms against steps of tens of ms: 1 % allows far fewer than every step.
+    assert logged[0] == 0 and logged[-1] == 30 and len(logged) < 10
+    assert monitor.schedule.min_interval() > 10
+    assert logger.series(monitor_tag("skipped"))[30] == 0
