@@ -104,15 +104,17 @@ class Rows:
         """The selected ``(rows, in)`` matrix of ``weight``: a view unless ``groups > 1``."""
         matrix = weight.t() if self.transposed else weight  # (out, in)
         if self.groups == 1:
-            return (
-                matrix if (self.start, self.stop) == (0, None) else matrix[self.start : self.stop]
-            )
-        out, inp = matrix.shape
-        per_group = matrix.reshape(
-            self.groups, out // self.groups, inp
-        )  # (groups, chunk, in), a view
+            whole = (self.start, self.stop) == (0, None)
+            return matrix if whole else matrix[self.start : self.stop]
         # Rows of one part are strided across the groups, so a 2-D result needs a copy of them.
-        return per_group[:, self.start : self.stop].reshape(-1, inp)
+        return self.grouped(weight).reshape(-1, matrix.shape[1])
+
+    def grouped(self, weight: torch.Tensor) -> torch.Tensor:
+        """The selected rows as a ``(groups, rows per group, in)`` view of ``weight``, never a copy."""
+        matrix = weight.t() if self.transposed else weight  # (out, in)
+        out, inp = matrix.shape
+        chunks = matrix.reshape(self.groups, out // self.groups, inp)  # (groups, chunk, in), a view
+        return chunks[:, self.start : self.stop]
 
 
 @dataclass(frozen=True)
@@ -172,6 +174,24 @@ class Target:
         fused weights); a copy of only this matrix's rows when they are interleaved per head.
         """
         return self.rows.take(self.parameter.detach())
+
+    def copy_into(self, out: torch.Tensor) -> torch.Tensor:
+        """Copy the current values into ``out`` (a ``shape`` tensor, e.g. one slot of a stack).
+
+        One copy even where ``matrix()`` would need two (per-head interleaved rows copied into a
+        fresh tensor, then into the stack). Returns ``out``.
+
+        Raises:
+            ValueError: ``out`` does not have this target's ``shape``.
+        """
+        if tuple(out.shape) != self.shape:
+            raise ValueError(
+                f"`out` must have shape {self.shape} for {self.name}, got {tuple(out.shape)}"
+            )
+        with torch.no_grad():
+            source = self.rows.grouped(self.parameter.detach())  # (groups, rows, in), a view
+            out.view(source.shape).copy_(source)
+        return out
 
 
 @dataclass(frozen=True)
