@@ -345,7 +345,7 @@ class SpectralMonitor(Callback):
             return
         start = time.perf_counter()
         with torch.no_grad():
-            snapshot = take_snapshot(self._engine.groups.values(), step, stream=self._stream)
+            snapshot = take_snapshot(list(self._engine.groups.values()), step, stream=self._stream)
         accepted = self._engine.submit(snapshot)
         snapshot.main_thread_seconds = time.perf_counter() - start
         if accepted:

@@ -257,8 +257,8 @@ class SnapshotEngine:
             return {"host": host, "seconds": time.perf_counter() - start}
         stream = snapshot.stream
         with torch.cuda.stream(stream):
-            start = torch.cuda.Event(enable_timing=True)
-            start.record(stream)
+            started = torch.cuda.Event(enable_timing=True)
+            started.record(stream)
             host_tensors: dict[str, dict[str, torch.Tensor]] = {}
             for key, batch in snapshot.tensors.items():
                 metrics = self._compute_group(key, batch, snapshot.step)
@@ -270,7 +270,7 @@ class SnapshotEngine:
                     host_tensors[key][name] = pinned
             done = torch.cuda.Event(enable_timing=True)
             done.record(stream)
-        return _DeviceWork(host_tensors, start, done)
+        return _DeviceWork(host_tensors, started, done)
 
     def _compute_group(self, key: str, batch: torch.Tensor, step: int) -> dict[str, torch.Tensor]:
         group = self.groups[key]
