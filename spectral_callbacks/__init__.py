@@ -18,6 +18,8 @@ _EXPORTS = {
     "find_targets": "spectral_callbacks.targets",
     "Target": "spectral_callbacks.targets",
     "format_targets": "spectral_callbacks.targets",
+    "Split": "spectral_callbacks.targets",
+    "TargetError": "spectral_callbacks.targets",
     "spectral_metrics": "spectral_callbacks.functional",
 }
 
