@@ -102,7 +102,11 @@ class SpectralMonitor(Callback):
 
     Raises:
         MisconfigurationException: if an argument is out of range (at construction); if the Trainer
-            has no logger or the model has no matrix to watch (at ``setup`` / ``on_fit_start``).
+            has no logger or the model has no matrix to watch (at ``setup`` / ``on_fit_start``);
+            if the strategy shards parameters (FSDP, FSDP2, DeepSpeed ZeRO-3), or is another
+            multi-process strategy than DDP, or ``max_overhead`` is set with several processes
+            (at ``setup``). Under DDP each rank decomposes a share of the matrices and rank 0 logs
+            them all: see docs/distributed.md.
 
     Example::
 
