@@ -128,7 +128,7 @@ def _from_checkpoint(path: Path, arch: str | None) -> nn.Module:
             f"{path}: a checkpoint does not name its class; pass --arch module:Class (your "
             "LightningModule) or --arch hf:CONFIG_DIR"
         )
-    cls = _import(arch) if not arch.startswith("hf:") else None
+    cls: Any = _import(arch) if not arch.startswith("hf:") else None
     if cls is not None and _is_lightning_module(cls):
         return cls.load_from_checkpoint(path, map_location="cpu", weights_only=False)
     model = _build(arch, hyper_parameters=hyper_parameters)
@@ -136,7 +136,7 @@ def _from_checkpoint(path: Path, arch: str | None) -> nn.Module:
     return model
 
 
-def _is_lightning_module(cls: type) -> bool:
+def _is_lightning_module(cls: object) -> bool:
     try:
         from lightning.pytorch import LightningModule
     except ImportError:

@@ -205,7 +205,7 @@ def read_event_file(path: Path) -> tuple[list[tuple[str, int, float, float]], Re
 
 def _tidy(run: str, points: list[tuple[str, int, float, float]], all_scalars: bool) -> pd.DataFrame:
     """Tidy rows of one run's points; ``depth`` is filled in later, per run."""
-    records = []
+    records: list[tuple[str, int, str, int | None, str | None, float, float]] = []
     for tag, step, value, wall_time in points:
         parsed = parse_tag(tag)
         if parsed is not None:

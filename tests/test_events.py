@@ -8,7 +8,6 @@ from pathlib import Path
 
 import numpy as np
 import pandas as pd
-import pytest
 from torch.utils.tensorboard import SummaryWriter
 
 from spectral_callbacks.events import filter_rows, find_runs, read_event_file, read_runs

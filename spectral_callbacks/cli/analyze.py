@@ -51,10 +51,19 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         help="the step the scalars are logged at (default 0)",
     )
     parser.add_argument("--arch", metavar="HINT", help=ARCH_HELP)
+    parser.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        metavar="N",
+        help="seed of the randomized SVD, so the same model gives the same numbers (default 0)",
+    )
     parser.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    import torch
+
     from spectral_callbacks.analysis import ModelLoadError, analyze_model, load_model, write_scalars
     from spectral_callbacks.targets import TargetError
 
@@ -63,7 +72,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         model = load_model(args.model, args.arch)
         with _progress_bar() as advance:
-            rows, num_layers = analyze_model(model, progress=advance)
+            generator = torch.Generator().manual_seed(args.seed)
+            rows, num_layers = analyze_model(model, progress=advance, generator=generator)
     except (ModelLoadError, TargetError) as error:
         raise CommandError(" ".join(str(error).split())) from None
     write_scalars(rows, num_layers, args.logdir, step=args.step)
