@@ -5,7 +5,8 @@
 Lightning's ``strategy="ddp"`` re-runs this script once per extra rank (environment variables
 tell each process its rank), so it must be a file, not a function in the test. Rank 0 saves the
 watched matrices at every optimizer step to ``OUTDIR/weights.pt`` (DDP keeps them identical on
-every rank) so the test can compute the single-process reference on exactly these weights.
+every rank) so the test can compute the single-process reference on exactly these weights, and
+the callback's state (what a checkpoint would hold) to ``OUTDIR/monitor_state.pt``.
 """
 
 from __future__ import annotations
@@ -90,6 +91,8 @@ def main() -> None:
         log_every_n_steps=1,
     )
     trainer.fit(model, token_loader(num_batches=2 * args.steps))
+    if trainer.is_global_zero:  # what a checkpoint written by rank 0 would hold
+        torch.save(monitor.state_dict(), args.outdir / "monitor_state.pt")
 
 
 if __name__ == "__main__":

@@ -77,12 +77,13 @@ def tiny_targets() -> list:
 
 
 @pytest.fixture(scope="module")
-def ddp_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, dict]:
+def ddp_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, dict, dict]:
     outdir = tmp_path_factory.mktemp("ddp")
     finished = run_script(outdir, "--devices", "2")
     assert finished.returncode == 0, finished.stdout[-3000:]
     weights = torch.load(outdir / "weights.pt")
-    return read_scalars(outdir / "tb" / "version_0"), weights
+    state = torch.load(outdir / "monitor_state.pt")
+    return read_scalars(outdir / "tb" / "version_0"), weights, state
 
 
 # --- real 2-process DDP ---------------------------------------------------------------------
@@ -90,7 +91,7 @@ def ddp_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, dict]:
 
 @pytest.mark.slow
 def test_ddp_logs_the_exact_stable_rank_of_every_matrix_at_every_scheduled_step(ddp_run) -> None:
-    scalars, weights = ddp_run
+    scalars, weights, _ = ddp_run
     targets = tiny_targets()
     assert len(targets) == 12
     for target in targets:
@@ -106,7 +107,7 @@ def test_ddp_logs_the_exact_stable_rank_of_every_matrix_at_every_scheduled_step(
 
 @pytest.mark.slow
 def test_ddp_each_rank_computes_its_share_of_the_matrices(ddp_run) -> None:
-    scalars, _ = ddp_run
+    scalars, _, _ = ddp_run
     owners = multi.partition(tiny_targets(), world_size=2)
     for rank in (0, 1):
         matrices = scalars[monitor_tag(f"rank{rank}/matrices")]
@@ -119,6 +120,16 @@ def test_ddp_each_rank_computes_its_share_of_the_matrices(ddp_run) -> None:
     for step, svd_ms in scalars[monitor_tag("svd_ms")].items():
         per_rank = [scalars[monitor_tag(f"rank{r}/svd_ms")][step] for r in (0, 1)]
         assert svd_ms == pytest.approx(max(per_rank))
+
+
+@pytest.mark.slow
+def test_ddp_rank_zero_state_holds_every_compression_reference(ddp_run) -> None:
+    scalars, _, state = ddp_run
+    targets = tiny_targets()
+    assert set(state["references"]) == {target.name for target in targets}
+    for target in targets:  # the step-0 stable rank of every matrix, whichever rank computed it
+        logged = scalars[scalar_tag("stable_rank", target.layer, target.role)]
+        assert state["references"][target.name] == pytest.approx(logged[0], rel=1e-6)
 
 
 @pytest.mark.slow
