@@ -88,8 +88,8 @@ def worker(args: argparse.Namespace) -> None:
     accelerator = args.accelerator
     if accelerator == "auto":
         accelerator = "gpu" if torch.cuda.device_count() >= args.devices else "cpu"
-    if accelerator == "cpu":  # the processes share the cores
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.devices))
+    if args.threads:  # the same per process for every count, so runs differ only in the split
+        torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     config = GPTConfig(
         n_layer=args.layers, n_head=args.width // 32, n_embd=args.width, block_size=args.block
@@ -145,6 +145,9 @@ def main(argv: list[str] | None = None) -> None:
         choices=("auto", "cpu", "gpu"),
         help="auto: one GPU per process when there are enough, else CPU (gloo)",
     )
+    parser.add_argument(
+        "--threads", type=int, default=1, help="torch threads per process (0: torch's default)"
+    )
     parser.add_argument("--devices", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--result", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -169,7 +172,7 @@ def main(argv: list[str] | None = None) -> None:
     print(
         f"\n{args.layers} layers x {args.width} wide, {args.batch} x {args.block} tokens/step/rank, "
         f"{args.steps} steps, snapshot every {args.every} steps (+ early powers of two), "
-        f"{table[0][1]['accelerator']}, {os.cpu_count()} cores\n"
+        f"{table[0][1]['accelerator']}, {os.cpu_count()} cores, {args.threads} thread(s)/process\n"
     )
     print(
         "| processes | rank | snapshots | matrices | svd ms/snapshot | main ms/snapshot | skipped | train s |"
