@@ -14,8 +14,14 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from spectral_callbacks.cli.common import CommandError, say
+
+if TYPE_CHECKING:  # pandas and rich are imported when the command runs, not for --help
+    import pandas as pd
+    from rich.progress import Progress
 
 MODEL_HELP = (
     "a Hugging Face model directory (config.json + *.safetensors or pytorch_model.bin), a "
@@ -71,7 +77,7 @@ def run(args: argparse.Namespace) -> int:
         raise CommandError(f"--step must be a non-negative int, got {args.step}")
     try:
         model = load_model(args.model, args.arch)
-        with _progress_bar() as advance:
+        with _ProgressBar() as advance:
             generator = torch.Generator().manual_seed(args.seed)
             rows, num_layers = analyze_model(model, progress=advance, generator=generator)
     except (ModelLoadError, TargetError) as error:
@@ -82,11 +88,11 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-class _progress_bar:
+class _ProgressBar:
     """A rich progress bar over matrices on a terminal's stderr; a no-op elsewhere."""
 
-    def __enter__(self):  # -> Callable[[int], None]
-        self._progress = None
+    def __enter__(self) -> Callable[[int], None]:
+        self._progress: Progress | None = None
         if not sys.stderr.isatty():
             return lambda done: None
         from rich.console import Console
@@ -95,14 +101,15 @@ class _progress_bar:
         self._progress = Progress(console=Console(stderr=True), transient=True)
         self._progress.start()
         task = self._progress.add_task("analyzing matrices", total=None)
-        return lambda done: self._progress.advance(task, done)
+        progress = self._progress
+        return lambda done: progress.advance(task, done)
 
     def __exit__(self, *exc: object) -> None:
         if self._progress is not None:
             self._progress.stop()
 
 
-def print_table(rows, title: str) -> None:  # rows: pd.DataFrame from analyze_model
+def print_table(rows: pd.DataFrame, title: str) -> None:
     """A layer x role table of ``stable rank / α`` on stdout."""
     from rich.console import Console
     from rich.table import Table

@@ -9,6 +9,7 @@ Example::
 from __future__ import annotations
 
 import argparse
+from typing import TYPE_CHECKING
 
 import pandas as pd
 
@@ -22,6 +23,9 @@ from spectral_callbacks.cli.common import (
     step_range,
 )
 from spectral_callbacks.events import filter_rows
+
+if TYPE_CHECKING:  # matplotlib is imported when a chart is drawn, not for --help
+    from matplotlib.figure import Figure
 
 KINDS = {
     "alpha-depth": "alpha of --role (default Q) vs relative depth i/(L-1), one line per run",
@@ -79,7 +83,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     parser.set_defaults(func=run)
 
 
-def draw(rows: pd.DataFrame, args: argparse.Namespace):  # -> Figure (matplotlib imported lazily)
+def draw(rows: pd.DataFrame, args: argparse.Namespace) -> Figure:
     """The figure of ``args.kind`` from ``rows``; chart errors become CommandErrors."""
     from spectral_callbacks import charts
 
