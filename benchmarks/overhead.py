@@ -6,6 +6,9 @@ The three variants run alternately in one process (round 1: none, default, synch
 * ``train s``  - wall time of the training loop (first batch start to ``on_train_end``);
 * ``fit s``    - the whole ``trainer.fit`` (including the final snapshot, drain and end figures);
 * ``ratio``    - each against the run without the callback, same round, then the median;
+* ``cpu ratio`` - the same for the CPU seconds of the whole process (all threads) during the
+  training loop: what the callback's work costs in core time, far less sensitive than wall time to
+  other processes on a shared machine;
 * ``main ms``  - main-thread milliseconds per snapshot (copy + hand-over; the SVD too when
   synchronous), from ``spectral_monitor/main_thread_ms``;
 * ``svd ms``   - SVD + metrics milliseconds per snapshot (worker thread or side stream).
@@ -72,15 +75,18 @@ class LoopTimer(Callback):
     def __init__(self) -> None:
         self.start: float | None = None
         self.end: float | None = None
+        self.cpu_start = self.cpu_end = 0.0
 
     def on_train_batch_start(self, trainer: Trainer, *args: Any) -> None:
         if self.start is None:
             _sync()
             self.start = time.perf_counter()
+            self.cpu_start = time.process_time()
 
     def on_train_end(self, trainer: Trainer, *args: Any) -> None:
         _sync()
         self.end = time.perf_counter()
+        self.cpu_end = time.process_time()
 
 
 class HealthLogger(Logger):
@@ -138,6 +144,7 @@ def run_once(variant: str, args: argparse.Namespace, logdir: str) -> dict[str, f
     assert timer.start is not None and timer.end is not None
     return {
         "train": timer.end - timer.start,
+        "cpu": timer.cpu_end - timer.cpu_start,
         "fit": fit,
         "main_ms": statistics.median(health.main_ms) if health.main_ms else float("nan"),
         "svd_ms": statistics.median(health.svd_ms) if health.svd_ms else float("nan"),
@@ -194,14 +201,16 @@ def main(argv: list[str] | None = None) -> None:
         f"{args.steps} steps, {args.rounds} alternating rounds, {device}\n"
     )
     print(
-        "| variant | train s | train ratio | fit s | fit ratio | snapshots | skipped | main ms/snapshot | svd ms/snapshot |"
+        "| variant | train s | train ratio | cpu ratio | fit s | fit ratio | snapshots | skipped "
+        "| main ms/snapshot | svd ms/snapshot |"
     )
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for variant in variants:
         runs = results[variant]
         print(
             f"| {variant} | {statistics.median(r['train'] for r in runs):.2f} | "
-            f"{median_ratio(variant, 'train'):.3f} | {statistics.median(r['fit'] for r in runs):.2f} | "
+            f"{median_ratio(variant, 'train'):.3f} | {median_ratio(variant, 'cpu'):.3f} | "
+            f"{statistics.median(r['fit'] for r in runs):.2f} | "
             f"{median_ratio(variant, 'fit'):.3f} | {runs[-1]['snapshots']} | {runs[-1]['skipped']:.0f} | "
             f"{statistics.median(r['main_ms'] for r in runs):.2f} | {statistics.median(r['svd_ms'] for r in runs):.1f} |"
         )
