@@ -393,19 +393,23 @@ class DistributedEngine:
 
     # --- helpers ----------------------------------------------------------------------------
 
-    def _harvest(self) -> None:
-        for result in self._local.collect(wait_seconds=0.0):
+    def _harvest(self, wait_seconds: float = 0.0) -> None:
+        """Move finished local results into ``_done``; a result already sent as missing is dropped."""
+        for result in self._local.collect(wait_seconds=wait_seconds):
             if result.step in self._late:
                 self._late.discard(result.step)
             else:
                 self._done[result.step] = result
 
+    def _await(self, point: _Point, deadline: float) -> SnapshotResult | None:
+        """This rank's result of ``point`` if it is done by ``deadline`` (``None`` if skipped)."""
+        self._harvest()
+        while point.step not in self._done and point.accepted and time.monotonic() < deadline:
+            self._harvest(wait_seconds=_POLL_SECONDS)
+        return self._done.pop(point.step, None)
+
     def _send(self, point: _Point, deadline: float) -> None:
-        result = self._done.pop(point.step, None)
-        while result is None and point.accepted and time.monotonic() < deadline:
-            for late in self._local.collect(wait_seconds=_POLL_SECONDS):
-                self._done[late.step] = late
-            result = self._done.pop(point.step, None)
+        result = self._await(point, deadline)
         if result is None and point.accepted:
             self._late.add(point.step)
             self.missed += 1
@@ -432,11 +436,7 @@ class DistributedEngine:
         """Rank 0's own rows of snapshots never sent (after an exception), with a warning."""
         partial = []
         for point in list(self._points):
-            result = self._done.pop(point.step, None)
-            while result is None and point.accepted and time.monotonic() < deadline:
-                for late in self._local.collect(wait_seconds=_POLL_SECONDS):
-                    self._done[late.step] = late
-                result = self._done.pop(point.step, None)
+            result = self._await(point, deadline)
             if result is not None:
                 partial.append(result)
         self._points.clear()

@@ -230,6 +230,11 @@ def test_engine_sends_each_result_at_the_next_point_and_a_late_one_as_missing(
         assert [r.step for r in results] == [1, 2]
         assert results[1].metrics == {} and engine.skipped == 1
         assert results[1].rank_scalars[monitor_tag("skipped")] == 1.0
+        deadline = time.monotonic() + 5
+        while engine.pending and time.monotonic() < deadline:  # the late result comes back...
+            engine.collect(wait_seconds=0.05)
+        assert engine.pending == 0 and engine.collect() == []
+        assert not engine._done and not engine._late  # ...and is dropped, not kept forever
         engine.close()
     finally:
         dist.destroy_process_group()
