@@ -51,9 +51,16 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--block-size", type=int, default=64)
     parser.add_argument("--tokens-per-step", type=int, default=1024)
-    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--lr", type=float, default=1.5e-3)
     parser.add_argument(
         "--max-bytes", type=int, default=None, help="use only the first bytes of the stdlib text"
+    )
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="training's intra-op threads: one leaves the second core to the callback's SVD worker, "
+        "and on a busy machine a second thread spins against other processes (6x slower measured)",
     )
     parser.add_argument("--every-n-steps", type=int, default=10, help="snapshot interval")
     parser.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True)
@@ -86,7 +93,7 @@ def main(argv: list[str] | None = None) -> dict[str, Path]:
                 "--every-n-steps",
                 str(args.every_n_steps),
             ),
-            *("--log-every-n-steps", "5", "--accelerator", "cpu"),
+            *("--log-every-n-steps", "5", "--accelerator", "cpu", "--threads", str(args.threads)),
             *("--logdir", str(runs), "--name", RUN_NAME, "--version", ""),
             "--progress" if args.progress else "--no-progress",
             *(["--max-bytes", str(args.max_bytes)] if args.max_bytes else []),
