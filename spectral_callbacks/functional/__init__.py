@@ -30,6 +30,7 @@ from spectral_callbacks.functional.svd import (
     DEFAULT_N_OVERSAMPLES,
     METHODS,
     TopSVD,
+    gram_singular_values,
     randomized_svd,
 )
 
@@ -46,6 +47,7 @@ __all__ = [
     "energy_rank",
     "energy_rank_key",
     "esd_alpha",
+    "gram_singular_values",
     "metrics_from_spectrum",
     "powerlaw_alpha",
     "randomized_svd",

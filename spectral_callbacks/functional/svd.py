@@ -1,20 +1,24 @@
-"""Top-k singular values of a weight matrix, fast: randomized subspace iteration or an exact method.
+"""Top-k singular values of a weight matrix, fast: randomized block Krylov or an exact method.
 
 ``randomized_svd`` is the one entry point. It accepts ``(m, n)`` or batched ``(B, m, n)`` inputs of
 any float dtype (bf16/fp16/fp32 are computed in float32, float64 in float64) and returns the top-k
 singular values plus a right subspace that warm-starts the next call on a slightly changed matrix.
 
-The randomized path is the range finder with subspace (power) iteration of Halko, Martinsson &
-Tropp 2011, "Finding structure with randomness", Algorithm 4.4, finished by a Rayleigh-Ritz step on
-W itself. The power iteration applies ``W^T W`` either as two skinny products with W or, when the
-smaller side is short enough that forming the Gram matrix once is cheaper than the products, as one
-product with the explicit Gram matrix. Either way the final singular values come from ``W V`` (not
-from the Gram matrix), so they carry W's own rounding, not its square.
+The randomized path is the randomized block Krylov method of Musco & Musco 2015 ("Randomized block
+Krylov methods for stronger and faster approximate singular value decomposition", Algorithm 2): the
+range finder of Halko, Martinsson & Tropp 2011 (Algorithm 4.4, subspace iteration) keeps only the
+last block ``(W^T W)^q Omega``; block Krylov keeps every block ``Omega, (W^T W) Omega, ...`` and so
+converges at the square root of the spectral gap. On a flat (freshly initialized) spectrum that
+difference is what brings sigma_1 within 0.5 % at a third of the cost (benchmarks/svd_accuracy.py).
+``W^T W`` is applied either as two skinny products with W or, when the smaller side is short enough
+that forming the Gram matrix once is cheaper, as one product with the explicit Gram matrix. Either
+way the singular values are read off ``W V`` (Rayleigh-Ritz on W itself, not on the Gram matrix),
+so they carry W's own rounding, not its square.
 
 The exact paths are ``eigvalsh`` of the smaller Gram matrix in float64 (exact for sigma_1 and every
 singular value above ``sqrt(eps64) * sigma_1``) and ``svdvals`` of the tall orientation (LAPACK is
-several times slower on the wide one). Which path runs is decided by shape with a flop count
-(``_choose_method``), never by timing at run time, so the choice is deterministic.
+several times slower on the wide one). Which path runs is decided by shape with a calibrated flop
+count (``_choose_method``), never by timing at run time, so the choice is deterministic.
 
 Every path returns the same top-k: an exact path truncates its full spectrum to k, and singular
 values below ``max(m, n) * eps * sigma_1`` (``eps`` of the compute dtype, the rank tolerance of
@@ -24,6 +28,7 @@ whichever method ran.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -36,22 +41,22 @@ __all__ = [
     "DEFAULT_N_OVERSAMPLES",
     "METHODS",
     "TopSVD",
+    "gram_singular_values",
     "randomized_svd",
 ]
 
 # Why these defaults (measured by benchmarks/svd_accuracy.py, table in docs/metrics.md):
 # k = 32 ranks span 1.5 decades of log i, enough for a stable power-law fit, while the cost of every
-# product with W stays linear in k + n_oversamples.
+# product with W stays linear in the block size k + n_oversamples.
 DEFAULT_K = 32
-# 32 extra columns: the Ritz values of the top 32 converge at the rate of sigma_64 / sigma_32, not
-# sigma_33 / sigma_32, which is what makes a flat (freshly initialized) spectrum converge at all.
-DEFAULT_N_OVERSAMPLES = 32
-# Power iterations of a cold start: the flat Gaussian case needs ~8 to bring sigma_1 within 0.5 %.
-DEFAULT_N_ITER = 8
-# A warm start from the previous snapshot's subspace is already close; a few iterations polish it.
-DEFAULT_N_ITER_WARM = 3
+# A few extra columns: the Krylov space (block size x (n_iter + 1) columns) already oversamples.
+DEFAULT_N_OVERSAMPLES = 8
+# Krylov depth of a cold start: the flat Gaussian case needs ~6 to bring sigma_1 within 0.5 %.
+DEFAULT_N_ITER = 6
+# A warm start from the previous snapshot's subspace is already close; two blocks polish it.
+DEFAULT_N_ITER_WARM = 2
 
-METHODS = ("auto", "randomized", "gram", "svdvals")
+METHODS = ("auto", "randomized", "subspace", "gram", "svdvals")
 
 
 class TopSVD(NamedTuple):
@@ -80,29 +85,31 @@ def randomized_svd(
 ) -> TopSVD:
     r"""Top-k singular values of ``W`` (or of each matrix of a batch).
 
-    The randomized path (Halko, Martinsson & Tropp 2011, Algorithm 4.4) builds an orthonormal basis
-    :math:`V` of :math:`(W^\top W)^q \Omega` with a Gaussian :math:`\Omega \in \mathbb{R}^{n \times l}`,
-    :math:`l = k + p`, re-orthonormalizing after every product, then reads the singular values off
-    the small matrix :math:`W V`:
+    The randomized path (Musco & Musco 2015, Algorithm 2) builds an orthonormal basis :math:`Q` of
+    the block Krylov space of :math:`W^\top W` from a Gaussian start
+    :math:`\Omega \in \mathbb{R}^{n \times b}`, :math:`b = k + p`, keeps the top-b Ritz vectors
+    :math:`V` and reads the singular values off the small matrix :math:`W V`:
 
     .. math::
 
-        \sigma_i(W V) \le \sigma_i(W), \qquad
-        \sigma_i(W V) \to \sigma_i(W) \text{ at the rate } (\sigma_{l+1} / \sigma_i)^{2q+1}.
+        \mathcal{K} = [\Omega,\ (W^\top W)\,\Omega,\ \dots,\ (W^\top W)^q\,\Omega], \qquad
+        \sigma_i(W V) \le \sigma_i(W).
 
     Args:
         W: ``(m, n)`` or ``(B, m, n)`` matrix of any float dtype; views (``W.T``, slices) are fine.
         k: how many singular values to return (default 32); clamped to ``min(m, n)``.
-        n_oversamples: extra subspace columns ``p`` (default 32). More columns cost linearly more
-            and converge faster on flat spectra.
-        n_iter: power iterations ``q``. Default ``None``: 8 for a cold start, 3 with ``init``. More
-            iterations cost one product with ``W^T W`` each and buy accuracy.
+        n_oversamples: extra block columns ``p`` (default 8); the block size is ``b = k + p``.
+            More columns cost linearly more and converge faster on flat spectra.
+        n_iter: Krylov depth ``q`` (power iterations for ``method="subspace"``). Default ``None``:
+            6 for a cold start, 2 with ``init``. Each step costs one product with :math:`W^\top W`
+            and buys accuracy.
         generator: random generator for the Gaussian start (default: torch's global one).
         init: ``(n, j)`` or ``(B, n, j)`` start subspace, normally ``.V`` of the previous call on
-            the same matrix; columns beyond ``l`` are dropped, missing ones drawn at random.
-        method: ``"auto"`` (default; chosen by shape, see the module docstring), ``"randomized"``,
-            ``"gram"`` (exact: float64 ``eigvalsh`` of the smaller Gram matrix) or ``"svdvals"``
-            (exact: ``torch.linalg.svdvals`` of the tall orientation).
+            the same matrix; columns beyond ``b`` are dropped, missing ones drawn at random.
+        method: ``"auto"`` (default; chosen by shape, see the module docstring), ``"randomized"``
+            (block Krylov), ``"subspace"`` (Halko, Martinsson & Tropp 2011, Algorithm 4.4, for
+            comparison), ``"gram"`` (exact: float64 ``eigvalsh`` of the smaller Gram matrix) or
+            ``"svdvals"`` (exact: ``torch.linalg.svdvals`` of the tall orientation).
 
     Returns:
         ``TopSVD(S, V)``. A matrix with a NaN or Inf entry gets ``S`` all NaN (the rest of the batch
@@ -148,8 +155,8 @@ def randomized_svd(
         n_iter = DEFAULT_N_ITER if init is None else DEFAULT_N_ITER_WARM
     chosen = _choose_method(m, n, width, n_iter, compute_dtype) if method == "auto" else method
 
-    if chosen == "randomized":
-        S, V = _randomized(A, width, n_iter, generator, init)
+    if chosen in ("randomized", "subspace"):
+        S, V = _randomized(A, width, n_iter, generator, init, krylov=chosen == "randomized")
     elif chosen == "gram":
         S, V = _gram_eigvalsh(A), None
     else:
@@ -165,15 +172,15 @@ def randomized_svd(
     return TopSVD(S, V)
 
 
-# Relative cost of one flop in each kind of kernel, calibrated on a 2-thread CPU (fp32): a large
-# square matmul (Gram) runs near peak; skinny products and QR of tall-skinny blocks run slower;
-# eigvalsh/svdvals are memory bound (tridiagonal/bidiagonal reduction).
+# Relative cost of one flop in each kind of kernel, in units of a large float32 matmul, calibrated on
+# a 2-thread x86 CPU (torch 2.13, MKL): a big square product (the Gram matrix) runs near peak, skinny
+# products and tall-skinny QR slower, eigvalsh memory bound (tridiagonal reduction). Float64 costs
+# twice float32.
 _COST_GEMM = 1.0
-_COST_SKINNY = 1.5
-_COST_QR = 6.0
-_COST_EIGH = 40.0
-_COST_SVD = 30.0
-# Exact is preferred when the subspace would cover this much of the smaller side anyway.
+_COST_SKINNY = 2.5
+_COST_QR = 7.5
+_COST_EIGH = 14.0
+# Exact is preferred when the block would cover this much of the smaller side anyway.
 _EXACT_FRACTION = 0.5
 
 
@@ -182,54 +189,105 @@ def _choose_method(m: int, n: int, width: int, n_iter: int, dtype: torch.dtype) 
     small, large = min(m, n), max(m, n)
     if width >= _EXACT_FRACTION * small:
         return "svdvals" if dtype == torch.float64 else "gram"
-    randomized = min(_randomized_costs(m, n, width, n_iter))
-    gram_exact = 2 * _COST_GEMM * small * small * large * 2 + _COST_EIGH * small**3  # float64: x2
+    randomized = min(_randomized_costs(m, n, width, n_iter, krylov=True))
+    # Exact float64 Gram: product and eigvalsh both at float64 cost (2x).
+    gram_exact = 2 * (2 * _COST_GEMM * small * small * large + _COST_EIGH * small**3)
     return "randomized" if randomized <= gram_exact else "gram"
 
 
-def _randomized_costs(m: int, n: int, width: int, n_iter: int) -> tuple[float, float]:
+def _randomized_costs(
+    m: int, n: int, width: int, n_iter: int, *, krylov: bool
+) -> tuple[float, float]:
     """Cost of the randomized path with products by W, and with an explicit Gram matrix."""
     small, large = min(m, n), max(m, n)
-    qr = _COST_QR * (large + small) * width * width
-    by_products = (2 * n_iter + 1) * (2 * _COST_SKINNY * m * n * width) + n_iter * qr
-    by_gram = (
-        _COST_GEMM * small * small * large  # Gram (symmetric: half the flops of a general product)
-        + n_iter * (2 * _COST_SKINNY * small * small * width + _COST_QR * small * width * width)
-        + 2 * _COST_SKINNY * m * n * width  # the final W V
-    )
+    applications = n_iter + 1 if krylov else n_iter
+    # Orthogonalization in the smaller space: two QRs per step, plus (Krylov) two projections
+    # against the growing basis.
+    blocks = n_iter * (n_iter + 1) / 2 if krylov else 0
+    ortho = small * width * width * (_COST_QR * 8 * n_iter + _COST_SKINNY * 8 * blocks)
+    final = 2 * _COST_SKINNY * m * n * width  # W V
+    by_products = applications * 4 * _COST_SKINNY * m * n * width + final + ortho
+    gram = 2 * _COST_GEMM * small * small * large
+    by_gram = gram + applications * 2 * _COST_SKINNY * small * small * width + final + ortho
     return by_products, by_gram
 
 
 def _randomized(
-    A: Tensor, width: int, n_iter: int, generator: torch.Generator | None, init: Tensor | None
+    A: Tensor,
+    width: int,
+    n_iter: int,
+    generator: torch.Generator | None,
+    init: Tensor | None,
+    *,
+    krylov: bool,
 ) -> tuple[Tensor, Tensor]:
-    """Subspace iteration (HMT 2011 Alg. 4.4) + Rayleigh-Ritz on ``A V``; returns (S, V)."""
+    """Block Krylov (or subspace iteration) + Rayleigh-Ritz on W itself; returns (S, V)."""
     m, n = A.shape[-2:]
-    V = _start_subspace(A, width, generator, init)  # (..., n, l)
-    by_products, by_gram = _randomized_costs(m, n, width, n_iter)
-    if by_gram < by_products and n <= m:
-        G = A.mT @ A  # (..., n, n)
-        for _ in range(n_iter):  # HMT 2011 Alg. 4.4, the product W^T W applied through its Gram
-            V = _orthonormalize(G @ V)
-    elif by_gram < by_products:
-        # Wide: iterate on the left side, where the Gram matrix is small, then map back.
-        G = A @ A.mT  # (..., m, m)
-        U = _orthonormalize(A @ V)  # (..., m, l)
-        for _ in range(n_iter):
-            U = _orthonormalize(G @ U)
-        # Rayleigh-Ritz on A^T U: its singular values are those of U^T A, its left vectors live in
-        # the right space of A.
-        Vz, S, _ = torch.linalg.svd(A.mT @ U, full_matrices=False)  # (..., n, l), (..., l)
-        return S, Vz
+    start = _start_block(A, width, generator, init)  # (..., n, b)
+    by_products, by_gram = _randomized_costs(m, n, width, n_iter, krylov=krylov)
+    # Iterate in the space of the smaller side when the Gram matrix is used, else on the right.
+    wide = by_gram < by_products and m < n
+    B = A.mT if wide else A  # iterate on the right space of B: (..., rows, d)
+    if wide:
+        start = A @ start  # (..., m, b): the left image of the right start
+    if by_gram < by_products:
+        G = B.mT @ B  # (..., d, d)
+
+        def apply(X: Tensor) -> Tensor:
+            return G @ X
+
     else:
-        for _ in range(n_iter):  # HMT 2011 Alg. 4.4: Q = orth(A V), V = orth(A^T Q), q times
-            V = _orthonormalize(A.mT @ _orthonormalize(A @ V))
-    # Rayleigh-Ritz on A V: singular values of the (m, l) matrix, rotated right vectors.
-    _, S, Vh = torch.linalg.svd(A @ V, full_matrices=False)  # (..., l), (..., l, l)
-    return S, V @ Vh.mT
+
+        def apply(X: Tensor) -> Tensor:
+            return B.mT @ (B @ X)
+
+    basis = _block_krylov(apply, start, n_iter) if krylov else _subspace(apply, start, n_iter)
+    # Rayleigh-Ritz on W itself: the singular values of the (rows, b) matrix B V.
+    left, S, right_h = torch.linalg.svd(B @ basis, full_matrices=False)  # (..., rows, b), (..., b)
+    # The right singular vectors of A: left ones of A^T U when wide, else the rotated basis.
+    V = left if wide else basis @ right_h.mT  # (..., n, b)
+    return S, V
 
 
-def _start_subspace(
+def _block_krylov(apply: Callable[[Tensor], Tensor], start: Tensor, depth: int) -> Tensor:
+    """Top-b Ritz vectors of the block Krylov space of ``apply`` (Musco & Musco 2015, Alg. 2)."""
+    d, b = start.shape[-2:]
+    blocks = [_orthonormalize(start)]  # Q_0
+    images = []  # apply(Q_j), reused by the Rayleigh-Ritz step
+    for _ in range(depth):
+        room = d - sum(block.shape[-1] for block in blocks)
+        if room <= 0:  # the space is all of R^d: Rayleigh-Ritz is now exact
+            break
+        image = apply(blocks[-1])
+        images.append(image)
+        # Q_{j+1}, trimmed so the basis never has more than d columns.
+        blocks.append(_orthogonalize_against(image, torch.cat(blocks, -1))[..., :room])
+    images.append(apply(blocks[-1]))
+    basis = torch.cat(blocks, -1)  # (..., d, b (depth + 1))
+    T = basis.mT @ torch.cat(images, -1)  # Rayleigh quotient of W^T W on the Krylov space
+    _, vectors = torch.linalg.eigh((T + T.mT) / 2)  # ascending
+    return basis @ vectors[..., -b:].flip(-1)  # (..., d, b) top-b Ritz vectors, descending
+
+
+def _subspace(apply: Callable[[Tensor], Tensor], start: Tensor, n_iter: int) -> Tensor:
+    """Subspace iteration: orth((W^T W)^q Omega), re-orthonormalized at every step."""
+    V = _orthonormalize(start)
+    for _ in range(n_iter):  # Halko, Martinsson & Tropp 2011, Algorithm 4.4
+        V = _orthonormalize(apply(V))
+    return V
+
+
+def _orthogonalize_against(X: Tensor, basis: Tensor) -> Tensor:
+    """Orthonormal columns spanning X minus its projection on ``basis`` (block CGS, done twice).
+
+    The second pass also catches columns that the first left (nearly) zero, whose QR directions
+    are arbitrary: they must still be orthogonal to ``basis`` for the Rayleigh quotient to hold.
+    """
+    X = _orthonormalize(X - basis @ (basis.mT @ X))
+    return _orthonormalize(X - basis @ (basis.mT @ X))
+
+
+def _start_block(
     A: Tensor, width: int, generator: torch.Generator | None, init: Tensor | None
 ) -> Tensor:
     """Orthonormal ``(..., n, l)`` start: ``init`` (trimmed or topped up at random) or Gaussian."""
@@ -256,13 +314,34 @@ def _orthonormalize(X: Tensor) -> Tensor:
     return torch.linalg.qr(X).Q
 
 
+def gram_singular_values(G: Tensor) -> Tensor:
+    r"""Singular values of X, descending, from its Gram matrix :math:`G = X^\top X` (or :math:`X X^\top`).
+
+    .. math:: \sigma_i(X) = \sqrt{\max(\lambda_i(G), 0)}
+
+    Computed with ``eigvalsh`` in float64; rounding makes tiny eigenvalues slightly negative,
+    hence the clamp.
+
+    Args:
+        G: ``(..., d, d)`` symmetric positive semi-definite matrix.
+
+    Returns:
+        ``(..., d)`` float64 singular values, descending.
+
+    Example::
+
+        >>> gram_singular_values(torch.diag(torch.tensor([4.0, 9.0, 1.0])))
+        tensor([3., 2., 1.], dtype=torch.float64)
+    """
+    return torch.linalg.eigvalsh(G.to(torch.float64)).flip(-1).clamp_min(0).sqrt()
+
+
 def _gram_eigvalsh(A: Tensor) -> Tensor:
     """All singular values, descending, from float64 ``eigvalsh`` of the smaller Gram matrix."""
     A64 = A.to(torch.float64)
     m, n = A.shape[-2:]
     G = A64.mT @ A64 if n <= m else A64 @ A64.mT  # (..., min, min)
-    eigenvalues = torch.linalg.eigvalsh(G).flip(-1).clamp_min(0)
-    return eigenvalues.sqrt().to(A.dtype)
+    return gram_singular_values(G).to(A.dtype)
 
 
 def _svdvals_tall(A: Tensor) -> Tensor:

@@ -1,0 +1,218 @@
+"""The metrics of DESIGN.md section 2 against spectra with known answers and a float64 reference."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+import torch
+
+from spectral_callbacks.functional import (
+    compression,
+    energy_rank,
+    energy_rank_key,
+    esd_alpha,
+    metrics_from_spectrum,
+    powerlaw_alpha,
+    spectral_metrics,
+    stable_rank,
+)
+
+SEEDS = [0, random.SystemRandom().randrange(2**31)]
+KEYS = {"stable_rank", "alpha", "alpha_r2", "spectral_norm", "frobenius_norm", "energy_rank_90"}
+
+
+def with_spectrum(s: torch.Tensor, m: int, n: int, seed: int) -> torch.Tensor:
+    """``(m, n)`` float64 matrix U diag(s) V^T with random orthonormal U, V."""
+    g = torch.Generator().manual_seed(seed)
+    r = s.shape[-1]
+    U = torch.linalg.qr(torch.randn(m, r, generator=g, dtype=torch.float64)).Q
+    V = torch.linalg.qr(torch.randn(n, r, generator=g, dtype=torch.float64)).Q
+    return (U * s.double()) @ V.T
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("rank", [1, 5, 20])
+def test_equal_singular_values_have_stable_rank_equal_to_the_rank(rank: int, seed: int) -> None:
+    W = with_spectrum(torch.full((rank,), 3.0), 90, 70, seed).float()
+    out = spectral_metrics(W, k=8)
+    torch.testing.assert_close(out["stable_rank"], torch.tensor(float(rank)), rtol=1e-4, atol=0)
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_batched_metrics_match_the_float64_reference(seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    W = torch.randn(3, 160, 120, generator=g) * torch.tensor([1.0, 0.1, 10.0])[:, None, None]
+    out = spectral_metrics(W, k=16, generator=g)
+    s = torch.linalg.svdvals(W.double())
+    fro_sq = W.double().square().sum((-2, -1))
+    assert set(out) == KEYS and all(v.shape == (3,) for v in out.values())
+    torch.testing.assert_close(
+        out["stable_rank"].double(), fro_sq / s[:, 0] ** 2, rtol=2e-3, atol=0
+    )
+    torch.testing.assert_close(out["spectral_norm"].double(), s[:, 0], rtol=1e-3, atol=0)
+    torch.testing.assert_close(out["frobenius_norm"].double(), fro_sq.sqrt(), rtol=1e-6, atol=0)
+    alpha, r2 = powerlaw_alpha(s[:, :16])
+    torch.testing.assert_close(out["alpha"].double(), alpha.double(), atol=0.01, rtol=0)
+    torch.testing.assert_close(out["alpha_r2"].double(), r2.double(), atol=0.02, rtol=0)
+
+
+@pytest.mark.parametrize("a", [0.2, 0.5, 1.0])
+def test_alpha_of_a_synthetic_power_law_is_the_same_with_every_method(a: float) -> None:
+    s = torch.arange(1, 101, dtype=torch.float64).pow(-a)
+    W = with_spectrum(s, 150, 100, random.randrange(2**31)).float()
+    for method in ("auto", "randomized", "gram", "svdvals"):
+        out = spectral_metrics(W, k=16, method=method)
+        assert abs(out["alpha"].item() - a) < 0.02, method
+        assert out["alpha_r2"].item() > 0.999, method
+        assert out["energy_rank_90"].isnan() or out["energy_rank_90"].item() <= 16
+
+
+def test_frobenius_norm_comes_from_w_not_from_the_truncated_spectrum() -> None:
+    W = torch.eye(50)  # 50 equal singular values, only 4 computed
+    out = spectral_metrics(W, k=4)
+    assert out["frobenius_norm"].item() == pytest.approx(math.sqrt(50), rel=1e-6)
+    assert out["stable_rank"].item() == pytest.approx(50.0, rel=1e-5)
+    assert out["energy_rank_90"].isnan()  # 90 % needs rank 45, beyond the top 4: unknown
+
+
+@pytest.mark.parametrize("a", [0.3, 1.0, 2.5])
+def test_powerlaw_alpha_recovers_the_exponent_exactly_batched(a: float) -> None:
+    S = torch.arange(1, 33, dtype=torch.float64).pow(-a).expand(4, 2, 32)
+    alpha, r2 = powerlaw_alpha(S)
+    assert alpha.shape == (4, 2)
+    torch.testing.assert_close(alpha, torch.full((4, 2), a, dtype=torch.float32))
+    torch.testing.assert_close(r2, torch.ones(4, 2))
+
+
+def test_fit_window_selects_ranks_and_zeros_are_left_out() -> None:
+    # i^-1 on ranks 1..10, then i^-3 beyond: the window picks which law is seen.
+    i = torch.arange(1, 31, dtype=torch.float64)
+    S = torch.where(i <= 10, 1 / i, 100 / i**3)
+    assert powerlaw_alpha(S, (1, 10))[0].item() == pytest.approx(1.0, abs=1e-5)
+    assert powerlaw_alpha(S, (11, 30))[0].item() == pytest.approx(3.0, abs=1e-5)
+    assert powerlaw_alpha(S, (11, 1000))[0].item() == pytest.approx(3.0, abs=1e-5)  # clamped
+    rank_2 = torch.tensor([2.0, 1.0, 0.0, 0.0])
+    assert powerlaw_alpha(rank_2)[0].isnan()  # two nonzero values are not a fit
+
+
+@pytest.mark.parametrize("window", [(0, 5), (5, 2), (1.0, 5), "1-5", (1, 2, 3)])
+def test_bad_fit_window_is_named(window: object) -> None:
+    with pytest.raises(ValueError, match=r"`fit_window` must be None or 1-based ranks"):
+        powerlaw_alpha(torch.ones(8), window)  # type: ignore[arg-type]
+
+
+def test_energy_rank_known_values_and_key_names() -> None:
+    S = torch.tensor([[3.0, 1.0, 0.0], [1.0, 1.0, 1.0]])
+    fro_sq = torch.tensor([10.0, 3.0])
+    torch.testing.assert_close(energy_rank(S, fro_sq, 0.9), torch.tensor([1.0, 3.0]))
+    torch.testing.assert_close(energy_rank(S, fro_sq, 0.5), torch.tensor([1.0, 2.0]))
+    assert energy_rank(S, fro_sq * 2, 0.9).isnan().all()  # not reached within the top 3
+    assert set(metrics_from_spectrum(S, fro_sq, energy=0.99)) == KEYS - {"energy_rank_90"} | {
+        "energy_rank_99"
+    }
+    assert energy_rank_key(0.75) == "energy_rank_75"
+
+
+@pytest.mark.parametrize("energy", [0, 1.5, -0.1, float("nan"), True])
+def test_bad_energy_is_named(energy: object) -> None:
+    with pytest.raises(ValueError, match=r"`energy` must be a fraction in \(0, 1\]"):
+        energy_rank(torch.ones(3), torch.tensor(3.0), energy)  # type: ignore[arg-type]
+
+
+def test_compression_is_percent_of_the_reference_and_nan_without_one() -> None:
+    sr = torch.tensor([20.0, 100.0, 250.0])
+    torch.testing.assert_close(compression(sr, 200.0), torch.tensor([90.0, 50.0, -25.0]))
+    assert compression(sr, torch.tensor(0.0)).isnan().all()
+    assert compression(sr, float("nan")).isnan().all()
+
+
+def csn_reference(lam: list[float], min_tail: int) -> float:
+    """Clauset-Shalizi-Newman by loops: MLE per xmin, xmin by minimum KS distance."""
+    lam = sorted(lam)
+    best = (math.inf, math.nan)
+    for j, xmin in enumerate(lam):
+        tail = lam[j:]
+        t = len(tail)
+        log_sum = sum(math.log(x / xmin) for x in tail)
+        if t < min_tail or log_sum <= 0:
+            continue
+        alpha = 1 + t / log_sum
+        ks = 0.0
+        for i, x in enumerate(tail):
+            fit = 1 - (x / xmin) ** (1 - alpha)
+            ks = max(ks, abs(fit - i / t), abs(fit - (i + 1) / t))
+        best = min(best, (ks, alpha))
+    return best[1]
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_esd_alpha_matches_a_loop_reference_on_random_spectra(seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    S = torch.randn(3, 40, generator=g).abs().sort(descending=True).values.double()
+    got = esd_alpha(S)
+    for b in range(3):
+        expected = csn_reference((S[b] ** 2).tolist(), 5)
+        assert got[b].item() == pytest.approx(expected, rel=1e-5)
+
+
+def test_esd_alpha_recovers_a_pareto_tail() -> None:
+    # Eigenvalues at the quantiles of a Pareto law with density ~ lambda^-3 (no sampling noise).
+    n, exponent = 400, 3.0
+    u = (torch.arange(n, dtype=torch.float64) + 0.5) / n
+    lam = u.pow(-1 / (exponent - 1))
+    S = lam.sqrt().sort(descending=True).values
+    assert esd_alpha(S).item() == pytest.approx(exponent, abs=0.1)
+
+
+def test_zero_matrix_has_zero_norms_and_nan_elsewhere() -> None:
+    out = spectral_metrics(torch.zeros(2, 30, 20), k=4)
+    assert torch.equal(out["spectral_norm"], torch.zeros(2))
+    assert torch.equal(out["frobenius_norm"], torch.zeros(2))
+    for key in ("stable_rank", "alpha", "alpha_r2", "energy_rank_90"):
+        assert out[key].isnan().all(), key
+
+
+def test_non_finite_matrix_gets_nan_metrics_and_its_batch_is_unaffected() -> None:
+    W = torch.randn(2, 30, 20)
+    W[0, 1, 1] = float("inf")
+    out = spectral_metrics(W, k=4, esd=True)
+    clean = spectral_metrics(W[1], k=4, esd=True, method="gram")
+    for key, value in out.items():
+        assert value[0].isnan(), key
+        if key != "esd_alpha":
+            torch.testing.assert_close(value[1], clean[key], rtol=1e-3, atol=1e-4, equal_nan=True)
+
+
+@pytest.mark.parametrize("shape", [(1, 12), (12, 1)])
+def test_single_row_or_column(shape: tuple[int, int]) -> None:
+    out = spectral_metrics(torch.randn(shape))
+    assert out["stable_rank"].item() == pytest.approx(1.0, rel=1e-5)
+    assert out["energy_rank_90"].item() == 1.0
+    assert out["alpha"].isnan() and out["alpha_r2"].isnan()  # one point is not a fit
+
+
+def test_scalar_outputs_for_a_matrix_and_esd_on_request() -> None:
+    out = spectral_metrics(torch.randn(40, 30), k=12, esd=True)
+    assert set(out) == KEYS | {"esd_alpha"} and all(v.shape == () for v in out.values())
+    assert all(v.dtype == torch.float32 for v in out.values())
+
+
+@pytest.mark.parametrize(
+    ("W", "match"),
+    [
+        (torch.ones(6), r"`W` must be a 2-D \(m, n\) matrix or a 3-D \(B, m, n\) batch"),
+        (torch.ones(2, 2, 4, 4), r"`W` must be a 2-D \(m, n\) matrix or a 3-D \(B, m, n\) batch"),
+    ],
+)
+def test_bad_shapes_are_named(W: torch.Tensor, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        spectral_metrics(W)
+
+
+def test_stable_rank_and_spectrum_functions_on_known_values() -> None:
+    S = torch.tensor([[2.0, 1.0], [0.0, 0.0]])
+    torch.testing.assert_close(
+        stable_rank(S, torch.tensor([8.0, 0.0])), torch.tensor([2.0, float("nan")]), equal_nan=True
+    )

@@ -1,0 +1,190 @@
+"""randomized_svd against float64 torch.linalg.svdvals on fresh random inputs, and its bad inputs."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from spectral_callbacks.functional import randomized_svd
+from spectral_callbacks.functional.svd import _choose_method
+
+# A fixed seed and a fresh one per run (its value is in the test id, to reproduce a failure).
+SEEDS = [0, random.SystemRandom().randrange(2**31)]
+EXACT_AND_RANDOM = ["auto", "randomized", "subspace", "gram", "svdvals"]
+
+
+def decaying(shape: tuple[int, ...], a: float, seed: int) -> torch.Tensor:
+    """``(..., m, n)`` float64 matrices U diag(i^-a) V^T with random orthonormal U, V."""
+    g = torch.Generator().manual_seed(seed)
+    *batch, m, n = shape
+    r = min(m, n)
+    U = torch.linalg.qr(torch.randn(*batch, m, r, generator=g, dtype=torch.float64)).Q
+    V = torch.linalg.qr(torch.randn(*batch, n, r, generator=g, dtype=torch.float64)).Q
+    s = torch.arange(1, r + 1, dtype=torch.float64).pow(-a)
+    return (U * s) @ V.mT
+
+
+def reference(W: torch.Tensor, k: int) -> torch.Tensor:
+    return torch.linalg.svdvals(W.double())[..., :k]
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("method", EXACT_AND_RANDOM)
+@pytest.mark.parametrize("shape", [(150, 90), (90, 150), (3, 120, 100)])
+def test_top_k_matches_float64_svdvals(shape: tuple[int, ...], method: str, seed: int) -> None:
+    W = decaying(shape, 0.5, seed).float()
+    top = randomized_svd(W, 10, generator=torch.Generator().manual_seed(seed), method=method)
+    assert top.S.shape == (*shape[:-2], 10) and top.S.dtype == torch.float32
+    # Subspace iteration converges at the gap, not its square root: it is only here for comparison.
+    rtol = 1e-3 if method == "subspace" else 1e-4
+    torch.testing.assert_close(top.S.double(), reference(W, 10), rtol=rtol, atol=0)
+    if method in ("randomized", "subspace"):
+        V = top.V
+        assert V is not None and V.shape == (*shape[:-2], shape[-1], 18)
+        torch.testing.assert_close(V.mT @ V, torch.eye(18).expand_as(V.mT @ V), atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_flat_gaussian_spectral_norm_within_a_tenth_of_a_percent(seed: int) -> None:
+    # The hard case: a Gaussian matrix has a flat top spectrum (DESIGN.md section 6).
+    g = torch.Generator().manual_seed(seed)
+    W = torch.randn(2, 400, 200, generator=g)
+    top = randomized_svd(W, generator=g, method="randomized")
+    torch.testing.assert_close(top.S[..., 0].double(), reference(W, 1)[..., 0], rtol=1e-3, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float64])
+def test_low_and_high_precision_inputs(dtype: torch.dtype) -> None:
+    W = decaying((120, 80), 1.0, random.randrange(2**31)).to(dtype)
+    top = randomized_svd(W, 8, method="randomized")
+    assert top.S.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
+    rtol = 1e-9 if dtype == torch.float64 else 1e-4
+    torch.testing.assert_close(top.S.double(), reference(W, 8), rtol=rtol, atol=0)
+
+
+@pytest.mark.parametrize("view", ["transposed", "strided", "batch_slice"])
+def test_views_are_handled(view: str) -> None:
+    base = decaying((4, 160, 120), 0.7, random.randrange(2**31)).float()
+    W = {"transposed": base[0].T, "strided": base[0, ::2, 1:], "batch_slice": base[::2, :, :90]}[
+        view
+    ]
+    assert not W.is_contiguous()
+    top = randomized_svd(W, 6, method="randomized")
+    torch.testing.assert_close(top.S.double(), reference(W, 6), rtol=1e-4, atol=0)
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_warm_start_gives_the_cold_answer_with_fewer_iterations(seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    W = torch.randn(2, 300, 200, generator=g)
+    noise = torch.randn(W.shape, generator=g)
+    W2 = W + 0.01 * noise * W.norm(dim=(-2, -1), keepdim=True) / noise.norm(
+        dim=(-2, -1), keepdim=True
+    )
+    previous = randomized_svd(W, 16, generator=g, method="randomized")
+    cold = randomized_svd(W2, 16, generator=g, method="randomized")
+    warm = randomized_svd(W2, 16, generator=g, init=previous.V, method="randomized")  # 2 steps
+    exact = reference(W2, 16)
+    torch.testing.assert_close(warm.S[..., 0].double(), exact[..., 0], rtol=1e-3, atol=0)
+    torch.testing.assert_close(warm.S.double(), cold.S.double(), rtol=1e-2, atol=0)
+
+
+def test_init_with_other_width_or_non_finite_values_still_works() -> None:
+    W = decaying((100, 80), 0.5, random.randrange(2**31)).float()
+    V = randomized_svd(W, 4, method="randomized").V
+    assert V is not None
+    wider = randomized_svd(W, 12, init=V, method="randomized", n_iter=6)  # topped up at random
+    narrower = randomized_svd(W, 2, init=torch.full((80, 40), float("nan")), method="randomized")
+    torch.testing.assert_close(wider.S.double(), reference(W, 12), rtol=1e-4, atol=0)
+    torch.testing.assert_close(narrower.S.double(), reference(W, 2), rtol=1e-4, atol=0)
+
+
+def test_k_at_least_min_side_clamps_and_runs_exact() -> None:
+    W = torch.randn(2, 30, 7)
+    top = randomized_svd(W, 50)
+    assert top.V is None and top.S.shape == (2, 7)
+    torch.testing.assert_close(top.S.double(), reference(W, 7), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("shape", [(1, 9), (9, 1)])
+def test_a_single_row_or_column_has_its_norm_as_only_singular_value(shape: tuple[int, int]) -> None:
+    W = torch.randn(shape)
+    top = randomized_svd(W)
+    assert top.S.shape == (1,)
+    torch.testing.assert_close(top.S.double(), W.double().norm().reshape(1), rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("method", EXACT_AND_RANDOM)
+def test_rank_deficient_and_zero_matrices_read_the_same_with_every_method(method: str) -> None:
+    g = torch.Generator().manual_seed(random.randrange(2**31))
+    rank_3 = torch.randn(120, 3, generator=g) @ torch.randn(3, 90, generator=g)
+    W = torch.stack([rank_3, torch.zeros(120, 90)])
+    top = randomized_svd(W, 8, method=method)
+    assert torch.all(top.S[0, 3:] == 0) and torch.all(top.S[1] == 0)
+    torch.testing.assert_close(top.S[0, :3].double(), reference(rank_3, 3), rtol=1e-4, atol=0)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_a_non_finite_matrix_gets_nan_and_leaves_its_batch_alone(bad: float) -> None:
+    W = decaying((3, 40, 30), 1.0, random.randrange(2**31)).float()
+    W[1, 5, 7] = bad
+    for method in EXACT_AND_RANDOM:
+        top = randomized_svd(W, 4, method=method, n_iter=10)
+        assert torch.isnan(top.S[1]).all(), method
+        expected = reference(W[[0, 2]], 4)
+        torch.testing.assert_close(top.S[[0, 2]].double(), expected, rtol=1e-3, atol=0)
+
+
+def test_a_generator_makes_the_result_reproducible() -> None:
+    W = torch.randn(200, 150)
+    a = randomized_svd(W, 5, generator=torch.Generator().manual_seed(7), method="randomized")
+    b = randomized_svd(W, 5, generator=torch.Generator().manual_seed(7), method="randomized")
+    assert torch.equal(a.S, b.S)
+
+
+def test_method_is_chosen_by_shape() -> None:
+    assert _choose_method(4096, 4096, 40, 6, torch.float32) == "randomized"
+    assert _choose_method(64, 64, 40, 6, torch.float32) == "gram"  # the block covers most of it
+    assert _choose_method(64, 64, 40, 6, torch.float64) == "svdvals"
+
+
+@pytest.mark.parametrize(
+    ("W", "kwargs", "error", "match"),
+    [
+        (
+            torch.ones(5),
+            {},
+            ValueError,
+            r"`W` must be a 2-D \(m, n\) matrix or a 3-D .* got shape \(5,\)",
+        ),
+        (torch.ones(2, 2, 3, 3), {}, ValueError, r"`W` must be a 2-D .* got shape \(2, 2, 3, 3\)"),
+        (torch.ones(0, 3), {}, ValueError, r"`W` must have no empty dimension"),
+        (
+            torch.ones(3, 3, dtype=torch.int64),
+            {},
+            TypeError,
+            r"`W` must have a floating-point dtype",
+        ),
+        ([[1.0]], {}, TypeError, r"`W` must be a torch.Tensor, got list"),
+        (torch.ones(3, 3), {"k": 0}, ValueError, r"`k` must be an int >= 1, got 0"),
+        (torch.ones(3, 3), {"k": True}, ValueError, r"`k` must be an int >= 1, got True"),
+        (torch.ones(3, 3), {"n_iter": -1}, ValueError, r"`n_iter` must be an int >= 0"),
+        (torch.ones(3, 3), {"n_oversamples": 1.5}, ValueError, r"`n_oversamples` must be an int"),
+        (torch.ones(3, 3), {"method": "lanczos"}, ValueError, r"`method` must be one of"),
+        (
+            torch.ones(3, 3),
+            {"init": torch.ones(4, 2)},
+            ValueError,
+            r"`init` must have shape \(n, j\)",
+        ),
+        (torch.ones(2, 3, 3), {"init": torch.ones(5, 3, 2)}, ValueError, r"`init` must have shape"),
+        (torch.ones(3, 3), {"init": "V"}, TypeError, r"`init` must be a floating-point"),
+    ],
+)
+def test_bad_input_is_named_in_a_clear_error(
+    W: object, kwargs: dict, error: type[Exception], match: str
+) -> None:
+    with pytest.raises(error, match=match):
+        randomized_svd(W, **kwargs)  # type: ignore[arg-type]
