@@ -71,7 +71,9 @@ def _analyzed(logdir: Path) -> pd.DataFrame:
     return result.rows
 
 
-def _check_against_exact(rows: pd.DataFrame, model: torch.nn.Module, num_layers: int) -> None:
+def _check_against_exact(
+    rows: pd.DataFrame, model: torch.nn.Module, num_layers: int, rel: float = 0.01
+) -> None:
     exact = _exact_stable_ranks(model)
     ranks = rows[(rows.metric == "stable_rank") & rows.layer.notna()]
     got = {(int(r.layer), r.role): r.value for r in ranks.itertuples()}
@@ -79,7 +81,7 @@ def _check_against_exact(rows: pd.DataFrame, model: torch.nn.Module, num_layers:
         set(got) == {(layer, role) for layer in range(num_layers) for role in ROLES} == set(exact)
     )
     for key, value in got.items():
-        assert value == pytest.approx(exact[key], rel=0.01), key
+        assert value == pytest.approx(exact[key], rel=rel), key
     assert set(rows.metric) >= {
         "stable_rank",
         "alpha",
@@ -169,11 +171,14 @@ def test_state_dict_and_checkpoints_with_an_architecture_hint(
                 f"hf:{path / 'config.json'}",
                 "--logdir",
                 str(tmp_path / "st"),
+                "--method",
+                "svdvals",
             ]
         )
         == 0
     )
-    _check_against_exact(_analyzed(tmp_path / "st"), model, 3)
+    # An exact method: the only difference left is float32 storage in the event file.
+    _check_against_exact(_analyzed(tmp_path / "st"), model, 3, rel=1e-5)
     # A Lightning-style checkpoint of a module holding the network as `model`.
     state = {f"model.{k}": v for k, v in model.state_dict().items()}
     torch.save({"state_dict": state, "hyper_parameters": {}}, tmp_path / "hf.ckpt")

@@ -64,6 +64,13 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         metavar="N",
         help="seed of the randomized SVD, so the same model gives the same numbers (default 0)",
     )
+    parser.add_argument(
+        "--method",
+        default="auto",
+        choices=["auto", "randomized", "subspace", "gram", "svdvals"],
+        help="SVD method of spectral_metrics: auto (default, what the callback uses), or an exact "
+        "one, gram or svdvals, for a model at rest where time matters less",
+    )
     parser.set_defaults(func=run)
 
 
@@ -79,7 +86,9 @@ def run(args: argparse.Namespace) -> int:
         model = load_model(args.model, args.arch)
         with _ProgressBar() as advance:
             generator = torch.Generator().manual_seed(args.seed)
-            rows, num_layers = analyze_model(model, progress=advance, generator=generator)
+            rows, num_layers = analyze_model(
+                model, progress=advance, generator=generator, method=args.method
+            )
     except (ModelLoadError, TargetError) as error:
         raise CommandError(" ".join(str(error).split())) from None
     write_scalars(rows, num_layers, args.logdir, step=args.step)
