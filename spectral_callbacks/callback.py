@@ -95,7 +95,9 @@ class SpectralMonitor(Callback):
             CPU SVD does not claim every core training uses; ``None`` keeps torch's default. Default ``1``.
         worker_nice: on the CPU, lower the worker thread's priority by this nice increment (Linux),
             so training threads run first on busy cores and the SVD takes the slack; ``None`` or
-            ``0`` leaves it. Default ``10``.
+            ``0`` leaves it. Off by default: a niced worker that is descheduled while holding the
+            GIL makes the training thread wait for it (measured: see docs/callback.md). Default
+            ``None``.
         history_size: snapshots kept in memory for the figures. Default ``256``.
         compute: replace the SVD + metrics function (``(group, batch) -> {metric: (B,) tensor}``);
             for tests and custom metrics. Default ``None`` (:class:`SpectrumCompute`).
@@ -139,7 +141,7 @@ class SpectralMonitor(Callback):
         synchronous: bool = False,
         drain_timeout: float = 60.0,
         worker_threads: int | None = 1,
-        worker_nice: int | None = 10,
+        worker_nice: int | None = None,
         history_size: int = 256,
         compute: Compute | None = None,
     ) -> None:
