@@ -58,6 +58,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--accelerator", default="auto")
     parser.add_argument(
+        "--threads", type=int, default=None, help="torch intra-op threads (default: torch's)"
+    )
+    parser.add_argument(
         "--every-n-steps", type=int, default=25, help="SpectralMonitor snapshot interval"
     )
     parser.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True)
@@ -94,6 +97,7 @@ def main(argv: list[str] | None = None) -> Path:
         "--progress" if args.progress else "--no-progress",
         *(["--text", str(args.text)] if args.text else []),
         *(["--max-bytes", str(args.max_bytes)] if args.max_bytes else []),
+        *(["--threads", str(args.threads)] if args.threads else []),
     ]
     for variant in args.variants:
         run_dir = args.logdir / variant
