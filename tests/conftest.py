@@ -1,4 +1,4 @@
-"""Shared test setup: examples/ is importable, GPU tests skip without a GPU, seeds are fresh."""
+"""Shared test setup: examples/ is importable, one torch thread, GPU tests skip without a GPU."""
 
 from __future__ import annotations
 
@@ -7,6 +7,10 @@ from pathlib import Path
 
 import pytest
 import torch
+
+# One intra-op thread per process: the callback's worker thread and the training thread would
+# otherwise oversubscribe CI's two cores, and small-matrix tests gain nothing from more.
+torch.set_num_threads(1)
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 sys.path.insert(0, str(EXAMPLES))
