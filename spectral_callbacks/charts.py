@@ -223,7 +223,8 @@ def compression_by_layer(rows: pd.DataFrame) -> Figure:
         ax.set_title(f"Final compression by layer — {run}")
         ax.axhline(0.0, color="black", linewidth=0.8)
         ax.grid(axis="y", alpha=0.3)
-        ax.legend(title="role", fontsize="small", ncols=min(len(colors), 6))
+        # Right of the axes: inside, it would cover the first layers' bars (compression reaches ~90 %).
+        ax.legend(title="role", fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1.0))
     return fig
 
 
