@@ -303,9 +303,12 @@ def _start_block(
             (*batch, n, missing), dtype=A.dtype, device=A.device, generator=generator
         )
         start = torch.cat([start, extra], dim=-1)
-    # A stale subspace may have lost rank (NaN from a skipped matrix, zero columns): replace by
-    # random columns where it is not finite.
-    start = torch.where(torch.isfinite(start), start, torch.zeros((), dtype=A.dtype))
+    # A stale subspace may hold NaN (from a matrix that was non-finite last time): draw those
+    # columns afresh rather than start from zeros, whose QR directions are not random.
+    stale = ~torch.isfinite(start).all(-2, keepdim=True)  # (..., 1, b)
+    if bool(stale.any()):
+        fresh = torch.randn(start.shape, dtype=A.dtype, device=A.device, generator=generator)
+        start = torch.where(stale, fresh, start)
     return _orthonormalize(start)
 
 
