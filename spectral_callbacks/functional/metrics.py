@@ -24,6 +24,7 @@ __all__ = [
     "energy_rank",
     "energy_rank_key",
     "esd_alpha",
+    "frobenius_norm_sq",
     "metrics_from_spectrum",
     "powerlaw_alpha",
     "spectral_metrics",
@@ -310,10 +311,30 @@ def spectral_metrics(
         (tensor(2.5000), tensor(3.1623), tensor(3.))
     """
     top = randomized_svd(W, k, **svd_options)  # type: ignore[arg-type]
-    # Exact, from W itself (float64 accumulation): the truncated spectrum would miss the tail.
-    frobenius_sq = torch.linalg.vector_norm(W, dim=(-2, -1), dtype=torch.float64).square()
-    frobenius_sq = torch.where(torch.isfinite(frobenius_sq), frobenius_sq, float("nan"))
+    frobenius_sq = frobenius_norm_sq(W)
     return metrics_from_spectrum(top.S, frobenius_sq, fit_window=fit_window, energy=energy, esd=esd)
+
+
+def frobenius_norm_sq(W: Tensor) -> Tensor:
+    r"""Exact squared Frobenius norm of each matrix, accumulated in float64.
+
+    .. math:: \lVert W \rVert_F^2 = \sum_{i,j} W_{ij}^2
+
+    Computed from W itself, never from a truncated spectrum (which would miss the tail's energy).
+
+    Args:
+        W: ``(m, n)`` or ``(B, m, n)`` float tensor.
+
+    Returns:
+        ``(...)`` float64; NaN where W has a NaN or Inf entry.
+
+    Example::
+
+        >>> frobenius_norm_sq(torch.tensor([[3.0, 0.0], [0.0, 4.0]]))
+        tensor(25., dtype=torch.float64)
+    """
+    frobenius_sq = torch.linalg.vector_norm(W, dim=(-2, -1), dtype=torch.float64).square()
+    return torch.where(torch.isfinite(frobenius_sq), frobenius_sq, float("nan"))
 
 
 def _window(fit_window: tuple[int, int] | None, k: int) -> tuple[int, int]:
