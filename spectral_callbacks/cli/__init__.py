@@ -1,13 +1,7 @@
-"""The ``spectral-callbacks`` command line."""
+"""The ``spectral-callbacks`` command line (``python -m spectral_callbacks.cli`` runs it too)."""
 
-from __future__ import annotations
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Run ``spectral-callbacks``; imported on call so ``python -m spectral_callbacks.cli.main`` does not warn."""
-    from spectral_callbacks.cli.main import main as _main
-
-    return _main(argv)
-
+# Imported eagerly on purpose: importing the submodule `main` sets the package attribute `main` to
+# that module, and only this import binds it back to the function that callers expect.
+from spectral_callbacks.cli.main import main
 
 __all__ = ["main"]
