@@ -21,6 +21,7 @@ _EXPORTS = {
     "Split": "spectral_callbacks.targets",
     "TargetError": "spectral_callbacks.targets",
     "spectral_metrics": "spectral_callbacks.functional",
+    "StableRank": "spectral_callbacks.metric",
 }
 
 __all__ = ["__version__", *_EXPORTS]
