@@ -337,7 +337,14 @@ class SpectralMonitor(Callback):
                     (now - self._previous_time) / (step - self._previous_step)
                 )
             self._collect_and_log(trainer)  # first: a finished snapshot frees its slot
-            if self.schedule.due(self._previous_step, step):
+            # Budget mode cannot size the interval before the first cost is known: until then it
+            # passes grid steps over (like any stretched interval) instead of piling up skips.
+            cost_unknown = (
+                self.schedule.max_overhead is not None and self.schedule.snapshot_seconds is None
+            )
+            if self.schedule.due(self._previous_step, step) and not (
+                cost_unknown and self._engine.pending
+            ):
                 self._snapshot(step)
             self._previous_step, self._previous_time = step, now
         else:
