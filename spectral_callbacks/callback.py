@@ -329,6 +329,7 @@ class SpectralMonitor(Callback):
             self._snapshot(0)
 
     def _after_batch(self, trainer: Trainer) -> None:
+        assert self._engine is not None
         step = trainer.global_step
         if step != self._previous_step:
             now = time.perf_counter()
