@@ -51,6 +51,7 @@ from typing import Any
 
 import torch
 
+from spectral_callbacks.functional import frobenius_norm_sq, metrics_from_spectrum, randomized_svd
 from spectral_callbacks.snapshot import ShapeGroup, Snapshot
 
 #: ``compute(group, batch)``: ``batch`` is a float ``(B, m, n)`` stack of the group's matrices;
@@ -375,10 +376,8 @@ class SpectrumCompute:
         self._subspaces: dict[str, torch.Tensor] = {}
 
     def __call__(self, group: ShapeGroup, batch: torch.Tensor) -> dict[str, torch.Tensor]:
-        from spectral_callbacks.functional import metrics_from_spectrum, randomized_svd
-
-        # ‖W‖_F² exactly from the snapshot, accumulated in float64 (DESIGN.md §2).
-        frobenius_sq = torch.linalg.vector_norm(batch, dim=(-2, -1), dtype=torch.float64) ** 2
+        # ‖W‖_F² exactly from the snapshot, never from the truncated spectrum (DESIGN.md §2).
+        frobenius_sq = frobenius_norm_sq(batch)
         k = min(self.k, *batch.shape[-2:])
         init = self._subspaces.get(group.key) if self.warm_start else None
         if init is not None and init.shape[0] != batch.shape[0]:
