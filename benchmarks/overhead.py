@@ -164,7 +164,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--variants",
         default="default,synchronous",
-        help=f"comma-separated, from {', '.join(list(VARIANTS)[1:])}",
+        help=f"comma-separated, from {', '.join(list(VARIANTS)[1:])}".replace("%", "%%"),
     )
     args = parser.parse_args(argv)
 
