@@ -178,8 +178,10 @@ def randomized_svd(
     k = min(k, m, n)
     width = min(k + n_oversamples, m, n)
     if n_iter is None:
-        n_iter = default_n_iter(m, n)
-        n_iter = n_iter if init is None else DEFAULT_N_ITER_WARM
+        # A stale init (non-finite, from a matrix that was non-finite last time) is redrawn at
+        # random in _start_block: that is a cold start and needs the cold depth.
+        warm = init is not None and bool(torch.isfinite(init).all())
+        n_iter = DEFAULT_N_ITER_WARM if warm else default_n_iter(m, n)
     chosen = _choose_method(m, n, width, n_iter, compute_dtype) if method == "auto" else method
 
     if chosen in ("randomized", "subspace"):
