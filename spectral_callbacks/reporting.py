@@ -167,7 +167,7 @@ def _tensorboard_file_writer(logger: Any) -> Any:
     A logger with a metric ``prefix`` keeps ``log_metrics``, which adds it. ``_get_file_writer`` is
     the (private) accessor of both torch's and tensorboardX's ``SummaryWriter``.
     """
-    if not isinstance(logger, TensorBoardLogger) or getattr(logger, "_prefix", ""):
+    if not isinstance(logger, TensorBoardLogger) or bool(getattr(logger, "_prefix", None)):
         return None
     get_file_writer = getattr(logger.experiment, "_get_file_writer", None)
     return get_file_writer() if callable(get_file_writer) else None
