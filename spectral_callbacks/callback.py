@@ -44,15 +44,8 @@ from spectral_callbacks.reporting import (
 from spectral_callbacks.schedule import SnapshotSchedule
 from spectral_callbacks.snapshot import group_by_shape, take_snapshot
 
-DEFAULT_METRICS: tuple[str, ...] = (
-    "stable_rank",
-    "alpha",
-    "alpha_r2",
-    "spectral_norm",
-    "frobenius_norm",
-    "energy_rank_90",
-    "compression",
-)
+# Every metric but esd_alpha, which is only valid when the eigenvalue tail lies inside the top-k.
+DEFAULT_METRICS: tuple[str, ...] = tuple(name for name in KNOWN_METRICS if name != "esd_alpha")
 
 
 class SpectralMonitor(Callback):
