@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import analyze_pretrained
@@ -30,15 +29,6 @@ TINY = [
     "64",
 ]
 QUIET = ["--no-progress", "--accelerator", "cpu", "--max-bytes", "100000"]  # skip reading 30 MB
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread() -> Iterator[None]:
-    """Tiny models are overhead-bound: a second intra-op thread only adds contention."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")
@@ -167,19 +157,9 @@ def test_analyze_pretrained_charts_a_local_model_beside_a_run(
 @pytest.mark.slow
 def test_demo_writes_the_csv_and_every_chart(tmp_path: Path) -> None:
     argv = ["--depth", "2", "--width", "32", "--heads", "2", "--steps", "6", "--block-size", "16"]
-    argv += ["--max-bytes", "100000"]
-    written = demo.main(
-        [
-            *argv,
-            "--tokens-per-step",
-            "64",
-            "--every-n-steps",
-            "2",
-            "--no-progress",
-            "--output",
-            str(tmp_path),
-        ]
-    )
+    argv += ["--max-bytes", "100000", "--tokens-per-step", "64", "--every-n-steps", "2"]
+    argv += ["--no-progress", "--output", str(tmp_path)]
+    written = demo.main(argv)
     assert set(written) == {"run", "csv", *(name for name, _ in demo.CHARTS)}
     for name, _ in demo.CHARTS:
         assert written[name].stat().st_size > 0, name
@@ -187,16 +167,5 @@ def test_demo_writes_the_csv_and_every_chart(tmp_path: Path) -> None:
     assert set(rows.columns) >= {"run", "step", "metric", "layer", "depth", "role", "value"}
     assert {0, 6} <= set(rows.loc[rows["metric"] == "stable_rank", "step"])
     # a second demo in the same folder replaces the run instead of mixing two runs' points
-    demo.main(
-        [
-            *argv,
-            "--tokens-per-step",
-            "64",
-            "--every-n-steps",
-            "2",
-            "--no-progress",
-            "--output",
-            str(tmp_path),
-        ]
-    )
+    demo.main(argv)
     assert len(list(written["run"].glob("events.out.tfevents.*"))) == 1

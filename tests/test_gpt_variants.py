@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
 
 import pytest
 import torch
@@ -12,15 +11,6 @@ from gpt import GPT, GPTConfig
 
 VARIANTS = sorted(ATTENTION_CLASSES)
 TINY = dict(n_layer=2, n_head=4, n_embd=32, block_size=16)
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread() -> Iterator[None]:
-    """Tiny models are overhead-bound: a second intra-op thread only adds contention."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def tiny_gpt(attention: str, **overrides: object) -> GPT:

@@ -131,46 +131,33 @@ def vit():
     return transformers.ViTModel(config)
 
 
+# MLA sizes and a small MoE shared by the DeepSeek configs.
+DEEPSEEK = dict(
+    **SIZES,
+    num_key_value_heads=4,
+    vocab_size=50,
+    kv_lora_rank=8,
+    qk_nope_head_dim=8,
+    qk_rope_head_dim=4,
+    v_head_dim=6,
+    first_k_dense_replace=1,
+    moe_intermediate_size=16,
+    n_routed_experts=4,
+    num_experts_per_tok=2,
+    n_group=1,
+    topk_group=1,
+)
+
+
 def deepseek_v3():
     # Layer 0 dense, layer 1 MoE (its shared expert is the watched MLP); rope not interleaved so
     # position 0 leaves the rope channels in place.
-    config = transformers.DeepseekV3Config(
-        **SIZES,
-        num_key_value_heads=4,
-        vocab_size=50,
-        q_lora_rank=16,
-        kv_lora_rank=8,
-        qk_nope_head_dim=8,
-        qk_rope_head_dim=4,
-        v_head_dim=6,
-        first_k_dense_replace=1,
-        moe_intermediate_size=16,
-        n_routed_experts=4,
-        num_experts_per_tok=2,
-        n_group=1,
-        topk_group=1,
-        rope_interleave=False,
-    )
+    config = transformers.DeepseekV3Config(**DEEPSEEK, q_lora_rank=16, rope_interleave=False)
     return transformers.DeepseekV3ForCausalLM(config)
 
 
 def deepseek_v2():  # MLA without a query latent (q_lora_rank=None: a plain q_proj)
-    config = transformers.DeepseekV2Config(
-        **SIZES,
-        num_key_value_heads=4,
-        vocab_size=50,
-        q_lora_rank=None,
-        kv_lora_rank=8,
-        qk_nope_head_dim=8,
-        qk_rope_head_dim=4,
-        v_head_dim=6,
-        first_k_dense_replace=1,
-        moe_intermediate_size=16,
-        n_routed_experts=4,
-        num_experts_per_tok=2,
-        n_group=1,
-        topk_group=1,
-    )
+    config = transformers.DeepseekV2Config(**DEEPSEEK, q_lora_rank=None)
     return transformers.DeepseekV2ForCausalLM(config)
 
 
