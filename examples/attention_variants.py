@@ -22,7 +22,7 @@ from attention import ATTENTION_CLASSES
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from spectral_callbacks.cli import main as cli
-from spectral_callbacks.events import read_runs
+from spectral_callbacks.offline.events import read_runs
 
 BASELINE = "mha"
 # The order of the comparison: the baseline, K/V-head sharing, then the latent and factored ones.

@@ -14,7 +14,7 @@ __version__ = "0.1.0"
 # Public names and the module that defines each, imported on first use so `import
 # spectral_callbacks` stays cheap (the CLI's --help should not pay for Lightning).
 _EXPORTS = {
-    "SpectralMonitor": "spectral_callbacks.callback",
+    "SpectralMonitor": "spectral_callbacks.integrations.lightning",
     "find_targets": "spectral_callbacks.targets",
     "Target": "spectral_callbacks.targets",
     "format_targets": "spectral_callbacks.targets",

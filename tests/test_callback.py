@@ -22,8 +22,8 @@ from tiny_models import (
     token_loader,
 )
 
-from spectral_callbacks.callback import SpectralMonitor
-from spectral_callbacks.engine import SpectralComputeError
+from spectral_callbacks.integrations.lightning import SpectralMonitor
+from spectral_callbacks.monitor.engine import SpectralComputeError
 from spectral_callbacks.names import NUM_LAYERS_TAG, monitor_tag, scalar_tag
 
 

@@ -15,7 +15,7 @@ from tiny_models import (
     token_loader,
 )
 
-from spectral_callbacks.callback import SpectralMonitor
+from spectral_callbacks.integrations.lightning import SpectralMonitor
 from spectral_callbacks.names import scalar_tag
 
 

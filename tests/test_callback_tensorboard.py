@@ -12,7 +12,7 @@ from tensorboard.backend.event_processing import event_accumulator
 from tensorboard.plugins.custom_scalar import layout_pb2
 from tiny_models import TinyGPT, WeightRecorder, exact_stable_rank, quiet_trainer, token_loader
 
-from spectral_callbacks.callback import SpectralMonitor
+from spectral_callbacks.integrations.lightning import SpectralMonitor
 from spectral_callbacks.names import NUM_LAYERS_TAG, ROLES, monitor_tag, scalar_tag
 from spectral_callbacks.targets import find_targets
 

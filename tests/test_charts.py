@@ -6,8 +6,8 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from spectral_callbacks import charts
 from spectral_callbacks.names import relative_depth
+from spectral_callbacks.offline import charts
 
 ROLES = ["Q", "K", "V", "O", "MLP_up", "MLP_down"]
 

@@ -25,10 +25,10 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from tensorboard.backend.event_processing import event_accumulator
 from tiny_models import TinyGPT, exact_compute, exact_stable_rank
 
-from spectral_callbacks import distributed as multi
-from spectral_callbacks.callback import SpectralMonitor
+from spectral_callbacks.integrations.lightning import SpectralMonitor
+from spectral_callbacks.monitor import distributed as multi
+from spectral_callbacks.monitor.snapshot import take_snapshot
 from spectral_callbacks.names import monitor_tag, scalar_tag
-from spectral_callbacks.snapshot import take_snapshot
 from spectral_callbacks.targets import find_targets
 
 SCRIPT = Path(__file__).resolve().parent / "ddp_train.py"

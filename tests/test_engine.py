@@ -9,8 +9,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from spectral_callbacks.engine import SnapshotEngine, SpectralComputeError
-from spectral_callbacks.snapshot import ShapeGroup, group_by_shape, take_snapshot
+from spectral_callbacks.monitor.engine import SnapshotEngine, SpectralComputeError
+from spectral_callbacks.monitor.snapshot import ShapeGroup, group_by_shape, take_snapshot
 
 
 def _groups(weights: dict[str, torch.Tensor]) -> list[ShapeGroup]:

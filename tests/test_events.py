@@ -10,8 +10,8 @@ import numpy as np
 import pandas as pd
 from torch.utils.tensorboard import SummaryWriter
 
-from spectral_callbacks.events import filter_rows, find_runs, read_event_file, read_runs
 from spectral_callbacks.names import NUM_LAYERS_TAG, scalar_tag
+from spectral_callbacks.offline.events import filter_rows, find_runs, read_event_file, read_runs
 
 
 def _write_run(

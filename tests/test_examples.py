@@ -14,7 +14,7 @@ import torch
 import train_gpt
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
-from spectral_callbacks.events import read_runs
+from spectral_callbacks.offline.events import read_runs
 
 TINY = [
     "--depth",

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
-from spectral_callbacks.schedule import SnapshotSchedule
+from spectral_callbacks.monitor.schedule import SnapshotSchedule
 
 
 def _simulate(schedule: SnapshotSchedule, steps: range) -> list[int]:

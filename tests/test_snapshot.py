@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from spectral_callbacks.snapshot import group_by_shape, take_snapshot
+from spectral_callbacks.monitor.snapshot import group_by_shape, take_snapshot
 
 
 def _targets(weights: dict[str, torch.Tensor]) -> list[SimpleNamespace]:

@@ -77,7 +77,12 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from spectral_callbacks.analysis import ModelLoadError, analyze_model, load_model, write_scalars
+    from spectral_callbacks.offline.analysis import (
+        ModelLoadError,
+        analyze_model,
+        load_model,
+        write_scalars,
+    )
     from spectral_callbacks.targets import TargetError
 
     if args.step < 0:
@@ -123,7 +128,7 @@ def print_table(rows: pd.DataFrame, title: str) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    from spectral_callbacks.charts import role_glyph
+    from spectral_callbacks.offline.charts import role_glyph
     from spectral_callbacks.targets.target import role_sort_key
 
     roles = sorted(rows["role"].unique(), key=role_sort_key)

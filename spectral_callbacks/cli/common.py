@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from spectral_callbacks.events import ReadResult, read_runs
+from spectral_callbacks.offline.events import ReadResult, read_runs
 
 PROG = "spectral-callbacks"
 

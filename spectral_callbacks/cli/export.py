@@ -23,7 +23,7 @@ from spectral_callbacks.cli.common import (
     say,
     step_range,
 )
-from spectral_callbacks.events import filter_rows
+from spectral_callbacks.offline.events import filter_rows
 
 FORMATS = {
     ".csv": "CSV",

@@ -22,7 +22,7 @@ from spectral_callbacks.cli.common import (
     say,
     step_range,
 )
-from spectral_callbacks.events import filter_rows
+from spectral_callbacks.offline.events import filter_rows
 
 if TYPE_CHECKING:  # matplotlib is imported when a chart is drawn, not for --help
     from matplotlib.figure import Figure
@@ -85,7 +85,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
 
 def draw(rows: pd.DataFrame, args: argparse.Namespace) -> Figure:
     """The figure of ``args.kind`` from ``rows``; chart errors become CommandErrors."""
-    from spectral_callbacks import charts
+    from spectral_callbacks.offline import charts
 
     try:
         if args.kind == "alpha-depth":
@@ -115,7 +115,7 @@ def draw(rows: pd.DataFrame, args: argparse.Namespace) -> Figure:
 
 
 def run(args: argparse.Namespace) -> int:
-    from spectral_callbacks.charts import FIGURE_FORMATS, save_figure
+    from spectral_callbacks.offline.charts import FIGURE_FORMATS, save_figure
 
     if not args.output.lower().endswith(FIGURE_FORMATS):
         raise CommandError(

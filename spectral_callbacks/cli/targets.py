@@ -30,7 +30,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from spectral_callbacks.analysis import ModelLoadError, load_model
+    from spectral_callbacks.offline.analysis import ModelLoadError, load_model
     from spectral_callbacks.targets import TargetError, find_targets, format_targets
 
     try:

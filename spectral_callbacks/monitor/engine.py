@@ -22,7 +22,7 @@ Errors raised by the compute function are re-raised on the main thread by :meth:
 Example::
 
     >>> import torch
-    >>> from spectral_callbacks.snapshot import group_by_shape, take_snapshot
+    >>> from spectral_callbacks.monitor.snapshot import group_by_shape, take_snapshot
     >>> from types import SimpleNamespace
     >>> target = SimpleNamespace(name="w", matrix=lambda: 2 * torch.eye(3))
     >>> groups = group_by_shape([target])
@@ -51,8 +51,7 @@ from typing import Any
 
 import torch
 
-from spectral_callbacks.functional import frobenius_norm_sq, metrics_from_spectrum, randomized_svd
-from spectral_callbacks.snapshot import ShapeGroup, Snapshot
+from spectral_callbacks.monitor.snapshot import ShapeGroup, Snapshot
 
 #: ``compute(group, batch)``: ``batch`` is a float ``(B, m, n)`` stack of the group's matrices;
 #: returns metric name -> ``(B,)`` tensor. On CUDA it runs with the side stream current.
@@ -95,7 +94,7 @@ class SnapshotEngine:
 
     Args:
         compute: the function that turns a ``(B, m, n)`` float batch into metric tensors, for
-            example :class:`spectral_callbacks.callback.SpectrumCompute`.
+            example :class:`spectral_callbacks.monitor.compute.SpectrumCompute`.
         groups: the shape groups the snapshots hold, from ``group_by_shape``.
         max_pending: how many snapshots may be submitted and not yet collected. Default ``2``.
         synchronous: compute inline in :meth:`submit` and wait for it. Default ``False``.
@@ -334,55 +333,3 @@ class SnapshotEngine:
             for index, name in enumerate(self.groups[key].names):
                 metrics[name] = {metric: float(column[index]) for metric, column in values.items()}
         return SnapshotResult(job.snapshot.step, metrics, seconds, job.snapshot.main_thread_seconds)
-
-
-class SpectrumCompute:
-    """The default compute function: batched randomized top-k SVD, exact ‖W‖_F², the metrics.
-
-    The right subspace ``V`` of each shape group is kept and passed back as ``init`` at the next
-    snapshot (weights move little between snapshots, so a warm start reaches σ₁ in fewer power
-    iterations). It runs on the engine's single worker thread, so that state needs no lock.
-
-    Args:
-        k: singular values computed per matrix (capped at the smaller side). Default ``32``.
-        n_oversamples, n_iter, method: passed to ``randomized_svd``; ``None`` keeps its defaults.
-        fit_window: passed to ``metrics_from_spectrum`` (ranks the α fit uses); ``None`` keeps its
-            default.
-        esd: also compute ``esd_alpha``. Default ``False``.
-        warm_start: reuse the previous snapshot's subspace. Default ``True``.
-    """
-
-    def __init__(
-        self,
-        k: int = 32,
-        *,
-        n_oversamples: int | None = None,
-        n_iter: int | None = None,
-        method: str = "auto",
-        fit_window: Any = None,
-        esd: bool = False,
-        warm_start: bool = True,
-    ) -> None:
-        self.k = k
-        self.svd_options: dict[str, Any] = {"method": method}
-        if n_oversamples is not None:
-            self.svd_options["n_oversamples"] = n_oversamples
-        if n_iter is not None:
-            self.svd_options["n_iter"] = n_iter
-        self.metric_options: dict[str, Any] = {"esd": esd}
-        if fit_window is not None:
-            self.metric_options["fit_window"] = fit_window
-        self.warm_start = warm_start
-        self._subspaces: dict[str, torch.Tensor] = {}
-
-    def __call__(self, group: ShapeGroup, batch: torch.Tensor) -> dict[str, torch.Tensor]:
-        # ‖W‖_F² exactly from the snapshot, never from the truncated spectrum (DESIGN.md §2).
-        frobenius_sq = frobenius_norm_sq(batch)
-        k = min(self.k, *batch.shape[-2:])
-        init = self._subspaces.get(group.key) if self.warm_start else None
-        if init is not None and init.shape[0] != batch.shape[0]:
-            init = None
-        top = randomized_svd(batch, k, init=init, **self.svd_options)
-        if self.warm_start and top.V is not None:
-            self._subspaces[group.key] = top.V
-        return metrics_from_spectrum(top.S, frobenius_sq, **self.metric_options)

@@ -31,18 +31,19 @@ import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
-from spectral_callbacks import dashboards
-from spectral_callbacks import distributed as multi
-from spectral_callbacks.engine import Compute, SnapshotEngine, SnapshotResult, SpectrumCompute
-from spectral_callbacks.reporting import (
+from spectral_callbacks.monitor import dashboards
+from spectral_callbacks.monitor import distributed as multi
+from spectral_callbacks.monitor.compute import SpectrumCompute
+from spectral_callbacks.monitor.engine import Compute, SnapshotEngine, SnapshotResult
+from spectral_callbacks.monitor.reporting import (
     KNOWN_METRICS,
     Reporter,
     health_scalars,
     log_to_all,
     num_layers_scalar,
 )
-from spectral_callbacks.schedule import SnapshotSchedule
-from spectral_callbacks.snapshot import group_by_shape, take_snapshot
+from spectral_callbacks.monitor.schedule import SnapshotSchedule
+from spectral_callbacks.monitor.snapshot import group_by_shape, take_snapshot
 
 # Every metric but esd_alpha, which is only valid when the eigenvalue tail lies inside the top-k.
 DEFAULT_METRICS: tuple[str, ...] = tuple(name for name in KNOWN_METRICS if name != "esd_alpha")

@@ -2,7 +2,7 @@
 
 Under DDP every rank holds the same weights after each optimizer step, so the matrices of a
 snapshot are split across ranks (:func:`partition`, balanced by cost) and each rank runs its share
-through its own :class:`~spectral_callbacks.engine.SnapshotEngine`, exactly as one process would.
+through its own :class:`~spectral_callbacks.monitor.engine.SnapshotEngine`, exactly as one process would.
 The small results (a few floats per matrix) travel to rank 0 without a blocking collective on the
 training path:
 
@@ -56,9 +56,9 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
-from spectral_callbacks.engine import Compute, SnapshotEngine, SnapshotResult
+from spectral_callbacks.monitor.engine import Compute, SnapshotEngine, SnapshotResult
+from spectral_callbacks.monitor.snapshot import Snapshot, group_by_shape
 from spectral_callbacks.names import monitor_tag
-from spectral_callbacks.snapshot import Snapshot, group_by_shape
 
 #: Seconds a rank waits, at a scheduled point, for its result of the snapshot that is due. The
 #: result normally finished long before (it had ``lag`` snapshot intervals); the bound keeps a slow

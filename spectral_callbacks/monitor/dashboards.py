@@ -2,7 +2,7 @@
 
 The layout has, for each logged metric, one chart per layer with every role (like "stable rank by
 matrix type") and one chart per role with every layer; TensorBoard shows them in its Custom Scalars
-tab. Figures are drawn with ``spectral_callbacks.charts`` (object-oriented matplotlib on the Agg
+tab. Figures are drawn with ``spectral_callbacks.offline.charts`` (object-oriented matplotlib on the Agg
 canvas, no pyplot state) and written with ``add_figure``, which closes them.
 
 Example::
@@ -76,7 +76,7 @@ def draw_figures(rows: pd.DataFrame, roles: Sequence[str] | None = ("Q",)) -> di
     A chart whose metric is not in ``rows`` is left out. Each figure costs ~0.1-1 s of CPU to draw
     and render, hence few roles by default.
     """
-    from spectral_callbacks import charts
+    from spectral_callbacks.offline import charts
 
     figures: dict[str, Any] = {}
     metrics = set(rows["metric"]) if len(rows) else set()

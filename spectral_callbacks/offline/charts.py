@@ -1,4 +1,4 @@
-"""The standard charts of the field, drawn from tidy rows (see ``spectral_callbacks.events``).
+"""The standard charts of the field, drawn from tidy rows (see ``spectral_callbacks.offline.events``).
 
 Every function takes the tidy-row DataFrame (columns ``run, step, metric, layer, depth, role, value,
 wall_time``) and returns a :class:`matplotlib.figure.Figure` built with the object-oriented API: no

@@ -1,0 +1,1 @@
+"""Frontends: each translates one framework's hooks and loggers into the core's calls."""
