@@ -13,6 +13,7 @@ from tensorboard.plugins.custom_scalar import layout_pb2
 from tiny_models import TinyGPT, WeightRecorder, exact_stable_rank, quiet_trainer, token_loader
 
 from spectral_callbacks.integrations.lightning import SpectralMonitor
+from spectral_callbacks.monitor.dashboards import tag_pattern
 from spectral_callbacks.names import NUM_LAYERS_TAG, ROLES, monitor_tag, scalar_tag
 from spectral_callbacks.targets import find_targets
 
@@ -80,8 +81,9 @@ def test_compression_is_relative_to_step_zero_and_means_average_the_layers(run) 
 def test_every_metric_health_and_depth_are_logged(run) -> None:
     reader, _, _ = run
     scalars = set(reader.Tags()["scalars"])
-    for metric in ("alpha", "alpha_r2", "spectral_norm", "frobenius_norm", "energy_rank_90"):
+    for metric in ("alpha", "alpha_r2", "spectral_norm", "frobenius_norm"):
         assert scalar_tag(metric, 1, "MLP_down") in scalars
+    assert scalar_tag("energy_rank_90", 1, "MLP_down") not in scalars  # NaN beyond k: opt-in
     assert [(e.step, e.value) for e in reader.Scalars(NUM_LAYERS_TAG)] == [(0, 2.0)]
     for name in ("main_thread_ms", "svd_ms", "pending", "skipped"):
         assert [e.step for e in reader.Scalars(monitor_tag(name))] == SCHEDULED
@@ -89,23 +91,26 @@ def test_every_metric_health_and_depth_are_logged(run) -> None:
 
 
 @pytest.mark.slow
-def test_custom_scalars_layout_has_a_chart_per_layer_and_per_role(run) -> None:
+def test_custom_scalars_layout_has_charts_per_layer_and_per_role(run) -> None:
     reader, _, _ = run
-    [event] = reader.Tensors("custom_scalars__config__")
+    [event] = reader.Tensors("custom_scalars__config__")  # every chart had a finite line at step 0
     layout = layout_pb2.Layout()
     layout.ParseFromString(event.tensor_proto.string_val[0])
     categories = {category.title: category for category in layout.category}
+    assert [category.closed for category in layout.category][:2] == [False, True]
     by_layer = {
         chart.title: list(chart.multiline.tag)
         for chart in categories["spectral stable_rank by layer"].chart
     }
-    assert by_layer["L01"] == [scalar_tag("stable_rank", 1, role) for role in ROLES]
+    assert by_layer["L01 Q K V O"] + by_layer["L01 MLP_up MLP_down"] == [
+        tag_pattern(scalar_tag("stable_rank", 1, role)) for role in ROLES
+    ]
     by_role = {
         chart.title: list(chart.multiline.tag)
         for chart in categories["spectral compression by role"].chart
     }
-    assert by_role["K"] == [scalar_tag("compression", layer, "K") for layer in (0, 1)] + [
-        scalar_tag("compression", None, "K")
+    assert by_role["K"] == [
+        tag_pattern(scalar_tag("compression", layer, "K")) for layer in (0, 1, None)
     ]
 
 

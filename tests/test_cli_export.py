@@ -80,7 +80,6 @@ def test_formats_round_trip(runs: Path, tmp_path: Path, suffix: str) -> None:
         "alpha_r2",
         "spectral_norm",
         "frobenius_norm",
-        "energy_rank_90",
         "compression",
     }
     assert rows.value.notna().sum() > 0 and len(rows) == len(rows.drop_duplicates(COLUMNS[:6]))

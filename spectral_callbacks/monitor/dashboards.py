@@ -1,8 +1,22 @@
 """TensorBoard extras: the custom-scalars layout (multi-line charts) and figures from the charts module.
 
-The layout has, for each logged metric, one chart per layer with every role (like "stable rank by
-matrix type") and one chart per role with every layer; TensorBoard shows them in its Custom Scalars
-tab. Figures are drawn with ``spectral_callbacks.offline.charts`` (object-oriented matplotlib on the Agg
+The layout has, for each logged metric, a section of charts per layer (its roles, like "stable
+rank by matrix type") and a section of charts per role (its layers and their mean); TensorBoard
+shows them in its Custom Scalars tab. What TensorBoard's custom-scalars frontend allows shapes it:
+
+* a chart's tags are regular expressions, matched from the start of the tag name, so every tag is
+  escaped and anchored (``^spectral_stable_rank/L00/K$``): ``K`` must not gather ``KV_down`` or
+  ``K_rope``;
+* every line of one run has the run's colour, told apart only by five symbols (■ ◆ ▲ ★ ✚, cycled
+  per run), so a chart holds at most :data:`MAX_LINES` lines: one symbol each;
+* sections are collapsed (``Category.closed``) except the first, so the tab opens on one section
+  instead of a hundred charts;
+* a chart appears once one of its lines has a finite value (the layout is rewritten when a chart
+  gains its first finite line; TensorBoard shows the newest), never as a chart of NaN;
+* the y-range cannot be set from a layout: "Ignore outliers in chart scaling" is a sidebar toggle
+  of the frontend (on by default), which clips the step-0 values (docs/callback.md).
+
+Figures are drawn with ``spectral_callbacks.offline.charts`` (object-oriented matplotlib on the Agg
 canvas, no pyplot state) and written with ``add_figure``, which closes them.
 
 Example::
@@ -11,61 +25,158 @@ Example::
     >>> targets = [SimpleNamespace(layer=layer, num_layers=2, role=role)
     ...            for layer in (0, 1) for role in ("Q", "K")]
     >>> layout = custom_scalars_layout(targets, metrics=("stable_rank",))
-    >>> layout["spectral stable_rank by layer"]["L01"]
-    ['Multiline', ['spectral_stable_rank/L01/Q', 'spectral_stable_rank/L01/K']]
-    >>> layout["spectral stable_rank by role"]["K"]
-    ['Multiline', ['spectral_stable_rank/L00/K', 'spectral_stable_rank/L01/K', 'spectral_stable_rank/mean/K']]
+    >>> [(category.title, category.closed) for category in layout.category]
+    [('spectral stable_rank by layer', False), ('spectral stable_rank by role', True)]
+    >>> chart = layout.category[1].chart[1]
+    >>> chart.title, list(chart.multiline.tag)  # doctest: +NORMALIZE_WHITESPACE
+    ('K', ['^spectral_stable_rank/L00/K$', '^spectral_stable_rank/L01/K$',
+           '^spectral_stable_rank/mean/K$'])
 """
 
 from __future__ import annotations
 
+import math
+import re
 import threading
-from collections.abc import Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 import pandas as pd
+from tensorboard.compat.proto.summary_pb2 import Summary
+from tensorboard.compat.proto.tensor_pb2 import TensorProto
+from tensorboard.compat.proto.tensor_shape_pb2 import TensorShapeProto
+from tensorboard.plugins.custom_scalar import layout_pb2
+from tensorboard.plugins.custom_scalar import metadata as custom_scalar_metadata
 
 from spectral_callbacks.names import layer_label, scalar_tag
 
 FIGURE_SECTION = "spectral_figures"
+#: Lines per custom-scalars chart: TensorBoard has five symbols to tell one run's lines apart.
+MAX_LINES = 5
+
+
+def tag_pattern(tag: str) -> str:
+    """The custom-scalars regex that matches exactly ``tag``.
+
+    >>> tag_pattern("spectral_alpha/L00/K")
+    '^spectral_alpha/L00/K$'
+    >>> bool(re.match(tag_pattern("spectral_alpha/L00/K"), "spectral_alpha/L00/K_rope"))
+    False
+    """
+    return f"^{re.escape(tag)}$"
 
 
 def custom_scalars_layout(
-    targets: Sequence[Any], metrics: Sequence[str]
-) -> dict[str, dict[str, list]]:
-    """The ``add_custom_scalars`` layout: per metric, a chart per layer and a chart per role."""
+    targets: Sequence[Any], metrics: Sequence[str], finite: Collection[str] | None = None
+) -> layout_pb2.Layout:
+    """The custom-scalars layout: per metric, charts by layer and charts by role.
+
+    Args:
+        targets: the watched matrices (``layer``, ``num_layers``, ``role``), in chart order.
+        metrics: the logged metrics, one pair of sections each, in this order.
+        finite: tags that have had a finite value; only they are drawn, and a chart or section
+            without any is left out. Default ``None`` draws every tag.
+
+    Returns:
+        A ``layout_pb2.Layout`` whose first section is open and the others collapsed; each chart
+        holds at most :data:`MAX_LINES` exact-match tag patterns.
+    """
     num_layers = max((target.num_layers for target in targets), default=1)
     layers = sorted({target.layer for target in targets})
     roles = list(dict.fromkeys(target.role for target in targets))
     present = {(target.layer, target.role) for target in targets}
-    layout: dict[str, dict[str, list]] = {}
+    categories = []
     for metric in metrics:
-        by_layer = {
-            layer_label(layer, num_layers): [
-                "Multiline",
-                [
-                    scalar_tag(metric, layer, role, num_layers)
-                    for role in roles
-                    if (layer, role) in present
-                ],
-            ]
-            for layer in layers
+        by_layer: list[tuple[str, list[str]]] = []
+        for layer in layers:
+            label = layer_label(layer, num_layers)
+            here = [role for role in roles if (layer, role) in present]
+            # Attention and MLP apart, then chunks of MAX_LINES: six roles are Q K V O | MLP_up MLP_down.
+            for group in (
+                [role for role in here if not role.startswith("MLP")],
+                [role for role in here if role.startswith("MLP")],
+            ):
+                for chunk in _chunks(group, MAX_LINES):
+                    title = f"{label} {' '.join(chunk)}" if len(chunk) < len(here) else label
+                    tags = [scalar_tag(metric, layer, role, num_layers) for role in chunk]
+                    by_layer.append((title, tags))
+        by_role: list[tuple[str, list[str]]] = []
+        for role in roles:
+            mean = scalar_tag(metric, None, role)
+            with_role = [layer for layer in layers if (layer, role) in present]
+            # Each chart keeps the mean over layers as its last line, a reference across charts.
+            chunks = _chunks(with_role, MAX_LINES - 1)
+            for chunk in chunks:
+                title = role
+                if len(chunks) > 1:
+                    first, last = (
+                        layer_label(chunk[0], num_layers),
+                        layer_label(chunk[-1], num_layers),
+                    )
+                    title = f"{role} {first}-{last}"
+                tags = [scalar_tag(metric, layer, role, num_layers) for layer in chunk]
+                by_role.append((title, tags + [mean]))
+        for title, charts in (
+            (f"spectral {metric} by layer", by_layer),
+            (f"spectral {metric} by role", by_role),
+        ):
+            category = layout_pb2.Category(title=title)
+            for chart_title, tags in charts:
+                shown = [tag for tag in tags if finite is None or tag in finite]
+                if shown:
+                    category.chart.add(
+                        title=chart_title,
+                        multiline=layout_pb2.MultilineChartContent(tag=map(tag_pattern, shown)),
+                    )
+            if category.chart:
+                categories.append(category)
+    for index, category in enumerate(categories):
+        category.closed = index > 0
+    return layout_pb2.Layout(category=categories)
+
+
+def _chunks(items: list[Any], size: int) -> list[list[Any]]:
+    """``items`` in consecutive chunks of at most ``size``, as even as possible (7, 4 -> 4 + 3)."""
+    count = -(-len(items) // size)
+    return [items[i * len(items) // count : (i + 1) * len(items) // count] for i in range(count)]
+
+
+class LayoutWriter:
+    """Writes the custom-scalars layout when a chart gains its first finite line.
+
+    The first snapshot's values normally bring every chart at once (one write); a metric that is
+    NaN at first (``energy_rank_90`` beyond the top k) adds its charts when it becomes finite.
+    Each write is one small event; TensorBoard shows the newest layout.
+
+    Args:
+        targets: the watched matrices.
+        metrics: the logged metrics.
+    """
+
+    def __init__(self, targets: Sequence[Any], metrics: Sequence[str]) -> None:
+        self.targets = list(targets)
+        self.metrics = tuple(metrics)
+        num_layers = max((target.num_layers for target in self.targets), default=1)
+        self._tags = {
+            scalar_tag(metric, layer, target.role, num_layers)
+            for target in self.targets
+            for metric in self.metrics
+            for layer in (target.layer, None)
         }
-        by_role = {
-            role: [
-                "Multiline",
-                [
-                    scalar_tag(metric, layer, role, num_layers)
-                    for layer in layers
-                    if (layer, role) in present
-                ]
-                + [scalar_tag(metric, None, role)],
-            ]
-            for role in roles
+        self.finite: set[str] = set()
+
+    def update(self, experiments: Sequence[Any], scalars: Mapping[str, float]) -> bool:
+        """Note the finite ``scalars``; rewrite the layout if a line appeared. ``True`` if written."""
+        new = {
+            tag
+            for tag, value in scalars.items()
+            if tag in self._tags and tag not in self.finite and math.isfinite(value)
         }
-        layout[f"spectral {metric} by layer"] = by_layer
-        layout[f"spectral {metric} by role"] = by_role
-    return layout
+        if not new:
+            return False
+        self.finite |= new
+        add_layout(experiments, custom_scalars_layout(self.targets, self.metrics, self.finite))
+        return True
 
 
 def draw_figures(rows: pd.DataFrame, roles: Sequence[str] | None = ("Q",)) -> dict[str, Any]:
@@ -73,13 +184,14 @@ def draw_figures(rows: pd.DataFrame, roles: Sequence[str] | None = ("Q",)) -> di
 
     α vs relative depth and the compression heatmap (layer x step) for each of ``roles`` (``None``:
     every role), stable rank of the first layer vs steps, and final compression by layer x role.
-    A chart whose metric is not in ``rows`` is left out. Each figure costs ~0.1-1 s of CPU to draw
-    and render, hence few roles by default.
+    A chart whose metric has no finite value in ``rows`` is left out (never a chart of NaN). Each
+    figure costs ~0.1-1 s of CPU to draw and render, hence few roles by default.
     """
     from spectral_callbacks.offline import charts
 
     figures: dict[str, Any] = {}
-    metrics = set(rows["metric"]) if len(rows) else set()
+    finite = rows["value"].map(math.isfinite).astype(bool) if len(rows) else []
+    metrics = set(rows.loc[finite, "metric"]) if len(rows) else set()
     present = list(dict.fromkeys(rows["role"])) if len(rows) else []
     chosen = present if roles is None else [role for role in roles if role in present]
     if "alpha" in metrics:
@@ -165,10 +277,44 @@ def tensorboard_experiments(loggers: Sequence[Any]) -> list[Any]:
     return [logger.experiment for logger in loggers if isinstance(logger, TensorBoardLogger)]
 
 
-def add_layout(experiments: Sequence[Any], layout: dict[str, dict[str, list]]) -> None:
-    """Write the custom-scalars layout to every TensorBoard writer."""
+def add_layout(experiments: Sequence[Any], layout: layout_pb2.Layout) -> None:
+    """Write the custom-scalars ``layout`` to every TensorBoard writer.
+
+    ``SummaryWriter.add_custom_scalars`` takes a dict and cannot collapse a section, so the layout
+    goes out as the summary that method writes, through the writer's ``_get_file_writer`` (the
+    private accessor of torch's and tensorboardX's writers, also used by ``reporting``); a writer
+    without it gets ``add_custom_scalars`` (all sections open).
+    """
+    summary = Summary(
+        value=[
+            Summary.Value(
+                tag=custom_scalar_metadata.CONFIG_SUMMARY_TAG,
+                metadata=custom_scalar_metadata.create_summary_metadata(),
+                tensor=TensorProto(
+                    dtype="DT_STRING",
+                    string_val=[layout.SerializeToString()],
+                    tensor_shape=TensorShapeProto(),
+                ),
+            )
+        ]
+    )
     for experiment in experiments:
-        experiment.add_custom_scalars(layout)
+        get_file_writer = getattr(experiment, "_get_file_writer", None)
+        file_writer = get_file_writer() if callable(get_file_writer) else None
+        if file_writer is not None:
+            file_writer.add_summary(summary)
+        else:
+            experiment.add_custom_scalars(_as_dict(layout))
+
+
+def _as_dict(layout: layout_pb2.Layout) -> dict[str, dict[str, list]]:
+    """The ``add_custom_scalars`` dict of ``layout`` (it has no place for ``closed``)."""
+    return {
+        category.title: {
+            chart.title: ["Multiline", list(chart.multiline.tag)] for chart in category.chart
+        }
+        for category in layout.category
+    }
 
 
 def add_figures(experiments: Sequence[Any], figures: dict[str, Any], step: int) -> None:
