@@ -151,6 +151,38 @@ def test_mapping_overrides_and_drops_builtin_roles():
     assert reasons["transformer.h.1.attn.c_proj.weight"] == "mapped to None by mapping="
 
 
+class HeldSequential(nn.Module):
+    """Three linear layers in an ``nn.Sequential`` held as ``net``: layers 0, 1, 2."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8))
+
+
+class SequentialMLP(nn.Module):
+    """One block whose MLP is an ``nn.Sequential``: its indices are parts, not layers."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.mlp = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8))
+
+
+@pytest.mark.parametrize(
+    "pattern", ["weight", "net.*", "*.weight", "net.*.weight", re.compile(r"net\.\d+\.weight")]
+)
+def test_a_mapping_wildcard_does_not_change_the_layer_numbering(pattern) -> None:
+    targets = find_targets(HeldSequential(), mapping={pattern: "W"}, builtin_rules=False)
+    assert [(t.layer, t.role, t.name) for t in targets] == [
+        (layer, "W", f"net.{layer}.weight") for layer in range(3)
+    ]
+    assert {t.num_layers for t in targets} == {3}
+
+
+def test_indices_a_mapping_spells_out_are_parts_of_one_layer() -> None:
+    targets = find_targets(SequentialMLP(), mapping={"mlp.0": "MLP_up", "mlp.2": "MLP_down"})
+    assert [(t.layer, t.role) for t in targets] == [(0, "MLP_up"), (0, "MLP_down")]
+
+
 def test_mapping_callable_with_no_opinion_falls_back_to_builtin_rules():
     def only_mlp_up(name: str, parameter: torch.Tensor):
         return "MLP_in" if name.endswith("c_fc.weight") else None

@@ -7,7 +7,8 @@ Steps:
    ``_orig_mod.``, DDP's leading ``module.``, FSDP/checkpoint wrappers, Lightning's
    ``_forward_module.``), so wrapped and bare models map alike.
 2. Its layer is its index in the outermost ``ModuleList``/``Sequential`` on its path before the
-   part the rule matched (so the ``0`` of GLA's ``kv_b_proj.0`` is a group, not a layer), counting
+   part the rule matched (so the ``0`` of GLA's ``kv_b_proj.0`` is a group, not a layer; of a
+   ``mapping`` pattern only the part it spells out, so ``net.*`` keeps ``net``'s layers), counting
    only the entries of that list that hold targets; several lists (encoder and decoder) are
    numbered one after the other, with a warning.
 3. ``include``/``exclude``/``roles`` filter the result; what they drop is listed, not warned about.

@@ -96,19 +96,24 @@ def matches(patterns: list[Pattern], clean: str) -> Pattern | None:
 
 
 def user_decision(mapping: UserMapping, ctx: Context, name: str) -> tuple[Decision, int] | None:
-    """The mapping's decision and how many trailing segments it matched, or None (no opinion)."""
+    """The mapping's decision and how many trailing segments it names, or None (no opinion).
+
+    Only the segments a pattern spells out are its own (see :func:`named_length`): the layer
+    index a wildcard covers (``net.*``, ``*.weight``) still numbers the layers.
+    """
     if callable(mapping) and not isinstance(mapping, Mapping):
         decision = mapping(name, ctx.parameter)
         return None if decision is None else (decision, 1)
     module = ctx.name[: -len(".weight")] if ctx.name.endswith(".weight") else None
     found: list[tuple[Pattern, Decision, int]] = []
     for pattern, value in mapping.items():
-        length = match_length(pattern, ctx.name)
+        length, named = match_length(pattern, ctx.name), named_length(pattern)
         if length is None and module:
             length = match_length(pattern, module)
-            length = None if length is None else length + 1
+            length, named = (None, named) if length is None else (length + 1, named + 1)
         if length is None:
             continue
+        length = min(length, named)
         decision = value(name, ctx.parameter) if callable(value) else value
         if decision is None and callable(value):
             continue  # a callable value returning None has no opinion on this parameter
@@ -126,6 +131,28 @@ def user_decision(mapping: UserMapping, ctx: Context, name: str) -> tuple[Decisi
             stacklevel=4,
         )
     return found[0][1], found[0][2]
+
+
+def named_length(pattern: Pattern) -> int:
+    """How many trailing segments ``pattern`` spells out without a wildcard (at least 1).
+
+    A user's wildcard may stand for the index of a block (``net.*`` covers ``0.weight``), so only
+    the literal tail of an fnmatch pattern, and only the weight itself for a regular expression,
+    is kept out of the layer search.
+
+    >>> named_length("mlp.0.weight"), named_length("net.*"), named_length("*.attn.q.weight")
+    (3, 1, 3)
+    >>> named_length(re.compile(r"net\\.\\d+\\.weight"))
+    1
+    """
+    if isinstance(pattern, re.Pattern):
+        return 1
+    literal = 0
+    for segment in reversed(pattern.split(".")):
+        if any(char in segment for char in "*?["):
+            break
+        literal += 1
+    return max(literal, 1)
 
 
 def builtin_decision(ctx: Context) -> tuple[Decision, int] | None:
