@@ -256,7 +256,8 @@ def test_bad_models_one_line_each(
         str(tmp_path): ([], "a directory without config.json is not a Hugging Face model"),
         str(tmp_path / "bert.pt"): (
             [],
-            "a state_dict holds weights but not the architecture; pass --arch",
+            "a state_dict holds weights but not the architecture; give an architecture hint, "
+            "hf:CONFIG_DIR or module:Class (set with --arch HINT)",
         ),
         str(tmp_path / "bert.pt") + " ": (
             ["--arch", "nocolon"],

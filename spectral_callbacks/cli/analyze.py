@@ -78,24 +78,21 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from spectral_callbacks.offline.analysis import (
-        ModelLoadError,
         analyze_model,
+        check_logdir,
         load_model,
         write_scalars,
     )
-    from spectral_callbacks.targets import TargetError
 
     if args.step < 0:
         raise CommandError(f"--step must be a non-negative int, got {args.step}")
-    try:
-        model = load_model(args.model, args.arch)
-        with _ProgressBar() as advance:
-            generator = torch.Generator().manual_seed(args.seed)
-            rows, num_layers = analyze_model(
-                model, progress=advance, generator=generator, method=args.method
-            )
-    except (ModelLoadError, TargetError) as error:
-        raise CommandError(" ".join(str(error).split())) from None
+    check_logdir(args.logdir)  # before minutes of analysis
+    model = load_model(args.model, args.arch)
+    with _ProgressBar() as advance:
+        generator = torch.Generator().manual_seed(args.seed)
+        rows, num_layers = analyze_model(
+            model, progress=advance, generator=generator, method=args.method
+        )
     write_scalars(rows, num_layers, args.logdir, step=args.step)
     print_table(rows, title=f"{args.model}: stable rank / α by layer and role (step {args.step})")
     say("analyze", "done", f"{len(rows)} matrices of {num_layers} layers written to {args.logdir}")

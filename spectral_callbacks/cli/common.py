@@ -14,6 +14,35 @@ class CommandError(Exception):
     """A user error a sub-command reports as one line on stderr, exiting with status 1."""
 
 
+#: The option of each library argument an error may be about (``AnalysisError.argument``).
+OPTIONS = {"arch": "--arch HINT", "logdir": "--logdir DIR"}
+
+
+def expected_errors() -> tuple[type[BaseException], ...]:
+    """Errors that come from the user's input, reported as one line; anything else is a bug.
+
+    Imported when an error happens: the modules that raise them are loaded by then, and
+    ``--help`` stays quick.
+    """
+    from spectral_callbacks.offline.analysis import AnalysisError
+    from spectral_callbacks.targets import TargetError
+
+    return (CommandError, AnalysisError, TargetError, OSError)
+
+
+def one_line(error: BaseException) -> str:
+    """The message of an expected error on one line, with the option to change where it has one.
+
+    >>> one_line(FileNotFoundError(2, "No such file or directory", "runs/x.csv"))
+    'runs/x.csv: No such file or directory; check the path'
+    """
+    if isinstance(error, OSError) and error.filename is not None:
+        return f"{error.filename}: {error.strerror or error}; check the path"
+    message = " ".join(str(error).split()) or type(error).__name__
+    option = OPTIONS.get(getattr(error, "argument", None) or "")
+    return f"{message} (set with {option})" if option else message
+
+
 def say(command: str, kind: str, message: str) -> None:
     """Print one ``spectral-callbacks <command>: <kind>: <message>`` line on stderr."""
     print(f"{PROG} {command}: {kind}: {message}", file=sys.stderr)

@@ -13,7 +13,7 @@ import sys
 
 from spectral_callbacks import __version__
 from spectral_callbacks.cli import analyze, export, plot, targets
-from spectral_callbacks.cli.common import PROG, CommandError, say
+from spectral_callbacks.cli.common import PROG, expected_errors, one_line, say
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -30,7 +30,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run one sub-command; the exit status (0 ok, 1 an error reported on stderr, 2 bad usage)."""
+    """Run one sub-command; the exit status (0 ok, 1 an error reported on stderr, 2 bad usage).
+
+    This is the one place where errors become one-line messages: the commands and the library
+    raise (CommandError, the library's own errors with the argument at fault, OSError for a path),
+    and only errors of the user's input are reported so; anything else is a bug and keeps its
+    traceback.
+    """
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command is None:
@@ -38,14 +44,16 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     try:
         return int(args.func(args))
-    except CommandError as error:
-        say(args.command, "error", str(error))
-        return 1
     except BrokenPipeError:
         # The reader of stdout stopped early (`export -o - | head`): not an error of ours. Point
         # stdout at devnull so the interpreter's final flush does not raise again.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
+    except Exception as error:
+        if not isinstance(error, expected_errors()):
+            raise
+        say(args.command, "error", one_line(error))
+        return 1
 
 
 if __name__ == "__main__":

@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 
 from spectral_callbacks.cli.analyze import ARCH_HELP, MODEL_HELP
-from spectral_callbacks.cli.common import CommandError
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
@@ -30,12 +29,8 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from spectral_callbacks.offline.analysis import ModelLoadError, load_model
-    from spectral_callbacks.targets import TargetError, find_targets, format_targets
+    from spectral_callbacks.offline.analysis import load_model
+    from spectral_callbacks.targets import find_targets, format_targets
 
-    try:
-        model = load_model(args.model, args.arch)
-        print(format_targets(find_targets(model)))
-    except (ModelLoadError, TargetError) as error:
-        raise CommandError(" ".join(str(error).split())) from None
+    print(format_targets(find_targets(load_model(args.model, args.arch))))
     return 0
