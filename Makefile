@@ -1,12 +1,16 @@
 # Two commands: `make demo` (the main job) and `make test` (the whole suite).
 # Both create .venv on first use and are quick once it is installed.
+# `make tensorboard` then opens the demo's live dashboards (the venv is not activated, so the
+# console scripts are run from .venv/bin; TENSORBOARD_ARGS="--port 6007" passes options on).
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 # The CPU build of torch that lies on disk on these machines; a bare `torch` would pull CUDA.
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: demo test lint bench clean
+TENSORBOARD_ARGS ?=
+
+.PHONY: demo tensorboard test lint bench clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -16,6 +20,10 @@ $(VENV)/.installed: pyproject.toml
 
 demo: $(VENV)/.installed
 	$(PY) examples/demo.py
+
+tensorboard: $(VENV)/.installed
+	@test -d demo_output/runs || { echo "no demo_output/runs yet: run 'make demo' first" >&2; exit 1; }
+	$(VENV)/bin/tensorboard --logdir demo_output/runs $(TENSORBOARD_ARGS)
 
 test: $(VENV)/.installed
 	$(PY) -m pytest

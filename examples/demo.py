@@ -6,7 +6,10 @@
 3. ``spectral-callbacks plot``: the standard charts as PNGs - stable rank of layer 0's matrices
    against steps (the early drop of Q/K/V/O), compression by layer, the compression wave of Q
    across layers and steps, and alpha against relative depth.
-4. Print the paths and the ``tensorboard`` command that opens the live dashboards.
+4. Print the paths and the commands that open the live dashboards and run the CLI, spelled so
+   they work from here: ``make demo`` installs into ``.venv`` without activating it, so neither
+   ``tensorboard`` nor ``spectral-callbacks`` is on PATH; the commands name ``.venv/bin/...``
+   (the bin folder of the Python that runs the demo) unless that is what PATH finds anyway.
 
 The learning rate is high for the width on purpose: the stable-rank collapse the reference D8 run
 shows over ~1,000 steps at width 768 (arXiv:2604.22778) then happens within the demo's few
@@ -19,6 +22,7 @@ hundred steps.
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import sys
 import time
@@ -67,11 +71,41 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def shell_command(script: str, module: str) -> str:
+    """How to run console script ``script`` of this Python's environment from the shell, here.
+
+    The bare name if PATH finds this environment's script (an activated venv); else the script's
+    path in the bin folder of ``sys.executable`` (``.venv/bin/tensorboard`` under ``make demo``,
+    relative to the working directory when inside it); else ``python -m module`` with this Python.
+
+    Args:
+        script: the console script, e.g. ``"tensorboard"``.
+        module: the module ``python -m`` runs instead, e.g. ``"tensorboard.main"``.
+    """
+    bin_dir = Path(sys.executable).parent  # not resolved: a venv's python is a symlink
+    path = bin_dir / script
+    if not path.is_file():
+        return f"{_here(Path(sys.executable))} -m {module}"
+    found = shutil.which(script)
+    if found and os.path.samefile(found, path):
+        return script
+    return _here(path)
+
+
+def _here(path: Path) -> str:
+    """``path`` relative to the working directory when inside it (``.venv/bin/x``), else absolute."""
+    try:
+        return str(path.absolute().relative_to(Path.cwd()))
+    except ValueError:
+        return str(path.absolute())
+
+
 def spectral_cli(*args: str) -> None:
     """Run one ``spectral-callbacks`` command in-process, printing it first; fail loudly."""
-    print(f"$ spectral-callbacks {' '.join(args)}", flush=True)
+    command = f"{shell_command('spectral-callbacks', 'spectral_callbacks.cli')} {' '.join(args)}"
+    print(f"$ {command}", flush=True)
     if cli(list(args)) != 0:
-        raise RuntimeError(f"`spectral-callbacks {' '.join(args)}` failed; its message is above")
+        raise RuntimeError(f"`{command}` failed; its message is above")
 
 
 def main(argv: list[str] | None = None) -> dict[str, Path]:
@@ -108,7 +142,8 @@ def main(argv: list[str] | None = None) -> dict[str, Path]:
     print(f"\ntrained {args.steps} steps in {trained:.0f} s; wrote:")
     for path in written.values():
         print(f"  {path}")
-    print(f"\nopen the dashboards:\n  tensorboard --logdir {runs}")
+    tensorboard = shell_command("tensorboard", "tensorboard.main")
+    print(f"\nopen the dashboards (or: make tensorboard):\n  {tensorboard} --logdir {runs}")
     return written
 
 

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import shlex
+import subprocess
+import sys
 from pathlib import Path
 
 import analyze_pretrained
@@ -169,3 +173,39 @@ def test_demo_writes_the_csv_and_every_chart(tmp_path: Path) -> None:
     # a second demo in the same folder replaces the run instead of mixing two runs' points
     demo.main(argv)
     assert len(list(written["run"].glob("events.out.tfevents.*"))) == 1
+
+
+def test_demo_spells_commands_for_a_venv_that_is_not_activated(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    bin_dir = tmp_path / ".venv" / "bin"
+    bin_dir.mkdir(parents=True)
+    (bin_dir / "python").symlink_to(sys.executable)
+    (bin_dir / "tensorboard").write_text("#!/bin/sh\n")
+    (bin_dir / "tensorboard").chmod(0o755)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "executable", str(bin_dir / "python"))
+    monkeypatch.setenv("PATH", "/usr/bin:/bin")  # make demo does not activate the venv
+    assert demo.shell_command("tensorboard", "tensorboard.main") == ".venv/bin/tensorboard"
+    assert (
+        demo.shell_command("spectral-callbacks", "spectral_callbacks.cli")
+        == ".venv/bin/python -m spectral_callbacks.cli"  # no script installed: the module
+    )
+    monkeypatch.setenv("PATH", f"{bin_dir}:/usr/bin:/bin")  # an activated venv
+    assert demo.shell_command("tensorboard", "tensorboard.main") == "tensorboard"
+
+
+@pytest.mark.parametrize(
+    "script, module, flag",
+    [
+        ("tensorboard", "tensorboard.main", "--version_tb"),
+        ("spectral-callbacks", "spectral_callbacks.cli", "--version"),
+    ],
+)
+def test_the_commands_the_demo_prints_run_without_the_venv_on_path(
+    script: str, module: str, flag: str
+) -> None:
+    command = shlex.split(demo.shell_command(script, module)) + [flag]
+    env = {**os.environ, "PATH": "/usr/bin:/bin"}
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, (command, done.stderr)
