@@ -274,3 +274,25 @@ def test_bad_models_one_line_each(
         assert len(err.strip().splitlines()) == 1 and message in err, (source, err)
     assert main(["targets", str(notes)]) == 1
     assert "unknown model format" in capsys.readouterr().err
+
+
+def test_write_scalars_leaves_out_values_that_are_not_finite(tmp_path: Path) -> None:
+    from spectral_callbacks.offline.analysis import write_scalars
+
+    rows = pd.DataFrame(
+        {
+            "layer": [0, 1, 0, 1],
+            "role": ["Q", "Q", "K", "K"],
+            "parameter": ["q0", "q1", "k0", "k1"],
+            "shape": ["4x4"] * 4,
+            "stable_rank": [2.0, np.nan, 3.0, 5.0],  # one matrix with NaN weights
+            "energy_rank_90": [np.nan] * 4,  # beyond the top k everywhere
+        }
+    )
+    tags = write_scalars(rows, num_layers=2, logdir=tmp_path)
+    read = read_runs([tmp_path]).rows
+    assert not any(tag.startswith("spectral_energy_rank_90/") for tag in tags)
+    assert set(read["metric"]) == {"stable_rank"} and read["value"].notna().all()
+    means = read[read["layer"].isna()].set_index("role")["value"]
+    assert means.to_dict() == {"Q": 2.0, "K": 4.0}  # the mean of the finite layers
+    assert len(read) == 3 + 2

@@ -93,9 +93,24 @@ def run(args: argparse.Namespace) -> int:
         rows, num_layers = analyze_model(
             model, progress=advance, generator=generator, method=args.method
         )
-    write_scalars(rows, num_layers, args.logdir, step=args.step)
+    written = write_scalars(rows, num_layers, args.logdir, step=args.step)
     print_table(rows, title=f"{args.model}: stable rank / α by layer and role (step {args.step})")
-    say("analyze", "done", f"{len(rows)} matrices of {num_layers} layers written to {args.logdir}")
+    metrics = rows.columns.difference(["layer", "role", "parameter", "shape"])
+    unknown = rows[metrics].isna().sum()
+    if unknown.any():
+        left_out = ", ".join(
+            f"{metric} ({count} of {len(rows)})" for metric, count in unknown[unknown > 0].items()
+        )
+        say(
+            "analyze",
+            "note",
+            f"not written, NaN (unknown within the top k, or non-finite weights): {left_out}",
+        )
+    say(
+        "analyze",
+        "done",
+        f"{len(rows)} matrices of {num_layers} layers written to {args.logdir} ({len(written)} scalars)",
+    )
     return 0
 
 

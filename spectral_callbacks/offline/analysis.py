@@ -30,6 +30,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pandas as pd
 import torch
 from torch import nn
@@ -423,8 +424,13 @@ def write_scalars(
 ) -> list[str]:
     """Write ``analyze_model`` rows to ``logdir`` as the callback's scalars at ``step``.
 
-    One scalar per (metric, layer, role), the mean over layers per (metric, role), and
-    ``spectral_monitor/num_layers``. Returns the tags written.
+    One scalar per (metric, layer, role), the mean over the finite layers per (metric, role), and
+    ``spectral_monitor/num_layers``. A value that is not finite is not written: at rest each tag
+    holds one point, so a NaN (``energy_rank_90`` beyond the top k, a matrix with NaN entries)
+    would be a chart with nothing on it; the caller counts what was left out.
+
+    Returns:
+        The tags written.
 
     Raises:
         AnalysisError: ``logdir`` is a file or cannot be created.
@@ -446,11 +452,12 @@ def write_scalars(
         writer.add_scalar(NUM_LAYERS_TAG, num_layers, step)
         tags.append(NUM_LAYERS_TAG)
         for metric in metrics:
-            for row in rows.itertuples(index=False):
+            finite = rows[np.isfinite(rows[metric].astype(float))]
+            for row in finite.itertuples(index=False):
                 tag = scalar_tag(metric, int(row.layer), str(row.role), num_layers)
                 writer.add_scalar(tag, float(getattr(row, metric)), step)
                 tags.append(tag)
-            for role, values in rows.groupby("role", sort=False)[metric]:
+            for role, values in finite.groupby("role", sort=False)[metric]:
                 tag = scalar_tag(metric, None, str(role))
                 writer.add_scalar(tag, float(values.mean()), step)
                 tags.append(tag)
