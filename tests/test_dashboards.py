@@ -4,6 +4,7 @@ that is all NaN; and the default metrics are defined on the default settings."""
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from types import SimpleNamespace
@@ -210,3 +211,49 @@ def test_every_default_metric_is_defined_on_default_settings() -> None:
             continue
         assert torch.isfinite(values[metric]).all(), metric
     assert values["energy_rank_90"].isnan().all()  # why it is not a default
+
+
+def test_tensorboards_custom_scalars_plugin_serves_exactly_each_charts_tags(tmp_path) -> None:
+    # TensorBoard's own backend: the plugin's /layout and /scalars routes (their *_impl methods)
+    # over the event file, with the frontend's (a)|(b) join of a chart's patterns.
+    from tensorboard import context
+    from tensorboard.backend.event_processing import data_provider, plugin_event_multiplexer
+    from tensorboard.plugins import base_plugin
+    from tensorboard.plugins.custom_scalar.custom_scalars_plugin import CustomScalarsPlugin
+    from tensorboard.plugins.scalar.scalars_plugin import ScalarsPlugin
+
+    targets = targets_of(PREFIX_ROLES, 2)
+    tags = every_tag(PREFIX_ROLES, 2, ("alpha",))
+    with SummaryWriter(str(tmp_path / "run")) as writer:
+        for tag in tags:
+            writer.add_scalar(tag, 1.0, 0)
+        dashboards.add_layout([writer], dashboards.custom_scalars_layout(targets, ("alpha",)))
+    multiplexer = plugin_event_multiplexer.EventMultiplexer()
+    multiplexer.AddRunsFromDirectory(str(tmp_path))
+    multiplexer.Reload()
+    plugins: dict = {}
+    tb_context = base_plugin.TBContext(
+        logdir=str(tmp_path),
+        data_provider=data_provider.MultiplexerDataProvider(multiplexer, str(tmp_path)),
+        multiplexer=multiplexer,
+        plugin_name_to_instance=plugins,
+    )
+    plugins["scalars"] = ScalarsPlugin(tb_context)
+    plugin = CustomScalarsPlugin(tb_context)
+    request = context.RequestContext()
+    layout = json.loads(plugin.layout_impl(request, ""))  # the route's JSON body
+    assert [(c["title"], c.get("closed", False)) for c in layout["category"]] == [
+        ("spectral alpha by layer", False),
+        ("spectral alpha by role", True),
+    ]
+    served = []
+    for category in layout["category"]:
+        for chart in category["chart"]:
+            joined = "|".join(f"({pattern})" for pattern in chart["multiline"]["tag"])
+            got = sorted(plugin.scalars_impl(request, "run", joined, "")["tag_to_events"])
+            expected = sorted(
+                t for t in tags if dashboards.tag_pattern(t) in chart["multiline"]["tag"]
+            )
+            assert got == expected, chart["title"]
+            served += got
+    assert sorted(served) == sorted(tags + [t for t in tags if "/mean/" not in t])
