@@ -143,7 +143,8 @@ def main(argv: list[str] | None = None) -> dict[str, Path]:
     for path in written.values():
         print(f"  {path}")
     tensorboard = shell_command("tensorboard", "tensorboard.main")
-    print(f"\nopen the dashboards (or: make tensorboard):\n  {tensorboard} --logdir {runs}")
+    shortcut = " (or: make tensorboard)" if runs == Path("demo_output/runs") else ""
+    print(f"\nopen the dashboards{shortcut}:\n  {tensorboard} --logdir {runs}")
     return written
 
 
