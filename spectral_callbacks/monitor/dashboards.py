@@ -12,7 +12,7 @@ shows them in its Custom Scalars tab. What TensorBoard's custom-scalars frontend
 * sections are collapsed (``Category.closed``) except the first, so the tab opens on one section
   instead of a hundred charts;
 * a chart appears once one of its lines has a finite value (the layout is rewritten when a chart
-  gains its first finite line; TensorBoard shows the newest), never as a chart of NaN;
+  gains a line with a finite value; TensorBoard shows the newest), never as a chart of NaN;
 * the y-range cannot be set from a layout: "Ignore outliers in chart scaling" is a sidebar toggle
   of the frontend (on by default), which clips the step-0 values (docs/callback.md).
 
@@ -142,11 +142,12 @@ def _chunks(items: list[Any], size: int) -> list[list[Any]]:
 
 
 class LayoutWriter:
-    """Writes the custom-scalars layout when a chart gains its first finite line.
+    """Writes the custom-scalars layout whenever a line has its first finite value.
 
     The first snapshot's values normally bring every chart at once (one write); a metric that is
     NaN at first (``energy_rank_90`` beyond the top k) adds its charts when it becomes finite.
-    Each write is one small event; TensorBoard shows the newest layout.
+    Each write is one small event (at most one per logged snapshot, and no more in all than
+    there are lines); TensorBoard shows the newest layout.
 
     Args:
         targets: the watched matrices.
