@@ -20,7 +20,7 @@ from torch.utils.tensorboard import SummaryWriter
 
 from spectral_callbacks.cli.main import main
 from spectral_callbacks.names import NUM_LAYERS_TAG, scalar_tag
-from spectral_callbacks.offline.analysis import ModelLoadError, load_model
+from spectral_callbacks.offline.loading import ModelLoadError, load_model
 
 MODEL_SUFFIXES = (".ckpt", ".pt", ".pth", ".bin", ".safetensors", ".txt")
 EXPORT_SUFFIXES = (".csv", ".parquet", ".pq", ".json", ".jsonl")

@@ -77,12 +77,8 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from spectral_callbacks.offline.analysis import (
-        analyze_model,
-        check_logdir,
-        load_model,
-        write_scalars,
-    )
+    from spectral_callbacks.offline.analysis import analyze_model, check_logdir, write_scalars
+    from spectral_callbacks.offline.loading import load_model
 
     if args.step < 0:
         raise CommandError(f"--step must be a non-negative int, got {args.step}")

@@ -24,7 +24,7 @@ def expected_errors() -> tuple[type[BaseException], ...]:
     Imported when an error happens: the modules that raise them are loaded by then, and
     ``--help`` stays quick.
     """
-    from spectral_callbacks.offline.analysis import AnalysisError
+    from spectral_callbacks.offline.loading import AnalysisError
     from spectral_callbacks.targets import TargetError
 
     return (CommandError, AnalysisError, TargetError, OSError)

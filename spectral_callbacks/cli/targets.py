@@ -29,7 +29,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from spectral_callbacks.offline.analysis import load_model
+    from spectral_callbacks.offline.loading import load_model
     from spectral_callbacks.targets import find_targets, format_targets
 
     print(format_targets(find_targets(load_model(args.model, args.arch))))
