@@ -61,6 +61,12 @@ def inputs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     (config / "config.json").write_text(
         json.dumps({"model_type": "gpt2", "n_layer": 1, "n_embd": 8, "n_head": 2, "vocab_size": 16})
     )
+    for kind, data in contents().items():  # Hugging Face directories with damaged weights
+        for weights in ("model.safetensors", "pytorch_model.bin"):
+            model_dir = root / f"hf_{kind}_{weights.replace('.', '_')}"
+            model_dir.mkdir()
+            (model_dir / "config.json").write_text((config / "config.json").read_text())
+            (model_dir / weights).write_bytes(data)
     torch.save(torch.nn.Linear(4, 4).state_dict(), root / "linear.pt")
     with SummaryWriter(str(root / "good_run")) as writer:
         writer.add_scalar(NUM_LAYERS_TAG, 1, 0)
@@ -101,6 +107,28 @@ def test_model_commands_on_damaged_and_empty_files(
     assert_one_line_error(["targets", model, *hint], capsys)
     assert_one_line_error(["analyze", model, "--logdir", logdir, *hint], capsys)
     assert not Path(logdir).exists()  # nothing half-written
+
+
+@pytest.mark.parametrize(
+    "model",
+    [
+        "config",  # a config without weights
+        "garbage_config",  # config.json not JSON
+        "empty_config",
+        *(
+            f"hf_{kind}_{weights}"
+            for kind in ("garbage", "empty")
+            for weights in ("model_safetensors", "pytorch_model_bin")
+        ),
+    ],
+)
+def test_hugging_face_directories_without_readable_weights(
+    inputs: Path, capsys: pytest.CaptureFixture[str], model: str
+) -> None:
+    assert_one_line_error(["targets", str(inputs / model)], capsys)
+    assert_one_line_error(
+        ["analyze", str(inputs / model), "--logdir", str(inputs / "analyzed")], capsys
+    )
 
 
 @pytest.mark.parametrize("suffix", [".ckpt", ".pt", ".safetensors"])

@@ -16,13 +16,14 @@ messages name this module's parameters, never a command-line option (the CLI add
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import pickle
 import struct
 import warnings
 import zipfile
 from collections import Counter
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -33,9 +34,10 @@ STATE_DICT_SUFFIXES = (".pt", ".pth", ".bin", ".safetensors")
 
 
 class AnalysisError(ValueError):
-    """Input this module cannot use; the message names the path or value and what to do.
+    """Input the offline modules (loading, analysis) cannot use; the message names the path or
+    value and what to do.
 
-    Messages name this module's parameters, never a command-line option: a front end (the CLI)
+    Messages name the functions' parameters, never a command-line option: a front end (the CLI)
     names its own option for :attr:`argument`.
 
     Attributes:
@@ -52,10 +54,10 @@ class ModelLoadError(AnalysisError):
     """A model source this module cannot read or build."""
 
 
-# What reading a damaged, empty or foreign file raises: torch.load (pickle, a zip archive) and
-# safetensors. Anything else is a bug and keeps its traceback.
-# Found by fuzzing torch.load with random bytes: its weights-only unpickler also lets IndexError,
-# KeyError and struct.error out, the full one MemoryError and OverflowError (huge lengths).
+# What reading a damaged, empty or foreign file raises from torch.load (pickle, a zip archive);
+# anything else is a bug and keeps its traceback. Found by fuzzing torch.load with random bytes:
+# its weights-only unpickler also lets IndexError, KeyError and struct.error out, the full one
+# MemoryError and OverflowError (huge lengths).
 _READ_ERRORS: tuple[type[BaseException], ...] = (
     pickle.UnpicklingError,
     EOFError,
@@ -125,13 +127,11 @@ def load_model(source: str | Path, arch: str | None = None) -> nn.Module:
 
 def _hf_from_pretrained(path: Path) -> nn.Module:
     transformers = _transformers(path)
-    try:
+    # transformers reads the weight files with torch.load / safetensors: the same damage, plus
+    # OSError for a missing weight file.
+    advice = "check config.json and the weight files (save them with model.save_pretrained)"
+    with _reading(path, "Hugging Face model directory", advice, also=(OSError,)):
         return transformers.AutoModel.from_pretrained(str(path), local_files_only=True)
-    except (OSError, ValueError, KeyError, RuntimeError, _safetensor_error()) as error:
-        raise ModelLoadError(
-            f"{path}: transformers could not load it ({_first_line(error)}); check config.json and "
-            "the weight files"
-        ) from error
 
 
 def _transformers(path: Path) -> Any:
@@ -254,13 +254,9 @@ def _read_state_dict(path: Path) -> Mapping[str, torch.Tensor]:
     if path.suffix == ".safetensors":
         from safetensors.torch import load_file
 
-        try:
+        advice = "save the weights with safetensors.torch.save_file, or copy the file again if it was cut short"
+        with _reading(path, "safetensors file", advice):
             return load_file(str(path))
-        except _safetensor_error() as error:
-            raise ModelLoadError(
-                f"{path}: not a readable safetensors file ({_first_line(error)}); save the weights "
-                "with safetensors.torch.save_file, or copy the file again if it was cut short"
-            ) from error
     state = _torch_load(path, weights_only=True, kind="state_dict file")
     if isinstance(state, Mapping) and isinstance(state.get("state_dict"), Mapping):
         state = state["state_dict"]
@@ -292,24 +288,42 @@ def _load_weights(model: nn.Module, state: Mapping[str, torch.Tensor], path: Pat
         ) from error
 
 
-def _torch_load(path: Path, *, weights_only: bool, kind: str) -> Any:
-    """``torch.load`` on the CPU; a damaged, empty or foreign file is a ModelLoadError.
+@contextlib.contextmanager
+def _reading(
+    path: Path, kind: str, advice: str, also: tuple[type[BaseException], ...] = ()
+) -> Iterator[None]:
+    """Turn what reading a damaged, empty or foreign file raises into a ModelLoadError.
 
     What torch warns about a file it then fails to read ("Detected pickle protocol 222") is
     dropped: the error says it all. A file that loads gets its warnings.
+
+    Args:
+        path: the file or directory read.
+        kind: what it should be, for the message ("Lightning checkpoint").
+        advice: what to do, for the message.
+        also: more exception types that mean "cannot read it" here (default none).
     """
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
-            loaded = torch.load(path, map_location="cpu", weights_only=weights_only)
-        except _READ_ERRORS as error:
+            yield
+        except ModelLoadError:
+            raise
+        except (*_READ_ERRORS, _safetensor_error(), *also) as error:
             raise ModelLoadError(
-                f"{path}: not a readable {kind} ({_first_line(error)}); save it with torch.save / "
-                "Trainer.save_checkpoint, or copy it again if it was cut short"
+                f"{path}: not a readable {kind} ({_first_line(error)}); {advice}"
             ) from error
     for warning in caught:
         warnings.warn_explicit(warning.message, warning.category, warning.filename, warning.lineno)
-    return loaded
+
+
+def _torch_load(path: Path, *, weights_only: bool, kind: str) -> Any:
+    """``torch.load`` on the CPU; a damaged, empty or foreign file is a ModelLoadError."""
+    advice = (
+        "save it with torch.save / Trainer.save_checkpoint, or copy it again if it was cut short"
+    )
+    with _reading(path, kind, advice):
+        return torch.load(path, map_location="cpu", weights_only=weights_only)
 
 
 def _safetensor_error() -> type[Exception]:
