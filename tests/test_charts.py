@@ -150,9 +150,9 @@ def test_metric_diff_against_steps_and_tokens(rows: pd.DataFrame) -> None:
 def test_chart_errors_name_what_is_missing(rows: pd.DataFrame) -> None:
     with pytest.raises(ValueError, match="per-layer `alpha` rows with role='MLA'"):
         charts.alpha_vs_depth(rows, role="MLA")
-    with pytest.raises(ValueError, match="--baseline 'nope' is not one of the runs"):
+    with pytest.raises(ValueError, match="the baseline 'nope' is not one of the runs: d4, d6"):
         charts.metric_diff(rows, "train/loss", baseline="nope")
-    with pytest.raises(ValueError, match="several .* --layer and --role"):
+    with pytest.raises(ValueError, match="several .* pick one layer and role"):
         charts.metric_diff(rows, "alpha", baseline="d4")
 
 
