@@ -588,6 +588,42 @@ def metric_diff(
     return fig  # type: ignore[return-value]
 
 
+def plotted_values(fig: Figure) -> pd.DataFrame:
+    """Every number ``fig`` shows, as tidy rows ``panel, series, x, y`` (a CSV beside the PNG).
+
+    The points of each labelled data line, and the height of each labelled bar with ``x`` the
+    label of its tick (the layer). Reference lines (the zero line) and unlabelled artists are left
+    out; ``panel`` is the title of the axes.
+
+    >>> fig = Figure()
+    >>> ax = fig.add_subplot()
+    >>> _ = ax.plot([0, 1], [2.0, 3.0], label="a")
+    >>> _ = ax.set_title("p")
+    >>> plotted_values(fig).to_dict("records")
+    [{'panel': 'p', 'series': 'a', 'x': 0.0, 'y': 2.0}, {'panel': 'p', 'series': 'a', 'x': 1.0, 'y': 3.0}]
+    """
+    from matplotlib.container import BarContainer
+
+    records = []
+    for ax in fig.axes:
+        panel = ax.get_title()
+        for line in ax.get_lines():
+            label = str(line.get_label())
+            if label.startswith("_") or line.get_transform() is not ax.transData:
+                continue
+            for x, y in zip(line.get_xdata(), line.get_ydata(), strict=True):
+                records.append((panel, label, float(x), float(y)))
+        ticks = dict(zip(ax.get_xticks(), (t.get_text() for t in ax.get_xticklabels())))
+        for container in ax.containers:
+            label = str(container.get_label())
+            if not isinstance(container, BarContainer) or label.startswith("_"):
+                continue
+            for patch in container.patches:
+                center = round(patch.get_x() + patch.get_width() / 2)
+                records.append((panel, label, float(ticks.get(center, center)), patch.get_height()))
+    return pd.DataFrame.from_records(records, columns=["panel", "series", "x", "y"])
+
+
 def save_figure(fig: Figure, path: str | Path) -> Path:
     """Write ``fig`` to ``path``; the format comes from the extension (.png, .svg or .pdf).
 
