@@ -84,17 +84,17 @@ class Scale:
 SCALES: dict[str, dict[str, Scale]] = {
     "lifecycle": {
         "tiny": Scale((2,), 32, 2, 16, 64, 6, 2e-3, every_n_steps=2, max_bytes=100_000),
-        "cpu": Scale((8,), 128, 4, 128, 2048, 600, 2e-3),
+        "cpu": Scale((8,), 64, 2, 64, 1024, 400, 3e-3, every_n_steps=20),
         "reference": Scale((8,), 768, 12, 1024, 65536, 10_000, 6e-4, max_bytes=None),
     },
     "alpha-depth": {
         "tiny": Scale((2, 3, 4), 32, 2, 16, 64, 4, 2e-3, every_n_steps=2, max_bytes=100_000),
-        "cpu": Scale((8, 12, 16), 64, 2, 64, 1024, 300, 2e-3, every_n_steps=100),
+        "cpu": Scale((8, 12, 16), 64, 2, 64, 1024, 200, 3e-3, every_n_steps=100),
         "reference": Scale((8, 12, 16), 768, 12, 1024, 65536, 10_000, 6e-4, max_bytes=None),
     },
     "init-ablation": {
         "tiny": Scale((1,), 32, 4, 16, 64, 6, 2e-3, max_bytes=100_000, smoothing=0.5),
-        "cpu": Scale((2,), 64, 4, 64, 1024, 250, 2e-3, smoothing=0.9),
+        "cpu": Scale((2,), 64, 4, 64, 1024, 200, 3e-3, smoothing=0.9),
         "reference": Scale((8,), 768, 12, 1024, 65536, 5_000, 6e-4, max_bytes=None, smoothing=0.9),
     },
 }
