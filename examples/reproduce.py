@@ -137,7 +137,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--accelerator", default="cpu", help="cpu, gpu, auto")
     parser.add_argument("--text", type=Path, default=None, help="train on this text file")
-    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch intra-op threads (default 1: on a shared 2-core machine 2 threads ran 4x "
+        "slower, spinning while the other thread waited for a core)",
+    )
     parser.add_argument("--progress", action=argparse.BooleanOptionalAction, default=False)
     return parser
 
