@@ -272,12 +272,22 @@ def draw_alpha_depth(custom: pd.DataFrame, pretrained: dict[str, pd.DataFrame]) 
     fig = Figure(figsize=(14.0, 4.4), layout="constrained")
     axes = fig.subplots(1, 3, sharey=True)
     panels = [("(a) custom runs", custom)]
-    panels += [(f"({letter}) {name}", pretrained.get(name)) for letter, name in zip("bc", ("GPT-2", "Pythia"))]
+    panels += [
+        (f"({letter}) {name}", pretrained.get(name))
+        for letter, name in zip("bc", ("GPT-2", "Pythia"), strict=True)
+    ]
     for ax, (title, rows) in zip(axes, panels, strict=True):
         if rows is None:
             ax.set_title(title)
-            ax.text(0.5, 0.5, "no pretrained models given\n(--pretrained DIR ...)", ha="center",
-                    va="center", transform=ax.transAxes, color="0.4")
+            ax.text(
+                0.5,
+                0.5,
+                "no pretrained models given\n(--pretrained DIR ...)",
+                ha="center",
+                va="center",
+                transform=ax.transAxes,
+                color="0.4",
+            )
             ax.set_xlim(-0.05, 1.05)
             ax.set_ylim(*ALPHA_RANGE)
             ax.set_xlabel("relative depth i / (L − 1)")
@@ -289,8 +299,12 @@ def draw_alpha_depth(custom: pd.DataFrame, pretrained: dict[str, pd.DataFrame]) 
 
 def draw_init_ablation(rows: pd.DataFrame, variants: list[str], smoothing: float) -> Figure:
     """Per variant, loss of the zero_out init minus the gpt init vs tokens (one curve each)."""
-    order = {f"{variant}/{init}": i for i, variant in enumerate(variants) for init in ("zero_out", "gpt")}
-    rows = rows[rows["run"].isin(order)].sort_values("run", key=lambda runs: runs.map(order), kind="stable")
+    order = {
+        f"{variant}/{init}": i for i, variant in enumerate(variants) for init in ("zero_out", "gpt")
+    }
+    rows = rows[rows["run"].isin(order)].sort_values(
+        "run", key=lambda runs: runs.map(order), kind="stable"
+    )
     fig = charts.metric_diff(
         rows, "train/loss", pair=INIT_PAIR, x="train/tokens", smoothing=smoothing
     )

@@ -111,7 +111,9 @@ def _select(rows: pd.DataFrame, *, metric: str, what: str, **equal: object) -> p
             for column, value in equal.items()
             if value is not None
         )
-        raise ValueError(f"{what} needs per-layer `{metric}` rows with {filters}; there are {present}")
+        raise ValueError(
+            f"{what} needs per-layer `{metric}` rows with {filters}; there are {present}"
+        )
     return chosen
 
 
@@ -196,7 +198,8 @@ def alpha_vs_depth(
         ax.set_ylim(*ylim)
         outside = final[(final["value"] < ylim[0]) | (final["value"] > ylim[1])]
         if not outside.empty:
-            title += f"\n{len(outside)} points outside {ylim[0]}–{ylim[1]}"
+            points = f"{len(outside)} point{'s' if len(outside) != 1 else ''}"
+            title += f"\n{points} outside {ylim[0]}–{ylim[1]}"
             title += f" (α {outside['value'].min():.2f}…{outside['value'].max():.2f})"
     ax.set_title(title)
     ax.set_xlim(-0.05, 1.05)
@@ -281,7 +284,9 @@ def compression_rows(rows: pd.DataFrame) -> tuple[pd.DataFrame, dict[str, str]]:
             percent = compression(_float64(ranks["value"]), _float64(reference)).numpy()
             frames.append(ranks.assign(metric="compression", value=percent))
         elif not ranks.empty:
-            left_out[run] = f"one snapshot (step {ranks['step'].iloc[0]}), nothing to compress against"
+            left_out[run] = (
+                f"one snapshot (step {ranks['step'].iloc[0]}), nothing to compress against"
+            )
         else:
             left_out[run] = "no compression or stable_rank rows"
     if not frames:
@@ -436,7 +441,9 @@ def pair_runs(runs: Sequence[str], pattern: str, partner: str) -> list[tuple[str
         if match is None:
             continue
         values = match.groupdict()
-        other = _PLACEHOLDER.sub(lambda m: values[m[1]], partner)
+        other = partner
+        for name, value in values.items():
+            other = other.replace(f"{{{name}}}", value)
         label = ", ".join(values[name] for name in dict.fromkeys(names))
         pairs.append((label, run, other if other in runs and other != run else ""))
     if not pairs:
@@ -611,9 +618,11 @@ def plotted_values(fig: Figure) -> pd.DataFrame:
             label = str(line.get_label())
             if label.startswith("_") or line.get_transform() is not ax.transData:
                 continue
-            for x, y in zip(line.get_xdata(), line.get_ydata(), strict=True):
-                records.append((panel, label, float(x), float(y)))
-        ticks = dict(zip(ax.get_xticks(), (t.get_text() for t in ax.get_xticklabels())))
+            xs = np.asarray(line.get_xdata(), dtype=float)
+            ys = np.asarray(line.get_ydata(), dtype=float)
+            records += [(panel, label, x, y) for x, y in zip(xs, ys, strict=True)]
+        labels = [t.get_text() for t in ax.get_xticklabels()]
+        ticks = dict(zip(ax.get_xticks(), labels, strict=True))
         for container in ax.containers:
             label = str(container.get_label())
             if not isinstance(container, BarContainer) or label.startswith("_"):

@@ -73,8 +73,12 @@ def pretrained(tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
     gpt2 = transformers.GPT2Config(n_layer=3, n_embd=32, n_head=2, n_positions=32, vocab_size=64)
     transformers.GPT2Model(gpt2).save_pretrained(root / "tiny-gpt2")
     neox = transformers.GPTNeoXConfig(
-        num_hidden_layers=4, hidden_size=32, num_attention_heads=2, intermediate_size=128,
-        vocab_size=64, max_position_embeddings=32,
+        num_hidden_layers=4,
+        hidden_size=32,
+        num_attention_heads=2,
+        intermediate_size=128,
+        vocab_size=64,
+        max_position_embeddings=32,
     )
     transformers.GPTNeoXModel(neox).save_pretrained(root / "tiny-pythia")
     return [root / "tiny-gpt2", root / "tiny-pythia"]
@@ -106,7 +110,9 @@ def test_alpha_depth_three_panels_with_pretrained_models(
             num_layers = len(alpha)
             np.testing.assert_allclose(points.x, np.arange(num_layers) / (num_layers - 1))
             np.testing.assert_allclose(points.y, alpha.value, rtol=1e-12)
-    fig = reproduce.draw_alpha_depth(custom, reproduce.analyze_pretrained(pretrained, tmp_path / "again"))
+    fig = reproduce.draw_alpha_depth(
+        custom, reproduce.analyze_pretrained(pretrained, tmp_path / "again")
+    )
     assert len(fig.axes) == 3
     for ax in fig.axes:
         assert ax.get_ylim() == reproduce.ALPHA_RANGE and ax.get_xlim() == (-0.05, 1.05)
@@ -116,21 +122,34 @@ def test_alpha_depth_three_panels_with_pretrained_models(
 
 def test_alpha_depth_without_pretrained_models_says_so() -> None:
     custom = pd.DataFrame(
-        {"run": "D2", "step": 4, "metric": "alpha", "layer": pd.array([0, 1], dtype="Int64"),
-         "depth": [0.0, 1.0], "role": "Q", "value": [0.7, 0.2], "wall_time": 0.0}
+        {
+            "run": "D2",
+            "step": 4,
+            "metric": "alpha",
+            "layer": pd.array([0, 1], dtype="Int64"),
+            "depth": [0.0, 1.0],
+            "role": "Q",
+            "value": [0.7, 0.2],
+            "wall_time": 0.0,
+        }
     )
     fig = reproduce.draw_alpha_depth(custom, {})
     for ax in fig.axes[1:]:
         assert not ax.get_lines()
-        assert [t.get_text() for t in ax.texts] == ["no pretrained models given\n(--pretrained DIR ...)"]
-    assert "1 points outside 0.1–0.6 (α 0.70…0.70)" in fig.axes[0].get_title()
+        assert [t.get_text() for t in ax.texts] == [
+            "no pretrained models given\n(--pretrained DIR ...)"
+        ]
+    assert "1 point outside 0.1–0.6 (α 0.70…0.70)" in fig.axes[0].get_title()
 
 
 def test_pretrained_directories_are_checked(tmp_path: Path) -> None:
     with pytest.raises(MisconfigurationException, match="holds no config.json"):
         reproduce.analyze_pretrained([tmp_path], tmp_path / "out")
     (tmp_path / "config.json").write_text('{"model_type": "llama"}')
-    with pytest.raises(MisconfigurationException, match="is a 'llama' model; alpha-depth has panels for gpt2, gpt_neox"):
+    with pytest.raises(
+        MisconfigurationException,
+        match="is a 'llama' model; alpha-depth has panels for gpt2, gpt_neox",
+    ):
         reproduce.analyze_pretrained([tmp_path], tmp_path / "out")
     with pytest.raises(MisconfigurationException, match="`--pretrained` is for the alpha-depth"):
         reproduce.main(["lifecycle", "--pretrained", str(tmp_path)])
@@ -177,7 +196,9 @@ def test_init_ablation_defaults_to_the_nine_variants() -> None:
 
 @pytest.mark.parametrize("figure", reproduce.FIGURES)
 def test_reference_scale_parses_to_the_studys_sizes(figure: str, tmp_path: Path) -> None:
-    args = reproduce.build_parser().parse_args([figure, "--scale", "reference", "--accelerator", "gpu"])
+    args = reproduce.build_parser().parse_args(
+        [figure, "--scale", "reference", "--accelerator", "gpu"]
+    )
     scale = reproduce.SCALES[figure][args.scale]
     assert scale.width == 768 and scale.steps == (5_000 if figure == "init-ablation" else 10_000)
     flags = reproduce._common(args, scale)
@@ -188,7 +209,9 @@ def test_reference_scale_parses_to_the_studys_sizes(figure: str, tmp_path: Path)
         assert (parsed.width, parsed.steps, parsed.accelerator) == (768, 5_000, "gpu")
         return
     for depth in scale.depths:
-        config = train_gpt.check_args(train_gpt.build_parser().parse_args([*flags, "--depth", str(depth)]))
+        config = train_gpt.check_args(
+            train_gpt.build_parser().parse_args([*flags, "--depth", str(depth)])
+        )
         assert (config.n_layer, config.n_embd, config.n_head) == (depth, 768, 12)
     assert scale.depths == ((8,) if figure == "lifecycle" else (8, 12, 16))
     assert scale.tokens_per_step == 65_536 and scale.max_bytes is None

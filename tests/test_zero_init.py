@@ -35,7 +35,10 @@ def zero_init_run() -> tuple[SpectralMonitor, RecordingLogger, WeightRecorder]:
 
 @pytest.mark.parametrize(
     ("role", "name"),
-    [("O", "model.transformer.h.1.attn.c_proj.weight"), ("MLP_down", "model.transformer.h.1.mlp.c_proj.weight")],
+    [
+        ("O", "model.transformer.h.1.attn.c_proj.weight"),
+        ("MLP_down", "model.transformer.h.1.mlp.c_proj.weight"),
+    ],
 )
 def test_zero_initialised_matrix_compresses_against_its_first_defined_snapshot(
     zero_init_run: tuple[SpectralMonitor, RecordingLogger, WeightRecorder], role: str, name: str

@@ -124,7 +124,9 @@ def run(args: argparse.Namespace) -> int:
     output_format(args.output)  # a bad extension fails before minutes of reading
     result = read("export", args.logdir, all_scalars=args.all_scalars)
     result.problems = [
-        dataclasses.replace(problem, todo=f"{problem.todo}, or pass --all-scalars to export its other tags")
+        dataclasses.replace(
+            problem, todo=f"{problem.todo}, or pass --all-scalars to export its other tags"
+        )
         if problem.what.startswith(NO_SPECTRAL_SCALARS)
         else problem
         for problem in result.problems

@@ -20,9 +20,9 @@ from spectral_callbacks.cli.common import (
     add_logdirs,
     layer_choice,
     read,
-    smoothing_weight,
     report_problems,
     say,
+    smoothing_weight,
     step_range,
 )
 from spectral_callbacks.events import filter_rows
