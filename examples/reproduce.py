@@ -84,7 +84,7 @@ class Scale:
 SCALES: dict[str, dict[str, Scale]] = {
     "lifecycle": {
         "tiny": Scale((2,), 32, 2, 16, 64, 6, 2e-3, every_n_steps=2, max_bytes=100_000),
-        "cpu": Scale((8,), 64, 2, 64, 1024, 400, 3e-3, every_n_steps=20),
+        "cpu": Scale((8,), 128, 2, 64, 1024, 500, 1.5e-3, every_n_steps=20),
         "reference": Scale((8,), 768, 12, 1024, 65536, 10_000, 6e-4, max_bytes=None),
     },
     "alpha-depth": {

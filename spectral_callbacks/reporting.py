@@ -160,7 +160,10 @@ class Reporter:
         return {"references": dict(self.references), "reference_steps": dict(self.reference_steps)}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        self.references = dict(state.get("references", {}))
+        # A checkpoint written before the first-defined-snapshot rule may hold a NaN reference
+        # (a zero-initialised matrix): drop it, so the next finite snapshot becomes the reference.
+        references = dict(state.get("references", {}))
+        self.references = {name: ref for name, ref in references.items() if math.isfinite(ref)}
         # A checkpoint from before reference steps were kept: its references came from step 0.
         steps = state.get("reference_steps", {})
         self.reference_steps = {name: int(steps.get(name, 0)) for name in self.references}

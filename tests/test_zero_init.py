@@ -78,3 +78,16 @@ def test_reference_steps_survive_the_state_dict(
     restored = SpectralMonitor(every_n_steps=2, log_spaced_until=0, figures=False)
     restored.load_state_dict(state)
     assert restored.state_dict()["reference_steps"] == steps
+
+
+def test_a_nan_reference_of_an_older_checkpoint_is_replaced_by_the_next_defined_snapshot() -> None:
+    from types import SimpleNamespace
+
+    from spectral_callbacks.reporting import Reporter
+
+    target = SimpleNamespace(name="o", layer=0, num_layers=1, role="O", depth=0.0)
+    reporter = Reporter([target], metrics=("stable_rank", "compression"))
+    reporter.load_state_dict({"references": {"o": math.nan}})  # the old rule's step-0 NaN
+    scalars = reporter.scalars(30, {"o": {"stable_rank": 4.0}})
+    assert scalars[scalar_tag("compression", 0, "O")] == 0.0
+    assert reporter.state_dict() == {"references": {"o": 4.0}, "reference_steps": {"o": 30}}
