@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 import time
 from dataclasses import dataclass
@@ -269,6 +270,9 @@ def draw_lifecycle(rows: pd.DataFrame) -> Figure:
 
 def draw_alpha_depth(custom: pd.DataFrame, pretrained: dict[str, pd.DataFrame]) -> Figure:
     """α of Q vs relative depth: (a) custom runs, (b) GPT-2, (c) Pythia; y 0.1-0.6 by default."""
+    # Runs in natural order (D8, D12, D16), whatever order the directories were read in.
+    natural = {run: _natural_key(run) for run in custom["run"].unique()}
+    custom = custom.sort_values("run", key=lambda runs: runs.map(natural), kind="stable")
     fig = Figure(figsize=(14.0, 4.4), layout="constrained")
     axes = fig.subplots(1, 3, sharey=True)
     panels = [("(a) custom runs", custom)]
@@ -295,6 +299,11 @@ def draw_alpha_depth(custom: pd.DataFrame, pretrained: dict[str, pd.DataFrame]) 
             continue
         charts.alpha_vs_depth(rows, role="Q", ax=ax, ylim=ALPHA_RANGE, title=title)
     return fig
+
+
+def _natural_key(name: str) -> tuple:
+    """Sort key that orders the numbers inside a name by value: D8 < D12 < D16."""
+    return tuple(int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name))
 
 
 def draw_init_ablation(rows: pd.DataFrame, variants: list[str], smoothing: float) -> Figure:

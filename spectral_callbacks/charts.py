@@ -179,7 +179,7 @@ def alpha_vs_depth(
         rows: tidy rows with ``alpha`` rows.
         role: the role to draw (default ``"Q"``, the Q projection of the paper's figure).
         ax: draw into this panel (default None: a new figure).
-        ylim: the y range (default None: matplotlib's); values outside it are named in the title.
+        ylim: the y range (default None: matplotlib's); points outside it are counted in the panel.
         title: the panel title (default "α of <role> vs relative depth").
 
     Raises:
@@ -193,15 +193,23 @@ def alpha_vs_depth(
         ax.plot(line["depth"].to_numpy(), line["value"].to_numpy(), marker="o", label=run)
     ax.set_xlabel("relative depth i / (L − 1)")
     ax.set_ylabel(metric_label("alpha"))
-    title = title or f"α of {role_glyph(role)} vs relative depth"
+    ax.set_title(title or f"α of {role_glyph(role)} vs relative depth")
     if ylim is not None:
         ax.set_ylim(*ylim)
         outside = final[(final["value"] < ylim[0]) | (final["value"] > ylim[1])]
-        if not outside.empty:
+        if not outside.empty:  # said inside the panel, so the title stays the panel's name
             points = f"{len(outside)} point{'s' if len(outside) != 1 else ''}"
-            title += f"\n{points} outside {ylim[0]}–{ylim[1]}"
-            title += f" (α {outside['value'].min():.2f}…{outside['value'].max():.2f})"
-    ax.set_title(title)
+            ax.text(
+                0.5,
+                0.98,
+                f"{points} outside {ylim[0]}–{ylim[1]} "
+                f"(α {outside['value'].min():.2f}…{outside['value'].max():.2f})",
+                transform=ax.transAxes,
+                ha="center",
+                va="top",
+                fontsize="small",
+                color="0.3",
+            )
     ax.set_xlim(-0.05, 1.05)
     ax.grid(alpha=0.3)
     _legend(ax, "run")

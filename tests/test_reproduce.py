@@ -97,9 +97,9 @@ def test_alpha_depth_three_panels_with_pretrained_models(
     }
     panels = {"(a) custom runs": ["D2", "D3", "D4"], "(b) GPT-2": ["tiny-gpt2"]}
     panels["(c) Pythia"] = ["tiny-pythia"]
-    assert sorted(table.panel.str.split("\n").str[0].unique()) == sorted(panels)
+    assert sorted(table.panel.unique()) == sorted(panels)
     for panel, series in panels.items():
-        drawn = table[table.panel.str.startswith(panel)]
+        drawn = table[table.panel == panel]
         assert list(drawn.series.unique()) == series
         for run in series:
             rows = analyzed.get(run, custom)
@@ -139,7 +139,8 @@ def test_alpha_depth_without_pretrained_models_says_so() -> None:
         assert [t.get_text() for t in ax.texts] == [
             "no pretrained models given\n(--pretrained DIR ...)"
         ]
-    assert "1 point outside 0.1–0.6 (α 0.70…0.70)" in fig.axes[0].get_title()
+    assert [t.get_text() for t in fig.axes[0].texts] == ["1 point outside 0.1–0.6 (α 0.70…0.70)"]
+    assert fig.axes[0].get_title() == "(a) custom runs"
 
 
 def test_pretrained_directories_are_checked(tmp_path: Path) -> None:
