@@ -163,7 +163,12 @@ def build_parser() -> argparse.ArgumentParser:
     logging.add_argument(
         "--version", default=None, help="run version folder (default version_N, next free)"
     )
-    logging.add_argument("--log-every-n-steps", type=int, default=10, help="loss logging interval")
+    logging.add_argument(
+        "--log-every-n-steps",
+        type=int,
+        default=1,
+        help="loss logging interval (every step: differences of runs are not aliased)",
+    )
     logging.add_argument(
         "--every-n-steps", type=int, default=25, help="SpectralMonitor snapshot interval"
     )

@@ -11,6 +11,8 @@ Tags:
 * ``spectral_<metric>/mean/<role>`` - the mean over layers of one role.
 * ``spectral_monitor/<name>`` - the callback's own health (main-thread ms, SVD ms, pending, skipped)
   and ``spectral_monitor/num_layers``, which lets readers compute relative depth.
+* ``spectral_monitor/reference_step/L<layer>/<role>`` - the step of the snapshot whose stable rank
+  is that matrix's compression reference (0 normally; later for a matrix that starts at zero).
 
 Example::
 
@@ -22,6 +24,8 @@ Example::
     SpectralTag(metric='alpha', layer=None, role='Q')
     >>> parse_tag("train/loss") is None
     True
+    >>> parse_tag(reference_step_tag(3, "O"))
+    SpectralTag(metric='reference_step', layer=3, role='O')
 """
 
 from __future__ import annotations
@@ -33,12 +37,18 @@ METRIC_PREFIX = "spectral_"
 MONITOR_SECTION = "spectral_monitor"
 MEAN = "mean"
 NUM_LAYERS_TAG = f"{MONITOR_SECTION}/num_layers"
+#: Read back as the per-matrix metric ``reference_step`` (see :func:`reference_step_tag`).
+REFERENCE_STEP = "reference_step"
 
 # Canonical roles of DESIGN.md section 3, in chart order. Variants add documented extra roles.
 ROLES: tuple[str, ...] = ("Q", "K", "V", "O", "MLP_up", "MLP_down")
 
 _TAG = re.compile(
     r"^spectral_(?P<metric>[a-z0-9_]+)/(?:L(?P<layer>\d+)|(?P<mean>mean))/(?P<role>[A-Za-z0-9_]+)$"
+)
+
+_REFERENCE_STEP_TAG = re.compile(
+    rf"^{MONITOR_SECTION}/{REFERENCE_STEP}/L(?P<layer>\d+)/(?P<role>[A-Za-z0-9_]+)$"
 )
 
 
@@ -73,8 +83,23 @@ def monitor_tag(name: str) -> str:
     return f"{MONITOR_SECTION}/{name}"
 
 
+def reference_step_tag(layer: int, role: str, num_layers: int | None = None) -> str:
+    """The tag of the step whose stable rank is the compression reference of one (layer, role).
+
+    >>> reference_step_tag(0, "O")
+    'spectral_monitor/reference_step/L00/O'
+    """
+    return f"{MONITOR_SECTION}/{REFERENCE_STEP}/{layer_label(layer, num_layers)}/{role}"
+
+
 def parse_tag(tag: str) -> SpectralTag | None:
-    """The (metric, layer, role) of a spectral tag, or ``None`` for any other tag."""
+    """The (metric, layer, role) of a spectral tag, or ``None`` for any other tag.
+
+    A reference-step tag reads as the per-matrix metric ``reference_step``.
+    """
+    reference = _REFERENCE_STEP_TAG.match(tag)
+    if reference is not None:
+        return SpectralTag(REFERENCE_STEP, int(reference["layer"]), reference["role"])
     match = _TAG.match(tag)
     if match is None or match["metric"] == "monitor":
         return None

@@ -150,9 +150,9 @@ def test_metric_diff_against_steps_and_tokens(rows: pd.DataFrame) -> None:
 def test_chart_errors_name_what_is_missing(rows: pd.DataFrame) -> None:
     with pytest.raises(ValueError, match="per-layer `alpha` rows with role='MLA'"):
         charts.alpha_vs_depth(rows, role="MLA")
-    with pytest.raises(ValueError, match="--baseline 'nope' is not one of the runs"):
+    with pytest.raises(ValueError, match="the baseline 'nope' is not one of the runs: d4, d6"):
         charts.metric_diff(rows, "train/loss", baseline="nope")
-    with pytest.raises(ValueError, match="several .* --layer and --role"):
+    with pytest.raises(ValueError, match="several .* pick one layer and role"):
         charts.metric_diff(rows, "alpha", baseline="d4")
 
 
@@ -163,3 +163,140 @@ def test_save_figure_formats(rows: pd.DataFrame, tmp_path) -> None:
         assert path.stat().st_size > 1000
     with pytest.raises(ValueError, match="must end in .png"):
         charts.save_figure(fig, tmp_path / "a.jpg")
+
+
+def _loss_run(run: str, losses: list[float], tokens_per_step: float) -> pd.DataFrame:
+    """Tidy rows of a run logging ``train/loss`` and ``train/tokens`` at steps 0, 1, 2, ..."""
+    records = []
+    for step, loss in enumerate(losses):
+        records.append((run, step, "train/loss", None, None, None, loss, float(step)))
+        records.append(
+            (run, step, "train/tokens", None, None, None, tokens_per_step * step, float(step))
+        )
+    frame = pd.DataFrame.from_records(
+        records, columns=["run", "step", "metric", "layer", "depth", "role", "value", "wall_time"]
+    )
+    return frame.astype({"layer": "Int64", "depth": float})
+
+
+@pytest.fixture(scope="module")
+def pairs() -> pd.DataFrame:
+    """Two variants, each zero_out = gpt + a known offset (0.3 for mha, -0.1 for mla)."""
+    rng = np.random.default_rng(1)
+    mha = list(5.0 - 0.1 * np.arange(12) + rng.normal(0, 0.05, 12))
+    mla = list(4.0 - 0.05 * np.arange(12) + rng.normal(0, 0.05, 12))
+    return pd.concat(
+        [
+            _loss_run("mha/gpt", mha, 100.0),
+            _loss_run("mha/zero_out", [v + 0.3 for v in mha], 100.0),
+            _loss_run("mla/zero_out", [v - 0.1 for v in mla], 200.0),
+            _loss_run("mla/gpt", mla, 200.0),
+            _loss_run("tpa/zero_out", mla, 100.0),  # no partner: left out, said
+        ]
+    )
+
+
+def test_pairing_recovers_the_known_differences(pairs: pd.DataFrame) -> None:
+    fig = charts.metric_diff(
+        pairs, "train/loss", pair=("{variant}/zero_out", "{variant}/gpt"), x="train/tokens"
+    )
+    lines = {
+        line.get_label(): line
+        for line in fig.axes[0].get_lines()
+        if not line.get_label().startswith("_")  # the unlabelled zero line
+    }
+    assert list(lines) == ["mha", "mla"]
+    np.testing.assert_allclose(lines["mha"].get_ydata(), 0.3, atol=1e-12)
+    np.testing.assert_allclose(lines["mla"].get_ydata(), -0.1, atol=1e-12)
+    np.testing.assert_array_equal(lines["mla"].get_xdata(), 200.0 * np.arange(12))
+    assert fig.left_out == {"tpa/zero_out": "no partner run named like '{variant}/gpt'"}
+    assert "left out — tpa/zero_out" in fig.get_supxlabel()
+
+
+def test_pairing_errors_say_what_to_write(pairs: pd.DataFrame) -> None:
+    with pytest.raises(ValueError, match=r"needs a \{name\} placeholder"):
+        charts.pair_runs(["a"], "zero_out", "gpt")
+    with pytest.raises(ValueError, match=r"uses \['init'\], which '\{variant\}/zero_out' does not"):
+        charts.pair_runs(["a"], "{variant}/zero_out", "{variant}/{init}")
+    with pytest.raises(ValueError, match="no run is named like 'x/{v}'; the runs are: a, b"):
+        charts.pair_runs(["a", "b"], "x/{v}", "y/{v}")
+    with pytest.raises(ValueError, match="either a baseline run or a pair"):
+        charts.metric_diff(pairs, "train/loss", "mha/gpt", pair=("{v}/zero_out", "{v}/gpt"))
+
+
+def test_smoothing_is_tensorboards_debiased_ema(pairs: pd.DataFrame) -> None:
+    weight = 0.8
+    fig = charts.metric_diff(
+        pairs, "train/loss", pair=("{variant}/zero_out", "{variant}/gpt"), smoothing=weight
+    )
+    (mha,) = [line for line in fig.axes[0].get_lines() if line.get_label() == "mha"]
+    np.testing.assert_allclose(mha.get_ydata(), 0.3, atol=1e-12)  # a constant stays constant
+    raw = np.array([1.0, 0.0, 2.0, 4.0])
+    expected, last = [], 0.0
+    for count, value in enumerate(raw, start=1):  # TensorBoard's smoothing, written out
+        last = last * weight + (1 - weight) * value
+        expected.append(last / (1 - weight**count))
+    np.testing.assert_allclose(charts.ema(raw, weight), expected)
+    with pytest.raises(ValueError, match=r"smoothing weight must be in \[0, 1\), got 1.0"):
+        charts.metric_diff(pairs, "train/loss", pair=("{v}/zero_out", "{v}/gpt"), smoothing=1.0)
+
+
+def _analyzed(rows: pd.DataFrame) -> pd.DataFrame:
+    """A model analyzed at rest: only step 0 of the stable rank, no compression."""
+    at_rest = rows[(rows.run == "d4") & (rows.step == 0) & (rows.metric == "stable_rank")]
+    return at_rest.assign(run="gpt2")
+
+
+def test_single_point_runs_are_markers_not_invisible_lines(rows: pd.DataFrame) -> None:
+    fig = charts.rank_vs_steps(pd.concat([rows[rows.run == "d4"], _analyzed(rows)]), layer=0)
+    lines = [line for line in fig.axes[0].get_lines() if line.get_label().startswith("gpt2")]
+    assert len(lines) == 6 and all(line.get_marker() == "o" for line in lines)
+    assert all(len(line.get_xdata()) == 1 for line in lines)
+    others = [line for line in fig.axes[0].get_lines() if line.get_label().startswith("d4")]
+    assert all(line.get_marker() in (None, "None", "") for line in others)
+
+
+def test_compression_leaves_out_a_single_snapshot_run_and_says_why(rows: pd.DataFrame) -> None:
+    both = pd.concat([rows[rows.run == "d4"], _analyzed(rows)])
+    for fig in (charts.compression_by_layer(both), charts.compression_wave(both, role="Q")):
+        assert fig.left_out == {"gpt2": "one snapshot (step 0), nothing to compress against"}
+        assert "gpt2: one snapshot (step 0)" in fig.get_supxlabel()
+        assert len([ax for ax in fig.axes if ax.get_title().endswith("— d4")]) == 1
+
+
+def test_compression_from_stable_rank_starts_at_the_first_finite_snapshot(
+    rows: pd.DataFrame,
+) -> None:
+    ranks = rows[(rows.metric == "stable_rank") & (rows.run == "d4")].copy()
+    zero_at_init = (ranks.step == 0) & (ranks.role == "O")
+    ranks.loc[zero_at_init, "value"] = np.nan  # a zero-initialised O: no stable rank at step 0
+    computed, left_out = charts.compression_rows(ranks)
+    o = computed[(computed.role == "O") & (computed.layer == 1)].set_index("step")["value"]
+    sr = ranks[(ranks.role == "O") & (ranks.layer == 1)].set_index("step")["value"]
+    assert np.isnan(o[0]) and o[10] == pytest.approx(0.0) and not left_out
+    assert o[20] == pytest.approx(100 * (1 - sr[20] / sr[10]))
+
+
+def test_metric_diff_against_a_single_point_baseline_is_an_error(rows: pd.DataFrame) -> None:
+    losses = rows[rows.metric == "train/loss"]
+    single = losses[(losses.run == "d4") & (losses.step == 0)].assign(run="at-rest")
+    with pytest.raises(ValueError, match="baseline 'at-rest' has `train/loss` at one step only"):
+        charts.metric_diff(pd.concat([losses, single]), "train/loss", baseline="at-rest")
+
+
+def test_selection_errors_list_the_layers_and_roles_that_exist(rows: pd.DataFrame) -> None:
+    with pytest.raises(ValueError, match="with layer=99; there are layers: 0, 1, 2, 3, 4, 5"):
+        charts.rank_vs_steps(rows, layer=99)
+    with pytest.raises(ValueError, match="roles: K, MLP_down, MLP_up, O, Q, V"):
+        charts.alpha_vs_depth(rows, role="MLA")
+
+
+def test_plotted_values_are_the_lines_and_bars(rows: pd.DataFrame) -> None:
+    fig = charts.compression_by_layer(rows[rows.run == "d6"])
+    table = charts.plotted_values(fig)
+    final = rows[(rows.metric == "compression") & (rows.run == "d6") & (rows.step == 30)]
+    expected = final.set_index(["role", "layer"])["value"]
+    assert len(table) == 36
+    for row in table.itertuples():
+        role = {"MLP↑": "MLP_up", "MLP↓": "MLP_down"}.get(row.series, row.series)
+        assert row.y == expected[(role, int(row.x))]

@@ -11,7 +11,7 @@ import pytest
 from cli_runs import STEPS, logged_by_csv, run_cli, training_runs, write_long_run
 
 from spectral_callbacks.cli.main import main
-from spectral_callbacks.names import parse_tag, scalar_tag
+from spectral_callbacks.names import REFERENCE_STEP, parse_tag, reference_step_tag, scalar_tag
 
 COLUMNS = ["run", "step", "metric", "layer", "depth", "role", "value", "wall_time"]
 
@@ -24,6 +24,8 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def _tag(row: pd.Series) -> str:
     if pd.isna(row["role"]):
         return row["metric"]
+    if row["metric"] == REFERENCE_STEP:
+        return reference_step_tag(int(row["layer"]), row["role"])
     return scalar_tag(
         row["metric"], None if pd.isna(row["layer"]) else int(row["layer"]), row["role"]
     )
@@ -67,6 +69,18 @@ def test_export_equals_logged_values_for_every_tag_and_long_runs_whole(
     )
 
 
+def test_export_reads_the_reference_steps_as_a_per_matrix_metric(
+    runs: Path, tmp_path: Path
+) -> None:
+    out = tmp_path / "refs.csv"
+    assert main(["export", str(runs / "tb" / "a"), "-o", str(out), "--metric", REFERENCE_STEP]) == 0
+    rows = pd.read_csv(out)
+    # Every matrix of the 3-layer encoder is defined at step 0: one row each, value 0, at step 0.
+    assert len(rows) == 3 * 6 and set(rows.role) == {"Q", "K", "V", "O", "MLP_up", "MLP_down"}
+    assert (rows.step == 0).all() and (rows.value == 0).all()
+    np.testing.assert_array_equal(rows.depth, rows.layer / 2)
+
+
 @pytest.mark.parametrize("suffix", [".csv", ".parquet", ".json", ".jsonl"])
 def test_formats_round_trip(runs: Path, tmp_path: Path, suffix: str) -> None:
     out = tmp_path / f"rows{suffix}"
@@ -81,6 +95,7 @@ def test_formats_round_trip(runs: Path, tmp_path: Path, suffix: str) -> None:
         "spectral_norm",
         "frobenius_norm",
         "compression",
+        REFERENCE_STEP,  # spectral_monitor/reference_step/L<l>/<role>, read back per matrix
     }
     assert rows.value.notna().sum() > 0 and len(rows) == len(rows.drop_duplicates(COLUMNS[:6]))
 

@@ -152,3 +152,83 @@ def test_plot_errors_in_process(
     assert main(["plot", str(runs), "--kind", "compression", "-o", str(tmp_path / "x.jpg")]) == 1
     assert "use one of .png, .svg, .pdf" in capsys.readouterr().err
     assert not list(tmp_path.iterdir())
+
+
+@pytest.fixture(scope="module")
+def analyzed(runs: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny GPT-2 analyzed at rest (one snapshot, step 0) beside the training runs a and b."""
+    transformers = pytest.importorskip("transformers")
+    root = tmp_path_factory.mktemp("analyzed")
+    config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, n_positions=32, vocab_size=64)
+    transformers.GPT2Model(config).save_pretrained(root / "model")
+    assert main(["analyze", str(root / "model"), "--logdir", str(root / "gpt2")]) == 0
+    return root / "gpt2"
+
+
+def test_plot_help_reads_as_written(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["plot", "--help"])
+    text = capsys.readouterr().out
+    assert "%%" not in text and "final compression % by layer" in text
+    assert "--x train/tokens" in text and "--x tokens" not in text
+    assert "--pair RUNS PARTNERS" in text and "--smoothing W" in text
+
+
+def test_compression_of_an_analyzed_model_says_what_it_left_out(
+    runs: Path, analyzed: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    for kind in ("compression", "compression-wave"):
+        out = tmp_path / f"{kind}.png"
+        assert main(["plot", str(runs), str(analyzed), "--kind", kind, "-o", str(out)]) == 0
+        err = capsys.readouterr().err
+        assert "note: left out gpt2: one snapshot (step 0), nothing to compress against" in err
+        assert f"done: {kind} of 2 of 3 runs" in err and out.stat().st_size > 5000
+
+
+def test_rank_steps_draws_an_analyzed_model_as_markers(runs: Path, analyzed: Path) -> None:
+    rows = read_runs([runs, analyzed]).rows
+    ax = charts.rank_vs_steps(rows, layer=0).axes[0]
+    markers = [line.get_marker() for line in ax.get_lines() if line.get_label().startswith("gpt2")]
+    assert markers == ["o"] * 6
+
+
+def test_metric_diff_against_an_analyzed_model_fails_and_says_why(
+    runs: Path, analyzed: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["plot", str(runs), str(analyzed), "--kind", "metric-diff", "--metric", "stable_rank"]
+    argv += ["--layer", "0", "--role", "Q", "--baseline", "gpt2", "-o", str(tmp_path / "d.png")]
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    assert "the baseline 'gpt2' has `stable_rank` at one step only (0)" in err
+    assert not (tmp_path / "d.png").exists()
+
+
+def test_plot_errors_name_only_what_is_missing(
+    runs: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = str(tmp_path / "x.png")
+    argv = ["plot", str(runs), "--kind", "metric-diff", "--metric", "train/loss", "-o", out]
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    assert "needs --baseline RUN (one of: a, b) or --pair RUNS PARTNERS" in err
+    assert "--metric" not in err.split("needs", 1)[1]
+    assert main(["plot", str(runs), "--kind", "rank-steps", "--layer", "99", "-o", out]) == 1
+    assert "with layer=99; there are layers: 0, 1, 2" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main([*argv, "--baseline", "a", "--smoothing", "1"])
+    assert "--smoothing: must be a number in [0, 1)" in capsys.readouterr().err
+
+
+def test_plot_of_a_run_without_spectral_scalars_suggests_no_flag_it_lacks(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from torch.utils.tensorboard import SummaryWriter
+
+    with SummaryWriter(str(tmp_path / "plain")) as writer:
+        writer.add_scalar("train/loss", 1.0, 0)
+    argv = ["plot", str(tmp_path / "plain"), "--kind", "rank-steps", "-o", str(tmp_path / "r.png")]
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    assert "train with SpectralMonitor" in err and "--all-scalars" not in err
+    assert main(["export", str(tmp_path / "plain"), "-o", str(tmp_path / "r.csv")]) == 1
+    assert "or pass --all-scalars to export its other tags" in capsys.readouterr().err

@@ -127,6 +127,20 @@ def test_attention_variants_draws_loss_minus_mha(tmp_path: Path) -> None:
     assert {"Q", "KV_down", "K_rope", "K_g3", "V_g3", "O", "MLP_up"} <= roles
 
 
+def test_attention_variants_trains_both_inits_and_draws_the_pairs(tmp_path: Path) -> None:
+    argv = ["--variants", "mha", "mla", "--inits", "gpt", "zero_out", "--depth", "1"]
+    argv += ["--width", "32", "--steps", "4", "--tokens-per-step", "64", "--block-size", "16"]
+    argv += ["--no-progress", "--max-bytes", "100000", "--no-spectral", "--smoothing", "0.5"]
+    chart = attention_variants.main([*argv, "--accelerator", "cpu", "--logdir", str(tmp_path)])
+    assert chart == tmp_path / "init_ablation.png" and chart.stat().st_size > 0
+    rows = read_runs([tmp_path], all_scalars=True).rows
+    assert set(rows.run) == {"mha/gpt", "mha/zero_out", "mla/gpt", "mla/zero_out"}
+    loss = rows[rows.metric == "train/loss"]
+    assert (loss.groupby("run").step.apply(list) == [[0, 1, 2, 3]] * 4).all()  # every step
+    tokens = rows[rows.metric == "train/tokens"].pivot(index="step", columns="run", values="value")
+    assert (tokens.nunique(axis=1) == 1).all()  # the same tokens per step for every run
+
+
 def test_attention_variants_refuses_a_used_logdir(tmp_path: Path) -> None:
     (tmp_path / "mha").mkdir()
     (tmp_path / "mha" / "events.out.tfevents.1").write_bytes(b"")

@@ -35,10 +35,13 @@ class TinyGPT(LightningModule):
         two_optimizers: bool = False,
         fail_at_step: int | None = None,
         interrupt_at_step: int | None = None,
+        init: str = "gpt",
     ) -> None:
         super().__init__()
         self.model = GPT(
-            GPTConfig(n_layer=n_layer, n_head=n_head, n_embd=n_embd, block_size=block_size)
+            GPTConfig(
+                n_layer=n_layer, n_head=n_head, n_embd=n_embd, block_size=block_size, init=init
+            )
         )
         self.lr = lr
         self.automatic_optimization = not manual

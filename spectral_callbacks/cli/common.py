@@ -101,6 +101,23 @@ def layer_choice(text: str) -> int | None:
     return layer
 
 
+def smoothing_weight(text: str) -> float:
+    """An EMA weight in [0, 1) for ``--smoothing``.
+
+    >>> smoothing_weight("0.9")
+    0.9
+    """
+    try:
+        weight = float(text)
+    except ValueError:
+        weight = -1.0
+    if not 0.0 <= weight < 1.0:
+        raise argparse.ArgumentTypeError(
+            f"must be a number in [0, 1) (0: no smoothing, 0.9: TensorBoard's strong), got {text!r}"
+        )
+    return weight
+
+
 def add_logdirs(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "logdir",

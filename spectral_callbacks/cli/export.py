@@ -9,6 +9,7 @@ Example::
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -23,7 +24,7 @@ from spectral_callbacks.cli.common import (
     say,
     step_range,
 )
-from spectral_callbacks.offline.events import filter_rows
+from spectral_callbacks.offline.events import NO_SPECTRAL_SCALARS, filter_rows
 
 FORMATS = {
     ".csv": "CSV",
@@ -122,6 +123,14 @@ def write_rows(rows: pd.DataFrame, output: str) -> None:
 def run(args: argparse.Namespace) -> int:
     output_format(args.output)  # a bad extension fails before minutes of reading
     result = read("export", args.logdir, all_scalars=args.all_scalars)
+    result.problems = [
+        dataclasses.replace(
+            problem, todo=f"{problem.todo}, or pass --all-scalars to export its other tags"
+        )
+        if problem.what.startswith(NO_SPECTRAL_SCALARS)
+        else problem
+        for problem in result.problems
+    ]
     rows = filter_rows(
         result.rows, metrics=args.metric, roles=args.role, layers=args.layer, steps=args.steps
     )

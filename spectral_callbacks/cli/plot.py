@@ -3,7 +3,9 @@
 Example::
 
     spectral-callbacks plot runs/d8 runs/d12 runs/gpt2 --kind alpha-depth --role Q -o alpha.png
-    spectral-callbacks plot runs --kind metric-diff --metric train/loss --baseline mha --x tokens -o diff.pdf
+    spectral-callbacks plot runs --kind metric-diff --metric train/loss --baseline mha --x train/tokens -o diff.pdf
+    spectral-callbacks plot runs/ablation --kind metric-diff --metric train/loss \
+        --pair '{variant}/zero_out' '{variant}/gpt' --x train/tokens --smoothing 0.9 -o init.png
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from spectral_callbacks.cli.common import (
     read,
     report_problems,
     say,
+    smoothing_weight,
     step_range,
 )
 from spectral_callbacks.offline.events import filter_rows
@@ -30,9 +33,10 @@ if TYPE_CHECKING:  # matplotlib is imported when a chart is drawn, not for --hel
 KINDS = {
     "alpha-depth": "alpha of --role (default Q) vs relative depth i/(L-1), one line per run",
     "rank-steps": "--metric (default stable_rank) of --layer (default 0) vs step, one line per role",
-    "compression": "final compression %% by layer, grouped bars per role, a panel per run",
+    "compression": "final compression % by layer, grouped bars per role, a panel per run",
     "compression-wave": "heatmap layer x step of --role's (default Q) compression, a panel per run",
-    "metric-diff": "--metric of each run minus the --baseline run, vs step or --x",
+    "metric-diff": "--metric of each run minus the --baseline run (or minus its --pair partner), "
+    "vs step or --x",
 }
 
 
@@ -46,7 +50,9 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         epilog="examples:\n  spectral-callbacks plot runs/d8 runs/gpt2 --kind alpha-depth -o alpha.png\n"
         "  spectral-callbacks plot runs/d8 --kind rank-steps --layer 0 -o rank.svg\n"
         "  spectral-callbacks plot runs --kind metric-diff --metric train/loss --baseline mha "
-        "--x tokens -o diff.pdf",
+        "--x train/tokens -o diff.pdf\n"
+        "  spectral-callbacks plot runs/ablation --kind metric-diff --metric train/loss "
+        "--pair '{variant}/zero_out' '{variant}/gpt' --x train/tokens --smoothing 0.9 -o init.png",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add_logdirs(parser)
@@ -69,15 +75,32 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         help="metric of rank-steps (default stable_rank); the scalar of metric-diff, a tag such "
         "as train/loss or a spectral metric with --layer and --role",
     )
-    parser.add_argument(
+    reference = parser.add_mutually_exclusive_group()
+    reference.add_argument(
         "--baseline", metavar="RUN", help="metric-diff: the run subtracted from the others"
+    )
+    reference.add_argument(
+        "--pair",
+        nargs=2,
+        metavar=("RUNS", "PARTNERS"),
+        help="metric-diff: subtract from each run named like RUNS its partner named like PARTNERS; "
+        "{name} placeholders match a name part without '/' and fill the partner, e.g. "
+        "--pair '{variant}/zero_out' '{variant}/gpt' (one curve per variant)",
+    )
+    parser.add_argument(
+        "--smoothing",
+        type=smoothing_weight,
+        default=0.0,
+        metavar="W",
+        help="metric-diff: TensorBoard's EMA smoothing of each difference, W in [0, 1) "
+        "(default 0: none)",
     )
     parser.add_argument(
         "--x",
         default="step",
         metavar="SCALAR",
-        help="metric-diff: x axis, 'step' (default) or the tag of another scalar such as tokens "
-        "seen; runs are aligned by interpolation",
+        help="metric-diff: x axis, 'step' (default) or the tag of another scalar such as "
+        "train/tokens; runs are aligned by interpolation",
     )
     parser.add_argument("--steps", type=step_range, metavar="FIRST:LAST", help="only these steps")
     parser.set_defaults(func=run)
@@ -100,15 +123,33 @@ def draw(rows: pd.DataFrame, args: argparse.Namespace) -> Figure:
             return charts.compression_by_layer(rows)
         if args.kind == "compression-wave":
             return charts.compression_wave(rows, role=args.role or "Q")
-        if args.metric is None or args.baseline is None:
-            tags = sorted(rows.loc[rows["role"].isna(), "metric"].unique())
-            raise CommandError(
-                "--kind metric-diff needs --metric (one of the runs' scalars: "
-                f"{', '.join(tags) or 'none'}) and --baseline RUN (one of: "
-                f"{', '.join(rows['run'].unique())})"
+        missing = [
+            what
+            for what, absent in (
+                (
+                    "--metric NAME (one of the runs' scalars: "
+                    f"{', '.join(sorted(rows.loc[rows['role'].isna(), 'metric'].unique())) or 'none'})",
+                    args.metric is None,
+                ),
+                (
+                    f"--baseline RUN (one of: {', '.join(rows['run'].unique())}) or --pair RUNS "
+                    "PARTNERS",
+                    args.baseline is None and args.pair is None,
+                ),
             )
+            if absent
+        ]
+        if missing:
+            raise CommandError(f"--kind metric-diff needs {' and '.join(missing)}")
         return charts.metric_diff(
-            rows, args.metric, args.baseline, x=args.x, layer=args.layer, role=args.role
+            rows,
+            args.metric,
+            args.baseline,
+            pair=tuple(args.pair) if args.pair else None,
+            x=args.x,
+            layer=args.layer,
+            role=args.role,
+            smoothing=args.smoothing,
         )
     except ValueError as error:
         raise CommandError(f"--kind {args.kind}: {error}") from None
@@ -136,10 +177,14 @@ def run(args: argparse.Namespace) -> int:
         say("plot", "error", str(error))
         return report_problems("plot", result, "nothing was plotted")
     save_figure(figure, args.output)
+    left_out: dict[str, str] = getattr(figure, "left_out", {})
+    for run, reason in left_out.items():
+        say("plot", "note", f"left out {run}: {reason}")
     if result.problems:
         runs = ", ".join(rows["run"].unique())
         return report_problems(
             "plot", result, f"plotted the runs that could be read ({runs}) to {args.output}"
         )
-    say("plot", "done", f"{args.kind} of {rows['run'].nunique()} runs to {args.output}")
+    drawn = rows["run"].nunique() - len(left_out)
+    say("plot", "done", f"{args.kind} of {drawn} of {rows['run'].nunique()} runs to {args.output}")
     return 0

@@ -261,11 +261,14 @@ class SpectralMonitor(Callback):
             # A checkpoint saved before the first snapshot's result came back would lose the
             # compression reference: wait for it (bounded) so a resume keeps it.
             self._collect_and_log(self._trainer, wait_seconds=self.drain_timeout)
-        references = (
-            self._reporter.references if self._reporter else self._restored.get("references", {})
+        # The compression references (and their steps) are the reporter's state.
+        reference_state = (
+            self._reporter.state_dict()
+            if self._reporter
+            else {key: self._restored[key] for key in Reporter.STATE_KEYS if key in self._restored}
         )
         return {
-            "references": dict(references),
+            **reference_state,
             "schedule": self.schedule.state_dict(),
             "skipped": self._engine.skipped if self._engine else self._restored.get("skipped", 0),
         }

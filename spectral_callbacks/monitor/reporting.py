@@ -7,6 +7,7 @@ as tidy rows for the figures.
 
 Example::
 
+    >>> import math
     >>> from types import SimpleNamespace
     >>> targets = [SimpleNamespace(name="h.0.q", layer=0, num_layers=2, role="Q", depth=0.0),
     ...            SimpleNamespace(name="h.1.q", layer=1, num_layers=2, role="Q", depth=1.0)]
@@ -17,6 +18,19 @@ Example::
     {'spectral_compression/L00/Q': 75.0, 'spectral_compression/L01/Q': 0.0,
      'spectral_compression/mean/Q': 37.5, 'spectral_stable_rank/L00/Q': 5.0,
      'spectral_stable_rank/L01/Q': 10.0, 'spectral_stable_rank/mean/Q': 7.5}
+
+A matrix that starts at zero (stable rank 0/0 = NaN) takes its first defined snapshot as reference:
+
+    >>> reporter = Reporter(targets, metrics=("stable_rank", "compression"))
+    >>> first = reporter.scalars(0, {"h.0.q": {"stable_rank": 20.0}, "h.1.q": {"stable_rank": math.nan}})
+    >>> first["spectral_compression/L01/Q"], first["spectral_monitor/reference_step/L00/Q"]
+    (nan, 0.0)
+    >>> later = reporter.scalars(25, {"h.0.q": {"stable_rank": 5.0}, "h.1.q": {"stable_rank": 8.0}})
+    >>> later["spectral_compression/L01/Q"], later["spectral_monitor/reference_step/L01/Q"]
+    (0.0, 25.0)
+    >>> reporter.scalars(50, {"h.0.q": {"stable_rank": 5.0}, "h.1.q": {"stable_rank": 2.0}})[
+    ...     "spectral_compression/L01/Q"]
+    75.0
 """
 
 from __future__ import annotations
@@ -33,7 +47,7 @@ from lightning.fabric.loggers import TensorBoardLogger
 from tensorboard.compat.proto.summary_pb2 import Summary
 
 from spectral_callbacks.functional import compression
-from spectral_callbacks.names import NUM_LAYERS_TAG, monitor_tag, scalar_tag
+from spectral_callbacks.names import NUM_LAYERS_TAG, monitor_tag, reference_step_tag, scalar_tag
 
 #: Metrics the SVD path produces, plus ``compression`` derived from ``stable_rank``.
 KNOWN_METRICS: tuple[str, ...] = (
@@ -66,19 +80,31 @@ class Reporter:
         self.targets = {target.name: target for target in targets}
         self.metrics = tuple(metrics)
         self.num_layers = max((target.num_layers for target in targets), default=1)
-        # Stable rank of each matrix at the first snapshot of the run: the compression reference.
+        # The compression reference of each matrix: its stable rank at its first *defined* snapshot
+        # (normally step 0; later for a matrix that starts at exactly zero, whose stable rank 0/0
+        # is undefined), and the step it comes from. Both survive a resume (``state_dict``).
         self.references: dict[str, float] = {}
+        self.reference_steps: dict[str, int] = {}
         self.history: collections.deque[tuple[int, float, dict[str, float]]] = collections.deque(
             maxlen=history_size
         )
 
     def scalars(self, step: int, values: Mapping[str, Mapping[str, float]]) -> dict[str, float]:
-        """The tagged scalars of one snapshot (``values``: target name -> metric -> value)."""
+        """The tagged scalars of one snapshot (``values``: target name -> metric -> value).
+
+        A matrix whose reference is set by this snapshot also gets its
+        ``spectral_monitor/reference_step/L<layer>/<role>`` scalar (the value is ``step``).
+        """
         per_target: dict[str, dict[str, float]] = {}
+        new_references: list[str] = []
         for name, metrics in values.items():
             row = dict(metrics)
             if "stable_rank" in row:
-                reference = self.references.setdefault(name, row["stable_rank"])
+                if name not in self.references and math.isfinite(row["stable_rank"]):
+                    self.references[name] = float(row["stable_rank"])
+                    self.reference_steps[name] = step
+                    new_references.append(name)
+                reference = self.references.get(name, math.nan)
                 row["compression"] = _compression(row["stable_rank"], reference)
             per_target[name] = row
         scalars: dict[str, float] = {}
@@ -96,6 +122,11 @@ class Reporter:
             scalars[scalar_tag(metric, None, role)] = (
                 sum(finite) / len(finite) if finite else math.nan
             )
+        if "compression" in self.metrics:
+            for name in new_references:
+                target = self.targets[name]
+                tag = reference_step_tag(target.layer, target.role, self.num_layers)
+                scalars[tag] = float(step)
         self.history.append((step, time.time(), scalars))
         return scalars
 
@@ -121,11 +152,21 @@ class Reporter:
                         )
         return pd.DataFrame.from_records(records, columns=TIDY_COLUMNS)
 
+    #: The keys of :meth:`state_dict`; a checkpoint holds them beside the callback's own state.
+    STATE_KEYS = ("references", "reference_steps")
+
     def state_dict(self) -> dict[str, Any]:
-        return {"references": dict(self.references)}
+        """The compression references and their steps (what a resume must keep)."""
+        return {"references": dict(self.references), "reference_steps": dict(self.reference_steps)}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        self.references = dict(state.get("references", {}))
+        # A checkpoint written before the first-defined-snapshot rule may hold a NaN reference
+        # (a zero-initialised matrix): drop it, so the next finite snapshot becomes the reference.
+        references = dict(state.get("references", {}))
+        self.references = {name: ref for name, ref in references.items() if math.isfinite(ref)}
+        # A checkpoint from before reference steps were kept: its references came from step 0.
+        steps = state.get("reference_steps", {})
+        self.reference_steps = {name: int(steps.get(name, 0)) for name in self.references}
 
 
 def health_scalars(**values: float) -> dict[str, float]:

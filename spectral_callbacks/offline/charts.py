@@ -9,7 +9,12 @@ axes. ``save_figure`` writes one to ``.png``, ``.svg`` or ``.pdf``.
 * :func:`rank_vs_steps` - a metric of one layer against steps, one line per role (a line style per run).
 * :func:`compression_by_layer` - final compression % by layer, grouped bars per role (a panel per run).
 * :func:`compression_wave` - heatmap layer x step of one role's compression (a panel per run).
-* :func:`metric_diff` - any scalar of each run minus a baseline run, against steps or another scalar.
+* :func:`metric_diff` - any scalar of each run minus a baseline run (or each run minus its partner
+  by a name pattern, :func:`pair_runs`), against steps or another scalar, optionally EMA-smoothed.
+
+Runs a chart cannot draw (a single snapshot where a curve or a reference is needed) are left out
+with the reason written under the figure and kept in ``fig.left_out`` (run -> reason), so a caller
+can say it too. Every drawing function takes ``ax=`` to draw into a panel of a larger figure.
 
 Example::
 
@@ -26,8 +31,10 @@ Example::
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import pandas as pd
@@ -35,7 +42,10 @@ from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
-from spectral_callbacks.names import ROLES
+from spectral_callbacks.names import ROLES, relative_depth
+
+if TYPE_CHECKING:  # torch is imported only where compression is computed
+    import torch
 
 # How a role reads in a paper figure; roles not listed (variant roles such as Q_down) are verbatim.
 ROLE_GLYPHS: dict[str, str] = {
@@ -82,17 +92,27 @@ def _role_colors(roles: Sequence[str]) -> dict[str, str]:
 
 
 def _select(rows: pd.DataFrame, *, metric: str, what: str, **equal: object) -> pd.DataFrame:
-    """Rows of ``metric`` (per-layer only) matching ``equal``; a clear ValueError when none are left."""
-    chosen = rows[(rows["metric"] == metric) & rows["layer"].notna()]
+    """Rows of ``metric`` (per-layer only) matching ``equal``; a clear ValueError when none are left.
+
+    The error lists the values the rows do hold for each filter (e.g. the layers that exist).
+    """
+    of_metric = rows[(rows["metric"] == metric) & rows["layer"].notna()]
+    if of_metric.empty:
+        have = ", ".join(sorted(map(str, rows["metric"].unique()))) or "nothing"
+        raise ValueError(f"{what} needs per-layer `{metric}` rows; the rows hold: {have}")
+    chosen = of_metric
     for column, value in equal.items():
         if value is not None:
             chosen = chosen[chosen[column] == value]
     if chosen.empty:
-        have = ", ".join(sorted(map(str, rows["metric"].unique()))) or "nothing"
         filters = ", ".join(f"{k}={v!r}" for k, v in equal.items() if v is not None)
+        present = "; ".join(
+            f"{column}s: {', '.join(map(str, sorted(of_metric[column].dropna().unique())))}"
+            for column, value in equal.items()
+            if value is not None
+        )
         raise ValueError(
-            f"{what} needs per-layer `{metric}` rows{' with ' + filters if filters else ''}; "
-            f"the rows hold: {have}. Log `{metric}` or pick another --role/--layer."
+            f"{what} needs per-layer `{metric}` rows with {filters}; there are {present}"
         )
     return chosen
 
@@ -114,44 +134,105 @@ def _runs(rows: pd.DataFrame) -> list[str]:
 
 
 def _depths(rows: pd.DataFrame) -> pd.Series:
-    """Relative depth per row, from ``depth`` where known, else layer / max layer of the run."""
-    fallback = rows["layer"] / rows.groupby("run")["layer"].transform("max").clip(lower=1)
+    """Relative depth per row, from ``depth`` where known, else from layer and the run's layer count."""
+    num_layers = rows.groupby("run")["layer"].transform("max") + 1
+    fallback = pd.Series(
+        [
+            relative_depth(int(layer), int(layers))
+            for layer, layers in zip(rows["layer"], num_layers, strict=True)
+        ],
+        index=rows.index,
+        dtype=float,
+    )
     return rows["depth"].fillna(fallback) if "depth" in rows else fallback
 
 
-def alpha_vs_depth(rows: pd.DataFrame, role: str = "Q") -> Figure:
+def _axes(ax: Axes | None, figsize: tuple[float, float]) -> tuple[Figure, Axes]:
+    """``ax`` and its figure, or a new one-panel figure."""
+    if ax is not None:
+        return ax.figure, ax  # type: ignore[return-value]
+    fig = Figure(figsize=figsize, layout="constrained")
+    return fig, fig.add_subplot()
+
+
+def _note_left_out(fig: Figure, left_out: dict[str, str]) -> None:
+    """Record the runs a chart left out on ``fig.left_out`` and write them under the figure."""
+    known: dict[str, str] = getattr(fig, "left_out", {})
+    known.update(left_out)
+    fig.left_out = known  # type: ignore[attr-defined]
+    if known:  # a figure-level label, so the constrained layout makes room for it
+        text = "; ".join(f"{run}: {reason}" for run, reason in known.items())
+        fig.supxlabel(f"left out — {text}", fontsize="x-small", wrap=True)
+
+
+def alpha_vs_depth(
+    rows: pd.DataFrame,
+    role: str = "Q",
+    *,
+    ax: Axes | None = None,
+    ylim: tuple[float, float] | None = None,
+    title: str | None = None,
+) -> Figure:
     """Alpha of ``role`` against relative depth i/(L-1), one line per run, at each run's last step.
 
     Args:
         rows: tidy rows with ``alpha`` rows.
         role: the role to draw (default ``"Q"``, the Q projection of the paper's figure).
+        ax: draw into this panel (default None: a new figure).
+        ylim: the y range (default None: matplotlib's); points outside it are counted in the panel.
+        title: the panel title (default "α of <role> vs relative depth").
 
     Raises:
         ValueError: no per-layer ``alpha`` rows of ``role``.
     """
     chosen = _select(rows, metric="alpha", what="alpha-depth", role=role)
     final = _final(chosen.assign(depth=_depths(chosen)), ["run", "layer"])
-    fig = Figure(figsize=(6.0, 4.0), layout="constrained")
-    ax = fig.add_subplot()
+    fig, ax = _axes(ax, (6.0, 4.0))
     for run in _runs(chosen):
         line = final[final["run"] == run].sort_values("depth")
         ax.plot(line["depth"].to_numpy(), line["value"].to_numpy(), marker="o", label=run)
     ax.set_xlabel("relative depth i / (L − 1)")
     ax.set_ylabel(metric_label("alpha"))
-    ax.set_title(f"α of {role_glyph(role)} vs relative depth")
+    ax.set_title(title or f"α of {role_glyph(role)} vs relative depth")
+    if ylim is not None:
+        ax.set_ylim(*ylim)
+        outside = final[(final["value"] < ylim[0]) | (final["value"] > ylim[1])]
+        if not outside.empty:  # said inside the panel, so the title stays the panel's name
+            points = f"{len(outside)} point{'s' if len(outside) != 1 else ''}"
+            ax.text(
+                0.5,
+                0.98,
+                f"{points} outside {ylim[0]}–{ylim[1]} "
+                f"(α {outside['value'].min():.2f}…{outside['value'].max():.2f})",
+                transform=ax.transAxes,
+                ha="center",
+                va="top",
+                fontsize="small",
+                color="0.3",
+            )
     ax.set_xlim(-0.05, 1.05)
     ax.grid(alpha=0.3)
     _legend(ax, "run")
     return fig
 
 
-def rank_vs_steps(rows: pd.DataFrame, layer: int = 0, metric: str = "stable_rank") -> Figure:
+def rank_vs_steps(
+    rows: pd.DataFrame,
+    layer: int = 0,
+    metric: str = "stable_rank",
+    *,
+    ax: Axes | None = None,
+) -> Figure:
     """``metric`` of one layer against steps: one line per role, one line style per run.
+
+    A run with a single step of a role (an analyzed model) is drawn as a marker, not an invisible
+    one-point line.
 
     Args:
         rows: tidy rows.
         layer: the layer to draw (default 0, where the collapse is strongest).
         metric: the metric to draw (default ``"stable_rank"``).
+        ax: draw into this panel (default None: a new figure).
 
     Raises:
         ValueError: no rows of ``metric`` at ``layer``.
@@ -159,12 +240,11 @@ def rank_vs_steps(rows: pd.DataFrame, layer: int = 0, metric: str = "stable_rank
     chosen = _select(rows, metric=metric, what="rank-steps", layer=layer)
     colors = _role_colors(chosen["role"].unique())
     runs = _runs(chosen)
-    fig = Figure(figsize=(6.5, 4.0), layout="constrained")
-    ax = fig.add_subplot()
+    fig, ax = _axes(ax, (6.5, 4.0))
     for run_index, run in enumerate(runs):
         of_run = chosen[chosen["run"] == run]
         for role in colors:
-            line = of_run[of_run["role"] == role].sort_values("step", kind="stable")
+            line = _final(of_run[of_run["role"] == role], ["step"])
             if line.empty:
                 continue
             label = role_glyph(role) if len(runs) == 1 else f"{run} · {role_glyph(role)}"
@@ -173,6 +253,7 @@ def rank_vs_steps(rows: pd.DataFrame, layer: int = 0, metric: str = "stable_rank
                 line["value"].to_numpy(),
                 color=colors[role],
                 linestyle=_LINE_STYLES[run_index % len(_LINE_STYLES)],
+                marker="o" if len(line) == 1 else None,
                 label=label,
             )
     ax.set_xlabel("optimizer step")
@@ -183,31 +264,75 @@ def rank_vs_steps(rows: pd.DataFrame, layer: int = 0, metric: str = "stable_rank
     return fig
 
 
-def _compression_rows(rows: pd.DataFrame) -> pd.DataFrame:
-    """Logged ``compression`` rows, or computed from ``stable_rank`` against each matrix's first step."""
-    logged = rows[(rows["metric"] == "compression") & rows["layer"].notna()]
-    if not logged.empty:
-        return logged
-    ranks = _select(rows, metric="stable_rank", what="compression")
-    ranks = ranks.sort_values(["step", "wall_time"], kind="stable")
-    reference = ranks.groupby(["run", "layer", "role"])["value"].transform("first")
-    return ranks.assign(metric="compression", value=100.0 * (1.0 - ranks["value"] / reference))
+def compression_rows(rows: pd.DataFrame) -> tuple[pd.DataFrame, dict[str, str]]:
+    """Per-layer compression rows of each run, and the runs left out with the reason.
 
-
-def compression_by_layer(rows: pd.DataFrame) -> Figure:
-    """Final compression % by layer, grouped bars per role; one panel per run.
-
-    Uses the logged ``compression`` rows; without them, computes 100 (1 - s_t / s_0) from
-    ``stable_rank`` with s_0 the first logged step of each matrix.
+    A run's logged ``compression`` rows are used as they are; a run without them gets
+    ``functional.compression`` of its ``stable_rank`` against each matrix's first finite stable
+    rank (the reference rule of the callback). A run with a single snapshot (an analyzed model) has
+    no reference to compress against and is left out.
 
     Raises:
-        ValueError: neither ``compression`` nor ``stable_rank`` rows.
+        ValueError: neither ``compression`` nor ``stable_rank`` rows in any run.
     """
-    final = _final(_compression_rows(rows), ["run", "layer", "role"])
+    from spectral_callbacks.functional import compression  # torch: only when it is needed
+
+    per_layer = rows[rows["layer"].notna()]
+    frames, left_out = [], {}
+    for run in _runs(per_layer):
+        of_run = per_layer[per_layer["run"] == run]
+        logged = of_run[of_run["metric"] == "compression"]
+        ranks = of_run[of_run["metric"] == "stable_rank"].sort_values(
+            ["step", "wall_time"], kind="stable"
+        )
+        if not logged.empty:
+            frames.append(logged)
+        elif ranks["step"].nunique() > 1:
+            reference = ranks.groupby(["run", "layer", "role"])["value"].transform("first")
+            percent = compression(_float64(ranks["value"]), _float64(reference)).numpy()
+            frames.append(ranks.assign(metric="compression", value=percent))
+        elif not ranks.empty:
+            left_out[run] = (
+                f"one snapshot (step {ranks['step'].iloc[0]}), nothing to compress against"
+            )
+        else:
+            left_out[run] = "no compression or stable_rank rows"
+    if not frames:
+        _select(rows.iloc[0:0], metric="stable_rank", what="compression")  # raises, naming it
+    return pd.concat(frames), left_out
+
+
+def _float64(values: pd.Series) -> torch.Tensor:
+    """A float64 tensor of ``values`` (NaN kept)."""
+    import torch
+
+    return torch.tensor(values.to_numpy(dtype=float), dtype=torch.float64)
+
+
+def compression_by_layer(rows: pd.DataFrame, *, ax: Axes | None = None) -> Figure:
+    """Final compression % by layer, grouped bars per role; one panel per run.
+
+    Uses each run's logged ``compression`` rows; without them, computes 100 (1 - s_t / s_ref) from
+    ``stable_rank`` with s_ref each matrix's first finite step (see :func:`compression_rows`).
+
+    Args:
+        rows: tidy rows.
+        ax: draw into this panel (default None: a new figure); then ``rows`` must hold one run.
+
+    Raises:
+        ValueError: neither ``compression`` nor ``stable_rank`` rows, or several runs with ``ax``.
+    """
+    chosen, left_out = compression_rows(rows)
+    final = _final(chosen, ["run", "layer", "role"])
     runs = _runs(final)
     colors = _role_colors(final["role"].unique())
-    fig = Figure(figsize=(7.0, 3.2 * len(runs)), layout="constrained")
-    axes = fig.subplots(len(runs), 1, squeeze=False)[:, 0]
+    if ax is not None:
+        if len(runs) > 1:
+            raise ValueError(f"compression_by_layer draws one run into `ax`, got {len(runs)}")
+        fig, axes = ax.figure, [ax]
+    else:
+        fig = Figure(figsize=(7.0, 3.2 * len(runs)), layout="constrained")
+        axes = list(fig.subplots(len(runs), 1, squeeze=False)[:, 0])
     width = 0.8 / len(colors)
     for ax, run in zip(axes, runs, strict=True):
         of_run = final[final["run"] == run]
@@ -225,7 +350,8 @@ def compression_by_layer(rows: pd.DataFrame) -> Figure:
         ax.grid(axis="y", alpha=0.3)
         # Right of the axes: inside, it would cover the first layers' bars (compression reaches ~90 %).
         ax.legend(title="role", fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1.0))
-    return fig
+    _note_left_out(fig, left_out)  # type: ignore[arg-type]
+    return fig  # type: ignore[return-value]
 
 
 def compression_wave(rows: pd.DataFrame, role: str = "Q") -> Figure:
@@ -234,7 +360,7 @@ def compression_wave(rows: pd.DataFrame, role: str = "Q") -> Figure:
     Raises:
         ValueError: no compression (or stable rank) rows of ``role``.
     """
-    chosen = _compression_rows(rows)
+    chosen, left_out = compression_rows(rows)
     chosen = _select(chosen, metric="compression", what="compression-wave", role=role)
     runs = _runs(chosen)
     fig = Figure(figsize=(7.0, 3.0 * len(runs)), layout="constrained")
@@ -257,6 +383,7 @@ def compression_wave(rows: pd.DataFrame, role: str = "Q") -> Figure:
         ax.set_ylabel("layer")
         ax.yaxis.set_major_locator(MaxNLocator(integer=True))
         ax.set_title(f"Compression wave of {role_glyph(role)} — {run}")
+    _note_left_out(fig, left_out)
     return fig
 
 
@@ -278,32 +405,121 @@ def _series(rows: pd.DataFrame, run: str, metric: str) -> pd.Series:
     return pd.Series(last["value"].to_numpy(dtype=float), index=last["step"].to_numpy(dtype=float))
 
 
+_PLACEHOLDER = re.compile(r"\{([A-Za-z_][A-Za-z0-9_]*)\}")
+
+
+def pair_runs(runs: Sequence[str], pattern: str, partner: str) -> list[tuple[str, str, str]]:
+    """Pair each run named like ``pattern`` with the run named like ``partner``.
+
+    ``{name}`` placeholders in ``pattern`` match any text without ``/``; ``partner`` is ``pattern``'s
+    twin with the same placeholders filled in the same way. The label of a pair is its placeholder
+    values.
+
+    Returns:
+        ``(label, run, partner_run)`` per run matching ``pattern``, in run order; a run whose
+        partner is not among ``runs`` gets ``partner_run`` ``""``.
+
+    Raises:
+        ValueError: no placeholder in ``pattern``, ``partner`` uses one ``pattern`` lacks, or no run
+            matches ``pattern``.
+
+    Example::
+
+        >>> pair_runs(["mha/zero_out", "mha/gpt", "mqa/zero_out", "mqa/gpt"],
+        ...           "{variant}/zero_out", "{variant}/gpt")
+        [('mha', 'mha/zero_out', 'mha/gpt'), ('mqa', 'mqa/zero_out', 'mqa/gpt')]
+    """
+    names = _PLACEHOLDER.findall(pattern)
+    if not names:
+        raise ValueError(
+            f"a pair pattern needs a {{name}} placeholder, e.g. '{{variant}}/zero_out', got {pattern!r}"
+        )
+    extra = set(_PLACEHOLDER.findall(partner)) - set(names)
+    if extra:
+        raise ValueError(
+            f"the partner pattern {partner!r} uses {sorted(extra)}, which {pattern!r} does not define"
+        )
+    pieces = _PLACEHOLDER.split(pattern)  # literal, name, literal, name, ..., literal
+    regex = "".join(
+        re.escape(piece) if i % 2 == 0 else f"(?P<{piece}>[^/]+)" for i, piece in enumerate(pieces)
+    )
+    pairs = []
+    for run in runs:
+        match = re.fullmatch(regex, run)
+        if match is None:
+            continue
+        values = match.groupdict()
+        other = partner
+        for name, value in values.items():
+            other = other.replace(f"{{{name}}}", value)
+        label = ", ".join(values[name] for name in dict.fromkeys(names))
+        pairs.append((label, run, other if other in runs and other != run else ""))
+    if not pairs:
+        raise ValueError(f"no run is named like {pattern!r}; the runs are: {', '.join(runs)}")
+    return pairs
+
+
+def ema(values: np.ndarray, weight: float) -> np.ndarray:
+    """TensorBoard's smoothing: a debiased exponential moving average; non-finite values kept.
+
+    ``weight`` in [0, 1): 0 leaves the curve as it is, 0.99 averages over ~100 points.
+
+    >>> ema(np.array([1.0, 3.0, 3.0]), 0.5).tolist()
+    [1.0, 2.3333333333333335, 2.7142857142857144]
+    """
+    if not 0.0 <= weight < 1.0:
+        raise ValueError(f"the smoothing weight must be in [0, 1), got {weight!r}")
+    smoothed, last, count = np.empty(len(values)), 0.0, 0
+    for i, value in enumerate(values):
+        if not np.isfinite(value):
+            smoothed[i] = value
+            continue
+        last, count = last * weight + (1.0 - weight) * value, count + 1
+        smoothed[i] = last / (1.0 - weight**count)
+    return smoothed
+
+
 def metric_diff(
     rows: pd.DataFrame,
     metric: str,
-    baseline: str,
+    baseline: str | None = None,
     *,
+    pair: tuple[str, str] | None = None,
     x: str = "step",
     layer: int | None = None,
     role: str | None = None,
+    smoothing: float = 0.0,
+    ax: Axes | None = None,
 ) -> Figure:
-    """``metric`` of each run minus the ``baseline`` run, against steps or another logged scalar.
+    """``metric`` of each run minus a reference run, against steps or another logged scalar.
 
-    Runs are aligned by linear interpolation: the baseline's curve is interpolated at each run's
-    x values; points outside the baseline's x range are left out (no extrapolation). With ``x`` a
-    scalar such as ``tokens``, each run's steps are first mapped to that scalar by interpolation.
+    The reference is one ``baseline`` run for all, or with ``pair`` each run's own partner
+    (:func:`pair_runs`), e.g. ``("{variant}/zero_out", "{variant}/gpt")`` draws, per variant, the
+    zero-init run minus the GPT-init run. Runs are aligned by linear interpolation: the reference
+    curve is interpolated at each run's x values; points outside its x range are left out (no
+    extrapolation). With ``x`` a scalar such as ``train/tokens``, each run's steps are first mapped
+    to that scalar by interpolation. A curve that cannot be drawn (its reference has one point, or
+    no x in common) is left out with the reason (see the module docstring).
 
     Args:
-        rows: tidy rows; other scalars carry their tag as ``metric`` (``spectral-callbacks export
-            --all-scalars``).
+        rows: tidy rows; other scalars carry their tag as ``metric`` (``read_runs(...,
+            all_scalars=True)``).
         metric: the scalar to compare, e.g. ``train/loss`` or ``stable_rank``.
-        baseline: the run subtracted from every other run.
+        baseline: the run subtracted from every other run (or give ``pair``).
+        pair: ``(pattern, partner)`` name patterns (or give ``baseline``).
         x: ``"step"`` (default) or the tag of another scalar, e.g. tokens seen.
         layer, role: pick one (layer, role) series of a spectral metric (default None: none).
+        smoothing: TensorBoard's EMA weight in [0, 1) applied to each difference (default 0: none).
+        ax: draw into this panel (default None: a new figure).
 
     Raises:
-        ValueError: unknown baseline, missing scalar, several series left, or no other run.
+        ValueError: neither or both of ``baseline`` and ``pair``, an unknown baseline, a missing
+            scalar, several series left, a bad smoothing weight, or no curve to draw.
     """
+    if (baseline is None) == (pair is None):
+        raise ValueError("metric_diff needs either a baseline run or a pair of name patterns")
+    if not 0.0 <= smoothing < 1.0:
+        raise ValueError(f"the smoothing weight must be in [0, 1), got {smoothing!r}")
     chosen = rows[rows["metric"] == metric]
     if layer is not None:
         chosen = chosen[chosen["layer"] == layer]
@@ -313,15 +529,26 @@ def metric_diff(
     if chosen.empty:
         raise ValueError(f"no rows of `{metric}` (layer={layer}, role={role}) to compare")
     if (per_series > 1).any().any():
-        raise ValueError(
-            f"`{metric}` has several (layer, role) series; pick one with --layer and --role"
-        )
+        raise ValueError(f"`{metric}` has several (layer, role) series; pick one layer and role")
     runs = _runs(rows)
-    if baseline not in runs:
-        raise ValueError(f"--baseline {baseline!r} is not one of the runs: {', '.join(runs)}")
-    others = [run for run in runs if run != baseline]
-    if not others:
-        raise ValueError("metric-diff needs at least one run besides the baseline")
+    left_out: dict[str, str] = {}
+    if pair is not None:
+        curves = []
+        for label, run, partner in pair_runs(runs, *pair):
+            if partner:
+                curves.append((label, run, partner))
+            else:
+                left_out[run] = f"no partner run named like {pair[1]!r}"
+        title = f"{metric_label(metric)}: {pair[0]} − {pair[1]}"
+        ylabel = f"Δ {metric_label(metric)} ({pair[0]} − {pair[1]})"
+    else:
+        if baseline not in runs:
+            raise ValueError(f"the baseline {baseline!r} is not one of the runs: {', '.join(runs)}")
+        curves = [(run, run, str(baseline)) for run in runs if run != baseline]
+        if not curves:
+            raise ValueError("metric-diff needs at least one run besides the baseline")
+        title = f"{metric_label(metric)} relative to {baseline}"
+        ylabel = f"Δ {metric_label(metric)} (run − {baseline})"
     scalars = pd.concat([chosen, rows[rows["metric"] == x]]) if x != "step" else chosen
 
     def along_x(run: str) -> pd.Series:
@@ -333,22 +560,85 @@ def metric_diff(
         mapped = np.interp(values.index, position.index, position.to_numpy())
         return pd.Series(values.to_numpy(), index=mapped).sort_index()
 
-    reference = along_x(baseline)
-    fig = Figure(figsize=(6.5, 4.0), layout="constrained")
-    ax = fig.add_subplot()
-    for run in others:
+    fig, ax = _axes(ax, (6.5, 4.0))
+    drawn = 0
+    for label, run, reference_run in curves:
+        reference = along_x(reference_run)
+        if len(reference) < 2:
+            if baseline is not None:
+                raise ValueError(
+                    f"the baseline {baseline!r} has `{metric}` at one {x} only "
+                    f"({reference.index[0]:g}): a difference needs a baseline curve; pick a "
+                    "trained run as the baseline"
+                )
+            left_out[run] = f"its partner {reference_run!r} has `{metric}` at one {x} only"
+            continue
         curve = along_x(run)
         inside = (curve.index >= reference.index.min()) & (curve.index <= reference.index.max())
         curve = curve[inside]
+        if curve.empty:
+            left_out[run] = f"no {x} inside {reference_run!r}'s range"
+            continue
         diff = curve.to_numpy() - np.interp(curve.index, reference.index, reference.to_numpy())
-        ax.plot(curve.index.to_numpy(dtype=float), diff, label=run)
-    ax.axhline(0.0, color="black", linewidth=0.8, label=f"{baseline} (baseline)")
+        if smoothing:
+            diff = ema(diff, smoothing)
+        ax.plot(
+            curve.index.to_numpy(dtype=float),
+            diff,
+            marker="o" if len(diff) == 1 else None,
+            label=label,
+        )
+        drawn += 1
+    if not drawn:
+        why = "; ".join(f"{run}: {reason}" for run, reason in left_out.items())
+        raise ValueError(f"no difference curve could be drawn ({why})")
+    zero_label = f"{baseline} (baseline)" if baseline is not None else None
+    ax.axhline(0.0, color="black", linewidth=0.8, label=zero_label)
     ax.set_xlabel("optimizer step" if x == "step" else x)
-    ax.set_ylabel(f"Δ {metric_label(metric)} (run − {baseline})")
-    ax.set_title(f"{metric_label(metric)} relative to {baseline}")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title + (f" (EMA {smoothing:g})" if smoothing else ""))
     ax.grid(alpha=0.3)
-    _legend(ax, "run")
-    return fig
+    _legend(ax, "run" if pair is None else "pair")
+    _note_left_out(fig, left_out)  # type: ignore[arg-type]
+    return fig  # type: ignore[return-value]
+
+
+def plotted_values(fig: Figure) -> pd.DataFrame:
+    """Every number ``fig`` shows, as tidy rows ``panel, series, x, y`` (a CSV beside the PNG).
+
+    The points of each labelled data line, and the height of each labelled bar with ``x`` the
+    label of its tick (the layer). Reference lines (the zero line) and unlabelled artists are left
+    out; ``panel`` is the title of the axes.
+
+    >>> fig = Figure()
+    >>> ax = fig.add_subplot()
+    >>> _ = ax.plot([0, 1], [2.0, 3.0], label="a")
+    >>> _ = ax.set_title("p")
+    >>> plotted_values(fig).to_dict("records")
+    [{'panel': 'p', 'series': 'a', 'x': 0.0, 'y': 2.0}, {'panel': 'p', 'series': 'a', 'x': 1.0, 'y': 3.0}]
+    """
+    from matplotlib.container import BarContainer
+
+    records = []
+    for ax in fig.axes:
+        panel = ax.get_title()
+        for line in ax.get_lines():
+            label = str(line.get_label())
+            if label.startswith("_") or line.get_transform() is not ax.transData:
+                continue
+            xs = np.asarray(line.get_xdata(), dtype=float)
+            ys = np.asarray(line.get_ydata(), dtype=float)
+            records += [(panel, label, x, y) for x, y in zip(xs, ys, strict=True)]
+        labels = [t.get_text() for t in ax.get_xticklabels()]
+        ticks = dict(zip(ax.get_xticks(), labels, strict=True))
+        for container in ax.containers:
+            label = str(container.get_label())
+            if not isinstance(container, BarContainer) or label.startswith("_"):
+                continue
+            for patch in container.patches:
+                center = round(patch.get_x() + patch.get_width() / 2)
+                records.append((panel, label, float(ticks.get(center, center)), patch.get_height()))
+    return pd.DataFrame.from_records(records, columns=["panel", "series", "x", "y"])
 
 
 def save_figure(fig: Figure, path: str | Path) -> Path:

@@ -46,10 +46,12 @@ from pathlib import Path
 
 import pandas as pd
 
-from spectral_callbacks.names import NUM_LAYERS_TAG, parse_tag
+from spectral_callbacks.names import NUM_LAYERS_TAG, parse_tag, relative_depth
 
 COLUMNS = ("run", "step", "metric", "layer", "depth", "role", "value", "wall_time")
 EVENT_FILE_MARKER = "tfevents"
+#: How a :class:`ReadProblem` of a run without spectral scalars begins (a caller may add advice).
+NO_SPECTRAL_SCALARS = "event files hold no spectral scalars"
 
 
 @dataclass(frozen=True)
@@ -221,8 +223,10 @@ def _tidy(run: str, points: list[tuple[str, int, float, float]], all_scalars: bo
 
 
 def _add_depth(rows: pd.DataFrame, num_layers: int | None) -> pd.DataFrame:
-    depth = rows["layer"].astype("float64") / max(1, (num_layers or 1) - 1)
-    return rows.assign(depth=depth.where(rows["layer"].notna()))[list(COLUMNS)]
+    layers = rows["layer"].dropna().unique()
+    depth_of = {layer: relative_depth(int(layer), num_layers or 1) for layer in layers}
+    depth = rows["layer"].map(depth_of).astype("float64")  # NaN where there is no layer
+    return rows.assign(depth=depth)[list(COLUMNS)]
 
 
 def empty_rows() -> pd.DataFrame:
@@ -265,10 +269,9 @@ def read_runs(
             problems.append(
                 ReadProblem(
                     str(run.directory),
-                    "event files hold no spectral scalars (spectral_<metric>/L<layer>/<role>),"
+                    f"{NO_SPECTRAL_SCALARS} (spectral_<metric>/L<layer>/<role>),"
                     f" only {others} other tags",
-                    "train with SpectralMonitor among the Trainer's callbacks, or pass"
-                    " --all-scalars to export the other tags",
+                    "train with SpectralMonitor among the Trainer's callbacks",
                 )
             )
         num_layers = _num_layers(points)
