@@ -26,6 +26,7 @@ from typing import Any
 import pandas as pd
 
 from spectral_callbacks.names import layer_label, scalar_tag
+from spectral_callbacks.tensorboard_adapter import flush
 
 FIGURE_SECTION = "spectral_figures"
 
@@ -158,19 +159,6 @@ class FigureWriter:
             raise RuntimeError(f"SpectralMonitor could not draw its figures: {error}") from error
 
 
-def tensorboard_experiments(loggers: Sequence[Any]) -> list[Any]:
-    """The ``SummaryWriter`` of every TensorBoard logger among ``loggers``."""
-    from lightning.pytorch.loggers import TensorBoardLogger
-
-    return [logger.experiment for logger in loggers if isinstance(logger, TensorBoardLogger)]
-
-
-def add_layout(experiments: Sequence[Any], layout: dict[str, dict[str, list]]) -> None:
-    """Write the custom-scalars layout to every TensorBoard writer."""
-    for experiment in experiments:
-        experiment.add_custom_scalars(layout)
-
-
 def add_figures(experiments: Sequence[Any], figures: dict[str, Any], step: int) -> None:
     """Write each figure to every TensorBoard writer at ``step`` and close it."""
     for tag, figure in figures.items():
@@ -178,9 +166,3 @@ def add_figures(experiments: Sequence[Any], figures: dict[str, Any], step: int) 
             experiment.add_figure(tag, figure, global_step=step, close=False)
         figure.clear()
         del figure  # OO-API figures are not tracked by pyplot: dropping the reference frees them
-
-
-def flush(experiments: Sequence[Any]) -> None:
-    """Flush every writer so a running TensorBoard shows the new points within seconds."""
-    for experiment in experiments:
-        experiment.flush()
