@@ -190,6 +190,8 @@ def monitor_class(package: str) -> type:
         def load_state_dict(self, state_dict: dict[str, Any]) -> None:
             self._restored = dict(state_dict)
 
+    # A module-level name, so instances pickle (Lightning deep-copies and spawns callbacks).
+    SpectralMonitor.__qualname__ = "SpectralMonitor"
     SpectralMonitor.__module__ = {
         "lightning.pytorch": __name__,
         "pytorch_lightning": "spectral_callbacks.integrations.pytorch_lightning",
