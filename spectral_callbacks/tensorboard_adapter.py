@@ -22,8 +22,39 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 
+class LogdirWriter:
+    """Event files in ``logdir``, for a tracker given ``logdir=``: a logger without Lightning.
+
+    It offers what the tracker asks of a logger (``log_metrics``, ``experiment``, ``finalize``);
+    the ``SummaryWriter`` is made on first use.
+    """
+
+    def __init__(self, logdir: str) -> None:
+        self.logdir = logdir
+        self._experiment: Any = None
+
+    @property
+    def experiment(self) -> Any:
+        if self._experiment is None:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._experiment = SummaryWriter(self.logdir)
+        return self._experiment
+
+    def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
+        for tag, value in metrics.items():
+            self.experiment.add_scalar(tag, value, step)
+
+    def finalize(self, status: str = "success") -> None:
+        if self._experiment is not None:
+            self._experiment.close()
+
+
 def is_tensorboard_logger(logger: Any) -> bool:
-    """Whether ``logger`` is a Lightning or Fabric ``TensorBoardLogger`` (any of the packages)."""
+    """Whether ``logger`` writes TensorBoard event files: a :class:`LogdirWriter`, or a Lightning
+    or Fabric ``TensorBoardLogger`` of any of the packages."""
+    if isinstance(logger, LogdirWriter):
+        return True
     return any(cls.__name__ == "TensorBoardLogger" for cls in type(logger).__mro__)
 
 

@@ -29,8 +29,9 @@ Which hooks, and why (steps are ``trainer.global_step``: optimizer steps, 0 = be
 
 from __future__ import annotations
 
+import contextlib
 import importlib
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from typing_extensions import override
@@ -56,6 +57,22 @@ def monitor_class(package: str) -> type:
     """
     framework = importlib.import_module(package)
     strategies = importlib.import_module(f"{package}.strategies")
+    exceptions = importlib.import_module(f"{package}.utilities.exceptions")
+    # The core's ConfigurationError, and the MisconfigurationException of this package.
+    misconfiguration = type(
+        "SpectralMisconfiguration",
+        (ConfigurationError, exceptions.MisconfigurationException),
+        {"__module__": __name__},
+    )
+
+    @contextlib.contextmanager
+    def raised_as_misconfiguration() -> Iterator[None]:
+        try:
+            yield
+        except ConfigurationError as error:
+            if isinstance(error, exceptions.MisconfigurationException):
+                raise
+            raise misconfiguration(str(error)) from None
 
     class SpectralMonitor(framework.Callback):  # type: ignore[name-defined,misc]
         r"""Log the spectra (stable rank, α, compression, ...) of a transformer's matrices during training.
@@ -91,9 +108,10 @@ def monitor_class(package: str) -> type:
         """
 
         def __init__(self, metrics: Sequence[str] = DEFAULT_METRICS, **options: Any) -> None:
-            self.options = MonitorOptions.from_kwargs(
-                type(self).__name__, metrics=metrics, **options
-            )
+            with raised_as_misconfiguration():
+                self.options = MonitorOptions.from_kwargs(
+                    type(self).__name__, metrics=metrics, **options
+                )
             self.tracker: SpectralTracker | None = None
             self._restored: dict[str, Any] = {}
 
@@ -124,12 +142,13 @@ def monitor_class(package: str) -> type:
         @override
         def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
             if stage == "fit" and not trainer.loggers:
-                raise ConfigurationError(
+                raise misconfiguration(
                     f"{type(self).__name__} logs its metrics through the Trainer's loggers, but the "
                     "Trainer has none: pass `logger=TensorBoardLogger('runs')` (or any Lightning "
                     "logger) to the Trainer"
                 )
-            check_strategy(trainer, self.options.max_overhead, strategies)
+            with raised_as_misconfiguration():
+                check_strategy(trainer, self.options.max_overhead, strategies)
 
         @override
         def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -137,14 +156,15 @@ def monitor_class(package: str) -> type:
             # its device now, and compiled or wrapped modules are in place. A checkpoint of this
             # fit was restored just before; a second fit of this instance starts afresh.
             state, self._restored = self._restored, {}
-            self.tracker = SpectralTracker(
-                pl_module,
-                writers=trainer.loggers,
-                start_step=None,
-                state=state or None,
-                options=self.options,
-                caller=type(self).__name__,
-            )
+            with raised_as_misconfiguration():
+                self.tracker = SpectralTracker(
+                    pl_module,
+                    writers=trainer.loggers,
+                    start_step=None,
+                    state=state or None,
+                    options=self.options,
+                    caller=type(self).__name__,
+                )
 
         @override
         def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:

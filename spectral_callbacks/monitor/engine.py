@@ -48,7 +48,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
-from lightning.fabric.utilities.rank_zero import rank_zero_warn
+from spectral_callbacks.monitor.messages import rank_zero_warn
 
 import torch
 

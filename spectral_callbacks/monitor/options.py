@@ -24,8 +24,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from lightning.fabric.utilities.exceptions import MisconfigurationException
-
 from spectral_callbacks.functional.svd import METHODS
 
 #: Metrics the SVD path produces, plus ``compression`` derived from ``stable_rank``.
@@ -47,11 +45,11 @@ DEFAULT_METRICS: tuple[str, ...] = tuple(name for name in KNOWN_METRICS if name 
 _MAX_NICE = 19
 
 
-class ConfigurationError(MisconfigurationException, ValueError):
+class ConfigurationError(ValueError):
     """A bad argument or a setup that cannot work; the message says which and what to do.
 
-    A ``MisconfigurationException`` (what Lightning users catch) and a ``ValueError`` (what
-    everyone else does).
+    The Lightning frontends raise it as a subclass that is also their package's
+    ``MisconfigurationException`` (what Lightning users catch); the core does not import Lightning.
     """
 
 

@@ -46,7 +46,7 @@ class SnapshotSchedule:
             cost; the interval stretches (along the grid) to stay within it. Default ``None``.
 
     Raises:
-        ConfigurationError: if an argument is out of range (a ``MisconfigurationException``).
+        ConfigurationError: if an argument is out of range.
     """
 
     def __init__(

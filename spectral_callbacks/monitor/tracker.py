@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from lightning.fabric.utilities.rank_zero import rank_zero_warn
+from spectral_callbacks.monitor.messages import rank_zero_warn
 
 from spectral_callbacks import tensorboard_adapter as tb
 from spectral_callbacks.monitor import dashboards
@@ -117,11 +117,9 @@ class SpectralTracker:
         )
         self.rank = world()[0]
         self.writers: list[Any] = list(writers) if self.rank == 0 else []
-        self._own_logger = None
+        self._own_logger: tb.LogdirWriter | None = None
         if logdir is not None and self.rank == 0:
-            from lightning.fabric.loggers import TensorBoardLogger
-
-            self._own_logger = TensorBoardLogger(root_dir=str(logdir), name="", version="")
+            self._own_logger = tb.LogdirWriter(str(logdir))
             self.writers.append(self._own_logger)
         self._reporter = Reporter(self.targets, options.metrics, options.history_size)
         self._figure_writer = dashboards.FigureWriter(figure_roles)
