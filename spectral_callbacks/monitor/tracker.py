@@ -332,8 +332,7 @@ class SpectralTracker:
         name, step = found
         rank_zero_warn(
             f"{self.caller}: the weights of {name!r} hold NaN or Inf at step {step} (the first "
-            "non-finite matrix found); its metrics are logged as NaN from there on, and the "
-            "figures use the last step where they are finite",
+            "non-finite matrix found); its metrics are logged as NaN from there on",
             category=RuntimeWarning,
         )
 
