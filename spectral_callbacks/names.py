@@ -38,7 +38,16 @@ NUM_LAYERS_TAG = f"{MONITOR_SECTION}/num_layers"
 ROLES: tuple[str, ...] = ("Q", "K", "V", "O", "MLP_up", "MLP_down")
 
 # The columns of tidy rows (the callback's figure history, export, charts), in this order.
-TIDY_COLUMNS: tuple[str, ...] = ("run", "step", "metric", "layer", "depth", "role", "value", "wall_time")
+TIDY_COLUMNS: tuple[str, ...] = (
+    "run",
+    "step",
+    "metric",
+    "layer",
+    "depth",
+    "role",
+    "value",
+    "wall_time",
+)
 
 _TAG = re.compile(
     r"^spectral_(?P<metric>[a-z0-9_]+)/(?:L(?P<layer>\d+)|(?P<mean>mean))/(?P<role>[A-Za-z0-9_]+)$"

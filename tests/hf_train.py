@@ -34,8 +34,14 @@ OPTIONS: dict[str, Any] = dict(every_n_steps=10, log_spaced_until=3, k=8, figure
 def tiny_gpt2() -> GPT2LMHeadModel:
     torch.manual_seed(0)
     config = GPT2Config(
-        vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=2,
-        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+        vocab_size=64,
+        n_positions=16,
+        n_embd=32,
+        n_layer=2,
+        n_head=2,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
     )
     return GPT2LMHeadModel(config)
 
@@ -57,10 +63,14 @@ class WeightRecorder(TrainerCallback):
             t.name: t.matrix().detach().double().clone() for t in find_targets(model)
         }
 
-    def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, **kw: Any) -> None:
+    def on_train_begin(
+        self, args: Any, state: Any, control: Any, model: Any = None, **kw: Any
+    ) -> None:
         self._record(state.global_step, model)
 
-    def on_step_end(self, args: Any, state: Any, control: Any, model: Any = None, **kw: Any) -> None:
+    def on_step_end(
+        self, args: Any, state: Any, control: Any, model: Any = None, **kw: Any
+    ) -> None:
         self._record(state.global_step, model)
 
 

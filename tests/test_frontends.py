@@ -18,11 +18,11 @@ from typing import Any
 
 import pytest
 import torch
+from gpt import GPT, GPTConfig
 from tensorboard.backend.event_processing import event_accumulator
 from tiny_models import RecordingLogger, exact_stable_rank
 from torch import nn
 
-from gpt import GPT, GPTConfig
 from spectral_callbacks import SpectralMonitor, SpectralTracker
 from spectral_callbacks.names import MONITOR_SECTION, parse_tag, scalar_tag
 from spectral_callbacks.targets import find_targets
@@ -253,10 +253,17 @@ def test_pytorch_lightning_trainer_fits_and_logs(tmp_path: Path) -> None:
 
     logger = pl.loggers.TensorBoardLogger(tmp_path, name="pl", version="")
     options = dict(trainer_options(), max_steps=4)
-    trainer = pl.Trainer(logger=logger, callbacks=[spectral_callbacks.pl.SpectralMonitor()], **options)
+    trainer = pl.Trainer(
+        logger=logger, callbacks=[spectral_callbacks.pl.SpectralMonitor()], **options
+    )
     trainer.fit(lightning_module(pl), loader())
     logged = from_events(tmp_path / "pl")
-    assert sorted(step for tag, step in logged if tag == scalar_tag("alpha", 0, "Q")) == [0, 1, 2, 4]
+    assert sorted(step for tag, step in logged if tag == scalar_tag("alpha", 0, "Q")) == [
+        0,
+        1,
+        2,
+        4,
+    ]
     reader = event_accumulator.EventAccumulator(str(tmp_path / "pl"))
     reader.Reload()
     assert f"{MONITOR_SECTION}/num_layers" in reader.Tags()["scalars"]
@@ -268,7 +275,9 @@ def test_each_lightning_class_is_a_callback_of_its_own_package_and_pickles() -> 
 
     import spectral_callbacks.pl
 
-    assert isinstance(SpectralMonitor(), lp.Callback) and not isinstance(SpectralMonitor(), pl.Callback)
+    assert isinstance(SpectralMonitor(), lp.Callback) and not isinstance(
+        SpectralMonitor(), pl.Callback
+    )
     other = spectral_callbacks.pl.SpectralMonitor(every_n_steps=7)
     assert isinstance(other, pl.Callback) and not isinstance(other, lp.Callback)
     assert pickle.loads(pickle.dumps(other)).options.every_n_steps == 7
@@ -284,5 +293,7 @@ def test_importing_the_package_and_its_core_imports_no_framework() -> None:
         "assert not found, found; "
         "import spectral_callbacks.hf; assert 'transformers' in sys.modules"
     )
-    finished = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    finished = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300
+    )
     assert finished.returncode == 0, finished.stderr[-2000:]

@@ -79,10 +79,20 @@ def test_gradient_accumulation_snapshots_optimizer_steps(tmp_path: Path) -> None
 
 
 def test_resume_from_a_trainer_checkpoint_keeps_the_compression_reference(tmp_path: Path) -> None:
-    train(tmp_path, steps=12, save_steps=6, every_n_steps=5, logdir=tmp_path / "first", report_to=[])
+    train(
+        tmp_path, steps=12, save_steps=6, every_n_steps=5, logdir=tmp_path / "first", report_to=[]
+    )
     assert (tmp_path / "checkpoint-12" / STATE_FILE).is_file()
     first = scalars(tmp_path / "first")
-    train(tmp_path, steps=20, save_steps=6, every_n_steps=5, resume=True, logdir=tmp_path / "second", report_to=[])
+    train(
+        tmp_path,
+        steps=20,
+        save_steps=6,
+        every_n_steps=5,
+        resume=True,
+        logdir=tmp_path / "second",
+        report_to=[],
+    )
     second = scalars(tmp_path / "second")
     assert sorted(second[Q0]) == [15, 20]  # no new reference snapshot at the resumed step
     reference = first[Q0][0]
@@ -105,7 +115,9 @@ def test_logdir_follows_the_trainer(tmp_path: Path, monkeypatch: pytest.MonkeyPa
 
 
 def test_bad_arguments_are_named_at_construction() -> None:
-    with pytest.raises(ConfigurationError, match="`worker_threads` must be None or a positive int, got 0"):
+    with pytest.raises(
+        ConfigurationError, match="`worker_threads` must be None or a positive int, got 0"
+    ):
         SpectralTrainerCallback(worker_threads=0)
     with pytest.raises(TypeError, match="unknown argument.*'every_n_step'"):
         Again(every_n_step=5)
@@ -123,12 +135,26 @@ def test_two_processes_under_torchrun_log_every_matrix_once_from_rank_zero(tmp_p
     for key in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(key, None)
     command = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-        "--master_port", str(_free_port()), str(SCRIPT), str(tmp_path), "--steps", "12",
-        "--logdir", str(tmp_path / "tb"),
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        "--master_port",
+        str(_free_port()),
+        str(SCRIPT),
+        str(tmp_path),
+        "--steps",
+        "12",
+        "--logdir",
+        str(tmp_path / "tb"),
     ]
     process = subprocess.Popen(
-        command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+        command,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
         start_new_session=True,
     )
     try:

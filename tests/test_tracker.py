@@ -36,7 +36,10 @@ Q0 = scalar_tag("stable_rank", 0, "Q")
         ({"worker_threads": 0}, r"`worker_threads` must be None or a positive int, got 0"),
         ({"figures": "yes"}, r"`figures` must be True or False, got 'yes'"),
         ({"figure_roles": "Q"}, r"`figure_roles` must be None or a list of role names"),
-        ({"worker_nice": 100}, r"`worker_nice` must be None or a nice increment from 0 to 19, got 100"),
+        (
+            {"worker_nice": 100},
+            r"`worker_nice` must be None or a nice increment from 0 to 19, got 100",
+        ),
         ({"max_overhead": "x"}, r"`max_overhead` must be a fraction in \(0, 1\).*got 'x'"),
         ({"drain_timeout": "5"}, r"`drain_timeout` must be >= 0 seconds, got '5'"),
         ({"roles": "Q"}, r"`roles` must be None or a list of role names, got 'Q'"),
@@ -51,20 +54,33 @@ def test_every_argument_is_checked_at_construction_naming_it(kwargs: dict, match
 
 
 def test_unknown_roles_of_figure_roles_are_named_once_the_model_is_known() -> None:
-    with pytest.raises(ConfigurationError, match=r"`figure_roles` must be None or roles this model has \(Q, K, V, O, MLP_up, MLP_down\), got \('Z',\)"):
+    with pytest.raises(
+        ConfigurationError,
+        match=r"`figure_roles` must be None or roles this model has \(Q, K, V, O, MLP_up, MLP_down\), got \('Z',\)",
+    ):
         SpectralTracker(TinyGPT(), figure_roles=("Z",), start_step=None)
-    trainer = quiet_trainer(max_steps=2, logger=RecordingLogger(), callbacks=[SpectralMonitor(figure_roles=("Z",))])
+    trainer = quiet_trainer(
+        max_steps=2, logger=RecordingLogger(), callbacks=[SpectralMonitor(figure_roles=("Z",))]
+    )
     with pytest.raises(MisconfigurationException, match="`figure_roles`"):
         trainer.fit(TinyGPT(), token_loader())
 
 
 def test_an_unknown_argument_lists_the_options() -> None:
-    with pytest.raises(TypeError, match=r"SpectralTracker got unknown argument\(s\) 'every_n_step'.*every_n_steps"):
+    with pytest.raises(
+        TypeError, match=r"SpectralTracker got unknown argument\(s\) 'every_n_step'.*every_n_steps"
+    ):
         SpectralTracker(TinyGPT(), every_n_step=5)
 
 
 def _monitor(**kwargs: Any) -> SpectralMonitor:
-    options: dict[str, Any] = dict(compute=exact_compute, metrics=("stable_rank", "compression"), figures=False, every_n_steps=5, log_spaced_until=0)
+    options: dict[str, Any] = dict(
+        compute=exact_compute,
+        metrics=("stable_rank", "compression"),
+        figures=False,
+        every_n_steps=5,
+        log_spaced_until=0,
+    )
     return SpectralMonitor(**{**options, **kwargs})
 
 
@@ -72,7 +88,9 @@ def test_one_instance_reused_for_a_second_fit_starts_afresh() -> None:
     monitor = _monitor()
     first, second = RecordingLogger(), RecordingLogger()
     quiet_trainer(max_steps=10, logger=first, callbacks=[monitor]).fit(TinyGPT(), token_loader())
-    quiet_trainer(max_steps=10, logger=second, callbacks=[monitor]).fit(TinyGPT(lr=5e-3), token_loader())
+    quiet_trainer(max_steps=10, logger=second, callbacks=[monitor]).fit(
+        TinyGPT(lr=5e-3), token_loader()
+    )
     assert sorted(first.series(Q0)) == sorted(second.series(Q0)) == [0, 5, 10]
     assert second.series(scalar_tag("compression", 0, "Q"))[0] == 0.0  # its own reference
 
@@ -95,14 +113,24 @@ def test_nan_weights_warn_once_naming_the_first_matrix_and_step() -> None:
     model, writer = TinyGPT(), RecordingLogger()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        with SpectralTracker(model, writers=[writer], metrics=("stable_rank", "spectral_norm"), every_n_steps=2, log_spaced_until=0, figures=False, synchronous=True) as tracker:
+        with SpectralTracker(
+            model,
+            writers=[writer],
+            metrics=("stable_rank", "spectral_norm"),
+            every_n_steps=2,
+            log_spaced_until=0,
+            figures=False,
+            synchronous=True,
+        ) as tracker:
             for step in range(1, 9):
                 if step == 5:
                     _nan_into(model)
                 tracker.step(step)
     found = [w for w in caught if "NaN or Inf" in str(w.message)]
     assert len(found) == 1, [str(w.message) for w in caught]
-    assert "'model.transformer.h.1.mlp.c_fc.weight' hold NaN or Inf at step 6" in str(found[0].message)
+    assert "'model.transformer.h.1.mlp.c_fc.weight' hold NaN or Inf at step 6" in str(
+        found[0].message
+    )
     assert torch.isnan(torch.tensor(writer.series(scalar_tag("stable_rank", 1, "MLP_up"))[8]))
     assert not torch.isnan(torch.tensor(writer.series(Q0)[8]))  # only that matrix
 
@@ -116,7 +144,13 @@ def _images(logdir: Path) -> list[str]:
 @pytest.mark.parametrize("fault", ["exception", "interrupt"])
 def test_final_figures_are_drawn_after_an_exception_or_ctrl_c(tmp_path: Path, fault: str) -> None:
     logger = TensorBoardLogger(tmp_path, name="run", version="")
-    monitor = _monitor(figures=True, figure_every_n_steps=None, metrics=("stable_rank", "alpha", "compression"), compute=None, k=8)
+    monitor = _monitor(
+        figures=True,
+        figure_every_n_steps=None,
+        metrics=("stable_rank", "alpha", "compression"),
+        compute=None,
+        k=8,
+    )
     trainer = quiet_trainer(max_steps=50, logger=logger, callbacks=[monitor])
     model = TinyGPT(fail_at_step=6) if fault == "exception" else TinyGPT(interrupt_at_step=6)
     previous = signal.getsignal(signal.SIGINT)
@@ -148,13 +182,31 @@ class _CountingCompute:
 
 def test_state_dict_carries_the_compute_state_and_resumes_a_plain_loop() -> None:
     model = TinyGPT()
-    with SpectralTracker(model, writers=[RecordingLogger()], metrics=("stable_rank", "compression"), compute=_CountingCompute(), every_n_steps=2, log_spaced_until=0, figures=False) as tracker:
+    with SpectralTracker(
+        model,
+        writers=[RecordingLogger()],
+        metrics=("stable_rank", "compression"),
+        compute=_CountingCompute(),
+        every_n_steps=2,
+        log_spaced_until=0,
+        figures=False,
+    ) as tracker:
         for step in range(1, 5):
             tracker.step(step)
     state = tracker.state_dict()
     assert state["compute"]["calls"] > 0 and state["schedule"]["last_snapshot_step"] == 4
     resumed_compute, writer = _CountingCompute(), RecordingLogger()
-    with SpectralTracker(model, writers=[writer], metrics=("stable_rank", "compression"), compute=resumed_compute, every_n_steps=2, log_spaced_until=0, figures=False, start_step=4, state=state) as again:
+    with SpectralTracker(
+        model,
+        writers=[writer],
+        metrics=("stable_rank", "compression"),
+        compute=resumed_compute,
+        every_n_steps=2,
+        log_spaced_until=0,
+        figures=False,
+        start_step=4,
+        state=state,
+    ) as again:
         again.step(5)
         again.step(6)
     assert resumed_compute.calls > state["compute"]["calls"]
@@ -166,7 +218,9 @@ def test_state_dict_carries_the_compute_state_and_resumes_a_plain_loop() -> None
         again.load_state_dict(state)
 
 
-def test_the_record_reader_falls_back_when_the_private_one_is_gone(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_record_reader_falls_back_when_the_private_one_is_gone(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from torch.utils.tensorboard import SummaryWriter
 
     with SummaryWriter(str(tmp_path)) as writer:

@@ -111,7 +111,7 @@ class SpectralTrainerCallback(TrainerCallback):
         if self.tracker is None:
             return
         saved = self.tracker.state_dict()  # every rank: it may wait for rank 0's first results
-        checkpoint = Path(args.output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"
+        checkpoint = _output_dir(args) / f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"
         if state.is_world_process_zero and checkpoint.is_dir():
             torch.save(saved, checkpoint / STATE_FILE)
 
@@ -136,7 +136,7 @@ def trainer_logdir(args: TrainingArguments) -> str:
     legacy = getattr(args, "logging_dir", None)
     if legacy:
         return str(legacy)
-    runs = Path(args.output_dir) / "runs"
+    runs = _output_dir(args) / "runs"
     host = socket.gethostname()
     recent = [
         path
@@ -149,14 +149,18 @@ def trainer_logdir(args: TrainingArguments) -> str:
         return str(max(recent, key=lambda path: path.stat().st_mtime))
     from transformers.integrations.integration_utils import default_logdir
 
-    return str(Path(args.output_dir) / default_logdir())
+    return str(_output_dir(args) / default_logdir())
+
+
+def _output_dir(args: TrainingArguments) -> Path:
+    return Path(str(args.output_dir))
 
 
 def _saved_state(args: TrainingArguments, state: TrainerState) -> dict[str, Any] | None:
     """The tracker state saved beside the checkpoint this run resumes from, if there is one."""
     if state.global_step == 0:
         return None
-    candidates = [Path(args.output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"]
+    candidates = [_output_dir(args) / f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"]
     resume = getattr(args, "resume_from_checkpoint", None)
     if isinstance(resume, str | os.PathLike):
         candidates.insert(0, Path(resume))

@@ -48,10 +48,9 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
-from spectral_callbacks.monitor.messages import rank_zero_warn
-
 import torch
 
+from spectral_callbacks.monitor.messages import rank_zero_warn
 from spectral_callbacks.monitor.snapshot import ShapeGroup, Snapshot, take_snapshot
 
 #: ``compute(group, batch)``: ``batch`` is a float ``(B, m, n)`` stack of the group's matrices;

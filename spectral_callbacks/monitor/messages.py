@@ -24,4 +24,4 @@ def _environment_rank() -> int:
 
 
 if getattr(rank_zero_only, "rank", None) is None:
-    rank_zero_only.rank = _environment_rank()
+    rank_zero_only.rank = _environment_rank()  # type: ignore[attr-defined]

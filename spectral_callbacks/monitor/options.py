@@ -79,8 +79,10 @@ def is_real(value: Any) -> bool:
 
 def is_names(value: Any) -> bool:
     """A list or tuple of strings (a bare string is a common slip: ``roles="Q"``)."""
-    return isinstance(value, Sequence) and not isinstance(value, str) and all(
-        isinstance(item, str) for item in value
+    return (
+        isinstance(value, Sequence)
+        and not isinstance(value, str)
+        and all(isinstance(item, str) for item in value)
     )
 
 
@@ -159,7 +161,12 @@ class MonitorOptions:
             f"a non-empty list of {', '.join(KNOWN_METRICS)}",
         )
         object.__setattr__(self, "metrics", tuple(metrics))
-        require("roles", self.roles, self.roles is None or is_names(self.roles), "None or a list of role names")
+        require(
+            "roles",
+            self.roles,
+            self.roles is None or is_names(self.roles),
+            "None or a list of role names",
+        )
         check_schedule(self.every_n_steps, self.log_spaced_until, self.max_overhead)
         for name in ("k", "max_pending", "history_size"):
             value = getattr(self, name)
@@ -180,9 +187,16 @@ class MonitorOptions:
             "None or 1-based ranks (first, last) with 1 <= first <= last, e.g. (1, 32)",
         )
         every = self.figure_every_n_steps
-        require("figure_every_n_steps", every, every is None or is_int(every, 1), "a positive int or None")
+        require(
+            "figure_every_n_steps",
+            every,
+            every is None or is_int(every, 1),
+            "a positive int or None",
+        )
         for name in ("figures", "synchronous"):
-            require(name, getattr(self, name), isinstance(getattr(self, name), bool), "True or False")
+            require(
+                name, getattr(self, name), isinstance(getattr(self, name), bool), "True or False"
+            )
         require(
             "figure_roles",
             self.figure_roles,
@@ -192,7 +206,12 @@ class MonitorOptions:
         timeout = self.drain_timeout
         require("drain_timeout", timeout, is_real(timeout) and timeout >= 0, ">= 0 seconds")
         threads = self.worker_threads
-        require("worker_threads", threads, threads is None or is_int(threads, 1), "None or a positive int")
+        require(
+            "worker_threads",
+            threads,
+            threads is None or is_int(threads, 1),
+            "None or a positive int",
+        )
         nice = self.worker_nice
         require(
             "worker_nice",

@@ -45,7 +45,7 @@ class Reporter:
 
     Args:
         targets: the watched matrices (``name``, ``layer``, ``num_layers``, ``role``, ``depth``).
-        metrics: which metrics to log (see :data:`KNOWN_METRICS`).
+        metrics: which metrics to log (see ``monitor.options.KNOWN_METRICS``).
         history_size: how many snapshots the figure history keeps (oldest dropped first).
             Default ``256``.
     """

@@ -20,19 +20,19 @@ everything (``writers`` and ``logdir`` are ignored on the other ranks).
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Mapping, Sequence
-from pathlib import Path
 from typing import Any
 
 import torch
-from spectral_callbacks.monitor.messages import rank_zero_warn
 
 from spectral_callbacks import tensorboard_adapter as tb
 from spectral_callbacks.monitor import dashboards
 from spectral_callbacks.monitor.compute import SpectrumCompute
 from spectral_callbacks.monitor.distributed import world
 from spectral_callbacks.monitor.engine import SnapshotResult
+from spectral_callbacks.monitor.messages import rank_zero_warn
 from spectral_callbacks.monitor.options import DEFAULT_METRICS, MonitorOptions, require
 from spectral_callbacks.monitor.protocol import Engine, make_engine
 from spectral_callbacks.monitor.reporting import Reporter, health_scalars, num_layers_scalar
@@ -81,7 +81,7 @@ class SpectralTracker:
         model: torch.nn.Module,
         metrics: Sequence[str] = DEFAULT_METRICS,
         *,
-        logdir: str | Path | None = None,
+        logdir: str | os.PathLike[str] | None = None,
         writers: Sequence[Any] = (),
         start_step: int | None = 0,
         state: Mapping[str, Any] | None = None,
@@ -104,7 +104,7 @@ class SpectralTracker:
             figure_roles is None or all(role in found for role in figure_roles),
             f"None or roles this model has ({', '.join(found)})",
         )
-        self.compute = options.compute or SpectrumCompute(
+        self.compute: Any = options.compute or SpectrumCompute(
             options.k,
             n_oversamples=options.n_oversamples,
             n_iter=options.n_iter,
@@ -188,7 +188,9 @@ class SpectralTracker:
             return
         now = time.perf_counter()
         if self._previous_time is not None and step > self._previous_step:
-            self.schedule.record_step_time((now - self._previous_time) / (step - self._previous_step))
+            self.schedule.record_step_time(
+                (now - self._previous_time) / (step - self._previous_step)
+            )
         self._collect_and_log()  # first: a finished snapshot frees its slot
         # Budget mode cannot size the interval before the first cost is known: until then it passes
         # grid steps over (like any stretched interval) instead of piling up skips.

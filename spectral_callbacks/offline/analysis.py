@@ -254,7 +254,9 @@ def analyze_model(
             snapshot = take_snapshot([chunk], step=0)
             metrics = spectral_metrics(snapshot.tensors[chunk.key].float(), **options)  # (B,) each
             for position, name in enumerate(chunk.names):
-                results[name] = {metric: float(value[position]) for metric, value in metrics.items()}
+                results[name] = {
+                    metric: float(value[position]) for metric, value in metrics.items()
+                }
             if progress is not None:
                 progress(len(chunk.targets))
     rows = pd.DataFrame(

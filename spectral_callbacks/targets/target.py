@@ -175,6 +175,7 @@ class Target:
         """
         return self.rows.take(self.parameter.detach())
 
+
 @dataclass(frozen=True)
 class Skipped:
     """A parameter that is not watched, and why (shown by ``format_targets``)."""
