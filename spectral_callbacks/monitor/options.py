@@ -41,6 +41,10 @@ KNOWN_METRICS: tuple[str, ...] = (
 # Every metric but esd_alpha, which is only valid when the eigenvalue tail lies inside the top-k.
 DEFAULT_METRICS: tuple[str, ...] = tuple(name for name in KNOWN_METRICS if name != "esd_alpha")
 
+# The default asks for the Q figures where there is a Q (a model without one, e.g. MLA's Q_down /
+# Q_up, simply gets none); roles the user names must exist.
+DEFAULT_FIGURE_ROLES: tuple[str, ...] = ("Q",)
+
 # Nice increments a process may add to lower a thread's priority (Linux: 0 .. 19).
 _MAX_NICE = 19
 
@@ -112,7 +116,8 @@ class MonitorOptions:
             the end. Default ``1000``.
         figures: draw figures at all (TensorBoard only). Default ``True``.
         figure_roles: roles that get an α-vs-depth and a compression-wave figure (``None``: every
-            role); checked against the roles found when the model is known. Default ``("Q",)``.
+            role); other than the default, checked against the roles found when the model is
+            known. Default ``("Q",)``.
         synchronous: compute each snapshot inline and wait for it (the naive baseline of
             benchmarks/overhead.py). Default ``False``.
         drain_timeout: seconds to wait for in-flight snapshots at the end of training or after an
@@ -144,7 +149,7 @@ class MonitorOptions:
     max_pending: int = 2
     figure_every_n_steps: int | None = 1000
     figures: bool = True
-    figure_roles: Sequence[str] | None = ("Q",)
+    figure_roles: Sequence[str] | None = DEFAULT_FIGURE_ROLES
     synchronous: bool = False
     drain_timeout: float = 60.0
     worker_threads: int | None = 1

@@ -33,7 +33,12 @@ from spectral_callbacks.monitor.compute import SpectrumCompute
 from spectral_callbacks.monitor.distributed import world
 from spectral_callbacks.monitor.engine import SnapshotResult
 from spectral_callbacks.monitor.messages import rank_zero_warn
-from spectral_callbacks.monitor.options import DEFAULT_METRICS, MonitorOptions, require
+from spectral_callbacks.monitor.options import (
+    DEFAULT_FIGURE_ROLES,
+    DEFAULT_METRICS,
+    MonitorOptions,
+    require,
+)
 from spectral_callbacks.monitor.protocol import Engine, make_engine
 from spectral_callbacks.monitor.reporting import Reporter, health_scalars, num_layers_scalar
 from spectral_callbacks.monitor.schedule import SnapshotSchedule
@@ -62,8 +67,9 @@ class SpectralTracker:
         \*\*kwargs: every other option of :class:`MonitorOptions` (``every_n_steps``, ``k``, ...).
 
     Raises:
-        ConfigurationError: an option out of range, no matrix to watch, a bad mapping, or
-            ``figure_roles`` naming a role the model does not have.
+        ConfigurationError: an option out of range, no matrix to watch, a bad mapping,
+            ``figure_roles`` naming a role the model does not have, or ``max_overhead`` with
+            several processes.
 
     Example::
 
@@ -101,7 +107,9 @@ class SpectralTracker:
         require(
             "figure_roles",
             figure_roles,
-            figure_roles is None or all(role in found for role in figure_roles),
+            figure_roles is None
+            or tuple(figure_roles) == DEFAULT_FIGURE_ROLES
+            or all(role in found for role in figure_roles),
             f"None or roles this model has ({', '.join(found)})",
         )
         self.compute: Any = options.compute or SpectrumCompute(
@@ -115,7 +123,14 @@ class SpectralTracker:
         self.schedule = SnapshotSchedule(
             options.every_n_steps, options.log_spaced_until, options.max_overhead
         )
-        self.rank = world()[0]
+        self.rank, world_size = world()
+        require(
+            "max_overhead",
+            options.max_overhead,
+            options.max_overhead is None or world_size == 1,
+            f"None with {world_size} processes (each rank would measure its own budget and "
+            "snapshot at different steps; choose `every_n_steps` instead)",
+        )
         self.writers: list[Any] = list(writers) if self.rank == 0 else []
         self._own_logger: tb.LogdirWriter | None = None
         if logdir is not None and self.rank == 0:
