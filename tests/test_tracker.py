@@ -246,3 +246,40 @@ def test_a_writer_without_the_private_file_writer_gets_log_metrics() -> None:
     logger = TensorBoardLogger()
     tensorboard_adapter.log_scalars([logger], {Q0: 2.0}, step=3)
     assert logger.records == [(3, {Q0: 2.0})]
+
+
+def test_both_engines_implement_the_protocol_and_the_factory_picks_by_world_size(
+    tmp_path: Path,
+) -> None:
+    import torch.distributed as dist
+
+    from spectral_callbacks.monitor.distributed import DistributedEngine
+    from spectral_callbacks.monitor.engine import SnapshotEngine
+    from spectral_callbacks.monitor.protocol import Engine, make_engine
+    from spectral_callbacks.targets import find_targets
+
+    targets = find_targets(TinyGPT())
+    options = dict(
+        max_pending=2, synchronous=False, worker_threads=1, worker_nice=None, drain_timeout=5.0
+    )
+    single = make_engine(exact_compute, targets, ("stable_rank",), **options)
+    assert type(single) is SnapshotEngine and isinstance(single, Engine)
+    dist.init_process_group(
+        "gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1
+    )
+    try:
+        group = dist.group.WORLD
+        several = DistributedEngine(
+            exact_compute, targets, ("stable_rank",), rank=0, world_size=1, group=group
+        )
+        assert isinstance(several, Engine)
+        assert (
+            several.offer(0) and several.collect(wait_seconds=0.2) == []
+        )  # sent at the next point
+        several.finish(0, offered=True, deadline=float("inf"))
+        (result,) = several.collect(wait_seconds=10)
+        assert result.step == 0 and len(result.metrics) == len(targets)
+        several.close()
+    finally:
+        dist.destroy_process_group()
+    single.close()

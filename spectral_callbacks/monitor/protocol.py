@@ -29,11 +29,12 @@ Rules every implementation keeps:
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 from spectral_callbacks.monitor.engine import Compute, SnapshotResult
 
 
+@runtime_checkable
 class Engine(Protocol):
     """Decomposes snapshots off the training path; see the module docstring for the rules."""
 
