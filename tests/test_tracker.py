@@ -66,6 +66,11 @@ def test_unknown_roles_of_figure_roles_are_named_once_the_model_is_known() -> No
         trainer.fit(TinyGPT(), token_loader())
 
 
+def test_a_writer_without_log_metrics_is_named_before_anything_runs() -> None:
+    with pytest.raises(ConfigurationError, match=r"`writers` must be a list of loggers.*got \[<object"):
+        SpectralTracker(TinyGPT(), writers=[object()])
+
+
 def test_an_unknown_argument_lists_the_options() -> None:
     with pytest.raises(
         TypeError, match=r"SpectralTracker got unknown argument\(s\) 'every_n_step'.*every_n_steps"

@@ -112,6 +112,13 @@ class SpectralTracker:
             or all(role in found for role in figure_roles),
             f"None or roles this model has ({', '.join(found)})",
         )
+        writers = list(writers)
+        require(
+            "writers",
+            writers,
+            all(callable(getattr(writer, "log_metrics", None)) for writer in writers),
+            "a list of loggers, objects with log_metrics(metrics: dict, step: int)",
+        )
         self.compute: Any = options.compute or SpectrumCompute(
             options.k,
             n_oversamples=options.n_oversamples,
