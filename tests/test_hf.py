@@ -105,13 +105,17 @@ def test_resume_from_a_trainer_checkpoint_keeps_the_compression_reference(tmp_pa
 def test_logdir_follows_the_trainer(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from transformers import TrainingArguments
 
-    args = TrainingArguments(output_dir=str(tmp_path), report_to=[], use_cpu=True)
+    args = TrainingArguments(output_dir=str(tmp_path), report_to=["tensorboard"], use_cpu=True)
     monkeypatch.setenv("TENSORBOARD_LOGGING_DIR", str(tmp_path / "env"))
     assert trainer_logdir(args) == str(tmp_path / "env")
     monkeypatch.delenv("TENSORBOARD_LOGGING_DIR")
     made = tmp_path / "runs" / f"Dec01_10-00-00_{socket.gethostname()}"
     made.mkdir(parents=True)  # what the Trainer's TensorBoardCallback made a moment ago
     assert trainer_logdir(args) == str(made)
+    alone = TrainingArguments(output_dir=str(tmp_path), report_to=[], use_cpu=True)
+    own = Path(trainer_logdir(alone))  # no TensorBoardCallback to join: a fresh run directory
+    assert own.parent == tmp_path / "runs" and own.name.endswith(socket.gethostname())
+    assert own != made
 
 
 def test_bad_arguments_are_named_at_construction() -> None:

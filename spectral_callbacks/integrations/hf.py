@@ -127,8 +127,8 @@ def trainer_logdir(args: TrainingArguments) -> str:
 
     ``TENSORBOARD_LOGGING_DIR`` if set; else ``args.logging_dir`` (transformers 4.x); else
     transformers 5's ``<output_dir>/runs/<time>_<host>``. The time is taken by that callback in
-    its own ``on_train_begin``, just before ours: a directory of that form made moments ago is
-    reused, so both write into one run.
+    its own ``on_train_begin``, just before ours: with ``report_to`` holding ``"tensorboard"``, a
+    directory of that form made moments ago is reused, so both write into one run.
     """
     env = os.getenv("TENSORBOARD_LOGGING_DIR")
     if env:
@@ -136,6 +136,11 @@ def trainer_logdir(args: TrainingArguments) -> str:
     legacy = getattr(args, "logging_dir", None)
     if legacy:
         return str(legacy)
+    from transformers.integrations.integration_utils import default_logdir
+
+    reports = args.report_to if isinstance(args.report_to, list) else [args.report_to]
+    if not {"tensorboard", "all"} & set(reports):  # no TensorBoardCallback: a run of our own
+        return str(_output_dir(args) / default_logdir())
     runs = _output_dir(args) / "runs"
     host = socket.gethostname()
     recent = [
@@ -147,8 +152,6 @@ def trainer_logdir(args: TrainingArguments) -> str:
     ]
     if recent:
         return str(max(recent, key=lambda path: path.stat().st_mtime))
-    from transformers.integrations.integration_utils import default_logdir
-
     return str(_output_dir(args) / default_logdir())
 
 
