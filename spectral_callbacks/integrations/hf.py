@@ -86,7 +86,8 @@ class SpectralTrainerCallback(TrainerCallback):
         **kwargs: Any,
     ) -> None:
         if self.tracker is not None:  # a second train() with this callback starts afresh
-            self.tracker.close()
+            # (a no-op after on_train_end; after an exception, logs what finished, snapshots nothing)
+            self.tracker.close(error=RuntimeError("the previous train() raised"))
         if model is None:
             raise ValueError("SpectralTrainerCallback needs the model: the Trainer passes `model=`")
         logdir = self.logdir if self.logdir is not None else trainer_logdir(args)

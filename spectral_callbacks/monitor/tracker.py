@@ -168,6 +168,8 @@ class SpectralTracker:
         """
         if self._engine is not None:
             return
+        if self._closed:
+            raise RuntimeError(f"{self.caller} is closed: construct a new one for a new run")
         options = self.options
         self._engine = make_engine(
             self.compute,
