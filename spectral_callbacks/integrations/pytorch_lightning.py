@@ -12,7 +12,7 @@ Example::
 
 from __future__ import annotations
 
-from spectral_callbacks.integrations.lightning import monitor_class
+from spectral_callbacks.integrations.lightning_factory import monitor_class
 
 SpectralMonitor = monitor_class("pytorch_lightning")
 
