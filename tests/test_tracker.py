@@ -67,7 +67,9 @@ def test_unknown_roles_of_figure_roles_are_named_once_the_model_is_known() -> No
 
 
 def test_a_writer_without_log_metrics_is_named_before_anything_runs() -> None:
-    with pytest.raises(ConfigurationError, match=r"`writers` must be a list of loggers.*got \[<object"):
+    with pytest.raises(
+        ConfigurationError, match=r"`writers` must be a list of loggers.*got \[<object"
+    ):
         SpectralTracker(TinyGPT(), writers=[object()])
 
 
@@ -138,6 +140,16 @@ def test_nan_weights_warn_once_naming_the_first_matrix_and_step() -> None:
     )
     assert torch.isnan(torch.tensor(writer.series(scalar_tag("stable_rank", 1, "MLP_up"))[8]))
     assert not torch.isnan(torch.tensor(writer.series(Q0)[8]))  # only that matrix
+
+
+def test_an_all_zero_matrix_is_not_reported_as_non_finite() -> None:
+    model = TinyGPT()
+    with torch.no_grad():
+        model.model.transformer.h[0].attn.c_proj.weight.zero_()  # zero-initialised output layers
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        SpectralTracker(model, metrics=("stable_rank",), figures=False, synchronous=True).close()
+    assert not [w for w in caught if "NaN or Inf" in str(w.message)]
 
 
 def _images(logdir: Path) -> list[str]:

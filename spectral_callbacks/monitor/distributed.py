@@ -109,14 +109,18 @@ def partition(targets: Sequence[Any], world_size: int) -> list[int]:
 
 
 def result_columns(metrics: Sequence[str]) -> tuple[str, ...]:
-    """The metrics each rank sends: the logged ones, with ``stable_rank`` for ``compression``.
+    """The metrics each rank sends: the logged ones, with ``stable_rank`` for ``compression`` and
+    ``frobenius_norm`` for rank 0's check of non-finite weights (a NaN ``stable_rank`` alone could
+    be an all-zero matrix).
 
     >>> result_columns(("compression", "alpha"))
-    ('alpha', 'stable_rank')
+    ('alpha', 'stable_rank', 'frobenius_norm')
     """
     columns = [metric for metric in metrics if metric != "compression"]
     if "compression" in metrics and "stable_rank" not in columns:
         columns.append("stable_rank")
+    if "frobenius_norm" not in columns:
+        columns.append("frobenius_norm")
     return tuple(columns)
 
 
