@@ -20,6 +20,7 @@ _EXPORTS = {
     "SpectralMonitor": "spectral_callbacks.integrations.lightning",
     "SpectralTracker": "spectral_callbacks.monitor.tracker",
     "MonitorOptions": "spectral_callbacks.monitor.options",
+    "ConfigurationError": "spectral_callbacks.monitor.options",
     "find_targets": "spectral_callbacks.targets",
     "Target": "spectral_callbacks.targets",
     "format_targets": "spectral_callbacks.targets",
