@@ -20,7 +20,8 @@ Example::
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import pandas as pd
@@ -29,6 +30,8 @@ from spectral_callbacks.names import layer_label, scalar_tag
 from spectral_callbacks.tensorboard_adapter import flush
 
 FIGURE_SECTION = "spectral_figures"
+#: The run name of the tidy rows the live figures are drawn from (their legend).
+FIGURE_RUN = "this run"
 
 
 def custom_scalars_layout(
@@ -166,3 +169,42 @@ def add_figures(experiments: Sequence[Any], figures: dict[str, Any], step: int) 
             experiment.add_figure(tag, figure, global_step=step, close=False)
         figure.clear()
         del figure  # OO-API figures are not tracked by pyplot: dropping the reference frees them
+
+
+class LiveFigures:
+    """When a run draws its figures: every ``every_n_steps`` (on the first snapshot logged at or
+    after each multiple) and once more at the end, on a :class:`FigureWriter`'s thread.
+
+    Args:
+        roles: roles that get an α-vs-depth and a compression-wave figure (``None``: all).
+        every_n_steps: the cadence; ``None`` draws only at the end.
+    """
+
+    def __init__(self, roles: Sequence[str] | None, every_n_steps: int | None) -> None:
+        self.every_n_steps = every_n_steps
+        self.last_step: int | None = None
+        self._writer = FigureWriter(roles)
+
+    def due(self, step: int) -> bool:
+        """Whether the figures are due at the snapshot of ``step``."""
+        every, last = self.every_n_steps, self.last_step
+        if every is None:
+            return False
+        return last is None and step >= every or last is not None and step // every > last // every
+
+    def draw(self, experiments: Sequence[Any], rows: pd.DataFrame, step: int) -> None:
+        """Start drawing ``rows`` at ``step`` (skipped if the previous drawing still runs)."""
+        if len(rows) and self._writer.submit(experiments, rows, step):
+            self.last_step = step
+
+    def draw_final(
+        self,
+        experiments: Sequence[Any],
+        rows: Callable[[], pd.DataFrame],
+        step: int,
+        deadline: float,
+    ) -> bool:
+        """The figures of the last snapshot ``step`` unless drawn; ``False`` if not done by ``deadline``."""
+        if self.last_step != step and self._writer.wait(max(0.0, deadline - time.monotonic())):
+            self.draw(experiments, rows(), step)
+        return self._writer.wait(max(0.0, deadline - time.monotonic()))

@@ -43,9 +43,6 @@ from spectral_callbacks.monitor.protocol import Engine, make_engine
 from spectral_callbacks.monitor.reporting import Reporter, health_scalars, num_layers_scalar
 from spectral_callbacks.monitor.schedule import SnapshotSchedule
 
-#: The run name of the tidy rows the live figures are drawn from (their legend).
-FIGURE_RUN = "this run"
-
 
 class SpectralTracker:
     r"""Snapshot a model's watched matrices on schedule, decompose them off the training path, log.
@@ -144,12 +141,11 @@ class SpectralTracker:
             self._own_logger = tb.LogdirWriter(str(logdir))
             self.writers.append(self._own_logger)
         self._reporter = Reporter(self.targets, options.metrics, options.history_size)
-        self._figure_writer = dashboards.FigureWriter(figure_roles)
+        self._figures = dashboards.LiveFigures(figure_roles, options.figure_every_n_steps)
         self._engine: Engine | None = None
         self._restored_skipped = 0
         self._previous_step = -1
         self._previous_time: float | None = None
-        self._last_figure_step: int | None = None
         self._warned_non_finite = False
         self._closed = False
         if state is not None:
@@ -346,8 +342,8 @@ class SpectralTracker:
         self.schedule.record_snapshot_cost(result.main_thread_seconds + result.svd_seconds)
         self._warn_if_non_finite()
         experiments = tb.summary_writers(self.writers)
-        if self.options.figures and experiments and self._figures_due(result.step):
-            self._draw(experiments, result.step)
+        if self.options.figures and experiments and self._figures.due(result.step):
+            self._figures.draw(experiments, self._figure_rows(), result.step)
         tb.flush(experiments)
 
     def _warn_if_non_finite(self) -> None:
@@ -362,17 +358,8 @@ class SpectralTracker:
             category=RuntimeWarning,
         )
 
-    def _figures_due(self, step: int) -> bool:
-        every = self.options.figure_every_n_steps
-        if every is None:
-            return False
-        last = self._last_figure_step
-        return last is None and step >= every or last is not None and step // every > last // every
-
-    def _draw(self, experiments: list[Any], step: int) -> None:
-        rows = self._reporter.rows(run=FIGURE_RUN)
-        if len(rows) and self._figure_writer.submit(experiments, rows, step):
-            self._last_figure_step = step
+    def _figure_rows(self) -> Any:
+        return self._reporter.rows(run=dashboards.FIGURE_RUN)
 
     def _draw_final(self, deadline: float) -> None:
         """The final figures (of the last logged snapshot), waited for until ``deadline``."""
@@ -380,11 +367,7 @@ class SpectralTracker:
         if not (self.options.figures and experiments and self._reporter.history):
             return
         last = self._reporter.history[-1][0]
-        if self._last_figure_step != last and self._figure_writer.wait(
-            max(0.0, deadline - time.monotonic())
-        ):
-            self._draw(experiments, last)
-        if not self._figure_writer.wait(max(0.0, deadline - time.monotonic())):
+        if not self._figures.draw_final(experiments, self._figure_rows, last, deadline):
             rank_zero_warn(
                 f"{self.caller}: the final figures were not written within "
                 f"drain_timeout={self.options.drain_timeout} s",
