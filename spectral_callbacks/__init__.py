@@ -1,7 +1,10 @@
 """Watch the spectra of a transformer's weight matrices change during training.
 
-``SpectralMonitor`` is the Lightning callback; ``find_targets`` maps a model's Q/K/V/O/MLP
-matrices; ``spectral_callbacks.functional`` holds the math as pure tensor functions.
+``SpectralTracker`` is the framework-agnostic core (``tracker.step(step)`` after each optimizer
+step); ``SpectralMonitor`` is the ``lightning.pytorch`` callback, ``spectral_callbacks.pl`` the
+``pytorch_lightning`` one and ``spectral_callbacks.hf`` the Hugging Face ``Trainer`` callback;
+``find_targets`` maps a model's Q/K/V/O/MLP matrices; ``spectral_callbacks.functional`` holds the
+math as pure tensor functions.
 """
 
 from __future__ import annotations
@@ -15,6 +18,9 @@ __version__ = "0.1.0"
 # spectral_callbacks` stays cheap (the CLI's --help should not pay for Lightning).
 _EXPORTS = {
     "SpectralMonitor": "spectral_callbacks.integrations.lightning",
+    "SpectralTracker": "spectral_callbacks.monitor.tracker",
+    "MonitorOptions": "spectral_callbacks.monitor.options",
+    "ConfigurationError": "spectral_callbacks.monitor.options",
     "find_targets": "spectral_callbacks.targets",
     "Target": "spectral_callbacks.targets",
     "format_targets": "spectral_callbacks.targets",

@@ -43,6 +43,18 @@ REFERENCE_STEP = "reference_step"
 # Canonical roles of DESIGN.md section 3, in chart order. Variants add documented extra roles.
 ROLES: tuple[str, ...] = ("Q", "K", "V", "O", "MLP_up", "MLP_down")
 
+# The columns of tidy rows (the callback's figure history, export, charts), in this order.
+TIDY_COLUMNS: tuple[str, ...] = (
+    "run",
+    "step",
+    "metric",
+    "layer",
+    "depth",
+    "role",
+    "value",
+    "wall_time",
+)
+
 _TAG = re.compile(
     r"^spectral_(?P<metric>[a-z0-9_]+)/(?:L(?P<layer>\d+)|(?P<mean>mean))/(?P<role>[A-Za-z0-9_]+)$"
 )

@@ -16,6 +16,7 @@ from tensorboard.backend.event_processing import event_accumulator
 from tensorboard.plugins.custom_scalar import layout_pb2
 from torch.utils.tensorboard import SummaryWriter
 
+from spectral_callbacks import tensorboard_adapter
 from spectral_callbacks.integrations.lightning import DEFAULT_METRICS
 from spectral_callbacks.monitor import dashboards
 from spectral_callbacks.monitor.compute import SpectrumCompute
@@ -174,7 +175,7 @@ def test_layout_is_rewritten_only_when_a_chart_gains_a_finite_line() -> None:
 def test_layout_written_to_a_summary_writer_reads_back_with_closed_sections(tmp_path) -> None:
     layout = dashboards.custom_scalars_layout(targets_of(("Q", "KV"), 2), METRICS)
     with SummaryWriter(str(tmp_path)) as writer:
-        dashboards.add_layout([writer], layout)
+        tensorboard_adapter.add_layout([writer], layout)
     reader = event_accumulator.EventAccumulator(str(tmp_path))
     reader.Reload()
     [event] = reader.Tensors("custom_scalars__config__")
@@ -227,7 +228,9 @@ def test_tensorboards_custom_scalars_plugin_serves_exactly_each_charts_tags(tmp_
     with SummaryWriter(str(tmp_path / "run")) as writer:
         for tag in tags:
             writer.add_scalar(tag, 1.0, 0)
-        dashboards.add_layout([writer], dashboards.custom_scalars_layout(targets, ("alpha",)))
+        tensorboard_adapter.add_layout(
+            [writer], dashboards.custom_scalars_layout(targets, ("alpha",))
+        )
     multiplexer = plugin_event_multiplexer.EventMultiplexer()
     multiplexer.AddRunsFromDirectory(str(tmp_path))
     multiplexer.Reload()

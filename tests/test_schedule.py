@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import pytest
-from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
+from spectral_callbacks.monitor.options import ConfigurationError
 from spectral_callbacks.monitor.schedule import SnapshotSchedule
 
 
@@ -111,5 +111,5 @@ def test_state_round_trip() -> None:
     ],
 )
 def test_bad_arguments_are_named(kwargs: dict, match: str) -> None:
-    with pytest.raises(MisconfigurationException, match=match):
+    with pytest.raises(ConfigurationError, match=match):
         SnapshotSchedule(**kwargs)

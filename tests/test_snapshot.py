@@ -39,7 +39,7 @@ def test_snapshot_is_an_exact_copy_untouched_by_the_next_update() -> None:
         weight.mul_(-2.0)  # the "next optimizer step", in place as optimizers do
     stacked = snapshot.tensors["6x5/float32/cpu"]
     assert torch.equal(stacked[0], originals["q"]) and torch.equal(stacked[1], originals["k"])
-    assert snapshot.main_thread_seconds >= 0 and snapshot.ready is None
+    assert snapshot.main_thread_seconds >= 0 and snapshot.stream is None
 
 
 def test_snapshot_keeps_the_parameter_dtype() -> None:
@@ -56,6 +56,6 @@ def test_cuda_snapshot_is_ordered_before_the_next_update() -> None:
     side = torch.cuda.Stream()
     snapshot = take_snapshot(groups, step=1, stream=side)
     weight.mul_(3.0)  # queued on the training stream, which must wait for the copy
-    snapshot.ready.synchronize()
+    snapshot.stream.synchronize()
     torch.cuda.current_stream().synchronize()
     assert torch.equal(snapshot.tensors["256x256/float32/cuda:0"][0], expected)

@@ -38,19 +38,19 @@ from __future__ import annotations
 import math
 import re
 import threading
-from collections.abc import Collection, Mapping, Sequence
+import time
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
 import pandas as pd
-from tensorboard.compat.proto.summary_pb2 import Summary
-from tensorboard.compat.proto.tensor_pb2 import TensorProto
-from tensorboard.compat.proto.tensor_shape_pb2 import TensorShapeProto
 from tensorboard.plugins.custom_scalar import layout_pb2
-from tensorboard.plugins.custom_scalar import metadata as custom_scalar_metadata
 
 from spectral_callbacks.names import layer_label, scalar_tag
+from spectral_callbacks.tensorboard_adapter import add_layout, flush
 
 FIGURE_SECTION = "spectral_figures"
+#: The run name of the tidy rows the live figures are drawn from (their legend).
+FIGURE_RUN = "this run"
 #: Lines per custom-scalars chart: TensorBoard has five symbols to tell one run's lines apart.
 MAX_LINES = 5
 
@@ -271,53 +271,6 @@ class FigureWriter:
             raise RuntimeError(f"SpectralMonitor could not draw its figures: {error}") from error
 
 
-def tensorboard_experiments(loggers: Sequence[Any]) -> list[Any]:
-    """The ``SummaryWriter`` of every TensorBoard logger among ``loggers``."""
-    from lightning.pytorch.loggers import TensorBoardLogger
-
-    return [logger.experiment for logger in loggers if isinstance(logger, TensorBoardLogger)]
-
-
-def add_layout(experiments: Sequence[Any], layout: layout_pb2.Layout) -> None:
-    """Write the custom-scalars ``layout`` to every TensorBoard writer.
-
-    ``SummaryWriter.add_custom_scalars`` takes a dict and cannot collapse a section, so the layout
-    goes out as the summary that method writes, through the writer's ``_get_file_writer`` (the
-    private accessor of torch's and tensorboardX's writers, also used by ``reporting``); a writer
-    without it gets ``add_custom_scalars`` (all sections open).
-    """
-    summary = Summary(
-        value=[
-            Summary.Value(
-                tag=custom_scalar_metadata.CONFIG_SUMMARY_TAG,
-                metadata=custom_scalar_metadata.create_summary_metadata(),
-                tensor=TensorProto(
-                    dtype="DT_STRING",
-                    string_val=[layout.SerializeToString()],
-                    tensor_shape=TensorShapeProto(),
-                ),
-            )
-        ]
-    )
-    for experiment in experiments:
-        get_file_writer = getattr(experiment, "_get_file_writer", None)
-        file_writer = get_file_writer() if callable(get_file_writer) else None
-        if file_writer is not None:
-            file_writer.add_summary(summary)
-        else:
-            experiment.add_custom_scalars(_as_dict(layout))
-
-
-def _as_dict(layout: layout_pb2.Layout) -> dict[str, dict[str, list]]:
-    """The ``add_custom_scalars`` dict of ``layout`` (it has no place for ``closed``)."""
-    return {
-        category.title: {
-            chart.title: ["Multiline", list(chart.multiline.tag)] for chart in category.chart
-        }
-        for category in layout.category
-    }
-
-
 def add_figures(experiments: Sequence[Any], figures: dict[str, Any], step: int) -> None:
     """Write each figure to every TensorBoard writer at ``step`` and close it."""
     for tag, figure in figures.items():
@@ -327,7 +280,40 @@ def add_figures(experiments: Sequence[Any], figures: dict[str, Any], step: int) 
         del figure  # OO-API figures are not tracked by pyplot: dropping the reference frees them
 
 
-def flush(experiments: Sequence[Any]) -> None:
-    """Flush every writer so a running TensorBoard shows the new points within seconds."""
-    for experiment in experiments:
-        experiment.flush()
+class LiveFigures:
+    """When a run draws its figures: every ``every_n_steps`` (on the first snapshot logged at or
+    after each multiple) and once more at the end, on a :class:`FigureWriter`'s thread.
+
+    Args:
+        roles: roles that get an α-vs-depth and a compression-wave figure (``None``: all).
+        every_n_steps: the cadence; ``None`` draws only at the end.
+    """
+
+    def __init__(self, roles: Sequence[str] | None, every_n_steps: int | None) -> None:
+        self.every_n_steps = every_n_steps
+        self.last_step: int | None = None
+        self._writer = FigureWriter(roles)
+
+    def due(self, step: int) -> bool:
+        """Whether the figures are due at the snapshot of ``step``."""
+        every, last = self.every_n_steps, self.last_step
+        if every is None:
+            return False
+        return last is None and step >= every or last is not None and step // every > last // every
+
+    def draw(self, experiments: Sequence[Any], rows: pd.DataFrame, step: int) -> None:
+        """Start drawing ``rows`` at ``step`` (skipped if the previous drawing still runs)."""
+        if len(rows) and self._writer.submit(experiments, rows, step):
+            self.last_step = step
+
+    def draw_final(
+        self,
+        experiments: Sequence[Any],
+        rows: Callable[[], pd.DataFrame],
+        step: int,
+        deadline: float,
+    ) -> bool:
+        """The figures of the last snapshot ``step`` unless drawn; ``False`` if not done by ``deadline``."""
+        if self.last_step != step and self._writer.wait(max(0.0, deadline - time.monotonic())):
+            self.draw(experiments, rows(), step)
+        return self._writer.wait(max(0.0, deadline - time.monotonic()))

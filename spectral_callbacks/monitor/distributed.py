@@ -30,8 +30,8 @@ training path:
 * After an exception no collective is issued: rank 0 logs the reduces already complete and its
   own rows of later snapshots (with a warning that they are partial).
 
-FSDP / FSDP2 / DeepSpeed ZeRO-3 shard the parameters, so no rank holds a whole matrix:
-:func:`check_strategy` rejects them at setup with an error that says what is supported.
+FSDP / FSDP2 / DeepSpeed ZeRO-3 shard the parameters, so no rank holds a whole matrix: the
+Lightning frontend rejects them at setup with an error that says what is supported.
 
 Example::
 
@@ -47,16 +47,15 @@ from __future__ import annotations
 import collections
 import datetime
 import time
-import warnings
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from spectral_callbacks.monitor.engine import Compute, SnapshotEngine, SnapshotResult
+from spectral_callbacks.monitor.messages import rank_zero_warn
 from spectral_callbacks.monitor.snapshot import Snapshot, group_by_shape
 from spectral_callbacks.names import monitor_tag
 
@@ -109,62 +108,19 @@ def partition(targets: Sequence[Any], world_size: int) -> list[int]:
     return owners
 
 
-def check_strategy(trainer: Any, max_overhead: float | None = None) -> None:
-    """Reject strategies whose processes do not each hold whole, identical matrices.
-
-    Raises:
-        MisconfigurationException: for FSDP / FSDP2 (``ModelParallelStrategy``) / DeepSpeed ZeRO-3
-            (sharded parameters), for any other multi-process strategy that is not DDP, and for
-            ``max_overhead`` with several processes (the budget is measured per rank, so ranks
-            would snapshot at different steps).
-    """
-    from lightning.pytorch.strategies import (
-        DDPStrategy,
-        DeepSpeedStrategy,
-        FSDPStrategy,
-        ModelParallelStrategy,
-    )
-
-    strategy = getattr(trainer, "strategy", None)
-    name = type(strategy).__name__
-    supported = (
-        "SpectralMonitor supports a single device and DDP (strategy='ddp', 'ddp_spawn', "
-        "'ddp_notebook', DeepSpeed stages 1-2), where every rank holds whole matrices"
-    )
-    zero3 = (
-        isinstance(strategy, DeepSpeedStrategy)
-        and isinstance(getattr(strategy, "config", None), dict)
-        and strategy.zero_stage_3
-    )
-    sharded = isinstance(strategy, (FSDPStrategy, ModelParallelStrategy)) or zero3
-    if sharded:
-        raise MisconfigurationException(
-            f"SpectralMonitor cannot watch a model trained with {name}: it shards the parameters, so "
-            f"no rank holds a whole matrix to decompose. {supported}. Analyse checkpoints of a "
-            "sharded run offline with `spectral-callbacks analyze` instead."
-        )
-    world_size = int(getattr(trainer, "world_size", 1) or 1)
-    if world_size > 1 and not isinstance(strategy, DDPStrategy):
-        raise MisconfigurationException(
-            f"SpectralMonitor does not support {name} with {world_size} processes. {supported}."
-        )
-    if world_size > 1 and max_overhead is not None:
-        raise MisconfigurationException(
-            f"`max_overhead` is not supported with {world_size} processes: each rank measures its own "
-            "step and snapshot times, so ranks would snapshot at different steps; pass "
-            "`max_overhead=None` and choose `every_n_steps` instead"
-        )
-
-
 def result_columns(metrics: Sequence[str]) -> tuple[str, ...]:
-    """The metrics each rank sends: the logged ones, with ``stable_rank`` for ``compression``.
+    """The metrics each rank sends: the logged ones, with ``stable_rank`` for ``compression`` and
+    ``frobenius_norm`` for rank 0's check of non-finite weights (a NaN ``stable_rank`` alone could
+    be an all-zero matrix).
 
     >>> result_columns(("compression", "alpha"))
-    ('alpha', 'stable_rank')
+    ('alpha', 'stable_rank', 'frobenius_norm')
     """
     columns = [metric for metric in metrics if metric != "compression"]
     if "compression" in metrics and "stable_rank" not in columns:
         columns.append("stable_rank")
+    if "frobenius_norm" not in columns:
+        columns.append("frobenius_norm")
     return tuple(columns)
 
 
@@ -224,13 +180,6 @@ class ResultLayout:
         return metrics, [dict(zip(RANK_HEALTH, row, strict=True)) for row in health]
 
 
-@dataclass
-class GatheredResult(SnapshotResult):
-    """A snapshot's results gathered from every rank; ``rank_scalars`` holds the per-rank health."""
-
-    rank_scalars: dict[str, float] = field(default_factory=dict)
-
-
 def rank_scalars(health: Sequence[dict[str, float]]) -> dict[str, float]:
     """``spectral_monitor/rank<r>/<name>`` per rank, and the total of ``skipped`` over ranks.
 
@@ -257,10 +206,13 @@ class _Point:
 class DistributedEngine:
     """A :class:`SnapshotEngine` over this rank's share, plus the gather of every rank's results.
 
-    It offers the engine's interface (``groups``, ``submit``, ``collect``, ``pending``,
-    ``skipped``, ``close``) so the callback drives it the same way; :meth:`collect` returns the
-    gathered results on rank 0 and nothing elsewhere. Call :meth:`flush` at the end of fit on every
-    rank, :meth:`abort` after an exception.
+    It implements :class:`spectral_callbacks.monitor.protocol.Engine`, so the tracker drives it
+    exactly as a :class:`SnapshotEngine`: every rank calls :meth:`offer` at every scheduled point
+    (it issues the collective, so it never skips the call - the local engine skips and counts a
+    snapshot when full), :meth:`collect` returns the gathered results on rank 0 and nothing
+    elsewhere, :meth:`finish` at the end of training on every rank, :meth:`abort` after an
+    exception. :meth:`submit` and :meth:`flush` are the lower-level steps ``offer`` and ``finish``
+    are made of.
 
     Args:
         compute: the compute function (see :class:`SnapshotEngine`).
@@ -271,7 +223,7 @@ class DistributedEngine:
         max_pending: as for :class:`SnapshotEngine`. The result of a snapshot is sent
             ``max(1, max_pending - 1)`` scheduled points after it was taken. Default ``2``.
         engine_options: passed on to :class:`SnapshotEngine` (``synchronous``, ``worker_threads``,
-            ...).
+            ``skipped``, ...).
     """
 
     def __init__(
@@ -314,12 +266,6 @@ class DistributedEngine:
         return self._local.pending + len(self._in_flight)
 
     @property
-    def has_room(self) -> bool:
-        """Always ``True``: every scheduled point must reach :meth:`submit` on every rank, since it
-        issues the collective; the local engine still skips (and counts) a snapshot when full."""
-        return True
-
-    @property
     def in_flight(self) -> int:
         """Reduces issued and not yet collected."""
         return len(self._in_flight)
@@ -329,20 +275,43 @@ class DistributedEngine:
         """Snapshots this rank skipped (bound hit) or sent as missing (not done in time)."""
         return self._local.skipped + self.missed
 
-    @skipped.setter
-    def skipped(self, value: int) -> None:
-        self._local.skipped = value - self.missed
+    @property
+    def awaiting_results(self) -> bool:
+        """Whether :meth:`collect` may still return a result here: rank 0, with reduces issued."""
+        return self.rank == 0 and bool(self._in_flight)
 
-    def submit(self, snapshot: Snapshot) -> bool:
-        """A scheduled point: send the result now due, then hand the new snapshot to the worker."""
+    def offer(self, step: int) -> bool:
+        """A scheduled point: send the result now due, then snapshot this rank's share of ``step``."""
         if self._aborted:
             return False
-        self._harvest()
-        while len(self._points) >= self.lag:
-            self._send(self._points.popleft(), time.monotonic() + DUE_WAIT_SECONDS)
+        self._send_due()
+        accepted = self._local.offer(step)
+        self._points.append(_Point(step, accepted))
+        return accepted
+
+    def submit(self, snapshot: Snapshot) -> bool:
+        """:meth:`offer` for a snapshot of this rank's share taken elsewhere."""
+        if self._aborted:
+            return False
+        self._send_due()
         accepted = self._local.submit(snapshot)
         self._points.append(_Point(snapshot.step, accepted))
         return accepted
+
+    def finish(self, step: int, *, offered: bool, deadline: float) -> None:
+        """End of training, on every rank: a last point at ``step`` unless it was one, then flush.
+
+        A snapshot is a collective point, so every rank decides alike, by the shared schedule
+        (``offered``): a local skip of the last scheduled snapshot cannot be retaken on one rank.
+        """
+        if not offered:
+            self.offer(step)
+        self.flush(deadline)
+
+    def _send_due(self) -> None:
+        self._harvest()
+        while len(self._points) >= self.lag:
+            self._send(self._points.popleft(), time.monotonic() + DUE_WAIT_SECONDS)
 
     def flush(self, deadline: float) -> None:
         """End of fit, on every rank: send every result still due (waiting until ``deadline``)."""
@@ -367,11 +336,10 @@ class DistributedEngine:
             try:
                 work.wait()
             except Exception as error:  # noqa: BLE001 - a lost peer: reported, training goes on
-                warnings.warn(
+                rank_zero_warn(
                     f"SpectralMonitor: the results of step {step} could not be gathered from every "
                     f"rank and are dropped: {error}",
-                    RuntimeWarning,
-                    stacklevel=2,
+                    category=RuntimeWarning,
                 )
                 continue
             if self.rank == 0:
@@ -425,12 +393,12 @@ class DistributedEngine:
         work = dist.reduce(flat, dst=0, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
         self._in_flight.append((point.step, flat, work))
 
-    def _decode(self, step: int, flat: torch.Tensor) -> GatheredResult:
+    def _decode(self, step: int, flat: torch.Tensor) -> SnapshotResult:
         metrics, health = self.layout.unpack(flat)
         # The snapshot took as long as its slowest rank: that is what the aggregate health shows.
         svd = max(row["svd_ms"] for row in health) / 1000
         main = max(row["main_thread_ms"] for row in health) / 1000
-        return GatheredResult(step, metrics, svd, main, rank_scalars(health))
+        return SnapshotResult(step, metrics, svd, main, rank_scalars(health))
 
     def _partial(self, deadline: float) -> list[SnapshotResult]:
         """Rank 0's own rows of snapshots never sent (after an exception), with a warning."""
@@ -441,12 +409,11 @@ class DistributedEngine:
                 partial.append(result)
         self._points.clear()
         if partial:
-            warnings.warn(
+            rank_zero_warn(
                 "SpectralMonitor: training stopped with an exception before the results of step(s) "
                 f"{[r.step for r in partial]} were gathered; only rank 0's share of the matrices "
                 f"({len(self.owned)} of {len(self.layout.names)}) is logged for them",
-                RuntimeWarning,
-                stacklevel=3,
+                category=RuntimeWarning,
             )
         return partial
 
@@ -462,9 +429,8 @@ def results_group(timeout_seconds: float) -> Any:
     )
 
 
-def world(trainer: Any) -> tuple[int, int]:
-    """``(global_rank, world_size)`` of a Trainer whose process group is up; ``(0, 1)`` otherwise."""
-    world_size = int(getattr(trainer, "world_size", 1) or 1)
-    if world_size < 2 or not (dist.is_available() and dist.is_initialized()):
+def world() -> tuple[int, int]:
+    """``(rank, world_size)`` of the default process group if one is up; ``(0, 1)`` otherwise."""
+    if not (dist.is_available() and dist.is_initialized()):
         return 0, 1
-    return int(trainer.global_rank), world_size
+    return dist.get_rank(), dist.get_world_size()

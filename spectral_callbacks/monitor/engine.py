@@ -43,15 +43,15 @@ import os
 import queue
 import threading
 import time
-import warnings
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from spectral_callbacks.monitor.snapshot import ShapeGroup, Snapshot
+from spectral_callbacks.monitor.messages import rank_zero_warn
+from spectral_callbacks.monitor.snapshot import ShapeGroup, Snapshot, take_snapshot
 
 #: ``compute(group, batch)``: ``batch`` is a float ``(B, m, n)`` stack of the group's matrices;
 #: returns metric name -> ``(B,)`` tensor. On CUDA it runs with the side stream current.
@@ -66,12 +66,17 @@ class SpectralComputeError(RuntimeError):
 
 @dataclass
 class SnapshotResult:
-    """The metrics of one snapshot: target name -> metric -> value, and what it cost."""
+    """The metrics of one snapshot: target name -> metric -> value, and what it cost.
+
+    ``rank_scalars`` holds health scalars an engine adds to the log (under DDP: each rank's health
+    and the total of skipped snapshots over ranks); empty for one process.
+    """
 
     step: int
     metrics: dict[str, dict[str, float]]
     svd_seconds: float
     main_thread_seconds: float
+    rank_scalars: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -103,7 +108,11 @@ class SnapshotEngine:
             torch's default. Default ``1``.
         worker_nice: raise the worker thread's nice value by this much (Linux: per thread), so on
             busy cores the scheduler runs training first and the SVD in what is left. ``None``
-            leaves it. Default ``None``.
+            leaves it; ignored on CUDA, where the worker only enqueues kernels. Default ``None``.
+        skipped: snapshots skipped before a resume, so ``skipped`` keeps counting. Default ``0``.
+
+    It implements :class:`spectral_callbacks.monitor.protocol.Engine`; :meth:`submit` is the
+    lower-level hand-over of a snapshot taken elsewhere.
 
     Raises:
         ValueError: if ``max_pending`` is not a positive int.
@@ -118,6 +127,7 @@ class SnapshotEngine:
         synchronous: bool = False,
         worker_threads: int | None = 1,
         worker_nice: int | None = None,
+        skipped: int = 0,
     ) -> None:
         if not isinstance(max_pending, int) or max_pending < 1:
             raise ValueError(f"`max_pending` must be a positive int, got {max_pending!r}")
@@ -126,8 +136,16 @@ class SnapshotEngine:
         self.max_pending = max_pending
         self.synchronous = synchronous
         self.worker_threads = worker_threads
-        self.worker_nice = worker_nice
-        self.skipped = 0
+        devices = [group.targets[0].matrix().device for group in self.groups.values()]
+        cuda = [device for device in devices if device.type == "cuda"]
+        #: The side stream CUDA snapshots are copied and decomposed on (``None`` on the CPU).
+        self.stream = torch.cuda.Stream(cuda[0]) if cuda and not synchronous else None
+        # On CUDA the worker only enqueues kernels: lowering its priority would only add latency.
+        self.worker_nice = worker_nice if self.stream is None else None
+        # The skip count lives here only: changed by _skip and by finish() retaking a skipped step.
+        self._skipped = skipped
+        self._last_skipped: int | None = None
+        self._last_accepted: int | None = None
         self._jobs: collections.deque[_Job] = collections.deque()
         self._queue: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self._worker: threading.Thread | None = None
@@ -139,15 +157,70 @@ class SnapshotEngine:
         return len(self._jobs)
 
     @property
-    def has_room(self) -> bool:
-        """Whether a snapshot submitted now would be accepted (check before paying for the copy)."""
-        return self.pending < self.max_pending
+    def skipped(self) -> int:
+        """Scheduled snapshots not taken because ``max_pending`` were in flight."""
+        return self._skipped
+
+    @property
+    def awaiting_results(self) -> bool:
+        """Whether :meth:`collect` may still return a result here."""
+        return self.pending > 0
+
+    def offer(self, step: int) -> bool:
+        """A scheduled point: snapshot the weights of ``step`` and hand them over, or skip.
+
+        The bound is checked before the copy, so a skipped snapshot costs nothing.
+        """
+        if self.pending >= self.max_pending:
+            self._skip(step)
+            return False
+        return self.submit(self._take(step))
+
+    def finish(self, step: int, *, offered: bool, deadline: float) -> None:
+        """End of training at ``step``: measure it unless it already was, waiting for room.
+
+        The final step is always measured: if it was skipped (or never offered) the engine waits
+        until ``deadline`` for a snapshot in flight to finish computing, then takes it, and a skip
+        of it counted earlier is taken back.
+        """
+        if offered and self._last_accepted == step:
+            return
+        while self._computing() >= self.max_pending and time.monotonic() < deadline:
+            time.sleep(_POLL_SECONDS)
+        if self._computing() >= self.max_pending:
+            if self._last_skipped != step:
+                self._skip(step)
+            return
+        retaken = self._last_skipped == step
+        self._hand_over(self._take(step))
+        if retaken:
+            self._skipped -= 1
+
+    def abort(self) -> None:
+        """After an exception: nothing to do for one process (no collective can hang)."""
 
     def submit(self, snapshot: Snapshot) -> bool:
         """Hand a snapshot over; ``False`` (and ``skipped`` counts it) if ``max_pending`` are in flight."""
         if self.pending >= self.max_pending:
-            self.skipped += 1
+            self._skip(snapshot.step)
             return False
+        self._hand_over(snapshot)
+        return True
+
+    def _take(self, step: int) -> Snapshot:
+        with torch.no_grad():
+            return take_snapshot(list(self.groups.values()), step, stream=self.stream)
+
+    def _skip(self, step: int) -> None:
+        self._skipped += 1
+        self._last_skipped = step
+
+    def _computing(self) -> int:
+        """Snapshots still holding their copies (not yet decomposed)."""
+        return sum(not self._complete(job) for job in self._jobs)
+
+    def _hand_over(self, snapshot: Snapshot) -> None:
+        self._last_accepted = snapshot.step
         job = _Job(snapshot, Future())
         self._jobs.append(job)
         if self.synchronous:
@@ -155,10 +228,9 @@ class SnapshotEngine:
             work = job.future.result() if job.future.exception() is None else None
             if isinstance(work, _DeviceWork):
                 work.done.synchronize()  # the baseline blocks by design
-            return True
+            return
         self._ensure_worker()
         self._queue.put(job)
-        return True
 
     def collect(self, wait_seconds: float = 0.0) -> list[SnapshotResult]:
         """The results that are complete, in step order; waits up to ``wait_seconds`` for all.
@@ -194,11 +266,10 @@ class SnapshotEngine:
         self._queue.put(None)
         worker.join(timeout)
         if worker.is_alive():  # a daemon thread: it cannot keep the interpreter alive
-            warnings.warn(
+            rank_zero_warn(
                 f"SpectralMonitor's worker thread did not stop within {timeout} s; it is left "
                 "running as a daemon thread and its snapshot is dropped",
-                RuntimeWarning,
-                stacklevel=2,
+                category=RuntimeWarning,
             )
         self._jobs.clear()
 

@@ -2,7 +2,8 @@
 
 Everything runs on the main thread. Tags come from ``spectral_callbacks.names`` (never spelled by
 hand), the step is the optimizer step *of the snapshot*, not of the moment it is logged, and every
-logger in ``trainer.loggers`` gets the same dictionary. A bounded history of recent snapshots is kept
+writer gets the same dictionary. The offline analysis of a model at rest builds its scalars here
+too, so a run and an analyzed model carry the same names by construction. A bounded history of recent snapshots is kept
 as tidy rows for the figures.
 
 Example::
@@ -38,30 +39,25 @@ from __future__ import annotations
 import collections
 import math
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import pandas as pd
 import torch
-from lightning.fabric.loggers import TensorBoardLogger
-from tensorboard.compat.proto.summary_pb2 import Summary
 
 from spectral_callbacks.functional import compression
-from spectral_callbacks.names import NUM_LAYERS_TAG, monitor_tag, reference_step_tag, scalar_tag
-
-#: Metrics the SVD path produces, plus ``compression`` derived from ``stable_rank``.
-KNOWN_METRICS: tuple[str, ...] = (
-    "stable_rank",
-    "alpha",
-    "alpha_r2",
-    "spectral_norm",
-    "frobenius_norm",
-    "energy_rank_90",
-    "esd_alpha",
-    "compression",
+from spectral_callbacks.names import (
+    NUM_LAYERS_TAG,
+    TIDY_COLUMNS,
+    monitor_tag,
+    reference_step_tag,
+    scalar_tag,
 )
 
-TIDY_COLUMNS = ["run", "step", "metric", "layer", "depth", "role", "value", "wall_time"]
+# Metrics that are NaN only when the matrix itself holds a NaN or Inf. Not energy_rank_90 or alpha
+# (NaN on finite matrices: not reached within the top-k, too few nonzero values to fit), and
+# stable_rank only as a last resort (0/0 on an all-zero matrix).
+_FINITE_ON_FINITE_WEIGHTS = ("spectral_norm", "frobenius_norm")
 
 
 class Reporter:
@@ -69,7 +65,7 @@ class Reporter:
 
     Args:
         targets: the watched matrices (``name``, ``layer``, ``num_layers``, ``role``, ``depth``).
-        metrics: which metrics to log (see :data:`KNOWN_METRICS`).
+        metrics: which metrics to log (see ``monitor.options.KNOWN_METRICS``).
         history_size: how many snapshots the figure history keeps (oldest dropped first).
             Default ``256``.
     """
@@ -88,6 +84,8 @@ class Reporter:
         self.history: collections.deque[tuple[int, float, dict[str, float]]] = collections.deque(
             maxlen=history_size
         )
+        # (matrix name, step) of the first snapshot whose weights were not finite, once found.
+        self.first_non_finite: tuple[str, int] | None = None
 
     def scalars(self, step: int, values: Mapping[str, Mapping[str, float]]) -> dict[str, float]:
         """The tagged scalars of one snapshot (``values``: target name -> metric -> value).
@@ -99,6 +97,8 @@ class Reporter:
         new_references: list[str] = []
         for name, metrics in values.items():
             row = dict(metrics)
+            if self.first_non_finite is None and _non_finite(row):
+                self.first_non_finite = (name, step)
             if "stable_rank" in row:
                 if name not in self.references and math.isfinite(row["stable_rank"]):
                     self.references[name] = float(row["stable_rank"])
@@ -150,7 +150,7 @@ class Reporter:
                                 wall_time,
                             )
                         )
-        return pd.DataFrame.from_records(records, columns=TIDY_COLUMNS)
+        return pd.DataFrame.from_records(records, columns=list(TIDY_COLUMNS))
 
     #: The keys of :meth:`state_dict`; a checkpoint holds them beside the callback's own state.
     STATE_KEYS = ("references", "reference_steps")
@@ -183,35 +183,10 @@ def num_layers_scalar(num_layers: int) -> dict[str, float]:
     return {NUM_LAYERS_TAG: float(num_layers)}
 
 
-def log_to_all(loggers: Iterable[Any], scalars: Mapping[str, float], step: int) -> None:
-    """``log_metrics(scalars, step=step)`` on every Lightning logger; TensorBoard gets one event.
-
-    ``TensorBoardLogger.log_metrics`` writes one event per scalar, and without TensorFlow installed
-    TensorBoard checksums every event in pure Python on its writer thread, holding the GIL the
-    training thread needs: a snapshot's ~200 scalars cost ~4 % of a small model's training time that
-    way. One multi-value ``Summary`` per snapshot is one event; readers see the same scalars.
-    """
-    for logger in loggers:
-        file_writer = _tensorboard_file_writer(logger)
-        if file_writer is None:
-            logger.log_metrics(dict(scalars), step=step)
-            continue
-        values = [
-            Summary.Value(tag=tag, simple_value=float(value)) for tag, value in scalars.items()
-        ]
-        file_writer.add_summary(Summary(value=values), global_step=step)
-
-
-def _tensorboard_file_writer(logger: Any) -> Any:
-    """The event-file writer of a plain TensorBoardLogger, or ``None`` to use ``log_metrics``.
-
-    A logger with a metric ``prefix`` keeps ``log_metrics``, which adds it. ``_get_file_writer`` is
-    the (private) accessor of both torch's and tensorboardX's ``SummaryWriter``.
-    """
-    if not isinstance(logger, TensorBoardLogger) or bool(getattr(logger, "_prefix", None)):
-        return None
-    get_file_writer = getattr(logger.experiment, "_get_file_writer", None)
-    return get_file_writer() if callable(get_file_writer) else None
+def _non_finite(row: Mapping[str, float]) -> bool:
+    """Whether a matrix's metrics say its weights held a NaN or Inf."""
+    names = [name for name in _FINITE_ON_FINITE_WEIGHTS if name in row] or ["stable_rank"]
+    return any(name in row and not math.isfinite(float(row[name])) for name in names)
 
 
 def _compression(stable_rank: float, reference: float) -> float:

@@ -27,7 +27,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from spectral_callbacks.monitor.options import check_schedule
 
 # Weight of the newest step time in the moving average; ~20 steps of memory smooths out the
 # noise of a shared machine without lagging a real change of speed (e.g. validation starting).
@@ -46,7 +46,7 @@ class SnapshotSchedule:
             cost; the interval stretches (along the grid) to stay within it. Default ``None``.
 
     Raises:
-        MisconfigurationException: if an argument is out of range.
+        ConfigurationError: if an argument is out of range.
     """
 
     def __init__(
@@ -55,24 +55,7 @@ class SnapshotSchedule:
         log_spaced_until: int = 1000,
         max_overhead: float | None = None,
     ) -> None:
-        if (
-            not isinstance(every_n_steps, int)
-            or isinstance(every_n_steps, bool)
-            or every_n_steps < 1
-        ):
-            raise MisconfigurationException(
-                f"`every_n_steps` must be a positive int, got {every_n_steps!r}"
-            )
-        if not isinstance(log_spaced_until, int) or log_spaced_until < 0:
-            raise MisconfigurationException(
-                f"`log_spaced_until` must be a non-negative int (0 turns dense early steps off), "
-                f"got {log_spaced_until!r}"
-            )
-        if max_overhead is not None and not 0 < max_overhead < 1:
-            raise MisconfigurationException(
-                f"`max_overhead` must be a fraction in (0, 1) such as 0.01 for 1 %, or None, "
-                f"got {max_overhead!r}"
-            )
+        check_schedule(every_n_steps, log_spaced_until, max_overhead)
         self.every_n_steps = every_n_steps
         self.log_spaced_until = log_spaced_until
         self.max_overhead = max_overhead

@@ -1,7 +1,7 @@
 """Consistent copies of the watched matrices, grouped by shape so the SVD can run batched.
 
 A snapshot is exactly the weights after optimizer step ``s``: the copy is taken in a hook that runs
-after that step's update and before the next one (see ``callback.py``), and
+after that step's update and before the next one (see ``tracker.py``), and
 
 * on the CPU it is made on the calling (main) thread, so the next update, which runs on the same
   thread, cannot start before the copy is complete;
@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
@@ -65,16 +65,14 @@ class ShapeGroup:
 class Snapshot:
     """Copies of every group's matrices after one optimizer step.
 
-    ``ready`` is ``None`` on the CPU (the copies are complete when :func:`take_snapshot` returns)
-    and, on CUDA, an event recorded on ``stream`` after the copies.
+    ``main_thread_seconds`` is what taking it cost the calling thread; ``stream`` is the CUDA side
+    stream the copies were made on (``None`` on the CPU, where they are complete on return).
     """
 
     step: int
     tensors: dict[str, torch.Tensor]
     main_thread_seconds: float = 0.0
     stream: Any = None
-    ready: Any = None
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 def group_by_shape(targets: Sequence[MatrixSource]) -> list[ShapeGroup]:
@@ -129,7 +127,7 @@ def take_snapshot(
     # 2. The next update on the training stream waits for the copy - not for the SVD, which is
     #    queued on the side stream later and overlaps training.
     training_stream.wait_event(ready)
-    return Snapshot(step, tensors, time.perf_counter() - start, stream=stream, ready=ready)
+    return Snapshot(step, tensors, time.perf_counter() - start, stream=stream)
 
 
 def _stack(group: ShapeGroup) -> torch.Tensor:

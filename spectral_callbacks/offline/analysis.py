@@ -9,16 +9,15 @@ custom run.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pandas as pd
-import torch
 from torch import nn
 
-from spectral_callbacks.names import NUM_LAYERS_TAG, scalar_tag
+from spectral_callbacks.names import NUM_LAYERS_TAG, relative_depth
 from spectral_callbacks.offline.loading import AnalysisError
 
 # Matrices analysed together; bounds the memory of the stacked copies for large models.
@@ -33,7 +32,8 @@ def analyze_model(
 ) -> tuple[pd.DataFrame, int]:
     """``spectral_metrics`` of every matrix ``find_targets`` maps in ``model``.
 
-    Matrices of one shape are stacked and analysed in batches of ``BATCH_MATRICES``.
+    Matrices are grouped by shape as a training snapshot groups them (``group_by_shape``) and
+    analysed in batches of at most ``BATCH_MATRICES``, which bounds the memory of the stacks.
 
     Args:
         model: the network.
@@ -45,23 +45,22 @@ def analyze_model(
         layers L of the model.
     """
     from spectral_callbacks.functional import spectral_metrics
+    from spectral_callbacks.monitor.snapshot import ShapeGroup, group_by_shape, take_snapshot
     from spectral_callbacks.targets import find_targets
 
     targets = find_targets(model)
-    by_shape: dict[tuple[int, ...], list[int]] = {}
-    for index, target in enumerate(targets):
-        by_shape.setdefault(tuple(target.shape), []).append(index)
-    results: list[dict[str, float]] = [{} for _ in targets]
-    with torch.no_grad():
-        for indices in by_shape.values():
-            for start in range(0, len(indices), BATCH_MATRICES):
-                batch = indices[start : start + BATCH_MATRICES]
-                stacked = torch.stack([targets[i].matrix().float() for i in batch])  # (B, m, n)
-                metrics = spectral_metrics(stacked, **options)
-                for position, i in enumerate(batch):
-                    results[i] = {name: float(value[position]) for name, value in metrics.items()}
-                if progress is not None:
-                    progress(len(batch))
+    results: dict[str, dict[str, float]] = {}
+    for group in group_by_shape(targets):
+        for start in range(0, len(group.targets), BATCH_MATRICES):
+            chunk = ShapeGroup(group.key, group.targets[start : start + BATCH_MATRICES])
+            snapshot = take_snapshot([chunk], step=0)
+            metrics = spectral_metrics(snapshot.tensors[chunk.key].float(), **options)  # (B,) each
+            for position, name in enumerate(chunk.names):
+                results[name] = {
+                    metric: float(value[position]) for metric, value in metrics.items()
+                }
+            if progress is not None:
+                progress(len(chunk.targets))
     rows = pd.DataFrame(
         [
             {
@@ -69,9 +68,9 @@ def analyze_model(
                 "role": t.role,
                 "parameter": t.name,
                 "shape": "x".join(map(str, t.shape)),
-                **results[i],
+                **results[t.name],
             }
-            for i, t in enumerate(targets)
+            for t in targets
         ]
     )
     return rows, targets[0].num_layers
@@ -91,10 +90,12 @@ def write_scalars(
 ) -> list[str]:
     """Write ``analyze_model`` rows to ``logdir`` as the callback's scalars at ``step``.
 
-    One scalar per (metric, layer, role), the mean over the finite layers per (metric, role), and
-    ``spectral_monitor/num_layers``. A value that is not finite is not written: at rest each tag
-    holds one point, so a NaN (``energy_rank_90`` beyond the top k, a matrix with NaN entries)
-    would be a chart with nothing on it; the caller counts what was left out.
+    The scalars are built by the training run's ``Reporter`` - one per (metric, layer, role) and
+    the mean over the finite layers per (metric, role) - and written as one event like a
+    snapshot's, with ``spectral_monitor/num_layers``, so the names and means are the same by
+    construction. A value that is not finite is not written: at rest each tag holds one point, so
+    a NaN (``energy_rank_90`` beyond the top k, a matrix with NaN entries) would be a chart with
+    nothing on it; the caller counts what was left out.
 
     Returns:
         The tags written.
@@ -102,30 +103,36 @@ def write_scalars(
     Raises:
         AnalysisError: ``logdir`` is a file or cannot be created.
     """
-    from torch.utils.tensorboard import SummaryWriter
+    from types import SimpleNamespace
+
+    from spectral_callbacks import tensorboard_adapter as tb
+    from spectral_callbacks.monitor.reporting import Reporter, num_layers_scalar
 
     metrics = [c for c in rows.columns if c not in ("layer", "role", "parameter", "shape")]
-    tags = []
     check_logdir(logdir)
+    targets = [
+        SimpleNamespace(
+            name=row.parameter,
+            layer=int(row.layer),
+            role=str(row.role),
+            num_layers=num_layers,
+            depth=relative_depth(int(row.layer), num_layers),
+        )
+        for row in rows.itertuples(index=False)
+    ]
+    values = {row["parameter"]: {m: float(row[m]) for m in metrics} for _, row in rows.iterrows()}
+    scalars = Reporter(targets, metrics).scalars(step, values)
+    finite = {tag: value for tag, value in scalars.items() if math.isfinite(value)}
+    writer = tb.LogdirWriter(str(logdir))
     try:
-        writer = SummaryWriter(str(logdir))
+        tb.log_scalars([writer], num_layers_scalar(num_layers), step)
+        tb.log_scalars([writer], finite, step)
     except OSError as error:
         raise AnalysisError(
             f"{logdir}: cannot create the log directory ({error.strerror or error}); give a "
             "writable directory",
             argument="logdir",
         ) from error
-    with writer:
-        writer.add_scalar(NUM_LAYERS_TAG, num_layers, step)
-        tags.append(NUM_LAYERS_TAG)
-        for metric in metrics:
-            finite = rows[np.isfinite(rows[metric].astype(float))]
-            for row in finite.itertuples(index=False):
-                tag = scalar_tag(metric, int(row.layer), str(row.role), num_layers)
-                writer.add_scalar(tag, float(getattr(row, metric)), step)
-                tags.append(tag)
-            for role, values in finite.groupby("role", sort=False)[metric]:
-                tag = scalar_tag(metric, None, str(role))
-                writer.add_scalar(tag, float(values.mean()), step)
-                tags.append(tag)
-    return tags
+    finally:
+        writer.finalize()
+    return [NUM_LAYERS_TAG, *finite]

@@ -46,9 +46,10 @@ from pathlib import Path
 
 import pandas as pd
 
-from spectral_callbacks.names import NUM_LAYERS_TAG, parse_tag, relative_depth
+from spectral_callbacks.names import NUM_LAYERS_TAG, TIDY_COLUMNS, parse_tag, relative_depth
+from spectral_callbacks.tensorboard_adapter import tf_records
 
-COLUMNS = ("run", "step", "metric", "layer", "depth", "role", "value", "wall_time")
+COLUMNS = TIDY_COLUMNS
 EVENT_FILE_MARKER = "tfevents"
 #: How a :class:`ReadProblem` of a run without spectral scalars begins (a caller may add advice).
 NO_SPECTRAL_SCALARS = "event files hold no spectral scalars"
@@ -155,9 +156,7 @@ def _records(path: Path) -> Iterator[bytes]:
     record, because a live run's last record may still be half-written; the CLI must say when it
     stopped early, so it drives TensorBoard's record iterator itself.
     """
-    from tensorboard.backend.event_processing import event_file_loader
-
-    yield from event_file_loader._make_tf_record_iterator(str(path))
+    yield from tf_records(str(path))
 
 
 def read_event_file(path: Path) -> tuple[list[tuple[str, int, float, float]], ReadProblem | None]:
@@ -215,7 +214,7 @@ def _tidy(run: str, points: list[tuple[str, int, float, float]], all_scalars: bo
         elif all_scalars:
             records.append((run, step, tag, None, None, value, wall_time))
     frame = pd.DataFrame.from_records(
-        records, columns=["run", "step", "metric", "layer", "role", "value", "wall_time"]
+        records, columns=[column for column in COLUMNS if column != "depth"]
     )
     return frame.astype(
         {"step": "int64", "layer": "Int64", "value": "float64", "wall_time": "float64"}

@@ -1,0 +1,288 @@
+"""The options every frontend takes, defined and validated once.
+
+:class:`MonitorOptions` is the one definition of what ``SpectralTracker``, both Lightning
+``SpectralMonitor`` classes and the Hugging Face ``SpectralTrainerCallback`` accept. Every value is
+checked at construction by :func:`require`, so a bad argument fails in the user's own line with a
+message that names it, says what is allowed and shows what came - never later, deep in a worker
+thread, as an error that blames a weight matrix.
+
+Example::
+
+    >>> MonitorOptions(every_n_steps=50).every_n_steps
+    50
+    >>> MonitorOptions(n_iter=-1)
+    Traceback (most recent call last):
+    ...
+    spectral_callbacks.monitor.options.ConfigurationError: `n_iter` must be None or a non-negative int, got -1
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import numbers
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from spectral_callbacks.functional.svd import METHODS
+
+#: Metrics the SVD path produces, plus ``compression`` derived from ``stable_rank``.
+KNOWN_METRICS: tuple[str, ...] = (
+    "stable_rank",
+    "alpha",
+    "alpha_r2",
+    "spectral_norm",
+    "frobenius_norm",
+    "energy_rank_90",
+    "esd_alpha",
+    "compression",
+)
+
+# Every metric defined on the default settings: not esd_alpha (valid only when the eigenvalue tail
+# lies inside the top-k), nor energy_rank_90 (NaN whenever 90 % of ||W||_F^2 lies beyond the top
+# k=32: 95 % of the demo's values).
+DEFAULT_METRICS: tuple[str, ...] = tuple(
+    name for name in KNOWN_METRICS if name not in ("esd_alpha", "energy_rank_90")
+)
+
+# The default asks for the Q figures where there is a Q (a model without one, e.g. MLA's Q_down /
+# Q_up, simply gets none); roles the user names must exist.
+DEFAULT_FIGURE_ROLES: tuple[str, ...] = ("Q",)
+
+# Nice increments a process may add to lower a thread's priority (Linux: 0 .. 19).
+_MAX_NICE = 19
+
+
+class ConfigurationError(ValueError):
+    """A bad argument or a setup that cannot work; the message says which and what to do.
+
+    The Lightning frontends raise it as a subclass that is also their package's
+    ``MisconfigurationException`` (what Lightning users catch); the core does not import Lightning.
+    """
+
+
+def require(name: str, value: Any, ok: bool, allowed: str) -> None:
+    """Raise :class:`ConfigurationError` "`name` must be <allowed>, got <value!r>" unless ``ok``.
+
+    The one helper every argument check goes through, so every message has the same shape.
+
+    >>> require("k", 0, False, "a positive int")
+    Traceback (most recent call last):
+    ...
+    spectral_callbacks.monitor.options.ConfigurationError: `k` must be a positive int, got 0
+    """
+    if not ok:
+        raise ConfigurationError(f"`{name}` must be {allowed}, got {value!r}")
+
+
+def is_int(value: Any, minimum: int) -> bool:
+    """An int (not a bool) of at least ``minimum``."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= minimum
+
+
+def is_real(value: Any) -> bool:
+    """A real number (not a bool)."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def is_names(value: Any) -> bool:
+    """A list or tuple of strings (a bare string is a common slip: ``roles="Q"``)."""
+    return (
+        isinstance(value, Sequence)
+        and not isinstance(value, str)
+        and all(isinstance(item, str) for item in value)
+    )
+
+
+@dataclass(frozen=True)
+class MonitorOptions:
+    r"""What to watch, when to snapshot, how to decompose and what to log.
+
+    Args:
+        metrics: which metrics to log, from ``stable_rank, alpha, alpha_r2, spectral_norm,
+            frobenius_norm, energy_rank_90, esd_alpha, compression``. Default: all but ``esd_alpha``.
+        roles, include, exclude, mapping: which matrices to watch; passed to
+            :func:`spectral_callbacks.targets.find_targets` (which checks them). Default ``None``
+            watches every Q, K, V, O, MLP_up and MLP_down matrix found.
+        every_n_steps: snapshot every this many optimizer steps. Default ``25``.
+        log_spaced_until: also snapshot at the powers of two below this step (dense early points,
+            where the stable rank collapses); ``0`` turns them off. Default ``1000``.
+        max_overhead: a fraction of training time the snapshots may cost (e.g. ``0.01``); the
+            interval then stretches along the grid to stay within it. Default ``None`` (off).
+        k: singular values computed per matrix (capped at the smaller side). Default ``32``.
+        n_oversamples, n_iter, svd_method: randomized-SVD options; ``None`` keeps the defaults of
+            :func:`spectral_callbacks.functional.randomized_svd`. Default ``None, None, "auto"``.
+        fit_window: 1-based ranks ``(first, last)`` of the α fit; ``None`` fits ranks 1..k.
+        max_pending: snapshots that may be in flight; when the bound is hit a snapshot is skipped and
+            counted in ``spectral_monitor/skipped``, never queued. Default ``2``.
+        figure_every_n_steps: draw figures every this many optimizer steps (on the first snapshot
+            logged at or after each multiple), and always at the end; ``None`` draws them only at
+            the end. Default ``1000``.
+        figures: draw figures at all (TensorBoard only). Default ``True``.
+        figure_roles: roles that get an α-vs-depth and a compression-wave figure (``None``: every
+            role); other than the default, checked against the roles found when the model is
+            known. Default ``("Q",)``.
+        synchronous: compute each snapshot inline and wait for it (the naive baseline of
+            benchmarks/overhead.py). Default ``False``.
+        drain_timeout: seconds to wait for in-flight snapshots at the end of training or after an
+            exception. Default ``60.0``.
+        worker_threads: intra-op threads of the worker; ``None`` keeps torch's default. Default ``1``.
+        worker_nice: on the CPU (Linux), raise the worker thread's nice value by this increment
+            (0-19); ``None`` or ``0`` leaves it. Default ``None``.
+        history_size: snapshots kept in memory for the figures. Default ``256``.
+        compute: replace the SVD + metrics function (``(group, batch) -> {metric: (B,) tensor}``).
+            Default ``None`` (:class:`~spectral_callbacks.monitor.compute.SpectrumCompute`).
+
+    Raises:
+        ConfigurationError: an argument out of range or of the wrong type, named in the message.
+    """
+
+    metrics: Sequence[str] = DEFAULT_METRICS
+    roles: Sequence[str] | None = None
+    include: Any = None
+    exclude: Any = None
+    mapping: Any = None
+    every_n_steps: int = 25
+    log_spaced_until: int = 1000
+    max_overhead: float | None = None
+    k: int = 32
+    n_oversamples: int | None = None
+    n_iter: int | None = None
+    svd_method: str = "auto"
+    fit_window: tuple[int, int] | None = None
+    max_pending: int = 2
+    figure_every_n_steps: int | None = 1000
+    figures: bool = True
+    figure_roles: Sequence[str] | None = DEFAULT_FIGURE_ROLES
+    synchronous: bool = False
+    drain_timeout: float = 60.0
+    worker_threads: int | None = 1
+    worker_nice: int | None = None
+    history_size: int = 256
+    compute: Any = None
+
+    def __post_init__(self) -> None:
+        metrics = self.metrics
+        require(
+            "metrics",
+            metrics,
+            is_names(metrics) and bool(metrics) and all(m in KNOWN_METRICS for m in metrics),
+            f"a non-empty list of {', '.join(KNOWN_METRICS)}",
+        )
+        object.__setattr__(self, "metrics", tuple(metrics))
+        require(
+            "roles",
+            self.roles,
+            self.roles is None or is_names(self.roles),
+            "None or a list of role names",
+        )
+        check_schedule(self.every_n_steps, self.log_spaced_until, self.max_overhead)
+        for name in ("k", "max_pending", "history_size"):
+            value = getattr(self, name)
+            require(name, value, is_int(value, 1), "a positive int")
+        for name in ("n_oversamples", "n_iter"):
+            value = getattr(self, name)
+            require(name, value, value is None or is_int(value, 0), "None or a non-negative int")
+        require("svd_method", self.svd_method, self.svd_method in METHODS, f"one of {METHODS}")
+        window = self.fit_window
+        require(
+            "fit_window",
+            window,
+            window is None
+            or isinstance(window, tuple | list)
+            and len(window) == 2
+            and all(is_int(rank, 1) for rank in window)
+            and window[0] <= window[1],
+            "None or 1-based ranks (first, last) with 1 <= first <= last, e.g. (1, 32)",
+        )
+        every = self.figure_every_n_steps
+        require(
+            "figure_every_n_steps",
+            every,
+            every is None or is_int(every, 1),
+            "a positive int or None",
+        )
+        for name in ("figures", "synchronous"):
+            require(
+                name, getattr(self, name), isinstance(getattr(self, name), bool), "True or False"
+            )
+        require(
+            "figure_roles",
+            self.figure_roles,
+            self.figure_roles is None or is_names(self.figure_roles),
+            "None or a list of role names such as ('Q', 'K')",
+        )
+        timeout = self.drain_timeout
+        require("drain_timeout", timeout, is_real(timeout) and timeout >= 0, ">= 0 seconds")
+        threads = self.worker_threads
+        require(
+            "worker_threads",
+            threads,
+            threads is None or is_int(threads, 1),
+            "None or a positive int",
+        )
+        nice = self.worker_nice
+        require(
+            "worker_nice",
+            nice,
+            nice is None or is_int(nice, 0) and nice <= _MAX_NICE,
+            f"None or a nice increment from 0 to {_MAX_NICE}",
+        )
+        require(
+            "compute",
+            self.compute,
+            self.compute is None or callable(self.compute),
+            "None or a function (group, batch) -> {metric: (B,) tensor}",
+        )
+
+    @classmethod
+    def from_kwargs(cls, caller: str, **kwargs: Any) -> MonitorOptions:
+        """The options from a frontend's keyword arguments, naming an unknown one plainly.
+
+        Raises:
+            TypeError: an argument that is not an option (with the list of options).
+            ConfigurationError: an option out of range.
+        """
+        unknown = sorted(set(kwargs) - set(option_names()))
+        if unknown:
+            raise TypeError(
+                f"{caller} got unknown argument(s) {', '.join(map(repr, unknown))}; its options are "
+                f"{', '.join(option_names())}"
+            )
+        return cls(**kwargs)
+
+    @property
+    def target_options(self) -> dict[str, Any]:
+        """The arguments passed on to ``find_targets``."""
+        return {
+            "roles": self.roles,
+            "include": self.include,
+            "exclude": self.exclude,
+            "mapping": self.mapping,
+        }
+
+    def replace(self, **changes: Any) -> MonitorOptions:
+        """A copy with ``changes`` applied (and validated)."""
+        return dataclasses.replace(self, **changes)
+
+
+def check_schedule(every_n_steps: Any, log_spaced_until: Any, max_overhead: Any) -> None:
+    """The checks of the schedule's arguments (``SnapshotSchedule`` runs them too)."""
+    require("every_n_steps", every_n_steps, is_int(every_n_steps, 1), "a positive int")
+    require(
+        "log_spaced_until",
+        log_spaced_until,
+        is_int(log_spaced_until, 0),
+        "a non-negative int (0 turns dense early steps off)",
+    )
+    require(
+        "max_overhead",
+        max_overhead,
+        max_overhead is None or is_real(max_overhead) and 0 < max_overhead < 1,
+        "a fraction in (0, 1) such as 0.01 for 1 %, or None",
+    )
+
+
+def option_names() -> tuple[str, ...]:
+    """Every option's name, in order (frontends use it to build their signatures and docs)."""
+    return tuple(field.name for field in dataclasses.fields(MonitorOptions))

@@ -1,0 +1,139 @@
+"""The engine protocol: what the tracker asks of an engine, and the one place an engine is chosen.
+
+The tracker drives every engine through these calls and never asks which one it has:
+
+::
+
+    each scheduled step      offer(step)                  snapshot now, or skip and count
+    every call of step()     collect(wait_seconds=0)      finished results, in step order
+    end of training          finish(step, offered=, deadline=)   measure the last step, send what is due
+    after an exception       abort()                      issue no further collective
+    shutdown                 close(timeout)               stop the worker (idempotent)
+    health                   pending, skipped, awaiting_results
+
+Implementations: :class:`~spectral_callbacks.monitor.engine.SnapshotEngine` (one process: a worker
+thread, a CUDA side stream) and :class:`~spectral_callbacks.monitor.distributed.DistributedEngine`
+(DDP: each rank decomposes its share, rank 0 gets every result). An engine for sharded (DTensor)
+weights implements the same protocol: its ``offer`` snapshots the local shards, and a result
+reaches rank 0 through ``collect`` like any other.
+
+Rules every implementation keeps:
+
+* ``offer`` is called at the same steps on every rank (the schedule depends only on the step),
+  so an engine may issue collectives there and in ``finish``, and nowhere else.
+* ``offer`` never blocks on an SVD; when the bound is hit it skips, and the skip is counted in
+  ``skipped`` - the engine is the only place that count changes.
+* ``collect`` returns results only where they are logged (rank 0); ``[]`` elsewhere.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Protocol, runtime_checkable
+
+from spectral_callbacks.monitor.engine import Compute, SnapshotResult
+
+
+@runtime_checkable
+class Engine(Protocol):
+    """Decomposes snapshots off the training path; see the module docstring for the rules."""
+
+    @property
+    def pending(self) -> int:
+        """Snapshots (and, under DDP, gathers of results) handed over and not yet collected."""
+        ...
+
+    @property
+    def skipped(self) -> int:
+        """Scheduled snapshots that were not measured (bound hit, or late under DDP), in total."""
+        ...
+
+    @property
+    def awaiting_results(self) -> bool:
+        """Whether waiting in :meth:`collect` can still bring a result to this process."""
+        ...
+
+    def offer(self, step: int) -> bool:
+        """A scheduled point: snapshot the weights after optimizer step ``step``, or skip.
+
+        Returns:
+            Whether the snapshot was taken (``False``: skipped and counted).
+        """
+        ...
+
+    def collect(self, wait_seconds: float = 0.0) -> list[SnapshotResult]:
+        """The finished results, in step order, waiting up to ``wait_seconds`` for the rest.
+
+        Raises:
+            SpectralComputeError: if the compute function failed on a snapshot (once; the results
+                before it come first).
+        """
+        ...
+
+    def finish(self, step: int, *, offered: bool, deadline: float) -> None:
+        """End of training at ``step``: make sure it is measured and send everything still due.
+
+        Args:
+            step: the last optimizer step.
+            offered: whether ``step`` was already a scheduled point (:meth:`offer` was called).
+            deadline: ``time.monotonic()`` value after which nothing more is waited for.
+        """
+        ...
+
+    def abort(self) -> None:
+        """After an exception: issue no further collective (peers may never reach it)."""
+        ...
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Stop the background work; queued snapshots are dropped. Idempotent."""
+        ...
+
+
+def make_engine(
+    compute: Compute,
+    targets: Sequence[Any],
+    metrics: Sequence[str],
+    *,
+    max_pending: int,
+    synchronous: bool,
+    worker_threads: int | None,
+    worker_nice: int | None,
+    drain_timeout: float,
+    skipped: int = 0,
+) -> Engine:
+    """The engine for this process: a :class:`SnapshotEngine`, or under DDP a ``DistributedEngine``.
+
+    Under several processes (a default process group with more than one rank) it is a collective:
+    every rank must call it, in the same order relative to other collectives.
+
+    Args:
+        compute: the compute function each shape group goes through.
+        targets: every watched matrix, in the same order on every rank.
+        metrics: the logged metric names (under DDP they fix the layout the results travel in).
+        max_pending, synchronous, worker_threads, worker_nice: see ``MonitorOptions``.
+        drain_timeout: seconds of the bounded waits; under DDP it sizes the results group timeout.
+        skipped: skips counted before a resume.
+    """
+    from spectral_callbacks.monitor import distributed
+    from spectral_callbacks.monitor.engine import SnapshotEngine
+    from spectral_callbacks.monitor.snapshot import group_by_shape
+
+    options: dict[str, Any] = {
+        "max_pending": max_pending,
+        "synchronous": synchronous,
+        "worker_threads": worker_threads,
+        "worker_nice": worker_nice,
+        "skipped": skipped,
+    }
+    rank, world_size = distributed.world()
+    if world_size == 1:
+        return SnapshotEngine(compute, group_by_shape(targets), **options)
+    return distributed.DistributedEngine(
+        compute,
+        targets,
+        distributed.result_columns(metrics),
+        rank=rank,
+        world_size=world_size,
+        group=distributed.results_group(2 * drain_timeout + 60),
+        **options,
+    )

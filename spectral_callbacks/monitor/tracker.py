@@ -1,0 +1,417 @@
+"""SpectralTracker: the framework-agnostic core every frontend drives.
+
+It owns the pipeline - find targets → schedule → snapshot + engine → reporting → writers and
+dashboards - behind four calls any training loop can make::
+
+    tracker = SpectralTracker(model, logdir="runs/exp")   # snapshots step 0 now
+    for step in range(1, max_steps + 1):
+        ...; optimizer.step(); optimizer.zero_grad()
+        tracker.step(step)                                 # after the update; cheap when not due
+    tracker.close()                                        # the last step, drained, final figures
+
+Steps are optimizer steps (0 = before the first update). ``step(s)`` must be called after the
+update of step ``s`` and before the next one: on the CPU the copy is made inside the call, on
+CUDA it is ordered after the update on a side stream (see ``snapshot.py``).
+
+Several processes (a default process group with more than one rank): every rank constructs a
+tracker and calls ``step`` at the same steps; each decomposes its share and rank 0 writes
+everything (``writers`` and ``logdir`` are ignored on the other ranks).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from spectral_callbacks import tensorboard_adapter as tb
+from spectral_callbacks.monitor import dashboards
+from spectral_callbacks.monitor.compute import SpectrumCompute
+from spectral_callbacks.monitor.distributed import world
+from spectral_callbacks.monitor.engine import SnapshotResult
+from spectral_callbacks.monitor.messages import rank_zero_warn
+from spectral_callbacks.monitor.options import (
+    DEFAULT_FIGURE_ROLES,
+    DEFAULT_METRICS,
+    MonitorOptions,
+    require,
+)
+from spectral_callbacks.monitor.protocol import Engine, make_engine
+from spectral_callbacks.monitor.reporting import Reporter, health_scalars, num_layers_scalar
+from spectral_callbacks.monitor.schedule import SnapshotSchedule
+
+
+class SpectralTracker:
+    r"""Snapshot a model's watched matrices on schedule, decompose them off the training path, log.
+
+    Args:
+        model: the network (any ``nn.Module``; wrappers such as DDP or ``torch.compile`` are
+            unwrapped by :func:`~spectral_callbacks.targets.find_targets`).
+        metrics: which metrics to log (see :class:`MonitorOptions`).
+        logdir: write TensorBoard event files here (scalars, the custom-scalars layout, figures).
+        writers: objects with ``log_metrics(dict, step)`` - Lightning or Fabric loggers, for
+            example - that get every scalar; TensorBoard loggers among them also get the layout
+            and the figures. Default ``()``.
+        start_step: the optimizer step the weights are at now: the tracker begins there (and, with
+            nothing restored, snapshots it as the compression reference). ``None`` defers that to
+            :meth:`begin` (frontends that restore state first). Default ``0``.
+        state: a :meth:`state_dict` to resume from (as :meth:`load_state_dict` before beginning).
+        options: a :class:`MonitorOptions` instead of the keyword arguments below.
+        caller: the name error messages use. Default ``"SpectralTracker"``.
+        \*\*kwargs: every other option of :class:`MonitorOptions` (``every_n_steps``, ``k``, ...).
+
+    Raises:
+        ConfigurationError: an option out of range, no matrix to watch, a bad mapping,
+            ``figure_roles`` naming a role the model does not have, or ``max_overhead`` with
+            several processes.
+
+    Example::
+
+        >>> import torch
+        >>> model = torch.nn.TransformerEncoderLayer(16, 2, dim_feedforward=32)
+        >>> with SpectralTracker(model, metrics=["stable_rank"], figures=False) as tracker:
+        ...     for step in range(1, 3):
+        ...         tracker.step(step)
+        >>> sorted(tracker.state_dict()["references"])[:1]
+        ['linear1.weight']
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        metrics: Sequence[str] = DEFAULT_METRICS,
+        *,
+        logdir: str | os.PathLike[str] | None = None,
+        writers: Sequence[Any] = (),
+        start_step: int | None = 0,
+        state: Mapping[str, Any] | None = None,
+        options: MonitorOptions | None = None,
+        caller: str = "SpectralTracker",
+        **kwargs: Any,
+    ) -> None:
+        if options is None:
+            options = MonitorOptions.from_kwargs(caller, metrics=metrics, **kwargs)
+        elif kwargs:
+            raise TypeError(f"pass either `options` or keyword options, not both: {sorted(kwargs)}")
+        self.options = options
+        self.caller = caller
+        self.targets = self._find_targets(model)
+        found = list(dict.fromkeys(target.role for target in self.targets))
+        figure_roles = options.figure_roles
+        require(
+            "figure_roles",
+            figure_roles,
+            figure_roles is None
+            or tuple(figure_roles) == DEFAULT_FIGURE_ROLES
+            or all(role in found for role in figure_roles),
+            f"None or roles this model has ({', '.join(found)})",
+        )
+        writers = list(writers)
+        require(
+            "writers",
+            writers,
+            all(callable(getattr(writer, "log_metrics", None)) for writer in writers),
+            "a list of loggers, objects with log_metrics(metrics: dict, step: int)",
+        )
+        self.compute: Any = options.compute or SpectrumCompute(
+            options.k,
+            n_oversamples=options.n_oversamples,
+            n_iter=options.n_iter,
+            method=options.svd_method,
+            fit_window=options.fit_window,
+            esd="esd_alpha" in options.metrics,
+        )
+        self.schedule = SnapshotSchedule(
+            options.every_n_steps, options.log_spaced_until, options.max_overhead
+        )
+        self.rank, world_size = world()
+        require(
+            "max_overhead",
+            options.max_overhead,
+            options.max_overhead is None or world_size == 1,
+            f"None with {world_size} processes (each rank would measure its own budget and "
+            "snapshot at different steps; choose `every_n_steps` instead)",
+        )
+        self.writers: list[Any] = list(writers) if self.rank == 0 else []
+        self._own_logger: tb.LogdirWriter | None = None
+        if logdir is not None and self.rank == 0:
+            self._own_logger = tb.LogdirWriter(str(logdir))
+            self.writers.append(self._own_logger)
+        self._reporter = Reporter(self.targets, options.metrics, options.history_size)
+        self._figures = dashboards.LiveFigures(figure_roles, options.figure_every_n_steps)
+        self._layout = dashboards.LayoutWriter(self.targets, options.metrics)
+        self._engine: Engine | None = None
+        self._restored_skipped = 0
+        self._previous_step = -1
+        self._previous_time: float | None = None
+        self._warned_non_finite = False
+        self._closed = False
+        if state is not None:
+            self.load_state_dict(state)
+        if start_step is not None:
+            self.begin(start_step)
+
+    # --- the calls a loop makes --------------------------------------------------------------
+
+    def begin(self, step: int) -> None:
+        """Start at optimizer step ``step``: the engine, the one-off scalars, the first snapshot.
+
+        With no restored state the weights of ``step`` are snapshotted now: they are this run's
+        compression reference (normally step 0, the initialization). Under several processes this
+        is a collective: every rank calls it.
+        """
+        if self._engine is not None:
+            return
+        if self._closed:
+            raise RuntimeError(f"{self.caller} is closed: construct a new one for a new run")
+        options = self.options
+        self._engine = make_engine(
+            self.compute,
+            self.targets,
+            options.metrics,
+            max_pending=options.max_pending,
+            synchronous=options.synchronous,
+            worker_threads=options.worker_threads,
+            worker_nice=options.worker_nice,
+            drain_timeout=options.drain_timeout,
+            skipped=self._restored_skipped,
+        )
+        tb.log_scalars(self.writers, num_layers_scalar(self._reporter.num_layers), step)
+        self._previous_step, self._previous_time = step, time.perf_counter()
+        if self.schedule.last_snapshot_step is None:
+            if step != 0:
+                rank_zero_warn(
+                    f"{self.caller}: training starts at step {step} with no state to resume from, "
+                    f"so compression is measured against step {step}; to keep the reference of "
+                    "an earlier run, resume with its saved state",
+                    category=RuntimeWarning,
+                )
+            self._offer(step)
+
+    def step(self, step: int) -> None:
+        """Call after the optimizer update of ``step``: log what finished, snapshot if due.
+
+        Calling it again with the same step (e.g. once per micro-batch) only logs what finished.
+        A step that jumps over a grid step (several optimizer steps per call) still triggers it.
+        """
+        if self._closed:
+            raise RuntimeError(f"{self.caller} is closed: construct a new one for a new run")
+        if self._engine is None:
+            self.begin(step)
+            return
+        if step == self._previous_step:
+            self._collect_and_log()
+            return
+        now = time.perf_counter()
+        if self._previous_time is not None and step > self._previous_step:
+            self.schedule.record_step_time(
+                (now - self._previous_time) / (step - self._previous_step)
+            )
+        self._collect_and_log()  # first: a finished snapshot frees its slot
+        # Budget mode cannot size the interval before the first cost is known: until then it passes
+        # grid steps over (like any stretched interval) instead of piling up skips.
+        cost_unknown = (
+            self.schedule.max_overhead is not None and self.schedule.snapshot_seconds is None
+        )
+        if self.schedule.due(self._previous_step, step) and not (
+            cost_unknown and self._engine.pending
+        ):
+            self._offer(step)
+        self._previous_step, self._previous_time = step, now
+
+    def close(self, step: int | None = None, *, error: BaseException | None = None) -> None:
+        """End of training: measure the last step, wait (bounded) for in-flight work, shut down.
+
+        Args:
+            step: the last optimizer step; default the last one passed to :meth:`step`.
+            error: the exception that stopped training, if any: then nothing new is snapshotted,
+                what finishes within ``drain_timeout`` is logged with the final figures, and an
+                error of the spectral work is only warned about, so it never hides ``error``.
+
+        Idempotent; also called by ``with SpectralTracker(...)`` on exit.
+        """
+        if self._closed:
+            return
+        try:
+            if self._engine is not None and error is None:
+                self._finish(self._previous_step if step is None else step)
+            elif self._engine is not None:
+                self._finish_after_exception()
+        finally:
+            self._shutdown()
+
+    def __enter__(self) -> SpectralTracker:
+        return self
+
+    def __exit__(self, exc_type: Any, error: BaseException | None, traceback: Any) -> None:
+        self.close(error=error)
+
+    # --- resume --------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a checkpoint keeps: compression references, schedule, skip count, compute state.
+
+        Saved before the first snapshot's result came back, it waits (bounded by
+        ``drain_timeout``) for that result, so a resume keeps the compression reference.
+        """
+        engine = self._engine
+        if engine is not None and not self._reporter.references and engine.awaiting_results:
+            self._collect_and_log(wait_seconds=self.options.drain_timeout)
+        state: dict[str, Any] = {
+            **self._reporter.state_dict(),  # the compression references and their steps
+            "schedule": self.schedule.state_dict(),
+            "skipped": engine.skipped if engine is not None else self._restored_skipped,
+        }
+        if callable(getattr(self.compute, "state_dict", None)):
+            state["compute"] = self.compute.state_dict()
+        return state
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned; call it before :meth:`begin`.
+
+        Raises:
+            RuntimeError: if the tracker has already begun (its engine counts skips from then on).
+        """
+        if self._engine is not None:
+            raise RuntimeError(
+                f"{self.caller}.load_state_dict must come before the first step: construct it with "
+                "`start_step=None` (or `state=`), load the state, then call `begin(step)`"
+            )
+        self._reporter.load_state_dict(state)
+        self.schedule.load_state_dict(dict(state.get("schedule", {})))
+        self._restored_skipped = int(state.get("skipped", 0))
+        if "compute" in state and callable(getattr(self.compute, "load_state_dict", None)):
+            self.compute.load_state_dict(state["compute"])
+
+    # --- the work ------------------------------------------------------------------------------
+
+    def _find_targets(self, model: torch.nn.Module) -> list[Any]:
+        from spectral_callbacks.monitor.options import ConfigurationError
+        from spectral_callbacks.targets import find_targets
+        from spectral_callbacks.targets.find import TargetError
+
+        options = self.options.target_options
+        try:
+            targets = list(find_targets(model, **options))
+        except TargetError as error:  # nothing to watch, or a bad mapping: a configuration error
+            raise ConfigurationError(
+                f"{self.caller}: {error}\n{self.caller}(roles=, include=, exclude=, mapping=) "
+                "passes these arguments on to find_targets."
+            ) from error
+        if not targets:
+            chosen = {key: value for key, value in options.items() if value is not None}
+            raise ConfigurationError(
+                f"{self.caller} found no matrix to watch with {chosen}; print the candidates with "
+                "`spectral_callbacks.format_targets(find_targets(model))`, then pass `mapping=`"
+            )
+        return targets
+
+    def _offer(self, step: int) -> None:
+        assert self._engine is not None
+        self.schedule.record_snapshot(step)
+        self._engine.offer(step)
+
+    def _collect_and_log(self, wait_seconds: float = 0.0) -> None:
+        engine = self._engine
+        if engine is None:
+            return
+        deadline = time.monotonic() + wait_seconds
+        while True:  # collect() hands finished results over before raising a later error
+            for result in engine.collect(wait_seconds=max(0.0, deadline - time.monotonic())):
+                self._log(result)
+            if not engine.pending or time.monotonic() >= deadline:
+                return
+
+    def _log(self, result: SnapshotResult) -> None:
+        assert self._engine is not None
+        scalars = self._reporter.scalars(result.step, result.metrics)
+        scalars.update(
+            health_scalars(
+                main_thread_ms=1000 * result.main_thread_seconds,
+                svd_ms=1000 * result.svd_seconds,
+                pending=self._engine.pending,
+                skipped=self._engine.skipped,
+            )
+        )
+        scalars.update(result.rank_scalars)  # per-rank health under DDP
+        tb.log_scalars(self.writers, scalars, result.step)
+        self.schedule.record_snapshot_cost(result.main_thread_seconds + result.svd_seconds)
+        self._warn_if_non_finite()
+        experiments = tb.summary_writers(self.writers)
+        self._layout.update(experiments, scalars)  # charts appear with their first finite value
+        if self.options.figures and experiments and self._figures.due(result.step):
+            self._figures.draw(experiments, self._figure_rows(), result.step)
+        tb.flush(experiments)
+
+    def _warn_if_non_finite(self) -> None:
+        found = self._reporter.first_non_finite
+        if found is None or self._warned_non_finite:
+            return
+        self._warned_non_finite = True
+        name, step = found
+        rank_zero_warn(
+            f"{self.caller}: the weights of {name!r} hold NaN or Inf at step {step} (the first "
+            "non-finite matrix found); its metrics are logged as NaN from there on",
+            category=RuntimeWarning,
+        )
+
+    def _figure_rows(self) -> Any:
+        return self._reporter.rows(run=dashboards.FIGURE_RUN)
+
+    def _draw_final(self, deadline: float) -> None:
+        """The final figures (of the last logged snapshot), waited for until ``deadline``."""
+        experiments = tb.summary_writers(self.writers)
+        if not (self.options.figures and experiments and self._reporter.history):
+            return
+        last = self._reporter.history[-1][0]
+        if not self._figures.draw_final(experiments, self._figure_rows, last, deadline):
+            rank_zero_warn(
+                f"{self.caller}: the final figures were not written within "
+                f"drain_timeout={self.options.drain_timeout} s",
+                category=RuntimeWarning,
+            )
+
+    def _finish(self, step: int) -> None:
+        assert self._engine is not None
+        deadline = time.monotonic() + self.options.drain_timeout
+        offered = self.schedule.last_snapshot_step == step
+        if not offered:
+            self.schedule.record_snapshot(step)
+        self._engine.finish(step, offered=offered, deadline=deadline)
+        self._collect_and_log(wait_seconds=max(0.0, deadline - time.monotonic()))
+        self._warn_if_left()
+        self._draw_final(deadline)
+
+    def _finish_after_exception(self) -> None:
+        assert self._engine is not None
+        self._engine.abort()  # peers may never reach another collective
+        try:
+            if self.rank == 0:
+                self._collect_and_log(wait_seconds=self.options.drain_timeout)
+                self._warn_if_left()
+                # Bounded more tightly: the user is waiting for their exception (or Ctrl-C).
+                self._draw_final(time.monotonic() + min(self.options.drain_timeout, 10.0))
+        except Exception as error:  # noqa: BLE001 - reported, the original exception propagates
+            rank_zero_warn(
+                f"{self.caller}: while shutting down after an exception: {error}",
+                category=RuntimeWarning,
+            )
+
+    def _warn_if_left(self) -> None:
+        if self._engine is not None and self._engine.pending:
+            rank_zero_warn(
+                f"{self.caller}: {self._engine.pending} snapshot(s) did not finish within "
+                f"drain_timeout={self.options.drain_timeout} s and are dropped; raise "
+                "`drain_timeout` or lower `k`",
+                category=RuntimeWarning,
+            )
+
+    def _shutdown(self) -> None:
+        self._closed = True
+        if self._engine is not None:
+            self._engine.close(timeout=min(5.0, self.options.drain_timeout))
+        if self._own_logger is not None:
+            self._own_logger.finalize("success")

@@ -1,0 +1,133 @@
+"""A tiny GPT-2 (from a config) trained by the Hugging Face Trainer with SpectralTrainerCallback.
+
+``python tests/hf_train.py OUTDIR [--steps S] [--accumulate A] [--save-steps N] [--resume]
+[--logdir DIR]`` - run directly or under ``torchrun --nproc_per_node 2`` (gloo, CPU). Used by
+tests/test_hf.py: in-process through :func:`train`, and as a script for the multi-process run.
+The watched matrices after every optimizer step are saved (rank 0) to ``OUTDIR/weights.pt``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import (
+    GPT2Config,
+    GPT2LMHeadModel,
+    Trainer,
+    TrainerCallback,
+    TrainingArguments,
+)
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from spectral_callbacks.hf import SpectralTrainerCallback  # noqa: E402
+from spectral_callbacks.monitor import distributed  # noqa: E402
+from spectral_callbacks.targets import find_targets  # noqa: E402
+
+OPTIONS: dict[str, Any] = dict(every_n_steps=10, log_spaced_until=3, k=8, figure_every_n_steps=None)
+
+
+def tiny_gpt2() -> GPT2LMHeadModel:
+    torch.manual_seed(0)
+    config = GPT2Config(
+        vocab_size=64,
+        n_positions=16,
+        n_embd=32,
+        n_layer=2,
+        n_head=2,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+    )
+    return GPT2LMHeadModel(config)
+
+
+def samples(count: int) -> list[dict[str, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, 64, (count, 16), generator=generator)
+    return [{"input_ids": row, "labels": row} for row in tokens]
+
+
+class WeightRecorder(TrainerCallback):
+    """The watched matrices at step 0 and after every optimizer step (what the snapshots hold)."""
+
+    def __init__(self) -> None:
+        self.weights: dict[int, dict[str, torch.Tensor]] = {}
+
+    def _record(self, step: int, model: torch.nn.Module) -> None:
+        self.weights[step] = {
+            t.name: t.matrix().detach().double().clone() for t in find_targets(model)
+        }
+
+    def on_train_begin(
+        self, args: Any, state: Any, control: Any, model: Any = None, **kw: Any
+    ) -> None:
+        self._record(state.global_step, model)
+
+    def on_step_end(
+        self, args: Any, state: Any, control: Any, model: Any = None, **kw: Any
+    ) -> None:
+        self._record(state.global_step, model)
+
+
+def train(
+    outdir: Path,
+    *,
+    steps: int = 40,
+    accumulate: int = 1,
+    save_steps: int | None = None,
+    resume: bool = False,
+    logdir: Path | None = None,
+    report_to: list[str] | None = None,
+    **options: Any,
+) -> WeightRecorder:
+    """Train, and return the recorder of the weights (every rank records; rank 0 saves them)."""
+    args = TrainingArguments(
+        output_dir=str(outdir),
+        max_steps=steps,
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=accumulate,
+        learning_rate=1e-2,
+        lr_scheduler_type="constant",
+        save_strategy="steps" if save_steps else "no",
+        save_steps=save_steps or 500,
+        logging_steps=10,
+        report_to=report_to if report_to is not None else ["tensorboard"],
+        use_cpu=True,
+        ddp_backend="gloo" if "WORLD_SIZE" in os.environ else None,  # torchrun sets it
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+    )
+    recorder = WeightRecorder()
+    callback = SpectralTrainerCallback(logdir=logdir, **{**OPTIONS, **options})
+    trainer = Trainer(
+        model=tiny_gpt2(),
+        args=args,
+        train_dataset=samples(2 * steps * accumulate * 2),
+        callbacks=[callback, recorder],
+    )
+    trainer.train(resume_from_checkpoint=True if resume else None)
+    if trainer.is_world_process_zero():
+        torch.save(recorder.weights, outdir / "weights.pt")
+    return recorder
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("outdir", type=Path)
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--logdir", type=Path, default=None)
+    args = parser.parse_args()
+    torch.set_num_threads(1)  # two processes share a small machine
+    # A loaded machine may make a worker miss the 1 s due wait; the test checks every value, so
+    # give each rank more time (the late path has its own test in test_ddp.py).
+    distributed.DUE_WAIT_SECONDS = 20.0
+    train(args.outdir, steps=args.steps, logdir=args.logdir, figures=False)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,302 @@
+"""SpectralTracker and the options every frontend shares: validation, reuse, NaN weights, figures
+after an exception, resume of a compute's state, and the TensorBoard adapter's fallbacks."""
+
+from __future__ import annotations
+
+import signal
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from lightning.pytorch.loggers import TensorBoardLogger
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from tensorboard.backend.event_processing import event_accumulator, event_file_loader
+from tiny_models import RecordingLogger, TinyGPT, exact_compute, quiet_trainer, token_loader
+
+from spectral_callbacks import SpectralMonitor, SpectralTracker, tensorboard_adapter
+from spectral_callbacks.monitor.options import ConfigurationError, MonitorOptions
+from spectral_callbacks.names import scalar_tag
+from spectral_callbacks.offline.events import read_event_file
+
+Q0 = scalar_tag("stable_rank", 0, "Q")
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"n_iter": -1}, r"`n_iter` must be None or a non-negative int, got -1"),
+        ({"n_oversamples": -1}, r"`n_oversamples` must be None or a non-negative int, got -1"),
+        ({"svd_method": "foo"}, r"`svd_method` must be one of \('auto'.*got 'foo'"),
+        ({"fit_window": (5, 2)}, r"`fit_window` must be None or 1-based ranks .*got \(5, 2\)"),
+        ({"fit_window": (0, 10)}, r"`fit_window` must be .*got \(0, 10\)"),
+        ({"fit_window": 5}, r"`fit_window` must be .*got 5"),
+        ({"compute": 5}, r"`compute` must be None or a function .*got 5"),
+        ({"worker_threads": 0}, r"`worker_threads` must be None or a positive int, got 0"),
+        ({"figures": "yes"}, r"`figures` must be True or False, got 'yes'"),
+        ({"figure_roles": "Q"}, r"`figure_roles` must be None or a list of role names"),
+        (
+            {"worker_nice": 100},
+            r"`worker_nice` must be None or a nice increment from 0 to 19, got 100",
+        ),
+        ({"max_overhead": "x"}, r"`max_overhead` must be a fraction in \(0, 1\).*got 'x'"),
+        ({"drain_timeout": "5"}, r"`drain_timeout` must be >= 0 seconds, got '5'"),
+        ({"roles": "Q"}, r"`roles` must be None or a list of role names, got 'Q'"),
+        ({"k": True}, r"`k` must be a positive int, got True"),
+    ],
+)
+def test_every_argument_is_checked_at_construction_naming_it(kwargs: dict, match: str) -> None:
+    with pytest.raises(ConfigurationError, match=match):
+        MonitorOptions(**kwargs)
+    with pytest.raises(MisconfigurationException, match=match):  # what Lightning users catch
+        SpectralMonitor(**kwargs)
+
+
+def test_unknown_roles_of_figure_roles_are_named_once_the_model_is_known() -> None:
+    with pytest.raises(
+        ConfigurationError,
+        match=r"`figure_roles` must be None or roles this model has \(Q, K, V, O, MLP_up, MLP_down\), got \('Z',\)",
+    ):
+        SpectralTracker(TinyGPT(), figure_roles=("Z",), start_step=None)
+    trainer = quiet_trainer(
+        max_steps=2, logger=RecordingLogger(), callbacks=[SpectralMonitor(figure_roles=("Z",))]
+    )
+    with pytest.raises(MisconfigurationException, match="`figure_roles`"):
+        trainer.fit(TinyGPT(), token_loader())
+
+
+def test_a_writer_without_log_metrics_is_named_before_anything_runs() -> None:
+    with pytest.raises(
+        ConfigurationError, match=r"`writers` must be a list of loggers.*got \[<object"
+    ):
+        SpectralTracker(TinyGPT(), writers=[object()])
+
+
+def test_an_unknown_argument_lists_the_options() -> None:
+    with pytest.raises(
+        TypeError, match=r"SpectralTracker got unknown argument\(s\) 'every_n_step'.*every_n_steps"
+    ):
+        SpectralTracker(TinyGPT(), every_n_step=5)
+
+
+def _monitor(**kwargs: Any) -> SpectralMonitor:
+    options: dict[str, Any] = dict(
+        compute=exact_compute,
+        metrics=("stable_rank", "compression"),
+        figures=False,
+        every_n_steps=5,
+        log_spaced_until=0,
+    )
+    return SpectralMonitor(**{**options, **kwargs})
+
+
+def test_one_instance_reused_for_a_second_fit_starts_afresh() -> None:
+    monitor = _monitor()
+    first, second = RecordingLogger(), RecordingLogger()
+    quiet_trainer(max_steps=10, logger=first, callbacks=[monitor]).fit(TinyGPT(), token_loader())
+    quiet_trainer(max_steps=10, logger=second, callbacks=[monitor]).fit(
+        TinyGPT(lr=5e-3), token_loader()
+    )
+    assert sorted(first.series(Q0)) == sorted(second.series(Q0)) == [0, 5, 10]
+    assert second.series(scalar_tag("compression", 0, "Q"))[0] == 0.0  # its own reference
+
+
+def test_starting_past_step_zero_without_state_says_what_the_reference_is() -> None:
+    writer = RecordingLogger()
+    with pytest.warns(RuntimeWarning, match="starts at step 10 with no state.*against step 10"):
+        tracker = SpectralTracker(TinyGPT(), writers=[writer], start_step=10, figures=False)
+    tracker.close()
+    assert sorted(writer.series(Q0)) == [10]
+    assert writer.series(scalar_tag("compression", 0, "Q"))[10] == 0.0
+
+
+def _nan_into(model: TinyGPT) -> None:
+    with torch.no_grad():
+        model.model.transformer.h[1].mlp.c_fc.weight[0, 0] = float("nan")
+
+
+def test_nan_weights_warn_once_naming_the_first_matrix_and_step() -> None:
+    model, writer = TinyGPT(), RecordingLogger()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with SpectralTracker(
+            model,
+            writers=[writer],
+            metrics=("stable_rank", "spectral_norm"),
+            every_n_steps=2,
+            log_spaced_until=0,
+            figures=False,
+            synchronous=True,
+        ) as tracker:
+            for step in range(1, 9):
+                if step == 5:
+                    _nan_into(model)
+                tracker.step(step)
+    found = [w for w in caught if "NaN or Inf" in str(w.message)]
+    assert len(found) == 1, [str(w.message) for w in caught]
+    assert "'model.transformer.h.1.mlp.c_fc.weight' hold NaN or Inf at step 6" in str(
+        found[0].message
+    )
+    assert torch.isnan(torch.tensor(writer.series(scalar_tag("stable_rank", 1, "MLP_up"))[8]))
+    assert not torch.isnan(torch.tensor(writer.series(Q0)[8]))  # only that matrix
+
+
+def test_an_all_zero_matrix_is_not_reported_as_non_finite() -> None:
+    model = TinyGPT()
+    with torch.no_grad():
+        model.model.transformer.h[0].attn.c_proj.weight.zero_()  # zero-initialised output layers
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        SpectralTracker(model, metrics=("stable_rank",), figures=False, synchronous=True).close()
+    assert not [w for w in caught if "NaN or Inf" in str(w.message)]
+
+
+def _images(logdir: Path) -> list[str]:
+    reader = event_accumulator.EventAccumulator(str(logdir))
+    reader.Reload()
+    return reader.Tags()["images"]
+
+
+@pytest.mark.parametrize("fault", ["exception", "interrupt"])
+def test_final_figures_are_drawn_after_an_exception_or_ctrl_c(tmp_path: Path, fault: str) -> None:
+    logger = TensorBoardLogger(tmp_path, name="run", version="")
+    monitor = _monitor(
+        figures=True,
+        figure_every_n_steps=None,
+        metrics=("stable_rank", "alpha", "compression"),
+        compute=None,
+        k=8,
+    )
+    trainer = quiet_trainer(max_steps=50, logger=logger, callbacks=[monitor])
+    model = TinyGPT(fail_at_step=6) if fault == "exception" else TinyGPT(interrupt_at_step=6)
+    previous = signal.getsignal(signal.SIGINT)
+    try:
+        with pytest.raises(RuntimeError if fault == "exception" else SystemExit):
+            trainer.fit(model, token_loader())
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    images = _images(tmp_path / "run")
+    assert any("alpha_vs_depth/Q" in tag for tag in images), images
+
+
+class _CountingCompute:
+    """A compute with state, as SpectrumCompute's generator will be: saved and restored."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def __call__(self, group: Any, batch: torch.Tensor) -> dict[str, torch.Tensor]:
+        self.calls += 1
+        return exact_compute(group, batch)
+
+    def state_dict(self) -> dict[str, int]:
+        return {"calls": self.calls}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.calls = state["calls"]
+
+
+def test_state_dict_carries_the_compute_state_and_resumes_a_plain_loop() -> None:
+    model = TinyGPT()
+    with SpectralTracker(
+        model,
+        writers=[RecordingLogger()],
+        metrics=("stable_rank", "compression"),
+        compute=_CountingCompute(),
+        every_n_steps=2,
+        log_spaced_until=0,
+        figures=False,
+    ) as tracker:
+        for step in range(1, 5):
+            tracker.step(step)
+    state = tracker.state_dict()
+    assert state["compute"]["calls"] > 0 and state["schedule"]["last_snapshot_step"] == 4
+    resumed_compute, writer = _CountingCompute(), RecordingLogger()
+    with SpectralTracker(
+        model,
+        writers=[writer],
+        metrics=("stable_rank", "compression"),
+        compute=resumed_compute,
+        every_n_steps=2,
+        log_spaced_until=0,
+        figures=False,
+        start_step=4,
+        state=state,
+    ) as again:
+        again.step(5)
+        again.step(6)
+    assert resumed_compute.calls > state["compute"]["calls"]
+    assert sorted(writer.series(Q0)) == [6]  # no new reference at the resumed step
+    reference = state["references"]["model.transformer.h.0.attn.c_attn.weight[Q]"]
+    compression = writer.series(scalar_tag("compression", 0, "Q"))[6]
+    assert compression == pytest.approx(100 * (1 - writer.series(Q0)[6] / reference), abs=1e-4)
+    with pytest.raises(RuntimeError, match="load_state_dict must come before the first step"):
+        again.load_state_dict(state)
+
+
+def test_the_record_reader_falls_back_when_the_private_one_is_gone(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from torch.utils.tensorboard import SummaryWriter
+
+    with SummaryWriter(str(tmp_path)) as writer:
+        for step in range(3):
+            writer.add_scalar(Q0, float(step), step)
+    (path,) = tmp_path.glob("events.out.tfevents.*")
+    expected, _ = read_event_file(path)
+    monkeypatch.delattr(event_file_loader, "_make_tf_record_iterator")
+    points, problem = read_event_file(path)
+    assert problem is None and points == expected and len(points) == 3
+    path.write_bytes(path.read_bytes()[:-7])  # a half-written last record
+    points, problem = read_event_file(path)
+    assert problem is not None and "truncated record" in problem.what and len(points) == 2
+
+
+def test_a_writer_without_the_private_file_writer_gets_log_metrics() -> None:
+    class Experiment:  # a SummaryWriter look-alike without `_get_file_writer`
+        pass
+
+    class TensorBoardLogger(RecordingLogger):
+        experiment = Experiment()
+
+    logger = TensorBoardLogger()
+    tensorboard_adapter.log_scalars([logger], {Q0: 2.0}, step=3)
+    assert logger.records == [(3, {Q0: 2.0})]
+
+
+def test_both_engines_implement_the_protocol_and_the_factory_picks_by_world_size(
+    tmp_path: Path,
+) -> None:
+    import torch.distributed as dist
+
+    from spectral_callbacks.monitor.distributed import DistributedEngine
+    from spectral_callbacks.monitor.engine import SnapshotEngine
+    from spectral_callbacks.monitor.protocol import Engine, make_engine
+    from spectral_callbacks.targets import find_targets
+
+    targets = find_targets(TinyGPT())
+    options = dict(
+        max_pending=2, synchronous=False, worker_threads=1, worker_nice=None, drain_timeout=5.0
+    )
+    single = make_engine(exact_compute, targets, ("stable_rank",), **options)
+    assert type(single) is SnapshotEngine and isinstance(single, Engine)
+    dist.init_process_group(
+        "gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1
+    )
+    try:
+        group = dist.group.WORLD
+        several = DistributedEngine(
+            exact_compute, targets, ("stable_rank",), rank=0, world_size=1, group=group
+        )
+        assert isinstance(several, Engine)
+        assert (
+            several.offer(0) and several.collect(wait_seconds=0.2) == []
+        )  # sent at the next point
+        several.finish(0, offered=True, deadline=float("inf"))
+        (result,) = several.collect(wait_seconds=10)
+        assert result.step == 0 and len(result.metrics) == len(targets)
+        several.close()
+    finally:
+        dist.destroy_process_group()
+    single.close()
