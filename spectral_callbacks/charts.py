@@ -9,7 +9,8 @@ axes. ``save_figure`` writes one to ``.png``, ``.svg`` or ``.pdf``.
 * :func:`rank_vs_steps` - a metric of one layer against steps, one line per role (a line style per run).
 * :func:`compression_by_layer` - final compression % by layer, grouped bars per role (a panel per run).
 * :func:`compression_wave` - heatmap layer x step of one role's compression (a panel per run).
-* :func:`metric_diff` - any scalar of each run minus a baseline run, against steps or another scalar.
+* :func:`metric_diff` - any scalar of each run minus a baseline run, against steps or another scalar
+  (the aligned curves themselves: :func:`diff_to_baseline`).
 
 Example::
 
@@ -278,7 +279,7 @@ def _series(rows: pd.DataFrame, run: str, metric: str) -> pd.Series:
     return pd.Series(last["value"].to_numpy(dtype=float), index=last["step"].to_numpy(dtype=float))
 
 
-def metric_diff(
+def diff_to_baseline(
     rows: pd.DataFrame,
     metric: str,
     baseline: str,
@@ -286,12 +287,13 @@ def metric_diff(
     x: str = "step",
     layer: int | None = None,
     role: str | None = None,
-) -> Figure:
-    """``metric`` of each run minus the ``baseline`` run, against steps or another logged scalar.
+) -> dict[str, pd.Series]:
+    """``metric`` of each run minus the ``baseline`` run, as a difference indexed by ``x``.
 
     Runs are aligned by linear interpolation: the baseline's curve is interpolated at each run's
     x values; points outside the baseline's x range are left out (no extrapolation). With ``x`` a
     scalar such as ``tokens``, each run's steps are first mapped to that scalar by interpolation.
+    :func:`metric_diff` draws these curves; the SPECTRAL TensorBoard tab serves them.
 
     Args:
         rows: tidy rows; other scalars carry their tag as ``metric`` (``spectral-callbacks export
@@ -300,6 +302,9 @@ def metric_diff(
         baseline: the run subtracted from every other run.
         x: ``"step"`` (default) or the tag of another scalar, e.g. tokens seen.
         layer, role: pick one (layer, role) series of a spectral metric (default None: none).
+
+    Returns:
+        For each run but the baseline, in the rows' run order, the difference by x value.
 
     Raises:
         ValueError: unknown baseline, missing scalar, several series left, or no other run.
@@ -334,14 +339,37 @@ def metric_diff(
         return pd.Series(values.to_numpy(), index=mapped).sort_index()
 
     reference = along_x(baseline)
-    fig = Figure(figsize=(6.5, 4.0), layout="constrained")
-    ax = fig.add_subplot()
+    diffs = {}
     for run in others:
         curve = along_x(run)
         inside = (curve.index >= reference.index.min()) & (curve.index <= reference.index.max())
         curve = curve[inside]
         diff = curve.to_numpy() - np.interp(curve.index, reference.index, reference.to_numpy())
-        ax.plot(curve.index.to_numpy(dtype=float), diff, label=run)
+        diffs[run] = pd.Series(diff, index=curve.index)
+    return diffs
+
+
+def metric_diff(
+    rows: pd.DataFrame,
+    metric: str,
+    baseline: str,
+    *,
+    x: str = "step",
+    layer: int | None = None,
+    role: str | None = None,
+) -> Figure:
+    """``metric`` of each run minus the ``baseline`` run, against steps or another logged scalar.
+
+    The curves are those of :func:`diff_to_baseline` (same arguments), one line per run.
+
+    Raises:
+        ValueError: unknown baseline, missing scalar, several series left, or no other run.
+    """
+    diffs = diff_to_baseline(rows, metric, baseline, x=x, layer=layer, role=role)
+    fig = Figure(figsize=(6.5, 4.0), layout="constrained")
+    ax = fig.add_subplot()
+    for run, diff in diffs.items():
+        ax.plot(diff.index.to_numpy(dtype=float), diff.to_numpy(), label=run)
     ax.axhline(0.0, color="black", linewidth=0.8, label=f"{baseline} (baseline)")
     ax.set_xlabel("optimizer step" if x == "step" else x)
     ax.set_ylabel(f"Δ {metric_label(metric)} (run − {baseline})")
