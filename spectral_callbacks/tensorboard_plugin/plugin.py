@@ -1,0 +1,243 @@
+"""The SPECTRAL tab: a TensorBoard plugin serving the study's charts of spectral runs.
+
+TensorBoard finds it through the ``tensorboard_plugins`` entry point of this package and shows a
+SPECTRAL tab whenever the logdir holds scalars. The page (``static/index.js``, loaded by
+TensorBoard in an iframe) asks these routes, under ``data/plugin/spectral/``, for JSON:
+
+=============  ========================================================================
+route          what it returns (query parameters; ``run`` repeatable)
+=============  ========================================================================
+``/runs``      what each run logged: spectral metrics, roles, layers, other scalars
+``/wave``      heatmap layer x step (``run``, ``metric`` = compression, ``role`` = Q)
+``/by_role``   metric of one layer vs step, a series per role (``layer`` = 0)
+``/by_layer``  metric of one role vs step, a series per layer with its depth
+``/depth``     metric vs relative depth at ``step`` (default: the last) per run
+``/bars``      metric (compression) by layer x role at ``step`` per run
+``/diff``      metric minus the ``baseline`` run vs ``x`` (step or a scalar such as tokens)
+=============  ========================================================================
+
+Lines carry at most ``max_points`` points per series (default 2,000; first, last, min and max
+of each bucket kept), heatmaps at most ``max_columns`` columns (default 400). Scalars are read
+only through ``context.data_provider`` (see ``source.py``). Bad parameters answer HTTP 400 with
+a one-line message saying what to pass.
+"""
+
+from __future__ import annotations
+
+import mimetypes
+import posixpath
+from collections.abc import Callable, Mapping
+from pathlib import Path
+
+from tensorboard import errors, plugin_util
+from tensorboard.backend import http_util
+from tensorboard.plugins import base_plugin
+from werkzeug import Request, Response, wrappers
+
+from spectral_callbacks.names import parse_tag
+from spectral_callbacks.tensorboard_plugin import views
+from spectral_callbacks.tensorboard_plugin.source import SCALARS_PLUGIN, ScalarSource
+
+STATIC = Path(__file__).parent / "static"
+MAX_POINTS = 2_000
+MAX_COLUMNS = 400
+_CONTENT_TYPES = {".js": "text/javascript", ".css": "text/css", ".html": "text/html"}
+
+
+class SpectralPlugin(base_plugin.TBPlugin):
+    """The SPECTRAL tab of TensorBoard (registered through the ``tensorboard_plugins`` entry point).
+
+    Args:
+        context: the ``TBContext`` TensorBoard passes; only its ``data_provider`` is used.
+
+    Example::
+
+        tensorboard --logdir runs      # then open the SPECTRAL tab
+    """
+
+    plugin_name = "spectral"
+
+    def __init__(self, context: base_plugin.TBContext) -> None:
+        self._source = ScalarSource(context.data_provider)
+
+    def get_plugin_apps(self) -> dict[str, Callable]:
+        return {
+            "/runs": self._runs,
+            "/wave": self._wave,
+            "/by_role": self._by_role,
+            "/by_layer": self._by_layer,
+            "/depth": self._depth,
+            "/bars": self._bars,
+            "/diff": self._diff,
+            "/static/*": self._static,
+        }
+
+    def is_active(self) -> bool:
+        return False  # the tab shows when the logdir has scalars: see data_plugin_names
+
+    def data_plugin_names(self) -> tuple[str, ...]:
+        return (SCALARS_PLUGIN,)
+
+    def frontend_metadata(self) -> base_plugin.FrontendMetadata:
+        return base_plugin.FrontendMetadata(es_module_path="/static/index.js", tab_name="SPECTRAL")
+
+    # --- routes -------------------------------------------------------------------------------
+
+    @wrappers.Request.application
+    def _runs(self, request: Request) -> Response:
+        ctx, experiment = _where(request)
+        index = self._source.index(ctx, experiment)
+        return _json(
+            request, {"runs": views.catalog({run: list(tags) for run, tags in index.items()})}
+        )
+
+    @wrappers.Request.application
+    def _wave(self, request: Request) -> Response:
+        run = _one(request, "run")
+        metric = request.args.get("metric", "compression")
+        role = request.args.get("role", "Q")
+        rows = self._rows(request, [run], lambda p: p.metric == metric and p.role == role, metric)
+        columns = _int(request, "max_columns", MAX_COLUMNS, least=2)
+        return _json(request, views.compression_wave(rows, run, metric, role, columns))
+
+    @wrappers.Request.application
+    def _by_role(self, request: Request) -> Response:
+        runs = _runs_of(request)
+        metric = request.args.get("metric", "stable_rank")
+        layer = _int(request, "layer", 0, least=0)
+        rows = self._rows(request, runs, lambda p: p.metric == metric and p.layer == layer, metric)
+        points = _int(request, "max_points", MAX_POINTS, least=4)
+        return _json(request, {"series": views.curves_by_role(rows, runs, metric, layer, points)})
+
+    @wrappers.Request.application
+    def _by_layer(self, request: Request) -> Response:
+        runs = _runs_of(request)
+        metric = request.args.get("metric", "stable_rank")
+        role = request.args.get("role", "Q")
+        rows = self._rows(request, runs, lambda p: p.metric == metric and p.role == role, metric)
+        points = _int(request, "max_points", MAX_POINTS, least=4)
+        return _json(request, {"series": views.curves_by_layer(rows, runs, metric, role, points)})
+
+    @wrappers.Request.application
+    def _depth(self, request: Request) -> Response:
+        runs = _runs_of(request)
+        metric = request.args.get("metric", "alpha")
+        role = request.args.get("role", "Q")
+        rows = self._rows(request, runs, lambda p: p.metric == metric and p.role == role, metric)
+        step = _int(request, "step", None, least=0)
+        return _json(request, views.depth_profile(rows, runs, metric, role, step))
+
+    @wrappers.Request.application
+    def _bars(self, request: Request) -> Response:
+        runs = _runs_of(request)
+        metric = request.args.get("metric", "compression")
+        rows = self._rows(request, runs, lambda p: p.metric == metric, metric)
+        step = _int(request, "step", None, least=0)
+        return _json(request, views.bars_by_layer(rows, runs, metric, step))
+
+    @wrappers.Request.application
+    def _diff(self, request: Request) -> Response:
+        runs = _runs_of(request)
+        baseline = _one(request, "baseline")
+        metric = _one(request, "metric")
+        x = request.args.get("x", "step")
+        layer = _int(request, "layer", None, least=0)
+        role = request.args.get("role") or None
+        ctx, experiment = _where(request)
+        index = self._source.index(ctx, experiment)
+        wanted = {}
+        for run in dict.fromkeys([baseline, *runs]):
+            tags = [
+                t for t in index.get(run, {}) if t in (metric, x) or _is(t, metric, layer, role)
+            ]
+            wanted[run] = tags
+        rows = self._source.rows(ctx, experiment, index, wanted)
+        points = _int(request, "max_points", MAX_POINTS, least=4)
+        try:
+            series = views.difference(
+                rows, metric, baseline, x=x, layer=layer, role=role, max_points=points
+            )
+        except ValueError as error:
+            raise errors.InvalidArgumentError(str(error)) from None
+        return _json(request, {"baseline": baseline, "metric": metric, "x": x, "series": series})
+
+    @wrappers.Request.application
+    def _static(self, request: Request) -> Response:
+        """A file of ``static/``; anything outside it (``..``) is not found."""
+        relative = posixpath.normpath(request.path.split("/static/", 1)[1])
+        path = STATIC / relative
+        if relative.startswith(("..", "/")) or not path.is_file():
+            return http_util.Respond(request, "Not found", "text/plain", code=404)
+        kind = _CONTENT_TYPES.get(path.suffix) or mimetypes.guess_type(path.name)[0] or "text/plain"
+        return http_util.Respond(request, path.read_bytes(), kind)
+
+    # --- helpers ------------------------------------------------------------------------------
+
+    def _rows(self, request: Request, runs: list[str], keep: Callable, metric: str):
+        """Tidy rows of the per-layer tags of ``runs`` that ``keep`` accepts.
+
+        Compression that was not logged is computed from stable rank (as the CLI charts do), so
+        the stable-rank tags are read for it.
+        """
+        ctx, experiment = _where(request)
+        index = self._source.index(ctx, experiment)
+        wanted: dict[str, list[str]] = {}
+        for run in runs:
+            parsed = {tag: parse_tag(tag) for tag in index.get(run, {})}
+            spectral = {t: p for t, p in parsed.items() if p is not None and p.layer is not None}
+            tags = [t for t, p in spectral.items() if keep(p)]
+            if not tags and metric == "compression":
+                ranks = {
+                    t: p._replace(metric="compression")
+                    for t, p in spectral.items()
+                    if p.metric == "stable_rank"
+                }
+                tags = [t for t, p in ranks.items() if keep(p)]
+            wanted[run] = tags
+        return self._source.rows(ctx, experiment, index, wanted)
+
+
+def _is(tag: str, metric: str, layer: int | None, role: str | None) -> bool:
+    """Whether ``tag`` is a per-layer (or mean) series of spectral ``metric`` at ``layer``/``role``."""
+    parsed = parse_tag(tag)
+    return (
+        parsed is not None
+        and parsed.metric == metric
+        and (layer is None or parsed.layer == layer)
+        and (role is None or parsed.role == role)
+    )
+
+
+def _where(request: Request) -> tuple[object, str]:
+    return plugin_util.context(request.environ), plugin_util.experiment_id(request.environ)
+
+
+def _json(request: Request, body: Mapping) -> Response:
+    return http_util.Respond(request, body, "application/json")
+
+
+def _one(request: Request, name: str) -> str:
+    value = request.args.get(name)
+    if not value:
+        raise errors.InvalidArgumentError(f"`{name}` is required, e.g. ?{name}=... ; got none")
+    return value
+
+
+def _runs_of(request: Request) -> list[str]:
+    runs = request.args.getlist("run")
+    if not runs:
+        raise errors.InvalidArgumentError("pass at least one `run` (repeatable: ?run=a&run=b)")
+    return runs
+
+
+def _int(request: Request, name: str, default: int | None, *, least: int) -> int | None:
+    text = request.args.get(name)
+    if text is None or text == "":
+        return default
+    try:
+        value = int(text)
+    except ValueError:
+        value = None
+    if value is None or value < least:
+        raise errors.InvalidArgumentError(f"`{name}` must be an int >= {least}, got {text!r}")
+    return value
