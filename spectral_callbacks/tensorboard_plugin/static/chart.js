@@ -133,7 +133,7 @@ export function lineChart(container, {series, xLabel, yLabel, width = 620, heigh
   }
   container.dataset.points = points;
   const tip = tooltip(container);
-  const cursor = el('line', {y1: MARGIN.top, y2: MARGIN.top + f.h, class: 'cursor'}, f.svg);
+  const cursor = el('line', {y1: MARGIN.top, y2: MARGIN.top + f.h, class: 'cursor', visibility: 'hidden'}, f.svg);
   f.svg.addEventListener('mousemove', (event) => {
     const box = f.svg.getBoundingClientRect();
     const px = event.clientX - box.left;
@@ -151,11 +151,12 @@ export function lineChart(container, {series, xLabel, yLabel, width = 620, heigh
                   ` <small>@ ${format(s.xs[best])}</small>`);
       }
     }
-    if (!rows.length) { tip.style.display = 'none'; return; }
+    if (!rows.length) { tip.style.display = 'none'; cursor.setAttribute('visibility', 'hidden'); return; }
     cursor.setAttribute('x1', f.sx(at)); cursor.setAttribute('x2', f.sx(at));
+    cursor.setAttribute('visibility', 'visible');
     showTip(container, tip, event, rows.slice(0, 14).join('<br>') + (rows.length > 14 ? '<br>…' : ''));
   });
-  f.svg.addEventListener('mouseleave', () => { tip.style.display = 'none'; });
+  f.svg.addEventListener('mouseleave', () => { tip.style.display = 'none'; cursor.setAttribute('visibility', 'hidden'); });
   return points;
 }
 
