@@ -86,30 +86,29 @@ def tensorboard(
         f"--port={port}",
         *flags,
     ]
-    log = tempfile.TemporaryFile()
-    process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=cwd)
     url = f"http://127.0.0.1:{port}/"
-    try:
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                get_json(url + "data/plugin/spectral/runs", timeout=2)
-                break
-            except OSError:
-                if process.poll() is not None or time.monotonic() > deadline:
-                    log.seek(0)
-                    output = log.read().decode(errors="replace")[-3000:]
-                    raise RuntimeError(f"TensorBoard did not serve {url}: {output}") from None
-                time.sleep(0.25)
-        yield url
-    finally:
-        process.terminate()
+    with tempfile.TemporaryFile() as log:
+        process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=cwd)
         try:
-            process.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait(timeout=10)
-        log.close()
+            deadline = time.monotonic() + timeout
+            while True:
+                try:
+                    get_json(url + "data/plugin/spectral/runs", timeout=2)
+                    break
+                except OSError:
+                    if process.poll() is not None or time.monotonic() > deadline:
+                        log.seek(0)
+                        output = log.read().decode(errors="replace")[-3000:]
+                        raise RuntimeError(f"TensorBoard did not serve {url}: {output}") from None
+                    time.sleep(0.25)
+            yield url
+        finally:
+            process.terminate()
+            try:
+                process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait(timeout=10)
 
 
 @contextmanager
@@ -187,8 +186,18 @@ def installed_copy(source: Path, target: Path) -> dict[str, str]:
     )
     site = target / "site"
     subprocess.run(
-        [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation",
-         "--target", str(site), str(build)],
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "--quiet",
+            "--no-deps",
+            "--no-build-isolation",
+            "--target",
+            str(site),
+            str(build),
+        ],
         check=True,
         capture_output=True,
         timeout=300,

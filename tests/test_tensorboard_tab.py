@@ -7,7 +7,6 @@ TensorBoard), on two real training runs; downsampled views against a long synthe
 
 from __future__ import annotations
 
-import tomllib
 from pathlib import Path
 
 import numpy as np
@@ -149,7 +148,9 @@ def test_depth_profile_at_a_step_and_at_the_last(tab: Tab, exported: pd.DataFram
         assert profile["steps"] == sorted(alpha["step"].unique().tolist())
         for entry in profile["runs"]:
             rows = alpha[alpha["run"] == entry["run"]]
-            at = rows["step"].max() if step is None else rows.loc[rows["step"] <= step, "step"].max()
+            at = (
+                rows["step"].max() if step is None else rows.loc[rows["step"] <= step, "step"].max()
+            )
             rows = rows[rows["step"] == at].sort_values("layer")
             assert entry["steps"] == [at] * 3
             assert entry["layers"] == [0, 1, 2] and entry["depths"] == [0.0, 0.5, 1.0]
@@ -170,9 +171,7 @@ def test_bars_equal_the_final_export_rows(tab: Tab, exported: pd.DataFrame) -> N
 
 
 def test_diff_vs_tokens_equals_interpolated_export(tab: Tab, exported: pd.DataFrame) -> None:
-    body = tab.get(
-        "diff", run=["a", "b"], baseline="a", metric="train/loss", x="train/tokens"
-    )
+    body = tab.get("diff", run=["a", "b"], baseline="a", metric="train/loss", x="train/tokens")
     (line,) = body["series"]
     assert line["run"] == "b"
 
@@ -204,7 +203,11 @@ def test_diff_of_a_spectral_metric_needs_one_series(tab: Tab) -> None:
         ("by_layer", {}, "pass at least one `run`"),
         ("wave", {"role": "Q"}, "`run` is required"),
         ("by_role", {"run": "a", "max_points": 2}, "`max_points` must be an int >= 4"),
-        ("diff", {"run": ["a", "b"], "metric": "train/loss", "baseline": "c"}, "not one of the runs"),
+        (
+            "diff",
+            {"run": ["a", "b"], "metric": "train/loss", "baseline": "c"},
+            "not one of the runs",
+        ),
     ],
 )
 def test_bad_parameters_answer_400_with_what_to_pass(
@@ -223,13 +226,15 @@ def test_static_files_served_and_nothing_outside(tab: Tab) -> None:
 
 
 def test_entry_point_names_the_plugin() -> None:
+    tomllib = pytest.importorskip("tomllib", reason="tomllib is Python 3.11+")
     pyproject = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())
     target = pyproject["project"]["entry-points"]["tensorboard_plugins"]["spectral"]
     module, name = target.split(":")
     assert getattr(__import__(module, fromlist=[name]), name) is SpectralPlugin
-    assert "static/*.js" in pyproject["tool"]["setuptools"]["package-data"][
-        "spectral_callbacks.tensorboard_plugin"
-    ]
+    assert (
+        "static/*.js"
+        in pyproject["tool"]["setuptools"]["package-data"]["spectral_callbacks.tensorboard_plugin"]
+    )
 
 
 # --- a long run: downsampling and the cache ---------------------------------------------------

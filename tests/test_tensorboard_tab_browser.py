@@ -74,7 +74,12 @@ def test_tab_shows_every_view_with_data_and_no_console_error(
         assert points["byRole"] == 2 * 6 * 12  # layer 0: 2 runs x 6 roles x 12 snapshots
         assert len(inside("bars", "rect.bar")) == points["bars"] == 2 * 3 * 6
         assert [e.text for e in inside("byRole", ".legend-item")][:6] == [
-            "Q", "K", "V", "O", "MLP↑", "MLP↓",
+            "Q",
+            "K",
+            "V",
+            "O",
+            "MLP↑",
+            "MLP↓",
         ]
         messages = driver.find_elements(By.CSS_SELECTOR, "section.panel .message")
         assert len(messages) == len(VIEWS) and all(not e.text for e in messages)
@@ -91,7 +96,9 @@ def test_tab_gains_points_while_a_run_is_written(installed: dict[str, str], logd
     try:
         flags = ["--reload_interval=1"]
         with (
-            tensorboard(logdir / "tb", command=[str(TENSORBOARD)], env=installed, flags=flags) as url,
+            tensorboard(
+                logdir / "tb", command=[str(TENSORBOARD)], env=installed, flags=flags
+            ) as url,
             chromium() as driver,
         ):
             runs = []
