@@ -40,6 +40,9 @@ class CountingProvider:
         self.reads += 1
         return self.inner.read_scalars(*args, **kwargs)
 
+    def read_last_scalars(self, *args, **kwargs):
+        return self.inner.read_last_scalars(*args, **kwargs)
+
 
 class Tab:
     """TensorBoard's WSGI app with only the SPECTRAL plugin, over ``logdir``."""

@@ -29,12 +29,13 @@ import posixpath
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
+import pandas as pd
 from tensorboard import errors, plugin_util
 from tensorboard.backend import http_util
 from tensorboard.plugins import base_plugin
 from werkzeug import Request, Response, wrappers
 
-from spectral_callbacks.names import parse_tag
+from spectral_callbacks.names import SpectralTag, parse_tag
 from spectral_callbacks.tensorboard_plugin import views
 from spectral_callbacks.tensorboard_plugin.source import SCALARS_PLUGIN, ScalarSource
 
@@ -85,18 +86,18 @@ class SpectralPlugin(base_plugin.TBPlugin):
 
     @wrappers.Request.application
     def _runs(self, request: Request) -> Response:
-        ctx, experiment = _where(request)
-        index = self._source.index(ctx, experiment)
-        return _json(
-            request, {"runs": views.catalog({run: list(tags) for run, tags in index.items()})}
-        )
+        directory = self._source.list_tags(*_where(request))
+        return _json(request, {"runs": views.catalog(directory)})
 
     @wrappers.Request.application
     def _wave(self, request: Request) -> Response:
         run = _one(request, "run")
         metric = request.args.get("metric", "compression")
         role = request.args.get("role", "Q")
-        rows = self._rows(request, [run], lambda p: p.metric == metric and p.role == role, metric)
+        wanted = self._wanted(
+            request, [run], lambda p: p.metric == metric and p.role == role, metric
+        )
+        rows = self._source.rows(*_where(request), wanted)
         columns = _int(request, "max_columns", MAX_COLUMNS, least=2)
         return _json(request, views.compression_wave(rows, run, metric, role, columns))
 
@@ -105,7 +106,8 @@ class SpectralPlugin(base_plugin.TBPlugin):
         runs = _runs_of(request)
         metric = request.args.get("metric", "stable_rank")
         layer = _int(request, "layer", 0, least=0)
-        rows = self._rows(request, runs, lambda p: p.metric == metric and p.layer == layer, metric)
+        keep = lambda p: p.metric == metric and p.layer == layer  # noqa: E731
+        rows = self._source.rows(*_where(request), self._wanted(request, runs, keep, metric))
         points = _int(request, "max_points", MAX_POINTS, least=4)
         return _json(request, {"series": views.curves_by_role(rows, runs, metric, layer, points)})
 
@@ -114,7 +116,8 @@ class SpectralPlugin(base_plugin.TBPlugin):
         runs = _runs_of(request)
         metric = request.args.get("metric", "stable_rank")
         role = request.args.get("role", "Q")
-        rows = self._rows(request, runs, lambda p: p.metric == metric and p.role == role, metric)
+        keep = lambda p: p.metric == metric and p.role == role  # noqa: E731
+        rows = self._source.rows(*_where(request), self._wanted(request, runs, keep, metric))
         points = _int(request, "max_points", MAX_POINTS, least=4)
         return _json(request, {"series": views.curves_by_layer(rows, runs, metric, role, points)})
 
@@ -123,17 +126,19 @@ class SpectralPlugin(base_plugin.TBPlugin):
         runs = _runs_of(request)
         metric = request.args.get("metric", "alpha")
         role = request.args.get("role", "Q")
-        rows = self._rows(request, runs, lambda p: p.metric == metric and p.role == role, metric)
+        keep = lambda p: p.metric == metric and p.role == role  # noqa: E731
         step = _int(request, "step", None, least=0)
-        return _json(request, views.depth_profile(rows, runs, metric, role, step))
+        rows, steps = self._at_step(request, self._wanted(request, runs, keep, metric), step)
+        return _json(request, views.depth_profile(rows, runs, metric, role, step, steps))
 
     @wrappers.Request.application
     def _bars(self, request: Request) -> Response:
         runs = _runs_of(request)
         metric = request.args.get("metric", "compression")
-        rows = self._rows(request, runs, lambda p: p.metric == metric, metric)
         step = _int(request, "step", None, least=0)
-        return _json(request, views.bars_by_layer(rows, runs, metric, step))
+        wanted = self._wanted(request, runs, lambda p: p.metric == metric, metric)
+        rows, steps = self._at_step(request, wanted, step)
+        return _json(request, views.bars_by_layer(rows, runs, metric, step, steps))
 
     @wrappers.Request.application
     def _diff(self, request: Request) -> Response:
@@ -143,15 +148,14 @@ class SpectralPlugin(base_plugin.TBPlugin):
         x = request.args.get("x", "step")
         layer = _int(request, "layer", None, least=0)
         role = request.args.get("role") or None
-        ctx, experiment = _where(request)
-        index = self._source.index(ctx, experiment)
-        wanted = {}
-        for run in dict.fromkeys([baseline, *runs]):
-            tags = [
-                t for t in index.get(run, {}) if t in (metric, x) or _is(t, metric, layer, role)
+        directory = self._source.directory(*_where(request))
+        wanted = {
+            run: [
+                t for t in directory.get(run, ()) if t in (metric, x) or _is(t, metric, layer, role)
             ]
-            wanted[run] = tags
-        rows = self._source.rows(ctx, experiment, index, wanted)
+            for run in dict.fromkeys([baseline, *runs])
+        }
+        rows = self._source.rows(*_where(request), wanted)
         points = _int(request, "max_points", MAX_POINTS, least=4)
         try:
             series = views.difference(
@@ -173,17 +177,18 @@ class SpectralPlugin(base_plugin.TBPlugin):
 
     # --- helpers ------------------------------------------------------------------------------
 
-    def _rows(self, request: Request, runs: list[str], keep: Callable, metric: str):
-        """Tidy rows of the per-layer tags of ``runs`` that ``keep`` accepts.
+    def _wanted(
+        self, request: Request, runs: list[str], keep: Callable[[SpectralTag], bool], metric: str
+    ) -> dict[str, list[str]]:
+        """The per-layer tags of each of ``runs`` that ``keep`` accepts.
 
         Compression that was not logged is computed from stable rank (as the CLI charts do), so
-        the stable-rank tags are read for it.
+        then the stable-rank tags are wanted: their whole series, for the first snapshot.
         """
-        ctx, experiment = _where(request)
-        index = self._source.index(ctx, experiment)
+        directory = self._source.directory(*_where(request))
         wanted: dict[str, list[str]] = {}
         for run in runs:
-            parsed = {tag: parse_tag(tag) for tag in index.get(run, {})}
+            parsed = {tag: parse_tag(tag) for tag in sorted(directory.get(run, ()))}
             spectral = {t: p for t, p in parsed.items() if p is not None and p.layer is not None}
             tags = [t for t, p in spectral.items() if keep(p)]
             if not tags and metric == "compression":
@@ -194,7 +199,26 @@ class SpectralPlugin(base_plugin.TBPlugin):
                 }
                 tags = [t for t, p in ranks.items() if keep(p)]
             wanted[run] = tags
-        return self._source.rows(ctx, experiment, index, wanted)
+        return wanted
+
+    def _at_step(
+        self, request: Request, wanted: dict[str, list[str]], step: int | None
+    ) -> tuple[pd.DataFrame, list[int]]:
+        """Rows for a view at one step, and the logged steps (for the slider).
+
+        At the last step (``None``) one point per series is enough, and the steps are those of
+        each run's first series; at an earlier step, or for compression computed from stable
+        rank, the whole series are read.
+        """
+        where = _where(request)
+        derived = any(
+            parse_tag(t).metric == "stable_rank" for tags in wanted.values() for t in tags
+        )
+        if step is not None or derived:
+            rows = self._source.rows(*where, wanted)
+            return rows, rows["step"].unique().tolist()
+        first = self._source.rows(*where, {run: tags[:1] for run, tags in wanted.items()})
+        return self._source.last_rows(*where, wanted), first["step"].unique().tolist()
 
 
 def _is(tag: str, metric: str, layer: int | None, role: str | None) -> bool:

@@ -1,15 +1,22 @@
 """Scalars of a TensorBoard experiment as tidy rows, read through the public data provider.
 
 The plugin never opens event files: TensorBoard's data provider (``list_scalars`` /
-``read_scalars`` of the ``scalars`` plugin) already ingests them, reloads them while a run is
-written, and works the same with the multiplexer and the Rust data server. Each (run, tag) read
-is cached with the freshness the provider reports for it (its ``max_step`` and ``max_wall_time``),
-so a view re-reads only the series that gained points since the last request, and a poll of an
-unchanged run reads nothing. The cache holds only series still listed by the provider, so it is
-bounded by what TensorBoard itself holds.
+``read_scalars`` / ``read_last_scalars`` of the ``scalars`` plugin) already ingests them, reloads
+them while a run is written, and works the same with the Python loader and the Rust data server.
 
-Rows are built exactly as ``spectral-callbacks export --all-scalars`` builds them
-(``spectral_callbacks.events``): the same columns, tag parsing and relative depth.
+What makes a long run fast (benchmarks/tensorboard_tab.py):
+
+* the tag directory (which tags each run has) comes from the last full listing, made by the
+  ``runs`` route the page asks first on every poll; a view lists only its own tags, whose
+  freshness (``max_step``, ``max_wall_time``) says whether the cached copy is still current;
+* each series is read once and kept as a small tidy DataFrame until the provider reports new
+  points for it, so a poll of an unchanged run reads nothing and a growing run re-reads only
+  the series that grew; the cache holds only series the provider still lists, so it is bounded
+  by what TensorBoard itself holds;
+* views at the last step read one point per series (``read_last_scalars``).
+
+Rows have the columns, tag parsing and relative depth of ``spectral-callbacks export
+--all-scalars`` (``spectral_callbacks.events``).
 """
 
 from __future__ import annotations
@@ -17,10 +24,11 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterable, Mapping
 
+import numpy as np
 import pandas as pd
 from tensorboard.data import provider
 
-from spectral_callbacks.events import _add_depth, _num_layers, _tidy, empty_rows
+from spectral_callbacks.events import _add_depth, empty_rows
 from spectral_callbacks.names import NUM_LAYERS_TAG, parse_tag
 
 SCALARS_PLUGIN = "scalars"
@@ -29,12 +37,12 @@ SCALARS_PLUGIN = "scalars"
 # is dropped here: the views downsample what they draw themselves.
 READ_LIMIT = 10_000_000
 
-Point = tuple[str, int, float, float]  # (tag, step, value, wall_time), as events.read_event_file
-Index = Mapping[str, Mapping[str, provider.ScalarTimeSeries]]
+Directory = dict[str, frozenset[str]]  # run -> its scalar tags
+Freshness = tuple[int, float]  # (max_step, max_wall_time) of a series
 
 
 class ScalarSource:
-    """Cached reads of scalar series from a TensorBoard data provider.
+    """Cached reads of scalar series from a TensorBoard data provider, as tidy rows.
 
     Args:
         data_provider: the ``context.data_provider`` TensorBoard gives its plugins.
@@ -42,83 +50,170 @@ class ScalarSource:
     Example::
 
         source = ScalarSource(context.data_provider)
-        index = source.index(ctx, experiment_id)
-        rows = source.rows(ctx, experiment_id, index, {"run_a": ["spectral_alpha/L00/Q"]})
+        directory = source.list_tags(ctx, experiment_id)
+        rows = source.rows(ctx, experiment_id, {"run_a": ["spectral_alpha/L00/Q"]})
     """
 
     def __init__(self, data_provider: provider.DataProvider) -> None:
         self._provider = data_provider
         self._lock = threading.Lock()  # TensorBoard serves requests from several threads
-        self._cache: dict[tuple[str, str, str], tuple[tuple[int, float], list[Point]]] = {}
+        self._directories: dict[str, Directory] = {}
+        self._series: dict[tuple[str, str, str], tuple[Freshness, pd.DataFrame]] = {}
 
-    def index(self, ctx: object, experiment_id: str) -> Index:
-        """Every scalar series as ``{run: {tag: ScalarTimeSeries}}`` (metadata only, cheap)."""
-        index = self._provider.list_scalars(
+    def list_tags(self, ctx: object, experiment_id: str) -> Directory:
+        """Every run's scalar tags, listed afresh; later :meth:`directory` calls reuse it."""
+        listing = self._provider.list_scalars(
             ctx, experiment_id=experiment_id, plugin_name=SCALARS_PLUGIN
         )
-        with self._lock:  # runs removed from the logdir leave the cache
-            for key in [k for k in self._cache if k[0] == experiment_id and k[1] not in index]:
-                del self._cache[key]
-        return index
+        directory = {run: frozenset(tags) for run, tags in listing.items()}
+        with self._lock:
+            self._directories[experiment_id] = directory
+            for key in [k for k in self._series if k[0] == experiment_id]:
+                if key[2] not in directory.get(key[1], ()):  # a run or tag gone from the logdir
+                    del self._series[key]
+        return directory
+
+    def directory(self, ctx: object, experiment_id: str) -> Directory:
+        """The tags of the last listing (the page lists on every poll), or a new listing."""
+        with self._lock:
+            directory = self._directories.get(experiment_id)
+        return directory if directory is not None else self.list_tags(ctx, experiment_id)
 
     def rows(
-        self, ctx: object, experiment_id: str, index: Index, wanted: Mapping[str, Iterable[str]]
+        self, ctx: object, experiment_id: str, wanted: Mapping[str, Iterable[str]]
     ) -> pd.DataFrame:
-        """Tidy rows (``spectral_callbacks.events.COLUMNS``) of the ``wanted`` tags of each run.
+        """Tidy rows of every point of the ``wanted`` tags of each run (unknown tags skipped).
 
-        Tags a run does not have are skipped. Depth comes from the run's
-        ``spectral_monitor/num_layers`` or, without it, its deepest listed layer + 1, as export does.
+        Depth comes from the run's ``spectral_monitor/num_layers`` or, without it, its deepest
+        listed layer + 1, as export does.
         """
-        frames = []
-        for run, tags in wanted.items():
-            listed = index.get(run, {})
-            tags = [tag for tag in dict.fromkeys(tags) if tag in listed]
-            points = self._points(ctx, experiment_id, run, listed, tags)
-            num_layers = _num_layers(
-                self._points(ctx, experiment_id, run, listed, [NUM_LAYERS_TAG])
-            )
-            if num_layers is None:
-                layers = [p.layer for p in map(parse_tag, listed) if p and p.layer is not None]
-                num_layers = max(layers) + 1 if layers else None
-            frames.append(_add_depth(_tidy(run, points, all_scalars=True), num_layers))
-        frames = [frame for frame in frames if not frame.empty]
-        return pd.concat(frames, ignore_index=True) if frames else empty_rows()
-
-    def _points(
-        self,
-        ctx: object,
-        experiment_id: str,
-        run: str,
-        listed: Mapping[str, provider.ScalarTimeSeries],
-        tags: list[str],
-    ) -> list[Point]:
-        """The points of ``tags`` of one run, from the cache where the series has not changed."""
-        tags = [tag for tag in tags if tag in listed]
-        fresh = {tag: (listed[tag].max_step, listed[tag].max_wall_time) for tag in tags}
+        wanted = self._known(ctx, experiment_id, wanted)
+        fresh = self._freshness(ctx, experiment_id, wanted)
         with self._lock:
-            stale = [
-                t for t in tags if self._cache.get((experiment_id, run, t), (None,))[0] != fresh[t]
-            ]
-        if stale:
+            stale = {
+                run: [t for t in tags if self._cached(experiment_id, run, t) != fresh[run][t]]
+                for run, tags in wanted.items()
+            }
+        stale = {run: tags for run, tags in stale.items() if tags}
+        for run, tags in stale.items():  # one read per run: a filter is a runs x tags product
             read = self._provider.read_scalars(
                 ctx,
                 experiment_id=experiment_id,
                 plugin_name=SCALARS_PLUGIN,
                 downsample=READ_LIMIT,
-                run_tag_filter=provider.RunTagFilter(runs=[run], tags=stale),
+                run_tag_filter=provider.RunTagFilter(runs=[run], tags=tags),
             ).get(run, {})
             with self._lock:
-                for tag in stale:
-                    data = read.get(tag, [])
-                    points = [(tag, d.step, d.value, d.wall_time) for d in data]
-                    self._cache[(experiment_id, run, tag)] = (fresh[tag], points)
-                self._forget_unlisted(experiment_id, run, listed)
+                for tag in tags:
+                    frame = _series_rows(run, tag, read.get(tag, []))
+                    self._series[(experiment_id, run, tag)] = (fresh[run][tag], frame)
         with self._lock:
-            return [point for tag in tags for point in self._cache[(experiment_id, run, tag)][1]]
+            frames = {
+                run: [self._series[(experiment_id, run, tag)][1] for tag in tags]
+                for run, tags in wanted.items()
+            }
+        return self._with_depth(experiment_id, frames)
 
-    def _forget_unlisted(
-        self, experiment_id: str, run: str, listed: Mapping[str, provider.ScalarTimeSeries]
-    ) -> None:
-        """Drop cached series the provider no longer lists (a run or tag deleted from the logdir)."""
-        for key in [k for k in self._cache if k[:2] == (experiment_id, run) and k[2] not in listed]:
-            del self._cache[key]
+    def last_rows(
+        self, ctx: object, experiment_id: str, wanted: Mapping[str, Iterable[str]]
+    ) -> pd.DataFrame:
+        """Tidy rows of the last point of each ``wanted`` series (one read, not cached).
+
+        The last point is the provider's: the latest written, which for a run that never went
+        back in steps is also the highest step.
+        """
+        wanted = self._known(ctx, experiment_id, wanted)
+        read = self._provider.read_last_scalars(
+            ctx,
+            experiment_id=experiment_id,
+            plugin_name=SCALARS_PLUGIN,
+            run_tag_filter=provider.RunTagFilter(
+                runs=list(wanted), tags=sorted({t for tags in wanted.values() for t in tags})
+            ),
+        )
+        frames = {
+            run: [
+                _series_rows(run, tag, [read[run][tag]]) for tag in tags if tag in read.get(run, {})
+            ]
+            for run, tags in wanted.items()
+        }
+        return self._with_depth(experiment_id, frames)
+
+    def _known(
+        self, ctx: object, experiment_id: str, wanted: Mapping[str, Iterable[str]]
+    ) -> dict[str, list[str]]:
+        """``wanted`` without tags the runs do not have, plus each run's num_layers tag."""
+        directory = self.directory(ctx, experiment_id)
+        known = {}
+        for run, tags in wanted.items():
+            listed = directory.get(run, frozenset())
+            chosen = [t for t in dict.fromkeys(tags) if t in listed]
+            if chosen and NUM_LAYERS_TAG in listed:
+                chosen.append(NUM_LAYERS_TAG)
+            if chosen:
+                known[run] = list(dict.fromkeys(chosen))
+        return known
+
+    def _freshness(
+        self, ctx: object, experiment_id: str, wanted: Mapping[str, list[str]]
+    ) -> dict[str, dict[str, Freshness]]:
+        fresh: dict[str, dict[str, Freshness]] = {}
+        for run, tags in wanted.items():
+            listing = self._provider.list_scalars(
+                ctx,
+                experiment_id=experiment_id,
+                plugin_name=SCALARS_PLUGIN,
+                run_tag_filter=provider.RunTagFilter(runs=[run], tags=tags),
+            ).get(run, {})
+            fresh[run] = {t: (s.max_step, s.max_wall_time) for t, s in listing.items()}
+        for run, tags in wanted.items():  # listed a moment ago, gone now: read as empty
+            for tag in tags:
+                fresh[run].setdefault(tag, (-1, 0.0))
+        return fresh
+
+    def _cached(self, experiment_id: str, run: str, tag: str) -> Freshness | None:
+        entry = self._series.get((experiment_id, run, tag))
+        return entry[0] if entry is not None else None
+
+    def _with_depth(
+        self, experiment_id: str, frames: Mapping[str, list[pd.DataFrame]]
+    ) -> pd.DataFrame:
+        """Concatenated rows, ``depth`` filled per run (and the num_layers rows kept, as export)."""
+        with self._lock:
+            directory = self._directories.get(experiment_id, {})
+        out = []
+        for run, parts in frames.items():
+            parts = [part for part in parts if not part.empty]
+            if not parts:
+                continue
+            rows = pd.concat(parts, ignore_index=True)
+            num_layers = _num_layers(rows, directory.get(run, frozenset()))
+            out.append(_add_depth(rows, num_layers))
+        return pd.concat(out, ignore_index=True) if out else empty_rows()
+
+
+def _num_layers(rows: pd.DataFrame, tags: Iterable[str]) -> int | None:
+    """The run's last logged ``spectral_monitor/num_layers``, else its deepest listed layer + 1."""
+    logged = rows.loc[rows["metric"] == NUM_LAYERS_TAG, "value"]
+    if not logged.empty:
+        return int(logged.iloc[-1])
+    layers = [p.layer for p in map(parse_tag, tags) if p is not None and p.layer is not None]
+    return max(layers) + 1 if layers else None
+
+
+def _series_rows(run: str, tag: str, data: list[provider.ScalarDatum]) -> pd.DataFrame:
+    """Tidy rows (no depth yet) of one series, in the provider's order, as export builds them."""
+    parsed = parse_tag(tag)
+    count = len(data)
+    frame = pd.DataFrame(
+        {
+            "run": run,
+            "step": np.fromiter((d.step for d in data), dtype="int64", count=count),
+            "metric": parsed.metric if parsed else tag,
+            "layer": pd.array([parsed.layer if parsed else None] * count, dtype="Int64"),
+            "role": parsed.role if parsed else None,
+            "value": np.fromiter((d.value for d in data), dtype="float64", count=count),
+            "wall_time": np.fromiter((d.wall_time for d in data), dtype="float64", count=count),
+        }
+    )
+    return frame if count else frame.iloc[0:0]

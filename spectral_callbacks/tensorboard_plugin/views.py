@@ -157,11 +157,17 @@ def _at_step(chosen: pd.DataFrame, step: int | None, keys: list[str]) -> pd.Data
 
 
 def depth_profile(
-    rows: pd.DataFrame, runs: Sequence[str], metric: str, role: str, step: int | None
+    rows: pd.DataFrame,
+    runs: Sequence[str],
+    metric: str,
+    role: str,
+    step: int | None,
+    steps: Iterable[int] | None = None,
 ) -> dict:
     """``metric`` of ``role`` vs relative depth at ``step`` (default: each run's last), per run.
 
-    ``steps`` lists every logged step, for the slider; each point carries the step it comes from.
+    ``steps`` (default: those of ``rows``) lists the logged steps, for the slider; each point
+    carries the step it comes from.
     """
     chosen = _metric_rows(rows, metric)
     chosen = chosen[(chosen["role"] == role) & chosen["run"].isin(runs)]
@@ -178,12 +184,27 @@ def depth_profile(
                 "steps": at["step"].astype(int).tolist() if not at.empty else [],
             }
         )
-    steps = sorted(int(s) for s in chosen["step"].unique())
-    return {"metric": metric, "role": role, "step": step, "steps": steps, "runs": profiles}
+    steps = chosen["step"].unique() if steps is None else steps
+    return {
+        "metric": metric,
+        "role": role,
+        "step": step,
+        "steps": sorted(int(s) for s in set(steps)),
+        "runs": profiles,
+    }
 
 
-def bars_by_layer(rows: pd.DataFrame, runs: Sequence[str], metric: str, step: int | None) -> dict:
-    """``metric`` (compression by default in the tab) by layer x role at ``step`` (None: last), per run."""
+def bars_by_layer(
+    rows: pd.DataFrame,
+    runs: Sequence[str],
+    metric: str,
+    step: int | None,
+    steps: Iterable[int] | None = None,
+) -> dict:
+    """``metric`` by layer x role at ``step`` (None: each run's last), a panel per run.
+
+    ``steps`` (default: those of ``rows``) lists the logged steps, for the slider.
+    """
     chosen = _metric_rows(rows, metric)
     chosen = chosen[chosen["run"].isin(runs)]
     panels = []
@@ -204,8 +225,13 @@ def bars_by_layer(rows: pd.DataFrame, runs: Sequence[str], metric: str, step: in
                 "step": int(at["step"].max()),
             }
         )
-    steps = sorted(int(s) for s in chosen["step"].unique())
-    return {"metric": metric, "step": step, "steps": steps, "runs": panels}
+    steps = chosen["step"].unique() if steps is None else steps
+    return {
+        "metric": metric,
+        "step": step,
+        "steps": sorted(int(s) for s in set(steps)),
+        "runs": panels,
+    }
 
 
 def difference(
