@@ -1,21 +1,22 @@
 """How fast the SPECTRAL tab opens a long run: a 10,000-step, 24-layer run of ~1 M points.
 
-Writes the synthetic run of ``benchmarks/long_run.py`` (or reuses ``--logdir``), then measures:
+Writes the synthetic run of ``benchmarks/long_run.py`` (or reuses ``--logdir``), then, for each of
+TensorBoard's two loaders (``--load_fast=false``: the Python multiplexer; ``true``: the Rust data
+server, what ``tensorboard`` uses by default where it is installed), starts a real server on
+loopback with the tab and measures:
 
-1. **Routes** - the requests the tab makes when it opens (``runs``, then the five views of one
-   run; the baseline difference needs a second run), answered by TensorBoard's own WSGI app over
-   its multiplexer data provider, with TensorBoard's default sampling (1,000 points per series,
-   which this run fits exactly). ``cold``: a fresh plugin, nothing cached (the first open);
-   ``warm``: the same requests again with unchanged data (every poll of the open tab). Medians
-   of ``--rounds`` rounds, in one process.
-2. **Browser** (with ``--browser``, needs Debian's chromium + chromium-driver and selenium): a
-   real ``tensorboard`` server on loopback (``--load_fast=false``: the Python loader; ``true``:
-   TensorBoard's Rust data server), the time it takes to ingest the run, then headless Chromium's
-   time from opening ``/#spectral`` to every view drawn (TensorBoard's own page load included).
+* ``ingest s`` - until TensorBoard holds the whole run (its own loading, before any plugin can
+  answer; the tab cannot make it faster);
+* per request the tab makes when it opens (``runs``, then the five views of one run with their
+  default controls; the baseline difference needs a second run): ``cold`` - the first time,
+  nothing cached (opening the run), ``warm`` - again with unchanged data (every poll of the open
+  tab), in ms over HTTP; ``open`` sums them;
+* with ``--browser`` (Debian's chromium + chromium-driver, selenium): headless Chromium's seconds
+  from opening ``/#spectral`` to every view drawn, TensorBoard's own page load included
+  (``--rounds`` times, warm).
 
-    python benchmarks/tensorboard_tab.py                     # routes only
-    python benchmarks/tensorboard_tab.py --browser --rounds 3
-    python benchmarks/tensorboard_tab.py --logdir /tmp/long  # a run written before
+    python benchmarks/tensorboard_tab.py --browser
+    python benchmarks/tensorboard_tab.py --logdir /tmp/long   # a parent of a run d24 written before
 """
 
 from __future__ import annotations
@@ -46,81 +47,56 @@ def open_requests(run: str) -> list[tuple[str, dict]]:
     ]
 
 
-def route_times(logdir: Path, run: str, rounds: int) -> tuple[float, int, dict[str, list]]:
-    """TensorBoard's ingest seconds, points held, and per route [cold ms], [warm ms], bytes."""
-    from tensorboard.backend import application
-    from tensorboard.backend.event_processing import (
-        data_ingester,
-        data_provider,
-        plugin_event_multiplexer,
-    )
-    from tensorboard.context import RequestContext
-    from tensorboard.plugins import base_plugin
-    from werkzeug import test as werkzeug_test
-    from werkzeug import wrappers
+def ingested(url: str) -> None:
+    """Wait until the server holds the run's last snapshot in every layer (a series no view opens)."""
+    from browser import get_json
 
-    from spectral_callbacks.tensorboard_plugin.plugin import SpectralPlugin
-
-    start = time.perf_counter()
-    multiplexer = plugin_event_multiplexer.EventMultiplexer(
-        size_guidance=data_ingester.DEFAULT_SIZE_GUIDANCE,
-        tensor_size_guidance=data_ingester.DEFAULT_TENSOR_SIZE_GUIDANCE,
-    )
-    multiplexer.AddRunsFromDirectory(str(logdir))
-    multiplexer.Reload()
-    ingest = time.perf_counter() - start
-    provider = data_provider.MultiplexerDataProvider(multiplexer, str(logdir))
-    held = sum(
-        len(series)
-        for tags in provider.read_scalars(
-            RequestContext(), experiment_id="", plugin_name="scalars", downsample=10**7
-        ).values()
-        for series in tags.values()
-    )
-    results: dict[str, list] = {name: [[], [], 0] for name, _ in open_requests(run)}
-    for _ in range(rounds):
-        context = base_plugin.TBContext(logdir=str(logdir), data_provider=provider)
-        client = werkzeug_test.Client(
-            application.TensorBoardWSGI([SpectralPlugin(context)]), wrappers.Response
-        )
-        for phase in (0, 1):  # cold, then warm
-            for name, params in open_requests(run):
-                begin = time.perf_counter()
-                response = client.get(f"/data/plugin/spectral/{name}", query_string=params)
-                took = time.perf_counter() - begin
-                assert response.status_code == 200, response.get_data(as_text=True)
-                results[name][phase].append(took * 1000)
-                results[name][2] = len(response.get_data())
-    return ingest, held, results
+    probe = url + "data/plugin/spectral/by_layer?run=d24&metric=alpha_r2&role=MLP_down&max_points=4"
+    while True:
+        series = get_json(probe, timeout=120)["series"]
+        if len(series) == 24 and all(line["steps"][-1] == 9_990 for line in series):
+            return
+        time.sleep(0.5)
 
 
-def browser_times(logdir: Path, load_fast: str, rounds: int) -> tuple[float, list[float]]:
-    """Seconds until a real server holds the whole run, and seconds per page open to all drawn."""
-    from browser import chromium, get_json, open_tab, tensorboard, wait_for_points
+def timed_requests(url: str) -> dict[str, tuple[float, int]]:
+    """Milliseconds and bytes of each request of the opening tab, in the page's order."""
+    from urllib.parse import urlencode
+    from urllib.request import urlopen
+
+    out = {}
+    for name, params in open_requests("d24"):
+        begin = time.perf_counter()
+        with urlopen(f"{url}data/plugin/spectral/{name}?{urlencode(params)}", timeout=120) as r:
+            size = len(r.read())
+        out[name] = ((time.perf_counter() - begin) * 1000, size)
+    return out
+
+
+def measure(logdir: Path, load_fast: str, rounds: int, browser: bool) -> dict:
+    """Ingest seconds, cold and warm request times, and browser opens of one loader."""
+    from browser import chromium, open_tab, tensorboard, wait_for_points
 
     start = time.perf_counter()
     with tensorboard(logdir, flags=[f"--load_fast={load_fast}"], timeout=600) as url:
-        probe = url + "data/plugin/spectral/by_layer?run=d24&role=MLP_down&max_points=4"
-        while True:  # ingested when the deepest layer's last snapshot is there
-            series = get_json(probe, timeout=60)["series"]
-            if len(series) == 24 and all(line["steps"][-1] == 9_990 for line in series):
-                break
-            time.sleep(0.5)
-        ingest = time.perf_counter() - start
-        opens = []
-        for _ in range(rounds):
+        ingested(url)
+        result = {"ingest": time.perf_counter() - start, "cold": timed_requests(url)}
+        warm = [timed_requests(url) for _ in range(rounds)]
+        result["warm"] = {name: statistics.median(w[name][0] for w in warm) for name in warm[0]}
+        result["opens"] = []
+        for _ in range(rounds if browser else 0):
             with chromium() as driver:
                 begin = time.perf_counter()
                 open_tab(driver, url)
                 wait_for_points(driver, VIEWS, timeout=120)
-                opens.append(time.perf_counter() - begin)
-    return ingest, opens
+                result["opens"].append(time.perf_counter() - begin)
+    return result
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--logdir", type=Path, help="a parent of run d24 written by long_run.py")
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=3, help="warm repeats and browser opens")
     parser.add_argument("--browser", action="store_true", help="also time a real browser")
     args = parser.parse_args()
     logdir = args.logdir
@@ -130,30 +106,37 @@ def main() -> None:
         points = write_long_run(logdir / "d24", steps=10_000, layers=24, every=10)
         print(f"wrote {points:,} points to {logdir / 'd24'} in {time.perf_counter() - begin:.0f} s")
 
-    ingest, held, results = route_times(logdir, "d24", args.rounds)
-    print(f"\nTensorBoard (Python loader) ingested the run in {ingest:.1f} s, {held:,} points held")
-    print(f"\n| request   | cold ms (fresh plugin) | warm ms (poll) | response KB |  ({args.rounds} rounds, medians)")
-    print("|-----------|-----------------------:|---------------:|------------:|")
-    for name, (cold, warm, size) in results.items():
-        print(
-            f"| {name:9} | {statistics.median(cold):22.0f} | {statistics.median(warm):14.1f}"
-            f" | {size / 1024:11.1f} |"
+    loaders = {"false": "Python loader", "true": "Rust data server"}
+    results = {}
+    for load_fast, name in loaders.items():
+        try:
+            results[name] = measure(logdir, load_fast, args.rounds, args.browser)
+        except RuntimeError as error:  # e.g. no data server binary on this platform
+            print(f"{name}: not measured ({str(error).splitlines()[0][:120]})")
+    names = list(results)
+    print(
+        "\n| request | " + " | ".join(f"{n}: cold ms | warm ms" for n in names) + " | response KB |"
+    )
+    print("|---|" + "---:|---:|" * len(names) + "---:|")
+    for request, _ in open_requests("d24"):
+        cells = " | ".join(
+            f"{results[n]['cold'][request][0]:.0f} | {results[n]['warm'][request]:.0f}"
+            for n in names
         )
-    cold_total = statistics.median([sum(r) for r in zip(*(v[0] for v in results.values()))])
-    warm_total = statistics.median([sum(r) for r in zip(*(v[1] for v in results.values()))])
-    print(f"| **open**  | {cold_total:22.0f} | {warm_total:14.1f} |             |")
-
-    if args.browser:
-        print("\n| server loader          | ingest s | tab open to all views drawn, s (each round) |")
-        print("|------------------------|---------:|---------------------------------------------|")
-        for load_fast, name in (("false", "Python (multiplexer)"), ("true", "Rust data server")):
-            try:
-                ingest, opens = browser_times(logdir, load_fast, args.rounds)
-            except RuntimeError as error:
-                print(f"| {name:22} | n/a      | {str(error).splitlines()[0][:60]} |")
-                continue
-            rounds = ", ".join(f"{t:.2f}" for t in opens)
-            print(f"| {name:22} | {ingest:8.1f} | median {statistics.median(opens):.2f} ({rounds}) |")
+        size = results[names[0]]["cold"][request][1] / 1024
+        print(f"| {request} | {cells} | {size:.1f} |")
+    cells = " | ".join(
+        f"**{sum(c for c, _ in results[n]['cold'].values()):.0f}** | "
+        f"**{sum(results[n]['warm'].values()):.0f}**"
+        for n in names
+    )
+    print(f"| **open** | {cells} | |")
+    print("\n| loader | ingest s | browser: tab open to all views drawn, s |")
+    print("|---|---:|---|")
+    for n in names:
+        opens = results[n]["opens"]
+        shown = ", ".join(f"{t:.2f}" for t in opens) if opens else "(run with --browser)"
+        print(f"| {n} | {results[n]['ingest']:.1f} | {shown} |")
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ a one-line message saying what to pass.
 
 from __future__ import annotations
 
+import json
 import mimetypes
 import posixpath
 from collections.abc import Callable, Mapping
@@ -237,7 +238,9 @@ def _where(request: Request) -> tuple[object, str]:
 
 
 def _json(request: Request, body: Mapping) -> Response:
-    return http_util.Respond(request, body, "application/json")
+    # Encoded here: the views already turned NaN into None, so TensorBoard's recursive cleaning
+    # (a walk over every number, ~1/3 of a large response's time) has nothing to do.
+    return http_util.Respond(request, json.dumps(body, allow_nan=False), "application/json")
 
 
 def _one(request: Request, name: str) -> str:
