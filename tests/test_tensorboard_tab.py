@@ -304,3 +304,22 @@ def test_unchanged_series_come_from_the_cache_and_new_points_show(long_run: Path
     (line,) = tab.get("by_role", run="long", layer=2, max_points=100_000)["series"]
     assert tab.provider.reads == reads + 1
     assert (line["steps"][-1], line["values"][-1]) == (6_000, 7.0)
+
+
+def test_compression_not_logged_is_computed_from_stable_rank(tmp_path: Path) -> None:
+    """As the CLI charts do: 100 (1 - s_t / s_0), s_0 each matrix's first snapshot."""
+    with SummaryWriter(str(tmp_path / "ranks")) as writer:
+        for step, scale in ((0, 1.0), (10, 0.5), (20, 0.25)):
+            for layer in range(2):
+                writer.add_scalar(scalar_tag("stable_rank", layer, "K"), 8.0 * scale + layer, step)
+    tab = Tab(tmp_path)
+    tab.get("runs")
+    wave = tab.get("wave", run="ranks", role="K")
+    expected = [
+        [100 * (1 - (8.0 * s + layer) / (8.0 + layer)) for s in (1.0, 0.5, 0.25)]
+        for layer in range(2)
+    ]
+    np.testing.assert_allclose(wave["values"], expected)
+    bars = tab.get("bars", run="ranks")
+    np.testing.assert_allclose(bars["runs"][0]["values"]["K"], [e[-1] for e in expected])
+    assert bars["steps"] == [0, 10, 20]

@@ -34,7 +34,7 @@ import pandas as pd
 from tensorboard import errors, plugin_util
 from tensorboard.backend import http_util
 from tensorboard.plugins import base_plugin
-from werkzeug import Request, Response, wrappers
+from werkzeug import Request, Response
 
 from spectral_callbacks.names import SpectralTag, parse_tag
 from spectral_callbacks.tensorboard_plugin import views
@@ -63,7 +63,7 @@ class SpectralPlugin(base_plugin.TBPlugin):
         self._source = ScalarSource(context.data_provider)
 
     def get_plugin_apps(self) -> dict[str, Callable]:
-        return {
+        routes = {
             "/runs": self._runs,
             "/wave": self._wave,
             "/by_role": self._by_role,
@@ -73,6 +73,7 @@ class SpectralPlugin(base_plugin.TBPlugin):
             "/diff": self._diff,
             "/static/*": self._static,
         }
+        return {path: Request.application(handler) for path, handler in routes.items()}
 
     def is_active(self) -> bool:
         return False  # the tab shows when the logdir has scalars: see data_plugin_names
@@ -85,12 +86,10 @@ class SpectralPlugin(base_plugin.TBPlugin):
 
     # --- routes -------------------------------------------------------------------------------
 
-    @wrappers.Request.application
     def _runs(self, request: Request) -> Response:
         directory = self._source.list_tags(*_where(request))
         return _json(request, {"runs": views.catalog(directory)})
 
-    @wrappers.Request.application
     def _wave(self, request: Request) -> Response:
         run = _one(request, "run")
         metric = request.args.get("metric", "compression")
@@ -102,7 +101,6 @@ class SpectralPlugin(base_plugin.TBPlugin):
         columns = _int(request, "max_columns", MAX_COLUMNS, least=2)
         return _json(request, views.compression_wave(rows, run, metric, role, columns))
 
-    @wrappers.Request.application
     def _by_role(self, request: Request) -> Response:
         runs = _runs_of(request)
         metric = request.args.get("metric", "stable_rank")
@@ -112,7 +110,6 @@ class SpectralPlugin(base_plugin.TBPlugin):
         points = _int(request, "max_points", MAX_POINTS, least=4)
         return _json(request, {"series": views.curves_by_role(rows, runs, metric, layer, points)})
 
-    @wrappers.Request.application
     def _by_layer(self, request: Request) -> Response:
         runs = _runs_of(request)
         metric = request.args.get("metric", "stable_rank")
@@ -122,32 +119,31 @@ class SpectralPlugin(base_plugin.TBPlugin):
         points = _int(request, "max_points", MAX_POINTS, least=4)
         return _json(request, {"series": views.curves_by_layer(rows, runs, metric, role, points)})
 
-    @wrappers.Request.application
     def _depth(self, request: Request) -> Response:
         runs = _runs_of(request)
         metric = request.args.get("metric", "alpha")
         role = request.args.get("role", "Q")
         keep = lambda p: p.metric == metric and p.role == role  # noqa: E731
-        step = _int(request, "step", None, least=0)
-        rows, steps = self._at_step(request, self._wanted(request, runs, keep, metric), step)
+        step = _optional_int(request, "step", least=0)
+        rows, steps = self._at_step(
+            request, self._wanted(request, runs, keep, metric), metric, step
+        )
         return _json(request, views.depth_profile(rows, runs, metric, role, step, steps))
 
-    @wrappers.Request.application
     def _bars(self, request: Request) -> Response:
         runs = _runs_of(request)
         metric = request.args.get("metric", "compression")
-        step = _int(request, "step", None, least=0)
+        step = _optional_int(request, "step", least=0)
         wanted = self._wanted(request, runs, lambda p: p.metric == metric, metric)
-        rows, steps = self._at_step(request, wanted, step)
+        rows, steps = self._at_step(request, wanted, metric, step)
         return _json(request, views.bars_by_layer(rows, runs, metric, step, steps))
 
-    @wrappers.Request.application
     def _diff(self, request: Request) -> Response:
         runs = _runs_of(request)
         baseline = _one(request, "baseline")
         metric = _one(request, "metric")
         x = request.args.get("x", "step")
-        layer = _int(request, "layer", None, least=0)
+        layer = _optional_int(request, "layer", least=0)
         role = request.args.get("role") or None
         directory = self._source.directory(*_where(request))
         wanted = {
@@ -166,7 +162,6 @@ class SpectralPlugin(base_plugin.TBPlugin):
             raise errors.InvalidArgumentError(str(error)) from None
         return _json(request, {"baseline": baseline, "metric": metric, "x": x, "series": series})
 
-    @wrappers.Request.application
     def _static(self, request: Request) -> Response:
         """A file of ``static/``; anything outside it (``..``) is not found."""
         relative = posixpath.normpath(request.path.split("/static/", 1)[1])
@@ -203,7 +198,7 @@ class SpectralPlugin(base_plugin.TBPlugin):
         return wanted
 
     def _at_step(
-        self, request: Request, wanted: dict[str, list[str]], step: int | None
+        self, request: Request, wanted: dict[str, list[str]], metric: str, step: int | None
     ) -> tuple[pd.DataFrame, list[int]]:
         """Rows for a view at one step, and the logged steps (for the slider).
 
@@ -212,8 +207,8 @@ class SpectralPlugin(base_plugin.TBPlugin):
         rank, the whole series are read.
         """
         where = _where(request)
-        derived = any(
-            parse_tag(t).metric == "stable_rank" for tags in wanted.values() for t in tags
+        derived = metric == "compression" and any(
+            _is(t, "stable_rank", None, None) for tags in wanted.values() for t in tags
         )
         if step is not None or derived:
             rows = self._source.rows(*where, wanted)
@@ -257,10 +252,21 @@ def _runs_of(request: Request) -> list[str]:
     return runs
 
 
-def _int(request: Request, name: str, default: int | None, *, least: int) -> int | None:
+def _int(request: Request, name: str, default: int, *, least: int) -> int:
+    """The int query parameter ``name`` (``default`` when absent), at least ``least``."""
+    value = _optional_int(request, name, least=least)
+    return default if value is None else value
+
+
+def _optional_int(request: Request, name: str, *, least: int) -> int | None:
+    """The int query parameter ``name``, or ``None`` when absent.
+
+    Raises:
+        errors.InvalidArgumentError: not an int, or below ``least``.
+    """
     text = request.args.get(name)
     if text is None or text == "":
-        return default
+        return None
     try:
         value = int(text)
     except ValueError:

@@ -21,7 +21,7 @@ Example::
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 import numpy as np
 import pandas as pd
@@ -50,7 +50,7 @@ def _metric_rows(rows: pd.DataFrame, metric: str) -> pd.DataFrame:
     return rows[(rows["metric"] == metric) & rows["layer"].notna()]
 
 
-def catalog(index: dict[str, Iterable[str]]) -> list[dict]:
+def catalog(index: Mapping[str, Iterable[str]]) -> list[dict]:
     """What each run logged, from its tags: spectral metrics, roles, layers and other scalars.
 
     >>> catalog({"a": ["spectral_alpha/L01/Q", "spectral_alpha/mean/Q", "train/loss"]})
@@ -207,7 +207,7 @@ def bars_by_layer(
     """
     chosen = _metric_rows(rows, metric)
     chosen = chosen[chosen["run"].isin(runs)]
-    panels = []
+    panels: list[dict[str, object]] = []
     for run in runs:
         at = _at_step(chosen[chosen["run"] == run], step, ["layer", "role"])
         if at.empty:
