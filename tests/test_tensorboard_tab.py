@@ -323,3 +323,14 @@ def test_compression_not_logged_is_computed_from_stable_rank(tmp_path: Path) -> 
     bars = tab.get("bars", run="ranks")
     np.testing.assert_allclose(bars["runs"][0]["values"]["K"], [e[-1] for e in expected])
     assert bars["steps"] == [0, 10, 20]
+
+
+def test_a_run_that_appears_later_is_served_without_asking_runs_first(long_run: Path) -> None:
+    tab = Tab(long_run)
+    assert tab.get("by_role", run="later")["series"] == []  # not there yet
+    with SummaryWriter(str(long_run / "later")) as writer:
+        writer.add_scalar(scalar_tag("stable_rank", 0, "V"), 3.0, 0)
+    tab.multiplexer.AddRunsFromDirectory(str(long_run))
+    tab.multiplexer.Reload()
+    (line,) = tab.get("by_role", run="later")["series"]
+    assert (line["role"], line["steps"], line["values"]) == ("V", [0], [3.0])

@@ -145,7 +145,7 @@ class SpectralPlugin(base_plugin.TBPlugin):
         x = request.args.get("x", "step")
         layer = _optional_int(request, "layer", least=0)
         role = request.args.get("role") or None
-        directory = self._source.directory(*_where(request))
+        directory = self._source.directory(*_where(request), [baseline, *runs])
         wanted = {
             run: [
                 t for t in directory.get(run, ()) if t in (metric, x) or _is(t, metric, layer, role)
@@ -181,7 +181,7 @@ class SpectralPlugin(base_plugin.TBPlugin):
         Compression that was not logged is computed from stable rank (as the CLI charts do), so
         then the stable-rank tags are wanted: their whole series, for the first snapshot.
         """
-        directory = self._source.directory(*_where(request))
+        directory = self._source.directory(*_where(request), runs)
         wanted: dict[str, list[str]] = {}
         for run in runs:
             parsed = {tag: parse_tag(tag) for tag in sorted(directory.get(run, ()))}

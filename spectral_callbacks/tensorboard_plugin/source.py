@@ -7,7 +7,8 @@ them while a run is written, and works the same with the Python loader and the R
 What makes a long run fast (benchmarks/tensorboard_tab.py):
 
 * the tag directory (which tags each run has) comes from the last full listing, made by the
-  ``runs`` route the page asks first on every poll; a view lists only its own tags, whose
+  ``runs`` route the page asks first on every poll (listed again when older than
+  ``DIRECTORY_MAX_AGE`` or missing a run asked for); a view lists only its own tags, whose
   freshness (``max_step``, ``max_wall_time``) says whether the cached copy is still current;
 * each series is read once and kept as a small tidy DataFrame until the provider reports new
   points for it, so a poll of an unchanged run reads nothing and a growing run re-reads only
@@ -22,6 +23,7 @@ Rows have the columns, tag parsing and relative depth of ``spectral-callbacks ex
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterable, Mapping
 
 import numpy as np
@@ -36,6 +38,9 @@ SCALARS_PLUGIN = "scalars"
 # (TensorBoard keeps 1,000 scalars per series unless --samples_per_plugin scalars=0), so nothing
 # is dropped here: the views downsample what they draw themselves.
 READ_LIMIT = 10_000_000
+# A full listing costs time in proportion to all points held (TensorBoard's Python loader finds
+# each series' max_step by a scan), so views reuse the last one for this long.
+DIRECTORY_MAX_AGE = 10.0
 
 Directory = dict[str, frozenset[str]]  # run -> its scalar tags
 Freshness = tuple[int, float]  # (max_step, max_wall_time) of a series
@@ -57,7 +62,7 @@ class ScalarSource:
     def __init__(self, data_provider: provider.DataProvider) -> None:
         self._provider = data_provider
         self._lock = threading.Lock()  # TensorBoard serves requests from several threads
-        self._directories: dict[str, Directory] = {}
+        self._directories: dict[str, tuple[float, Directory]] = {}
         self._series: dict[tuple[str, str, str], tuple[Freshness, pd.DataFrame]] = {}
 
     def list_tags(self, ctx: object, experiment_id: str) -> Directory:
@@ -67,17 +72,21 @@ class ScalarSource:
         )
         directory = {run: frozenset(tags) for run, tags in listing.items()}
         with self._lock:
-            self._directories[experiment_id] = directory
+            self._directories[experiment_id] = (time.monotonic(), directory)
             for key in [k for k in self._series if k[0] == experiment_id]:
                 if key[2] not in directory.get(key[1], ()):  # a run or tag gone from the logdir
                     del self._series[key]
         return directory
 
-    def directory(self, ctx: object, experiment_id: str) -> Directory:
-        """The tags of the last listing (the page lists on every poll), or a new listing."""
+    def directory(self, ctx: object, experiment_id: str, runs: Iterable[str] = ()) -> Directory:
+        """The tags of the last listing (the page lists on every poll), or a new listing when
+        that one is older than ``DIRECTORY_MAX_AGE`` s or lacks one of ``runs``."""
         with self._lock:
-            directory = self._directories.get(experiment_id)
-        return directory if directory is not None else self.list_tags(ctx, experiment_id)
+            listed, directory = self._directories.get(experiment_id, (-np.inf, {}))
+        recent = time.monotonic() - listed < DIRECTORY_MAX_AGE
+        if recent and all(run in directory for run in runs):
+            return directory
+        return self.list_tags(ctx, experiment_id)
 
     def rows(
         self, ctx: object, experiment_id: str, wanted: Mapping[str, Iterable[str]]
@@ -143,7 +152,7 @@ class ScalarSource:
         self, ctx: object, experiment_id: str, wanted: Mapping[str, Iterable[str]]
     ) -> dict[str, list[str]]:
         """``wanted`` without tags the runs do not have, plus each run's num_layers tag."""
-        directory = self.directory(ctx, experiment_id)
+        directory = self.directory(ctx, experiment_id, wanted)
         known = {}
         for run, tags in wanted.items():
             listed = directory.get(run, frozenset())
@@ -180,7 +189,7 @@ class ScalarSource:
     ) -> pd.DataFrame:
         """Concatenated rows, ``depth`` filled per run (and the num_layers rows kept, as export)."""
         with self._lock:
-            directory = self._directories.get(experiment_id, {})
+            directory = self._directories.get(experiment_id, (0.0, {}))[1]
         out = []
         for run, parts in frames.items():
             parts = [part for part in parts if not part.empty]
