@@ -33,9 +33,6 @@ class CountingProvider:
     def __init__(self, inner: data_provider.MultiplexerDataProvider) -> None:
         self.inner, self.reads = inner, 0
 
-    def list_scalars(self, *args, **kwargs):
-        return self.inner.list_scalars(*args, **kwargs)
-
     def read_scalars(self, *args, **kwargs):
         self.reads += 1
         return self.inner.read_scalars(*args, **kwargs)

@@ -1,15 +1,15 @@
 """Scalars of a TensorBoard experiment as tidy rows, read through the public data provider.
 
-The plugin never opens event files: TensorBoard's data provider (``list_scalars`` /
-``read_scalars`` / ``read_last_scalars`` of the ``scalars`` plugin) already ingests them, reloads
+The plugin never opens event files: TensorBoard's public data provider (``read_scalars`` and
+``read_last_scalars`` of the ``scalars`` plugin) already ingests them, reloads
 them while a run is written, and works the same with the Python loader and the Rust data server.
 
 What makes a long run fast (benchmarks/tensorboard_tab.py):
 
 * the tag directory (which tags each run has) comes from the last full listing, made by the
   ``runs`` route the page asks first on every poll (listed again when older than
-  ``DIRECTORY_MAX_AGE`` or missing a run asked for); a view lists only its own tags, whose
-  freshness (``max_step``, ``max_wall_time``) says whether the cached copy is still current;
+  ``DIRECTORY_MAX_AGE`` or missing a run asked for); a view reads the last point of its own
+  series only, whose step and wall time say whether the cached copy is still current;
 * each series is read once and kept as a small tidy DataFrame until the provider reports new
   points for it, so a poll of an unchanged run reads nothing and a growing run re-reads only
   the series that grew; the cache holds only series the provider still lists, so it is bounded
@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 
 import numpy as np
 import pandas as pd
@@ -38,12 +38,11 @@ SCALARS_PLUGIN = "scalars"
 # (TensorBoard keeps 1,000 scalars per series unless --samples_per_plugin scalars=0), so nothing
 # is dropped here: the views downsample what they draw themselves.
 READ_LIMIT = 10_000_000
-# A full listing costs time in proportion to all points held (TensorBoard's Python loader finds
-# each series' max_step by a scan), so views reuse the last one for this long.
+# Views reuse the last full listing of tags for this long (the page lists on every poll).
 DIRECTORY_MAX_AGE = 10.0
 
 Directory = dict[str, frozenset[str]]  # run -> its scalar tags
-Freshness = tuple[int, float]  # (max_step, max_wall_time) of a series
+Freshness = tuple[int, float]  # (step, wall_time) of a series' last point
 
 
 class ScalarSource:
@@ -66,8 +65,12 @@ class ScalarSource:
         self._series: dict[tuple[str, str, str], tuple[Freshness, pd.DataFrame]] = {}
 
     def list_tags(self, ctx: object, experiment_id: str) -> Directory:
-        """Every run's scalar tags, listed afresh; later :meth:`directory` calls reuse it."""
-        listing = self._provider.list_scalars(
+        """Every run's scalar tags, listed afresh; later :meth:`directory` calls reuse it.
+
+        Listed by ``read_last_scalars``: the tags with one point each, where ``list_scalars``
+        of TensorBoard's Python loader scans every point of every series for its ``max_step``.
+        """
+        listing = self._provider.read_last_scalars(
             ctx, experiment_id=experiment_id, plugin_name=SCALARS_PLUGIN
         )
         directory = {run: frozenset(tags) for run, tags in listing.items()}
@@ -114,7 +117,7 @@ class ScalarSource:
             ).get(run, {})
             with self._lock:
                 for tag in tags:
-                    frame = _series_rows(run, tag, read.get(tag, []))
+                    frame = _series_rows(run, [(tag, read.get(tag, []))])
                     self._series[(experiment_id, run, tag)] = (fresh[run][tag], frame)
         with self._lock:
             frames = {
@@ -141,9 +144,7 @@ class ScalarSource:
             ),
         )
         frames = {
-            run: [
-                _series_rows(run, tag, [read[run][tag]]) for tag in tags if tag in read.get(run, {})
-            ]
+            run: [_series_rows(run, [(t, [read[run][t]]) for t in tags if t in read.get(run, {})])]
             for run, tags in wanted.items()
         }
         return self._with_depth(experiment_id, frames)
@@ -166,15 +167,17 @@ class ScalarSource:
     def _freshness(
         self, ctx: object, experiment_id: str, wanted: Mapping[str, list[str]]
     ) -> dict[str, dict[str, Freshness]]:
+        """(step, wall_time) of each series' last point: any new point changes it (TensorBoard's
+        sampling always keeps the latest point), and it costs one point per series to read."""
         fresh: dict[str, dict[str, Freshness]] = {}
         for run, tags in wanted.items():
-            listing = self._provider.list_scalars(
+            last = self._provider.read_last_scalars(
                 ctx,
                 experiment_id=experiment_id,
                 plugin_name=SCALARS_PLUGIN,
                 run_tag_filter=provider.RunTagFilter(runs=[run], tags=tags),
             ).get(run, {})
-            fresh[run] = {t: (s.max_step, s.max_wall_time) for t, s in listing.items()}
+            fresh[run] = {t: (d.step, d.wall_time) for t, d in last.items()}
         for run, tags in wanted.items():  # listed a moment ago, gone now: read as empty
             for tag in tags:
                 fresh[run].setdefault(tag, (-1, 0.0))
@@ -210,19 +213,29 @@ def _num_layers(rows: pd.DataFrame, tags: Iterable[str]) -> int | None:
     return max(layers) + 1 if layers else None
 
 
-def _series_rows(run: str, tag: str, data: list[provider.ScalarDatum]) -> pd.DataFrame:
-    """Tidy rows (no depth yet) of one series, in the provider's order, as export builds them."""
-    parsed = parse_tag(tag)
-    count = len(data)
+def _series_rows(
+    run: str, series: Iterable[tuple[str, Sequence[provider.ScalarDatum]]]
+) -> pd.DataFrame:
+    """Tidy rows (no depth yet) of some series of one run, each in the provider's order, as
+    export builds them: the tag parsed once per series, not once per point."""
+    series = list(series)
+    counts = [len(data) for _, data in series]
+    parsed = [parse_tag(tag) for tag, _ in series]
+    points = [d for _, data in series for d in data]
+    total = len(points)
     frame = pd.DataFrame(
         {
             "run": run,
-            "step": np.fromiter((d.step for d in data), dtype="int64", count=count),
-            "metric": parsed.metric if parsed else tag,
-            "layer": pd.array([parsed.layer if parsed else None] * count, dtype="Int64"),
-            "role": parsed.role if parsed else None,
-            "value": np.fromiter((d.value for d in data), dtype="float64", count=count),
-            "wall_time": np.fromiter((d.wall_time for d in data), dtype="float64", count=count),
+            "step": np.fromiter((d.step for d in points), dtype="int64", count=total),
+            "metric": np.repeat(
+                [p.metric if p else t for p, (t, _) in zip(parsed, series, strict=True)], counts
+            ),
+            "layer": pd.array(
+                np.repeat([p.layer if p else None for p in parsed], counts).tolist(), dtype="Int64"
+            ),
+            "role": np.repeat([p.role if p else None for p in parsed], counts),
+            "value": np.fromiter((d.value for d in points), dtype="float64", count=total),
+            "wall_time": np.fromiter((d.wall_time for d in points), dtype="float64", count=total),
         }
     )
-    return frame if count else frame.iloc[0:0]
+    return frame.astype({"metric": object, "role": object})
