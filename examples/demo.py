@@ -108,7 +108,10 @@ def main(argv: list[str] | None = None) -> dict[str, Path]:
     print(f"\ntrained {args.steps} steps in {trained:.0f} s; wrote:")
     for path in written.values():
         print(f"  {path}")
-    print(f"\nopen the dashboards:\n  tensorboard --logdir {runs}")
+    print(
+        f"\nopen the dashboards:\n  tensorboard --logdir {runs}\n"
+        "then the SPECTRAL tab: http://localhost:6006/#spectral (docs/dashboards.md)"
+    )
     return written
 
 
