@@ -34,7 +34,9 @@ def choose(driver: object, view: str, label: str, value: str) -> None:
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support.ui import Select
 
-    for wrap in driver.find_elements(By.CSS_SELECTOR, f'section[data-view="{view}"] .controls label'):  # type: ignore[attr-defined]
+    for wrap in driver.find_elements(
+        By.CSS_SELECTOR, f'section[data-view="{view}"] .controls label'
+    ):  # type: ignore[attr-defined]
         if wrap.text.split("\n")[0].strip().startswith(label):
             Select(wrap.find_element(By.TAG_NAME, "select")).select_by_value(value)
             return
@@ -52,25 +54,31 @@ def main() -> None:
         sys.exit(f"tab_screenshots: {missing_browser()}")
     args.output.mkdir(parents=True, exist_ok=True)
     with tensorboard(args.logdir) as url, chromium(1400, 900) as driver:
-        open_tab(driver, url)
-        wait_for_points(driver, list(VIEWS), timeout=120)
-        if args.baseline:
-            choose(driver, "diff", "baseline", args.baseline)
-        choose(driver, "diff", "x", args.x)
-        time.sleep(2)  # the redraw after the choice
+
+        def prepare() -> None:
+            open_tab(driver, url)
+            wait_for_points(driver, list(VIEWS), timeout=120)
+            if args.baseline:
+                choose(driver, "diff", "baseline", args.baseline)
+            choose(driver, "diff", "x", args.x)
+            time.sleep(2)  # the redraw after the choice
+            driver.execute_script("window.scrollTo(0, 0)")  # type: ignore[attr-defined]
+
+        prepare()
         driver.switch_to.default_content()  # type: ignore[attr-defined]
         driver.save_screenshot(str(args.output / "spectral_tab.png"))  # type: ignore[attr-defined]
-        open_tab(driver, url)  # back into the frame (the page is already open)
-        wait_for_points(driver, list(VIEWS), timeout=120)
-        if args.baseline:
-            choose(driver, "diff", "baseline", args.baseline)
-        choose(driver, "diff", "x", args.x)
-        time.sleep(2)
+        driver.set_window_size(1400, 1700)  # type: ignore[attr-defined]  # tall views whole
+        prepare()
         from selenium.webdriver.common.by import By
 
         for view, name in VIEWS.items():
             panel = driver.find_element(By.CSS_SELECTOR, f'section[data-view="{view}"]')  # type: ignore[attr-defined]
-            driver.execute_script("arguments[0].scrollIntoView()", panel)  # type: ignore[attr-defined]
+            # Clear of the sticky run selector at the top of the frame.
+            driver.execute_script(  # type: ignore[attr-defined]
+                "window.scrollTo(0, arguments[0].offsetTop - "
+                "document.querySelector('header').offsetHeight - 8)",
+                panel,
+            )
             panel.screenshot(str(args.output / name))
             print(f"wrote {args.output / name}")
     print(f"wrote {args.output / 'spectral_tab.png'}")

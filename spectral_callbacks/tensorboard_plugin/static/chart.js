@@ -39,14 +39,16 @@ function ticks(lo, hi, count = 6) {
   const power = Math.pow(10, Math.floor(Math.log10(raw)));
   const step = [1, 2, 2.5, 5, 10].map((m) => m * power).find((s) => s >= raw);
   const out = [];
-  for (let v = Math.ceil(lo / step) * step; v <= hi + step * 1e-9; v += step) out.push(+v.toPrecision(12));
+  for (let v = Math.ceil(lo / step) * step; v <= hi + step * 1e-9; v += step) {
+    out.push(Math.abs(v) < step * 1e-6 ? 0 : +v.toPrecision(12)); // no -2.8e-17 for zero
+  }
   return out;
 }
 
 export function format(v) {
   if (v === null || v === undefined || !Number.isFinite(v)) return '–';
   const a = Math.abs(v);
-  if (a !== 0 && (a >= 1e5 || a < 1e-3)) return v.toExponential(2);
+  if (a !== 0 && (a >= 1e6 || a < 1e-3)) return v.toExponential(2);
   return +v.toPrecision(4) + '';
 }
 

@@ -286,8 +286,10 @@ const VIEWS = {
       color: PALETTE[state.runs.indexOf(r.run) % PALETTE.length], xs: r.depths, ys: r.values, markers: true}));
     panels.depth.dataset.points = lineChart(plotBox(plots('depth')), {
       series: lines, xLabel: 'relative depth i / (L − 1)', yLabel: `${s.metric} of ${glyph(s.role)}`});
-    legend(plots('depth'), lines.map((l) => ({label: l.label, color: l.color})), 'run');
-    message('depth', json.steps.length ? '' : `no ${s.metric} of ${glyph(s.role)}`);
+    const drawnRuns = lines.filter((l) => l.ys.length);
+    legend(plots('depth'), drawnRuns.map((l) => ({label: l.label, color: l.color})), 'run');
+    const missing = json.runs.filter((r) => !r.values.length).map((r) => r.run);
+    message('depth', missing.length ? `no ${s.metric} of ${glyph(s.role)} in ${missing.join(', ')}` : '');
   },
 
   async bars() {
