@@ -144,7 +144,10 @@ def main(argv: list[str] | None = None) -> dict[str, Path]:
         print(f"  {path}")
     tensorboard = shell_command("tensorboard", "tensorboard.main")
     shortcut = " (or: make tensorboard)" if runs == Path("demo_output/runs") else ""
-    print(f"\nopen the dashboards{shortcut}:\n  {tensorboard} --logdir {runs}")
+    print(
+        f"\nopen the dashboards{shortcut}:\n  {tensorboard} --logdir {runs}\n"
+        "then the SPECTRAL tab: http://localhost:6006/#spectral (docs/dashboards.md)"
+    )
     return written
 
 

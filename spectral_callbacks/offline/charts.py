@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -479,7 +480,17 @@ def ema(values: np.ndarray, weight: float) -> np.ndarray:
     return smoothed
 
 
-def metric_diff(
+@dataclass
+class DiffCurves:
+    """The difference curves of :func:`diff_curves`: what ``metric-diff`` draws and the tab serves."""
+
+    curves: dict[str, pd.Series]  # label -> difference, indexed by x
+    left_out: dict[str, str]  # run -> why it has no curve
+    title: str
+    ylabel: str
+
+
+def diff_curves(
     rows: pd.DataFrame,
     metric: str,
     baseline: str | None = None,
@@ -489,17 +500,16 @@ def metric_diff(
     layer: int | None = None,
     role: str | None = None,
     smoothing: float = 0.0,
-    ax: Axes | None = None,
-) -> Figure:
+) -> DiffCurves:
     """``metric`` of each run minus a reference run, against steps or another logged scalar.
 
     The reference is one ``baseline`` run for all, or with ``pair`` each run's own partner
-    (:func:`pair_runs`), e.g. ``("{variant}/zero_out", "{variant}/gpt")`` draws, per variant, the
+    (:func:`pair_runs`), e.g. ``("{variant}/zero_out", "{variant}/gpt")`` gives, per variant, the
     zero-init run minus the GPT-init run. Runs are aligned by linear interpolation: the reference
     curve is interpolated at each run's x values; points outside its x range are left out (no
     extrapolation). With ``x`` a scalar such as ``train/tokens``, each run's steps are first mapped
-    to that scalar by interpolation. A curve that cannot be drawn (its reference has one point, or
-    no x in common) is left out with the reason (see the module docstring).
+    to that scalar by interpolation. A curve that cannot be made (its reference has one point, or
+    no x in common) is left out with the reason.
 
     Args:
         rows: tidy rows; other scalars carry their tag as ``metric`` (``read_runs(...,
@@ -510,11 +520,10 @@ def metric_diff(
         x: ``"step"`` (default) or the tag of another scalar, e.g. tokens seen.
         layer, role: pick one (layer, role) series of a spectral metric (default None: none).
         smoothing: TensorBoard's EMA weight in [0, 1) applied to each difference (default 0: none).
-        ax: draw into this panel (default None: a new figure).
 
     Raises:
         ValueError: neither or both of ``baseline`` and ``pair``, an unknown baseline, a missing
-            scalar, several series left, a bad smoothing weight, or no curve to draw.
+            scalar, several series left, a bad smoothing weight, or no curve at all.
     """
     if (baseline is None) == (pair is None):
         raise ValueError("metric_diff needs either a baseline run or a pair of name patterns")
@@ -533,10 +542,10 @@ def metric_diff(
     runs = _runs(rows)
     left_out: dict[str, str] = {}
     if pair is not None:
-        curves = []
+        wanted = []
         for label, run, partner in pair_runs(runs, *pair):
             if partner:
-                curves.append((label, run, partner))
+                wanted.append((label, run, partner))
             else:
                 left_out[run] = f"no partner run named like {pair[1]!r}"
         title = f"{metric_label(metric)}: {pair[0]} − {pair[1]}"
@@ -544,8 +553,8 @@ def metric_diff(
     else:
         if baseline not in runs:
             raise ValueError(f"the baseline {baseline!r} is not one of the runs: {', '.join(runs)}")
-        curves = [(run, run, str(baseline)) for run in runs if run != baseline]
-        if not curves:
+        wanted = [(run, run, str(baseline)) for run in runs if run != baseline]
+        if not wanted:
             raise ValueError("metric-diff needs at least one run besides the baseline")
         title = f"{metric_label(metric)} relative to {baseline}"
         ylabel = f"Δ {metric_label(metric)} (run − {baseline})"
@@ -560,9 +569,8 @@ def metric_diff(
         mapped = np.interp(values.index, position.index, position.to_numpy())
         return pd.Series(values.to_numpy(), index=mapped).sort_index()
 
-    fig, ax = _axes(ax, (6.5, 4.0))
-    drawn = 0
-    for label, run, reference_run in curves:
+    curves: dict[str, pd.Series] = {}
+    for label, run, reference_run in wanted:
         reference = along_x(reference_run)
         if len(reference) < 2:
             if baseline is not None:
@@ -582,24 +590,54 @@ def metric_diff(
         diff = curve.to_numpy() - np.interp(curve.index, reference.index, reference.to_numpy())
         if smoothing:
             diff = ema(diff, smoothing)
+        curves[label] = pd.Series(diff, index=curve.index)
+    if not curves:
+        why = "; ".join(f"{run}: {reason}" for run, reason in left_out.items())
+        raise ValueError(f"no difference curve could be drawn ({why})")
+    return DiffCurves(curves, left_out, title, ylabel)
+
+
+def metric_diff(
+    rows: pd.DataFrame,
+    metric: str,
+    baseline: str | None = None,
+    *,
+    pair: tuple[str, str] | None = None,
+    x: str = "step",
+    layer: int | None = None,
+    role: str | None = None,
+    smoothing: float = 0.0,
+    ax: Axes | None = None,
+) -> Figure:
+    """Draw the :func:`diff_curves` (same arguments), one line per run or pair.
+
+    A run left out is named under the figure with the reason (see the module docstring).
+
+    Args:
+        ax: draw into this panel (default None: a new figure).
+
+    Raises:
+        ValueError: as :func:`diff_curves`.
+    """
+    diffs = diff_curves(
+        rows, metric, baseline, pair=pair, x=x, layer=layer, role=role, smoothing=smoothing
+    )
+    fig, ax = _axes(ax, (6.5, 4.0))
+    for label, diff in diffs.curves.items():
         ax.plot(
-            curve.index.to_numpy(dtype=float),
-            diff,
+            diff.index.to_numpy(dtype=float),
+            diff.to_numpy(),
             marker="o" if len(diff) == 1 else None,
             label=label,
         )
-        drawn += 1
-    if not drawn:
-        why = "; ".join(f"{run}: {reason}" for run, reason in left_out.items())
-        raise ValueError(f"no difference curve could be drawn ({why})")
     zero_label = f"{baseline} (baseline)" if baseline is not None else None
     ax.axhline(0.0, color="black", linewidth=0.8, label=zero_label)
     ax.set_xlabel("optimizer step" if x == "step" else x)
-    ax.set_ylabel(ylabel)
-    ax.set_title(title + (f" (EMA {smoothing:g})" if smoothing else ""))
+    ax.set_ylabel(diffs.ylabel)
+    ax.set_title(diffs.title + (f" (EMA {smoothing:g})" if smoothing else ""))
     ax.grid(alpha=0.3)
     _legend(ax, "run" if pair is None else "pair")
-    _note_left_out(fig, left_out)  # type: ignore[arg-type]
+    _note_left_out(fig, diffs.left_out)  # type: ignore[arg-type]
     return fig  # type: ignore[return-value]
 
 

@@ -1,0 +1,148 @@
+"""How fast the SPECTRAL tab opens a long run: a 10,000-step, 24-layer run of ~1 M points.
+
+Writes the synthetic run of ``benchmarks/long_run.py`` (or reuses ``--logdir``), then, for each of
+TensorBoard's two loaders (``--load_fast=false``: the Python multiplexer; ``true``: the Rust data
+server, what ``tensorboard`` uses by default where it is installed), starts a real server on
+loopback with the tab and measures:
+
+* ``ingest s`` - until TensorBoard holds the whole run (its own loading, before any plugin can
+  answer; the tab cannot make it faster);
+* per request the tab makes when it opens (``runs``, then the five views of one run with their
+  default controls; the baseline difference needs a second run): ``cold`` - the first time,
+  nothing cached (opening the run), ``warm`` - again with unchanged data (every poll of the open
+  tab), in ms over HTTP; ``open`` sums them;
+* with ``--browser`` (Debian's chromium + chromium-driver, selenium): headless Chromium's seconds
+  from opening ``/#spectral`` to every view drawn, TensorBoard's own page load included
+  (``--rounds`` times, warm).
+
+    python benchmarks/tensorboard_tab.py --browser
+    python benchmarks/tensorboard_tab.py --logdir /tmp/long   # a parent of a run d24 written before
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from long_run import write_long_run  # noqa: E402
+
+VIEWS = ("wave", "byRole", "byLayer", "depth", "bars")
+
+
+def open_requests(run: str) -> list[tuple[str, dict]]:
+    """The requests the tab sends when it opens on ``run`` with its default controls."""
+    return [
+        ("runs", {}),
+        ("wave", {"run": run, "metric": "compression", "role": "Q"}),
+        ("by_role", {"run": run, "metric": "stable_rank", "layer": 0}),
+        ("by_layer", {"run": run, "metric": "stable_rank", "role": "Q"}),
+        ("depth", {"run": run, "metric": "alpha", "role": "Q"}),
+        ("bars", {"run": run, "metric": "compression"}),
+    ]
+
+
+def ingested(url: str) -> None:
+    """Wait until the server holds the run's last snapshot in every layer (a series no view opens)."""
+    from browser import get_json
+
+    probe = url + "data/plugin/spectral/by_layer?run=d24&metric=alpha_r2&role=MLP_down&max_points=4"
+    while True:
+        series = get_json(probe, timeout=120)["series"]
+        if len(series) == 24 and all(line["steps"][-1] == 9_990 for line in series):
+            return
+        time.sleep(0.5)
+
+
+def timed_requests(url: str) -> dict[str, tuple[float, int]]:
+    """Milliseconds and bytes of each request of the opening tab, in the page's order."""
+    from urllib.parse import urlencode
+    from urllib.request import urlopen
+
+    out = {}
+    for name, params in open_requests("d24"):
+        begin = time.perf_counter()
+        with urlopen(f"{url}data/plugin/spectral/{name}?{urlencode(params)}", timeout=120) as r:
+            size = len(r.read())
+        out[name] = ((time.perf_counter() - begin) * 1000, size)
+    return out
+
+
+def measure(logdir: Path, load_fast: str, rounds: int, browser: bool) -> dict:
+    """Ingest seconds, cold and warm request times, and browser opens of one loader."""
+    from browser import chromium, open_tab, tensorboard, wait_for_points
+
+    start = time.perf_counter()
+    with tensorboard(logdir, flags=[f"--load_fast={load_fast}"], timeout=600) as url:
+        ingested(url)
+        result = {"ingest": time.perf_counter() - start, "cold": timed_requests(url)}
+        warm = [timed_requests(url) for _ in range(rounds)]
+        result["warm"] = {name: statistics.median(w[name][0] for w in warm) for name in warm[0]}
+        result["opens"] = []
+        for _ in range(rounds if browser else 0):
+            with chromium() as driver:
+                begin = time.perf_counter()
+                open_tab(driver, url)  # TensorBoard's page is up and the tab's frame is there
+                framed = time.perf_counter() - begin
+                wait_for_points(driver, VIEWS, timeout=120)
+                result["opens"].append((framed, time.perf_counter() - begin))
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--logdir", type=Path, help="a parent of run d24 written by long_run.py")
+    parser.add_argument("--rounds", type=int, default=3, help="warm repeats and browser opens")
+    parser.add_argument("--browser", action="store_true", help="also time a real browser")
+    args = parser.parse_args()
+    logdir = args.logdir
+    if logdir is None or not (logdir / "d24").exists():
+        logdir = logdir or Path(tempfile.mkdtemp(prefix="spectral-tab-"))
+        begin = time.perf_counter()
+        points = write_long_run(logdir / "d24", steps=10_000, layers=24, every=10)
+        print(f"wrote {points:,} points to {logdir / 'd24'} in {time.perf_counter() - begin:.0f} s")
+
+    loaders = {"false": "Python loader", "true": "Rust data server"}
+    results = {}
+    for load_fast, name in loaders.items():
+        try:
+            results[name] = measure(logdir, load_fast, args.rounds, args.browser)
+        except RuntimeError as error:  # e.g. no data server binary on this platform
+            print(f"{name}: not measured ({str(error).splitlines()[0][:120]})")
+    names = list(results)
+    print(
+        "\n| request | " + " | ".join(f"{n}: cold ms | warm ms" for n in names) + " | response KB |"
+    )
+    print("|---|" + "---:|---:|" * len(names) + "---:|")
+    for request, _ in open_requests("d24"):
+        cells = " | ".join(
+            f"{results[n]['cold'][request][0]:.0f} | {results[n]['warm'][request]:.0f}"
+            for n in names
+        )
+        size = results[names[0]]["cold"][request][1] / 1024
+        print(f"| {request} | {cells} | {size:.1f} |")
+    cells = " | ".join(
+        f"**{sum(c for c, _ in results[n]['cold'].values()):.0f}** | "
+        f"**{sum(results[n]['warm'].values()):.0f}**"
+        for n in names
+    )
+    print(f"| **open** | {cells} | |")
+    print(
+        "\n| loader | ingest s | browser s: TensorBoard page + tab frame / all views drawn (each round) |"
+    )
+    print("|---|---:|---|")
+    for n in names:
+        opens = results[n]["opens"]
+        shown = (
+            ", ".join(f"{a:.2f} / {b:.2f}" for a, b in opens) if opens else "(run with --browser)"
+        )
+        print(f"| {n} | {results[n]['ingest']:.1f} | {shown} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,276 @@
+"""The SPECTRAL tab: a TensorBoard plugin serving the study's charts of spectral runs.
+
+TensorBoard finds it through the ``tensorboard_plugins`` entry point of this package and shows a
+SPECTRAL tab whenever the logdir holds scalars. The page (``static/index.js``, loaded by
+TensorBoard in an iframe) asks these routes, under ``data/plugin/spectral/``, for JSON:
+
+=============  ========================================================================
+route          what it returns (query parameters; ``run`` repeatable)
+=============  ========================================================================
+``/runs``      what each run logged: spectral metrics, roles, layers, other scalars
+``/wave``      heatmap layer x step (``run``, ``metric`` = compression, ``role`` = Q)
+``/by_role``   metric of one layer vs step, a series per role (``layer`` = 0)
+``/by_layer``  metric of one role vs step, a series per layer with its depth
+``/depth``     metric vs relative depth at ``step`` (default: the last) per run
+``/bars``      metric (compression) by layer x role at ``step`` per run
+``/diff``      metric minus the ``baseline`` run vs ``x`` (step or a scalar such as tokens)
+=============  ========================================================================
+
+Lines carry at most ``max_points`` points per series (default 2,000; first, last, min and max
+of each bucket kept), heatmaps at most ``max_columns`` columns (default 400). Scalars are read
+only through ``context.data_provider`` (see ``source.py``). Bad parameters answer HTTP 400 with
+a one-line message saying what to pass.
+"""
+
+from __future__ import annotations
+
+import json
+import mimetypes
+import posixpath
+from collections.abc import Callable, Mapping
+from pathlib import Path
+
+import pandas as pd
+from tensorboard import errors, plugin_util
+from tensorboard.backend import http_util
+from tensorboard.plugins import base_plugin
+from werkzeug import Request, Response
+
+from spectral_callbacks.names import SpectralTag, parse_tag
+from spectral_callbacks.tensorboard_plugin import views
+from spectral_callbacks.tensorboard_plugin.source import SCALARS_PLUGIN, ScalarSource
+
+STATIC = Path(__file__).parent / "static"
+MAX_POINTS = 2_000
+MAX_COLUMNS = 400
+_CONTENT_TYPES = {".js": "text/javascript", ".css": "text/css", ".html": "text/html"}
+
+
+class SpectralPlugin(base_plugin.TBPlugin):
+    """The SPECTRAL tab of TensorBoard (registered through the ``tensorboard_plugins`` entry point).
+
+    Args:
+        context: the ``TBContext`` TensorBoard passes; only its ``data_provider`` is used.
+
+    Example::
+
+        tensorboard --logdir runs      # then open the SPECTRAL tab
+    """
+
+    plugin_name = "spectral"
+
+    def __init__(self, context: base_plugin.TBContext) -> None:
+        self._source = ScalarSource(context.data_provider)
+
+    def get_plugin_apps(self) -> dict[str, Callable]:
+        routes = {
+            "/runs": self._runs,
+            "/wave": self._wave,
+            "/by_role": self._by_role,
+            "/by_layer": self._by_layer,
+            "/depth": self._depth,
+            "/bars": self._bars,
+            "/diff": self._diff,
+            "/static/*": self._static,
+        }
+        return {path: Request.application(handler) for path, handler in routes.items()}
+
+    def is_active(self) -> bool:
+        return False  # the tab shows when the logdir has scalars: see data_plugin_names
+
+    def data_plugin_names(self) -> tuple[str, ...]:
+        return (SCALARS_PLUGIN,)
+
+    def frontend_metadata(self) -> base_plugin.FrontendMetadata:
+        return base_plugin.FrontendMetadata(es_module_path="/static/index.js", tab_name="SPECTRAL")
+
+    # --- routes -------------------------------------------------------------------------------
+
+    def _runs(self, request: Request) -> Response:
+        directory = self._source.list_tags(*_where(request))
+        return _json(request, {"runs": views.catalog(directory)})
+
+    def _wave(self, request: Request) -> Response:
+        run = _one(request, "run")
+        metric = request.args.get("metric", "compression")
+        role = request.args.get("role", "Q")
+        wanted = self._wanted(
+            request, [run], lambda p: p.metric == metric and p.role == role, metric
+        )
+        rows = self._source.rows(*_where(request), wanted)
+        columns = _int(request, "max_columns", MAX_COLUMNS, least=2)
+        return _json(request, views.compression_wave(rows, run, metric, role, columns))
+
+    def _by_role(self, request: Request) -> Response:
+        runs = _runs_of(request)
+        metric = request.args.get("metric", "stable_rank")
+        layer = _int(request, "layer", 0, least=0)
+        keep = lambda p: p.metric == metric and p.layer == layer  # noqa: E731
+        rows = self._source.rows(*_where(request), self._wanted(request, runs, keep, metric))
+        points = _int(request, "max_points", MAX_POINTS, least=4)
+        return _json(request, {"series": views.curves_by_role(rows, runs, metric, layer, points)})
+
+    def _by_layer(self, request: Request) -> Response:
+        runs = _runs_of(request)
+        metric = request.args.get("metric", "stable_rank")
+        role = request.args.get("role", "Q")
+        keep = lambda p: p.metric == metric and p.role == role  # noqa: E731
+        rows = self._source.rows(*_where(request), self._wanted(request, runs, keep, metric))
+        points = _int(request, "max_points", MAX_POINTS, least=4)
+        return _json(request, {"series": views.curves_by_layer(rows, runs, metric, role, points)})
+
+    def _depth(self, request: Request) -> Response:
+        runs = _runs_of(request)
+        metric = request.args.get("metric", "alpha")
+        role = request.args.get("role", "Q")
+        keep = lambda p: p.metric == metric and p.role == role  # noqa: E731
+        step = _optional_int(request, "step", least=0)
+        rows, steps = self._at_step(
+            request, self._wanted(request, runs, keep, metric), metric, step
+        )
+        return _json(request, views.depth_profile(rows, runs, metric, role, step, steps))
+
+    def _bars(self, request: Request) -> Response:
+        runs = _runs_of(request)
+        metric = request.args.get("metric", "compression")
+        step = _optional_int(request, "step", least=0)
+        wanted = self._wanted(request, runs, lambda p: p.metric == metric, metric)
+        rows, steps = self._at_step(request, wanted, metric, step)
+        return _json(request, views.bars_by_layer(rows, runs, metric, step, steps))
+
+    def _diff(self, request: Request) -> Response:
+        runs = _runs_of(request)
+        baseline = _one(request, "baseline")
+        metric = _one(request, "metric")
+        x = request.args.get("x", "step")
+        layer = _optional_int(request, "layer", least=0)
+        role = request.args.get("role") or None
+        directory = self._source.directory(*_where(request), [baseline, *runs])
+        wanted = {
+            run: [
+                t for t in directory.get(run, ()) if t in (metric, x) or _is(t, metric, layer, role)
+            ]
+            for run in dict.fromkeys([baseline, *runs])
+        }
+        rows = self._source.rows(*_where(request), wanted)
+        points = _int(request, "max_points", MAX_POINTS, least=4)
+        try:
+            series = views.difference(
+                rows, metric, baseline, x=x, layer=layer, role=role, max_points=points
+            )
+        except ValueError as error:
+            raise errors.InvalidArgumentError(str(error)) from None
+        return _json(request, {"baseline": baseline, "metric": metric, "x": x, "series": series})
+
+    def _static(self, request: Request) -> Response:
+        """A file of ``static/``; anything outside it (``..``) is not found."""
+        relative = posixpath.normpath(request.path.split("/static/", 1)[1])
+        path = STATIC / relative
+        if relative.startswith(("..", "/")) or not path.is_file():
+            return http_util.Respond(request, "Not found", "text/plain", code=404)
+        kind = _CONTENT_TYPES.get(path.suffix) or mimetypes.guess_type(path.name)[0] or "text/plain"
+        return http_util.Respond(request, path.read_bytes(), kind)
+
+    # --- helpers ------------------------------------------------------------------------------
+
+    def _wanted(
+        self, request: Request, runs: list[str], keep: Callable[[SpectralTag], bool], metric: str
+    ) -> dict[str, list[str]]:
+        """The per-layer tags of each of ``runs`` that ``keep`` accepts.
+
+        Compression that was not logged is computed from stable rank (as the CLI charts do), so
+        then the stable-rank tags are wanted: their whole series, for the first snapshot.
+        """
+        directory = self._source.directory(*_where(request), runs)
+        wanted: dict[str, list[str]] = {}
+        for run in runs:
+            parsed = {tag: parse_tag(tag) for tag in sorted(directory.get(run, ()))}
+            spectral = {t: p for t, p in parsed.items() if p is not None and p.layer is not None}
+            tags = [t for t, p in spectral.items() if keep(p)]
+            if not tags and metric == "compression":
+                ranks = {
+                    t: p._replace(metric="compression")
+                    for t, p in spectral.items()
+                    if p.metric == "stable_rank"
+                }
+                tags = [t for t, p in ranks.items() if keep(p)]
+            wanted[run] = tags
+        return wanted
+
+    def _at_step(
+        self, request: Request, wanted: dict[str, list[str]], metric: str, step: int | None
+    ) -> tuple[pd.DataFrame, list[int]]:
+        """Rows for a view at one step, and the logged steps (for the slider).
+
+        At the last step (``None``) one point per series is enough, and the steps are those of
+        each run's first series; at an earlier step, or for compression computed from stable
+        rank, the whole series are read.
+        """
+        where = _where(request)
+        derived = metric == "compression" and any(
+            _is(t, "stable_rank", None, None) for tags in wanted.values() for t in tags
+        )
+        if step is not None or derived:
+            rows = self._source.rows(*where, wanted)
+            return rows, rows["step"].unique().tolist()
+        first = self._source.rows(*where, {run: tags[:1] for run, tags in wanted.items()})
+        return self._source.last_rows(*where, wanted), first["step"].unique().tolist()
+
+
+def _is(tag: str, metric: str, layer: int | None, role: str | None) -> bool:
+    """Whether ``tag`` is a per-layer (or mean) series of spectral ``metric`` at ``layer``/``role``."""
+    parsed = parse_tag(tag)
+    return (
+        parsed is not None
+        and parsed.metric == metric
+        and (layer is None or parsed.layer == layer)
+        and (role is None or parsed.role == role)
+    )
+
+
+def _where(request: Request) -> tuple[object, str]:
+    return plugin_util.context(request.environ), plugin_util.experiment_id(request.environ)
+
+
+def _json(request: Request, body: Mapping) -> Response:
+    # Encoded here: the views already turned NaN into None, so TensorBoard's recursive cleaning
+    # (a walk over every number, ~1/3 of a large response's time) has nothing to do.
+    return http_util.Respond(request, json.dumps(body, allow_nan=False), "application/json")
+
+
+def _one(request: Request, name: str) -> str:
+    value = request.args.get(name)
+    if not value:
+        raise errors.InvalidArgumentError(f"`{name}` is required, e.g. ?{name}=... ; got none")
+    return value
+
+
+def _runs_of(request: Request) -> list[str]:
+    runs = request.args.getlist("run")
+    if not runs:
+        raise errors.InvalidArgumentError("pass at least one `run` (repeatable: ?run=a&run=b)")
+    return runs
+
+
+def _int(request: Request, name: str, default: int, *, least: int) -> int:
+    """The int query parameter ``name`` (``default`` when absent), at least ``least``."""
+    value = _optional_int(request, name, least=least)
+    return default if value is None else value
+
+
+def _optional_int(request: Request, name: str, *, least: int) -> int | None:
+    """The int query parameter ``name``, or ``None`` when absent.
+
+    Raises:
+        errors.InvalidArgumentError: not an int, or below ``least``.
+    """
+    text = request.args.get(name)
+    if text is None or text == "":
+        return None
+    try:
+        value = int(text)
+    except ValueError:
+        value = None
+    if value is None or value < least:
+        raise errors.InvalidArgumentError(f"`{name}` must be an int >= {least}, got {text!r}")
+    return value

@@ -1,0 +1,333 @@
+"""The SPECTRAL tab's routes, served by TensorBoard's own WSGI app over its multiplexer data provider.
+
+Every view's JSON is checked against what ``spectral-callbacks export`` reads from the same event
+files (``spectral_callbacks.offline.events.read_runs``, which reads the files itself, not through
+TensorBoard), on two real training runs; downsampled views against a long synthetic series.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+from cli_runs import training_runs
+from tensorboard.backend import application
+from tensorboard.backend.event_processing import data_provider, plugin_event_multiplexer
+from tensorboard.plugins import base_plugin
+from torch.utils.tensorboard import SummaryWriter
+from werkzeug import test as werkzeug_test
+from werkzeug import wrappers
+
+from spectral_callbacks.names import NUM_LAYERS_TAG, scalar_tag
+from spectral_callbacks.offline.events import read_runs
+from spectral_callbacks.tensorboard_plugin.plugin import SpectralPlugin
+
+ROUTE = "/data/plugin/spectral/"
+
+
+class CountingProvider:
+    """The data provider, counting the ``read_scalars`` calls (to see the cache work)."""
+
+    def __init__(self, inner: data_provider.MultiplexerDataProvider) -> None:
+        self.inner, self.reads = inner, 0
+
+    def read_scalars(self, *args, **kwargs):
+        self.reads += 1
+        return self.inner.read_scalars(*args, **kwargs)
+
+    def read_last_scalars(self, *args, **kwargs):
+        return self.inner.read_last_scalars(*args, **kwargs)
+
+
+class Tab:
+    """TensorBoard's WSGI app with only the SPECTRAL plugin, over ``logdir``."""
+
+    def __init__(self, logdir: Path) -> None:
+        # tensor_size_guidance 0: keep every point (TensorBoard's server keeps 1,000 per series).
+        self.multiplexer = plugin_event_multiplexer.EventMultiplexer(
+            tensor_size_guidance={"scalars": 0}
+        )
+        self.multiplexer.AddRunsFromDirectory(str(logdir))
+        self.multiplexer.Reload()
+        self.provider = CountingProvider(
+            data_provider.MultiplexerDataProvider(self.multiplexer, str(logdir))
+        )
+        context = base_plugin.TBContext(logdir=str(logdir), data_provider=self.provider)
+        app = application.TensorBoardWSGI([SpectralPlugin(context)])
+        self.client = werkzeug_test.Client(app, wrappers.Response)
+
+    def get(self, route: str, **params: object) -> dict:
+        response = self.client.get(ROUTE + route, query_string=params)
+        assert response.status_code == 200, response.get_data(as_text=True)
+        return response.get_json()
+
+    def fail(self, route: str, **params: object) -> tuple[int, str]:
+        response = self.client.get(ROUTE + route, query_string=params)
+        return response.status_code, response.get_data(as_text=True)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return training_runs(tmp_path_factory) / "tb"
+
+
+@pytest.fixture(scope="module")
+def tab(runs: Path) -> Tab:
+    return Tab(runs)
+
+
+@pytest.fixture(scope="module")
+def exported(runs: Path) -> pd.DataFrame:
+    result = read_runs([runs], all_scalars=True)
+    assert result.problems == [] and set(result.runs) == {"a", "b"}
+    return result.rows
+
+
+def nan_to_none(values: object) -> list:
+    return [None if np.isnan(v) else float(v) for v in values]
+
+
+def test_runs_lists_what_each_run_logged(tab: Tab, exported: pd.DataFrame) -> None:
+    listed = {entry["run"]: entry for entry in tab.get("runs")["runs"]}
+    assert set(listed) == {"a", "b"}
+    for run, entry in listed.items():
+        rows = exported[exported["run"] == run]
+        spectral = rows[rows["layer"].notna()]
+        assert entry["metrics"] == sorted(spectral["metric"].unique())
+        assert set(entry["roles"]) == set(spectral["role"].unique())
+        assert entry["layers"] == sorted(int(x) for x in spectral["layer"].unique())
+        assert set(entry["scalars"]) == set(rows.loc[rows["role"].isna(), "metric"])
+
+
+@pytest.mark.parametrize("metric", ["stable_rank", "alpha"])
+def test_by_role_equals_export(tab: Tab, exported: pd.DataFrame, metric: str) -> None:
+    series = tab.get("by_role", run=["a", "b"], metric=metric, layer=1)["series"]
+    expected = exported[(exported["metric"] == metric) & (exported["layer"] == 1)]
+    assert len(series) == expected.groupby(["run", "role"]).ngroups == 12
+    for line in series:
+        rows = expected[(expected["run"] == line["run"]) & (expected["role"] == line["role"])]
+        rows = rows.sort_values("step", kind="stable")
+        assert line["steps"] == rows["step"].tolist()
+        assert line["values"] == nan_to_none(rows["value"])
+
+
+def test_by_layer_equals_export_with_depth(tab: Tab, exported: pd.DataFrame) -> None:
+    series = tab.get("by_layer", run="b", metric="spectral_norm", role="MLP_down")["series"]
+    expected = exported[
+        (exported["run"] == "b")
+        & (exported["metric"] == "spectral_norm")
+        & (exported["role"] == "MLP_down")
+    ]
+    assert [line["layer"] for line in series] == [0, 1, 2]
+    for line in series:
+        rows = expected[expected["layer"] == line["layer"]].sort_values("step", kind="stable")
+        assert line["depth"] == rows["depth"].iloc[0] == line["layer"] / 2
+        assert (line["steps"], line["values"]) == (rows["step"].tolist(), rows["value"].tolist())
+
+
+def test_wave_equals_export(tab: Tab, exported: pd.DataFrame) -> None:
+    wave = tab.get("wave", run="a", role="K")  # metric defaults to compression
+    rows = exported[
+        (exported["run"] == "a") & (exported["metric"] == "compression") & (exported["role"] == "K")
+    ]
+    grid = rows.pivot_table(index="layer", columns="step", values="value", aggfunc="last")
+    assert wave["layers"] == [0, 1, 2]
+    assert wave["steps"] == grid.columns.tolist()
+    assert wave["values"] == [nan_to_none(line) for line in grid.to_numpy()]
+    assert wave["low"] == wave["high"] == wave["values"]  # not downsampled: a column per step
+
+
+def test_depth_profile_at_a_step_and_at_the_last(tab: Tab, exported: pd.DataFrame) -> None:
+    per_layer = exported[exported["layer"].notna()]  # not the mean over layers
+    alpha = per_layer[(per_layer["metric"] == "alpha") & (per_layer["role"] == "Q")]
+    for step in (12, None):
+        params = {"run": ["a", "b"]} | ({"step": step} if step is not None else {})
+        profile = tab.get("depth", **params)
+        assert profile["steps"] == sorted(alpha["step"].unique().tolist())
+        for entry in profile["runs"]:
+            rows = alpha[alpha["run"] == entry["run"]]
+            at = (
+                rows["step"].max() if step is None else rows.loc[rows["step"] <= step, "step"].max()
+            )
+            rows = rows[rows["step"] == at].sort_values("layer")
+            assert entry["steps"] == [at] * 3
+            assert entry["layers"] == [0, 1, 2] and entry["depths"] == [0.0, 0.5, 1.0]
+            assert entry["values"] == rows["value"].tolist()
+
+
+def test_bars_equal_the_final_export_rows(tab: Tab, exported: pd.DataFrame) -> None:
+    bars = tab.get("bars", run=["a", "b"])
+    for panel in bars["runs"]:
+        rows = exported[(exported["run"] == panel["run"]) & (exported["metric"] == "compression")]
+        rows = rows[rows["layer"].notna()]
+        final = rows[rows["step"] == rows["step"].max()]
+        assert panel["step"] == rows["step"].max()
+        assert panel["roles"] == ["Q", "K", "V", "O", "MLP_up", "MLP_down"]
+        for role, values in panel["values"].items():
+            expected = final[final["role"] == role].sort_values("layer")["value"]
+            assert values == expected.tolist()
+
+
+def test_diff_vs_tokens_equals_interpolated_export(tab: Tab, exported: pd.DataFrame) -> None:
+    body = tab.get("diff", run=["a", "b"], baseline="a", metric="train/loss", x="train/tokens")
+    (line,) = body["series"]
+    assert line["run"] == "b"
+
+    def by_tokens(run: str) -> tuple[np.ndarray, np.ndarray]:
+        of = exported[exported["run"] == run]
+        loss = of[of["metric"] == "train/loss"].sort_values("step")
+        tokens = of[of["metric"] == "train/tokens"].sort_values("step")
+        x = np.interp(loss["step"], tokens["step"], tokens["value"])
+        return x, loss["value"].to_numpy()
+
+    xa, ya = by_tokens("a")
+    xb, yb = by_tokens("b")
+    inside = (xb >= xa.min()) & (xb <= xa.max())
+    np.testing.assert_array_equal(line["x"], xb[inside])
+    np.testing.assert_allclose(line["values"], yb[inside] - np.interp(xb[inside], xa, ya))
+
+
+def test_diff_of_a_spectral_metric_needs_one_series(tab: Tab) -> None:
+    code, text = tab.fail("diff", run=["a", "b"], baseline="a", metric="stable_rank")
+    assert code == 400 and "several (layer, role) series" in text
+    body = tab.get("diff", run=["a", "b"], baseline="b", metric="stable_rank", layer=0, role="V")
+    assert [line["run"] for line in body["series"]] == ["a"]
+
+
+@pytest.mark.parametrize(
+    ("route", "params", "message"),
+    [
+        ("by_role", {"run": "a", "layer": "x"}, "`layer` must be an int >= 0, got 'x'"),
+        ("by_layer", {}, "pass at least one `run`"),
+        ("wave", {"role": "Q"}, "`run` is required"),
+        ("by_role", {"run": "a", "max_points": 2}, "`max_points` must be an int >= 4"),
+        (
+            "diff",
+            {"run": ["a", "b"], "metric": "train/loss", "baseline": "c"},
+            "not one of the runs",
+        ),
+    ],
+)
+def test_bad_parameters_answer_400_with_what_to_pass(
+    tab: Tab, route: str, params: dict, message: str
+) -> None:
+    code, text = tab.fail(route, **params)
+    assert code == 400 and message in text
+
+
+def test_static_files_served_and_nothing_outside(tab: Tab) -> None:
+    response = tab.client.get(ROUTE + "static/index.js")
+    assert response.status_code == 200 and response.mimetype == "text/javascript"
+    assert b"export async function render" in response.get_data()
+    for path in ("static/../plugin.py", "static/%2e%2e/plugin.py", "static/missing.js"):
+        assert tab.client.get(ROUTE + path).status_code == 404
+
+
+def test_entry_point_names_the_plugin() -> None:
+    tomllib = pytest.importorskip("tomllib", reason="tomllib is Python 3.11+")
+    pyproject = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())
+    target = pyproject["project"]["entry-points"]["tensorboard_plugins"]["spectral"]
+    module, name = target.split(":")
+    assert getattr(__import__(module, fromlist=[name]), name) is SpectralPlugin
+    assert (
+        "static/*.js"
+        in pyproject["tool"]["setuptools"]["package-data"]["spectral_callbacks.tensorboard_plugin"]
+    )
+
+
+# --- a long run: downsampling and the cache ---------------------------------------------------
+
+
+@pytest.fixture
+def long_run(tmp_path: Path) -> Path:
+    """One 3-layer run of 5,000 steps whose layer 1 Q has a spike down and up mid-run."""
+    rng = np.random.default_rng(0)
+    with SummaryWriter(str(tmp_path / "long")) as writer:
+        writer.add_scalar(NUM_LAYERS_TAG, 3, 0)
+        for step in range(5_000):
+            for layer in range(3):
+                value = 50.0 - step / 200 + rng.normal() * 0.1
+                if layer == 1 and step == 1234:
+                    value = -40.0
+                if layer == 1 and step == 3210:
+                    value = 140.0
+                writer.add_scalar(scalar_tag("stable_rank", layer, "Q"), value, step)
+    return tmp_path
+
+
+def test_downsampled_lines_keep_first_last_min_max(long_run: Path) -> None:
+    tab = Tab(long_run)
+    rows = read_runs([long_run]).rows
+    series = tab.get("by_layer", run="long", metric="stable_rank", role="Q", max_points=200)
+    for line in series["series"]:
+        full = rows[rows["layer"] == line["layer"]].sort_values("step")
+        assert 4 <= len(line["steps"]) <= 200 < len(full)
+        kept = full.set_index("step").loc[line["steps"], "value"]
+        assert line["values"] == kept.tolist()  # every kept point is a real logged point
+        must = {
+            full["step"].iloc[0],
+            full["step"].iloc[-1],
+            full.loc[full["value"].idxmin(), "step"],
+            full.loc[full["value"].idxmax(), "step"],
+        }
+        assert must <= set(line["steps"])
+    spiky = series["series"][1]
+    assert min(spiky["values"]) == pytest.approx(-40.0) and max(spiky["values"]) == 140.0
+
+
+def test_downsampled_wave_keeps_ends_and_extremes_per_column(long_run: Path) -> None:
+    tab = Tab(long_run)
+    wave = tab.get("wave", run="long", metric="stable_rank", role="Q", max_columns=50)
+    assert len(wave["steps"]) <= 51 and wave["steps"][0] == 0 and wave["steps"][-1] == 4_999
+    layer = wave["layers"].index(1)
+    assert min(wave["low"][layer]) == pytest.approx(-40.0)
+    assert max(wave["high"][layer]) == 140.0
+    rows = read_runs([long_run]).rows
+    full = rows[rows["layer"] == 1].set_index("step")["value"]
+    assert wave["values"][layer] == full.loc[wave["steps"]].tolist()
+
+
+def test_unchanged_series_come_from_the_cache_and_new_points_show(long_run: Path) -> None:
+    tab = Tab(long_run)
+    first = tab.get("by_role", run="long", layer=2)
+    reads = tab.provider.reads
+    assert tab.get("by_role", run="long", layer=2) == first
+    assert tab.provider.reads == reads  # a poll of an unchanged run reads nothing
+    with SummaryWriter(str(long_run / "long")) as writer:  # the run goes on
+        writer.add_scalar(scalar_tag("stable_rank", 2, "Q"), 7.0, 6_000)
+    tab.multiplexer.Reload()
+    (line,) = tab.get("by_role", run="long", layer=2, max_points=100_000)["series"]
+    assert tab.provider.reads == reads + 1
+    assert (line["steps"][-1], line["values"][-1]) == (6_000, 7.0)
+
+
+def test_compression_not_logged_is_computed_from_stable_rank(tmp_path: Path) -> None:
+    """As the CLI charts do: 100 (1 - s_t / s_0), s_0 each matrix's first snapshot."""
+    with SummaryWriter(str(tmp_path / "ranks")) as writer:
+        for step, scale in ((0, 1.0), (10, 0.5), (20, 0.25)):
+            for layer in range(2):
+                writer.add_scalar(scalar_tag("stable_rank", layer, "K"), 8.0 * scale + layer, step)
+    tab = Tab(tmp_path)
+    tab.get("runs")
+    wave = tab.get("wave", run="ranks", role="K")
+    expected = [
+        [100 * (1 - (8.0 * s + layer) / (8.0 + layer)) for s in (1.0, 0.5, 0.25)]
+        for layer in range(2)
+    ]
+    np.testing.assert_allclose(wave["values"], expected)
+    bars = tab.get("bars", run="ranks")
+    np.testing.assert_allclose(bars["runs"][0]["values"]["K"], [e[-1] for e in expected])
+    assert bars["steps"] == [0, 10, 20]
+
+
+def test_a_run_that_appears_later_is_served_without_asking_runs_first(long_run: Path) -> None:
+    tab = Tab(long_run)
+    assert tab.get("by_role", run="later")["series"] == []  # not there yet
+    with SummaryWriter(str(long_run / "later")) as writer:
+        writer.add_scalar(scalar_tag("stable_rank", 0, "V"), 3.0, 0)
+    tab.multiplexer.AddRunsFromDirectory(str(long_run))
+    tab.multiplexer.Reload()
+    (line,) = tab.get("by_role", run="later")["series"]
+    assert (line["role"], line["steps"], line["values"]) == ("V", [0], [3.0])
