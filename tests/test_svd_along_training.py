@@ -31,7 +31,9 @@ class LearningRateJump(Callback):
     def __init__(self, at_step: int, factor: float) -> None:
         self.at_step, self.factor = at_step, factor
 
-    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, *args: Any) -> None:
+    def on_train_batch_start(
+        self, trainer: Trainer, pl_module: LightningModule, *args: Any
+    ) -> None:
         if trainer.global_step == self.at_step:
             for optimizer in trainer.optimizers:
                 for group in optimizer.param_groups:
@@ -65,7 +67,10 @@ def test_every_scheduled_step_and_matrix_matches_float64_svd(lr_jump: float | No
 
     checked = 0
     for target in find_targets(model):
-        tags = {m: scalar_tag(m, target.layer, target.role, target.num_layers) for m in ("stable_rank", "alpha")}
+        tags = {
+            m: scalar_tag(m, target.layer, target.role, target.num_layers)
+            for m in ("stable_rank", "alpha")
+        }
         stable_ranks, alphas = logger.series(tags["stable_rank"]), logger.series(tags["alpha"])
         assert sorted(stable_ranks) == list(range(0, 25, 3)), target.name
         for step, value in stable_ranks.items():
