@@ -61,13 +61,13 @@ MODELS = ("toy", "gpt2", "gpt2-medium", "tinyllama")
 
 @dataclass
 class Group:
-    """One shape group of a model: ``count`` matrices of ``shape``, ``residual`` if an output
-    projection (scaled init)."""
+    """One shape group of a model: ``count`` matrices of ``shape``, the last ``residual`` of them
+    output projections (GPT-2 scales their init by 1/sqrt(2 L))."""
 
     roles: str
     shape: tuple[int, int]
     count: int
-    residual: bool
+    residual: int
 
 
 def model_groups(name: str) -> list[Group]:
@@ -83,10 +83,10 @@ def model_groups(name: str) -> list[Group]:
         d, layers = config.n_embd, config.n_layer
         inner = config.n_inner or 4 * d
         return [
-            Group("Q K V", (d, d), 3 * layers, False),
-            Group("O", (d, d), layers, True),
-            Group("MLP_up", (inner, d), layers, False),
-            Group("MLP_down", (d, inner), layers, True),
+            Group("Q K V", (d, d), 3 * layers, 0),
+            Group("O", (d, d), layers, layers),
+            Group("MLP_up", (inner, d), layers, 0),
+            Group("MLP_down", (d, inner), layers, layers),
         ]
     config = LlamaConfig(
         hidden_size=2048,
@@ -98,11 +98,11 @@ def model_groups(name: str) -> list[Group]:
     d, layers, ffn = config.hidden_size, config.num_hidden_layers, config.intermediate_size
     kv = config.num_key_value_heads * (d // config.num_attention_heads)
     return [
-        Group("Q", (d, d), layers, False),
-        Group("O", (d, d), layers, True),
-        Group("K V", (kv, d), 2 * layers, False),
-        Group("gate up", (ffn, d), 2 * layers, False),
-        Group("down", (d, ffn), layers, True),
+        Group("Q", (d, d), layers, 0),
+        Group("O", (d, d), layers, layers),
+        Group("K V", (kv, d), 2 * layers, 0),
+        Group("gate up", (ffn, d), 2 * layers, 0),
+        Group("down", (d, ffn), layers, layers),
     ]
 
 
@@ -116,7 +116,7 @@ def merged(groups: list[Group]) -> list[Group]:
                 f"{first.roles} {group.roles}",
                 group.shape,
                 first.count + group.count,
-                first.residual,
+                first.residual + group.residual,
             )
         else:
             out[group.shape] = group
@@ -126,10 +126,10 @@ def merged(groups: list[Group]) -> list[Group]:
 def movement(
     shape: tuple[int, ...],
     directions: tuple[torch.Tensor, torch.Tensor],
-    size: float,
+    size: torch.Tensor,
     g: torch.Generator,
 ) -> torch.Tensor:
-    """A training-like update of Frobenius norm ``size`` per matrix: half the sign pattern of a
+    """A training-like update of Frobenius norm ``size`` (B, 1, 1) per matrix: half the sign pattern of a
     rank-4 gradient (coherent, as Adam's normalized steps), half random-walk noise."""
     U, V = directions
     coherent = torch.sign(U @ V.mT)  # (B, m, n)
@@ -145,9 +145,10 @@ def build_snapshots(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(first, next) snapshots of a group's stack: init, trained, then one more interval."""
     m, n = group.shape
-    std = 0.02 / (2 * layers) ** 0.5 if group.residual else 0.02
+    std = torch.full((group.count, 1, 1), 0.02)
+    std[group.count - group.residual :] /= (2 * layers) ** 0.5
     W = torch.randn(group.count, m, n, generator=g) * std
-    norm = std * (m * n) ** 0.5
+    norm = std * (m * n) ** 0.5  # (B, 1, 1): movement relative to each matrix's init norm
     U = torch.randn(group.count, m, 4, generator=g)
     V = torch.randn(group.count, n, 4, generator=g)
     W += movement(W.shape, (U, V), trained * norm, g)
@@ -241,51 +242,70 @@ def accuracy(W: torch.Tensor, metrics: dict, count: int) -> tuple[float, float]:
     return worst_sr, worst_alpha
 
 
+def run_group(
+    name: str, group: Group, layers: int, args: argparse.Namespace, g: torch.Generator
+) -> dict:
+    """Times and checks one shape group; returns its numbers (and its next snapshot)."""
+    first, nxt = build_snapshots(group, layers, args.trained, args.update, g)
+    cold_metrics, V = snapshot_metrics(first, None)
+    warm_metrics, _ = snapshot_metrics(nxt, V)
+    out: dict = {"moved": float((nxt - first).norm() / first.norm()), "next": nxt}
+    out["cold_err"] = accuracy(first, cold_metrics, args.check)
+    out["warm_err"] = accuracy(nxt, warm_metrics, args.check)
+    candidates = exact_candidates(nxt)
+
+    def time_exact(c: str) -> float:
+        return min(seconds(lambda: candidates[c](nxt[0])) for _ in range(2))
+
+    best = min(candidates, key=time_exact)
+    columns: dict[str, Callable[[], object]] = {
+        "cold": lambda: snapshot_metrics(first, None),
+        "warm": lambda: snapshot_metrics(nxt, V),
+        "exact": lambda: [candidates[best](W) for W in nxt],
+        "lowrank": lambda: torch.svd_lowrank(nxt, q=DEFAULT_K + 8, niter=2),
+    }
+    # Interleaved rounds: the same background load on every column.
+    out["times"] = {c: [] for c in columns}
+    for _ in range(args.repeats):
+        for c, fn in columns.items():
+            out["times"][c].append(seconds(fn))
+    out["flops_cold"] = count_flops(columns["cold"])
+    out["flops_warm"] = count_flops(columns["warm"])
+    gemm_rate, bandwidth = measure_rates(nxt, g)
+    out["gemm_s"] = out["flops_warm"] / gemm_rate
+    out["bytes_s"] = nxt.numel() * nxt.element_size() / bandwidth
+    print(
+        f"  {name} {group.roles} {group.count} x {group.shape[0]}x{group.shape[1]}: best exact "
+        f"{best}, moved {100 * out['moved']:.1f} % between snapshots, warm "
+        f"{out['flops_warm'] / nxt.numel():.0f} flops/entry (cold "
+        f"{out['flops_cold'] / nxt.numel():.0f}), GEMM {gemm_rate / 1e9:.0f} GFLOP/s, read "
+        f"{bandwidth / 1e9:.1f} GB/s",
+        flush=True,
+    )
+    return out
+
+
 def run_model(name: str, args: argparse.Namespace, g: torch.Generator) -> list[str]:
     groups = merged(model_groups(name))
-    layers = max(group.count for group in model_groups(name) if group.residual)
+    layers = max(group.residual for group in model_groups(name))
     totals: dict[str, list[float]] = {
         c: [0.0] * args.repeats for c in ("cold", "warm", "exact", "lowrank")
     }
-    floors = {"flops_cold": 0.0, "flops_warm": 0.0, "gemm_s": 0.0, "bytes_s": 0.0}
+    floors = {"gemm_s": 0.0, "bytes_s": 0.0}
     worst = {"cold": [0.0, 0.0], "warm": [0.0, 0.0]}
-    stacks_for_ww, moved = [], []
+    stacks_for_ww = []
     for group in groups:
-        first, nxt = build_snapshots(group, layers, args.trained, args.update, g)
-        moved.append(float(((nxt - first).norm() / first.norm())))
-        cold_metrics, V = snapshot_metrics(first, None)
-        warm_metrics, _ = snapshot_metrics(nxt, V)
-        for label, W, metrics in (("cold", first, cold_metrics), ("warm", nxt, warm_metrics)):
-            sr, alpha = accuracy(W, metrics, args.check)
+        result = run_group(name, group, layers, args, g)
+        for c, times in result["times"].items():
+            totals[c] = [total + t for total, t in zip(totals[c], times, strict=True)]
+        for key in floors:
+            floors[key] += result[key]
+        for label in worst:
+            sr, alpha = result[f"{label}_err"]
             worst[label] = [max(worst[label][0], sr), max(worst[label][1], alpha)]
-        candidates = exact_candidates(nxt)
-        best = min(
-            candidates, key=lambda c: min(seconds(lambda: candidates[c](nxt[0])) for _ in range(2))
-        )
-        for r in range(args.repeats):  # interleaved: the same background load on every column
-            totals["cold"][r] += seconds(lambda: snapshot_metrics(first, None))
-            totals["warm"][r] += seconds(lambda: snapshot_metrics(nxt, V))
-            totals["exact"][r] += seconds(lambda: [candidates[best](W) for W in nxt])
-            totals["lowrank"][r] += seconds(
-                lambda: torch.svd_lowrank(nxt, q=DEFAULT_K + 8, niter=2)
-            )
-        flops_cold = count_flops(lambda: snapshot_metrics(first, None))
-        flops_warm = count_flops(lambda: snapshot_metrics(nxt, V))
-        gemm_rate, bandwidth = measure_rates(nxt, g)
-        floors["flops_cold"] += flops_cold
-        floors["flops_warm"] += flops_warm
-        floors["gemm_s"] += flops_warm / gemm_rate
-        floors["bytes_s"] += nxt.numel() * nxt.element_size() / bandwidth
-        print(
-            f"  {name} {group.roles} {group.count} x {group.shape[0]}x{group.shape[1]}: best exact "
-            f"{best}, moved {100 * moved[-1]:.1f} % between snapshots, warm "
-            f"{flops_warm / nxt.numel():.0f} flops/entry (cold {flops_cold / nxt.numel():.0f}), "
-            f"GEMM {gemm_rate / 1e9:.0f} GFLOP/s, read {bandwidth / 1e9:.1f} GB/s",
-            flush=True,
-        )
         if args.weightwatcher:
-            stacks_for_ww.append(nxt)
-        del first, nxt
+            stacks_for_ww.append(result["next"])
+        del result
     ww = weightwatcher_seconds(stacks_for_ww) if args.weightwatcher else None
     med = {c: statistics.median(t) for c, t in totals.items()}
     spread = {c: (min(t), max(t)) for c, t in totals.items()}
@@ -302,8 +322,8 @@ def run_model(name: str, args: argparse.Namespace, g: torch.Generator) -> list[s
         f"{worst['cold'][1]:.3f} / {worst['warm'][1]:.3f} |"
     ]
     if args.repeats > 1:
-        ratios_cold = [e / c for e, c in zip(totals["exact"], totals["cold"])]
-        ratios_warm = [e / w for e, w in zip(totals["exact"], totals["warm"])]
+        ratios_cold = [e / c for e, c in zip(totals["exact"], totals["cold"], strict=True)]
+        ratios_warm = [e / w for e, w in zip(totals["exact"], totals["warm"], strict=True)]
         rows.append(
             f"  {name} spread over {args.repeats} rounds: exact/cold {min(ratios_cold):.1f}-"
             f"{max(ratios_cold):.1f}x, exact/warm {min(ratios_warm):.1f}-{max(ratios_warm):.1f}x; "

@@ -27,8 +27,8 @@ from spectral_callbacks.functional.metrics import (
 from spectral_callbacks.functional.svd import (
     DEFAULT_K,
     DEFAULT_N_ITER,
-    DEFAULT_TOL,
     DEFAULT_N_OVERSAMPLES,
+    DEFAULT_TOL,
     METHODS,
     TopSVD,
     gram_singular_values,

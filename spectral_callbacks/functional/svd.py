@@ -15,10 +15,27 @@ that forming the Gram matrix once is cheaper, as one product with the explicit G
 way the singular values are read off ``W V`` (Rayleigh-Ritz on W itself, not on the Gram matrix),
 so they carry W's own rounding, not its square.
 
+The depth is decided a posteriori (``n_iter=None``): after each Krylov block the Ritz residuals of
+the top k say how much one more power step could still raise each Ritz value, and the iteration
+stops once that is below ``tol`` (``_converged``). A warm start from the previous snapshot's
+subspace on slowly moving weights stops after its first block (4 m n b flops: ``W Q`` and
+``W^T (W Q)``); a flat spectrum or a subspace rotated by a loss spike goes deeper. By products,
+``W V`` for the final Rayleigh-Ritz step is a combination of the ``W Q_j`` already made, and
+``W^T Y`` is computed as ``(Y^T W)^T`` (BLAS reads a transposed W at about half the speed).
+
 The exact paths are ``eigvalsh`` of the smaller Gram matrix in float64 (exact for sigma_1 and every
 singular value above ``sqrt(eps64) * sigma_1``) and ``svdvals`` of the tall orientation (LAPACK is
-several times slower on the wide one). Which path runs is decided by shape with a calibrated flop
-count (``_choose_method``), never by timing at run time, so the choice is deterministic.
+several times slower on the wide one). Which path runs is decided by shape and device with a
+calibrated flop count (``_choose_method``), never by timing at run time, so the choice is
+deterministic; on an accelerator the float64 Gram path is never chosen (weak FP64 on many GPUs).
+
+Host synchronization (what a CUDA worker waits for): masks (non-finite matrices, the rank
+tolerance, stale ``init`` columns) are applied with ``torch.where``, never decided on the host, and
+warm or cold is decided from whether ``init`` was given. What remains: one host read per Krylov
+step of the stopping rule (none with an explicit ``n_iter``), and the error checks inside
+``torch.linalg.eigh``/``svd``/``svdvals``/``eigvalsh`` (torch has no non-checking variants of these).
+Float32 products stay float32 even where the user enabled TF32 (``_matmul``), without touching
+that process-global setting, which training shares.
 
 Every path returns the same top-k: an exact path truncates its full spectrum to k, and singular
 values below ``max(m, n) * eps * sigma_1`` (``eps`` of the compute dtype, the rank tolerance of
