@@ -70,13 +70,14 @@ DEFAULT_K = 32
 DEFAULT_N_OVERSAMPLES = 8
 # Expected Krylov depth of a cold start, by the smaller side: the top gaps of a flat (Gaussian)
 # spectrum shrink like n^(-2/3), so larger matrices need more. Measured worst sigma_1 miss on
-# Gaussians: depth 5 up to a side of 1024, -0.15 % (depth 4: -0.8 %); depth 6 at 2048, ~-0.1 %; at
-# 4096 depth 6 missed by 0.3 %, depth 8 by 0.02 %. The stopping rule decides the actual depth; this
-# number prices the cold path in the cost model, and the depth may exceed it by _EXTRA_DEPTH.
+# Gaussians: depth 5 up to a side of 768, -0.07 % (depth 4: -0.8 %); at 1024x4096 depth 5 missed by
+# up to 0.3 % (the stopping rule asks for 6); depth 6 at 2048, ~-0.1 %; at 4096 depth 6 missed by
+# 0.3 %, depth 8 by 0.02 %. The stopping rule decides the actual depth, first tested at this one
+# (a failed test costs an eigh); the depth may exceed it by _EXTRA_DEPTH.
 DEFAULT_N_ITER = 6
 DEFAULT_N_ITER_SMALL = 5
 DEFAULT_N_ITER_LARGE = 8
-_SMALL_SIDE = 1024
+_SMALL_SIDE = 768
 _LARGE_SIDE = 2048
 _EXTRA_DEPTH = 4
 # A warm start from the previous snapshot's subspace normally stops after its first block.
@@ -159,7 +160,7 @@ def randomized_svd(
             More columns cost linearly more and converge faster on flat spectra.
         n_iter: a fixed Krylov depth ``q`` (power iterations for ``method="subspace"``), no
             stopping rule. Default ``None``: the stopping rule decides, up to 4 steps beyond the
-            expected cold depth (5 when the smaller side is at most 1024, 6 up to 2048, 8 beyond).
+            expected cold depth (5 when the smaller side is at most 768, 6 up to 2048, 8 beyond).
             Each step costs one product with :math:`W^\top W` and buys accuracy.
         generator: random generator for the Gaussian start and for columns ``init`` lacks
             (default ``None``: a fresh generator seeded 0 on ``W``'s device, so the result is
