@@ -33,7 +33,10 @@ Accuracy: for ``--check`` matrices per group, the stable rank and alpha of cold 
 float64 ``torch.linalg.svdvals``.
 
 Run: ``.venv/bin/python benchmarks/model_snapshot.py --models gpt2 --repeats 3`` (about a minute
-per round on one core); ``--quick`` runs the toy model once.
+per round on an idle core); ``--models tinyllama --repeats 1`` takes ~10 GB and many minutes;
+``--clock cpu`` times this thread's CPU seconds instead of wall time (on a shared, loaded machine
+the wall time also counts the time other processes held the core); ``--quick`` runs the toy model
+once.
 """
 
 from __future__ import annotations
@@ -179,10 +182,14 @@ def exact_candidates(W: torch.Tensor) -> dict[str, Callable[[torch.Tensor], obje
     }
 
 
+CLOCKS = {"wall": time.perf_counter, "cpu": time.thread_time}
+clock = CLOCKS["wall"]
+
+
 def seconds(fn: Callable[[], object]) -> float:
-    start = time.perf_counter()
+    start = clock()
     fn()
-    return time.perf_counter() - start
+    return clock() - start
 
 
 def count_flops(fn: Callable[[], object]) -> float:
@@ -357,6 +364,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
+        "--clock",
+        choices=tuple(CLOCKS),
+        default="wall",
+        help="wall time, or this thread's CPU time (less sensitive to a loaded machine)",
+    )
+    parser.add_argument(
         "--weightwatcher",
         action="store_true",
         help="also time WeightWatcher analyze() if installed",
@@ -373,11 +386,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> list[str]:
+    global clock
     args = parse_args(argv)
+    clock = CLOCKS[args.clock]
     torch.set_num_threads(args.threads)
     g = torch.Generator().manual_seed(args.seed)
     print(
-        f"threads={args.threads}, repeats={args.repeats} (median), k={DEFAULT_K}, trained "
+        f"threads={args.threads}, clock={args.clock}, repeats={args.repeats} (median), "
+        f"k={DEFAULT_K}, trained "
         f"{args.trained}, update {args.update} (relative Frobenius)"
     )
     rows = []
