@@ -224,14 +224,16 @@ def randomized_svd(
         chosen = method
 
     if chosen in ("randomized", "subspace"):
-        depth = default_n_iter(m, n) + _EXTRA_DEPTH if n_iter is None else n_iter
         start = _start_block(A, width, generator, init)
         # The stopping rule is tested from the first block of a warm start, and from the expected
         # depth of a cold one: each test costs an eigh of the Rayleigh quotient, which at a cold
-        # depth's basis size (200-300 columns) costs more than a Krylov step.
+        # depth's basis size (200-300 columns) costs more than a Krylov step. Subspace iteration
+        # (a comparison method) has no rule: the expected cold depth.
+        depth = default_n_iter(m, n) if n_iter is None else n_iter
         first_check = None
         if n_iter is None and chosen == "randomized":
-            first_check = 0 if init is not None else default_n_iter(m, n)
+            first_check = 0 if init is not None else depth
+            depth += _EXTRA_DEPTH
         S, V, finite = _randomized(
             A, k, start, depth, tol, expected, first_check, krylov=chosen == "randomized"
         )
