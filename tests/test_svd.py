@@ -294,3 +294,16 @@ def test_tf32_enabled_by_the_user_does_not_lower_the_svd_precision() -> None:
 def test_auto_never_picks_the_float64_gram_path_on_an_accelerator() -> None:
     assert _choose_method(64, 64, 40, 6, torch.float32, "cuda") == "svdvals"
     assert _choose_method(3072, 768, 40, 5, torch.float32, "cuda") == "randomized"
+
+
+@pytest.mark.parametrize("n_iter", [None, 4])
+def test_a_non_finite_wide_matrix_on_the_gram_path_leaves_its_batch_alone(
+    n_iter: int | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Price the Gram path in, so the wide iteration in the smaller (left) space runs.
+    monkeypatch.setattr(svd_module, "_randomized_costs", lambda *args, **kwargs: (2.0, 1.0))
+    W = decaying((3, 60, 500), 1.0, random.randrange(2**31)).float()
+    W[1, 3, 3] = float("nan")
+    top = randomized_svd(W, 4, method="randomized", n_iter=n_iter)
+    assert torch.isnan(top.S[1]).all()
+    torch.testing.assert_close(top.S[[0, 2]].double(), reference(W[[0, 2]], 4), rtol=1e-3, atol=0)

@@ -320,13 +320,15 @@ def _randomized(
     # Iterate in the space of the smaller side when the Gram matrix is used, else on the right.
     wide = use_gram and m < n
     B = A.mT if wide else A  # iterate on the right space of B: (..., rows, d)
-    if wide:
-        start = _orthonormalize(_matmul(A, start))  # (..., m, b): the left image of the right start
     if use_gram:
         G = _matmul(B.mT, B)  # (..., d, d)
         # A NaN/Inf entry (or a float32 overflow) shows on the Gram matrix's diagonal (squared
         # column norms); the images of those matrices are zeroed so LAPACK never sees a NaN.
         finite = torch.isfinite(G.diagonal(dim1=-2, dim2=-1)).all(-1)
+        if wide:  # (..., m, b): the left image of the right start
+            image = _matmul(A, start)
+            zero = torch.zeros((), dtype=image.dtype, device=image.device)
+            start = _orthonormalize(torch.where(finite[..., None, None], image, zero))
 
         def apply(X: Tensor) -> tuple[Tensor, Tensor | None]:
             return _matmul(G, X), None
