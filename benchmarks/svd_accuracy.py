@@ -13,7 +13,7 @@ a in {0.2, 0.5, 1.0}, built as U diag(s) V^T with random orthogonal U, V), print
 * ``speedup`` = best exact / ours.
 
 A second table shows warm starts: W plus 1 % relative Gaussian noise, started from the subspace
-of W with 2 Krylov steps instead of 6.
+of W (the stopping rule then ends after the first block or two).
 
 Run: ``.venv/bin/python benchmarks/svd_accuracy.py`` (a few minutes; ``--quick`` skips 4096x4096;
 ``--compare`` prints only the sigma_1 error of torch.svd_lowrank and subspace iteration beside ours).

@@ -7,6 +7,7 @@ import random
 import pytest
 import torch
 
+import spectral_callbacks.functional.svd as svd_module
 from spectral_callbacks.functional import randomized_svd
 from spectral_callbacks.functional.svd import _choose_method
 
@@ -35,7 +36,9 @@ def reference(W: torch.Tensor, k: int) -> torch.Tensor:
 @pytest.mark.parametrize("shape", [(150, 90), (90, 150), (3, 120, 100)])
 def test_top_k_matches_float64_svdvals(shape: tuple[int, ...], method: str, seed: int) -> None:
     W = decaying(shape, 0.5, seed).float()
-    top = randomized_svd(W, 10, generator=torch.Generator().manual_seed(seed), method=method)
+    # A fixed depth of 5 (no stopping rule): the Krylov machinery itself, converged.
+    g = torch.Generator().manual_seed(seed)
+    top = randomized_svd(W, 10, generator=g, method=method, n_iter=5)
     assert top.S.shape == (*shape[:-2], 10) and top.S.dtype == torch.float32
     # Subspace iteration converges at the gap, not its square root: it is only here for comparison
     # (at the default depth of 5 for this size, sigma_10 has been seen 1.2e-3 off).
@@ -59,7 +62,7 @@ def test_flat_gaussian_spectral_norm_within_a_tenth_of_a_percent(seed: int) -> N
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float64])
 def test_low_and_high_precision_inputs(dtype: torch.dtype) -> None:
     W = decaying((120, 80), 1.0, random.randrange(2**31)).to(dtype)
-    top = randomized_svd(W, 8, method="randomized")
+    top = randomized_svd(W, 8, method="randomized", n_iter=5)
     assert top.S.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
     rtol = 1e-9 if dtype == torch.float64 else 1e-4
     torch.testing.assert_close(top.S.double(), reference(W, 8), rtol=rtol, atol=0)
@@ -72,7 +75,7 @@ def test_views_are_handled(view: str) -> None:
         view
     ]
     assert not W.is_contiguous()
-    top = randomized_svd(W, 6, method="randomized")
+    top = randomized_svd(W, 6, method="randomized", n_iter=5)
     torch.testing.assert_close(top.S.double(), reference(W, 6), rtol=1e-4, atol=0)
 
 
@@ -97,7 +100,8 @@ def test_init_with_other_width_or_non_finite_values_still_works() -> None:
     V = randomized_svd(W, 4, method="randomized").V
     assert V is not None
     wider = randomized_svd(W, 12, init=V, method="randomized", n_iter=6)  # topped up at random
-    narrower = randomized_svd(W, 2, init=torch.full((80, 40), float("nan")), method="randomized")
+    stale = torch.full((80, 40), float("nan"))
+    narrower = randomized_svd(W, 2, init=stale, method="randomized", n_iter=5)
     torch.testing.assert_close(wider.S.double(), reference(W, 12), rtol=1e-4, atol=0)
     torch.testing.assert_close(narrower.S.double(), reference(W, 2), rtol=1e-4, atol=0)
 
@@ -174,6 +178,7 @@ def test_method_is_chosen_by_shape() -> None:
         (torch.ones(3, 3), {"n_iter": -1}, ValueError, r"`n_iter` must be an int >= 0"),
         (torch.ones(3, 3), {"n_oversamples": 1.5}, ValueError, r"`n_oversamples` must be an int"),
         (torch.ones(3, 3), {"method": "lanczos"}, ValueError, r"`method` must be one of"),
+        (torch.ones(3, 3), {"tol": 0}, ValueError, r"`tol` must be a number in \(0, 1\), got 0"),
         (
             torch.ones(3, 3),
             {"init": torch.ones(4, 2)},
@@ -189,3 +194,116 @@ def test_bad_input_is_named_in_a_clear_error(
 ) -> None:
     with pytest.raises(error, match=match):
         randomized_svd(W, **kwargs)  # type: ignore[arg-type]
+
+
+def _count_products(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Counts the products with W (or its Gram matrix) that randomized_svd makes."""
+    calls: list[int] = []
+    original = svd_module._matmul
+
+    def counting(A: torch.Tensor, B: torch.Tensor) -> torch.Tensor:
+        calls.append(1)
+        return original(A, B)
+
+    monkeypatch.setattr(svd_module, "_matmul", counting)
+    return calls
+
+
+def test_stopping_rule_stops_a_warm_start_early_and_takes_a_cold_one_deeper(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    g = torch.Generator().manual_seed(random.randrange(2**31))
+    W = torch.randn(600, 500, generator=g) / 500**0.5  # flat spectrum: the hard case
+    previous = randomized_svd(W, method="randomized", generator=g)
+    W2 = W + 1e-3 * torch.randn(W.shape, generator=g) / 500**0.5
+    calls = _count_products(monkeypatch)
+    warm = randomized_svd(W2, method="randomized", init=previous.V, generator=g)
+    warm_products = len(calls)
+    calls.clear()
+    cold = randomized_svd(W2, method="randomized", generator=g)
+    assert warm_products == 2  # W Q_0 and W^T (W Q_0): the first block was enough
+    assert len(calls) > 2 + svd_module.default_n_iter(600, 500)  # cold: the full expected depth
+    exact = reference(W2, 32)
+    for top in (warm, cold):  # both within the stopping rule's accuracy
+        torch.testing.assert_close(top.S[0].double(), exact[0], rtol=2.5e-3, atol=0)
+        torch.testing.assert_close(top.S.double(), exact, rtol=2.5e-2, atol=0)
+
+
+def test_an_explicit_n_iter_is_a_fixed_depth(monkeypatch: pytest.MonkeyPatch) -> None:
+    W = decaying((300, 200), 1.0, random.randrange(2**31)).float()  # converges at once
+    previous = randomized_svd(W, 8, method="randomized")
+    calls = _count_products(monkeypatch)
+    randomized_svd(W, 8, method="randomized", init=previous.V, n_iter=3)
+    assert len(calls) == 2 * (3 + 1)
+
+
+def test_a_smaller_tol_goes_deeper_and_closer() -> None:
+    g = torch.Generator().manual_seed(random.randrange(2**31))
+    W = torch.randn(500, 400, generator=g)
+    exact = reference(W, 32)
+    loose = randomized_svd(W, method="randomized", tol=0.05, generator=g)
+    tight = randomized_svd(W, method="randomized", tol=1e-6, generator=g)
+    loose_error = (loose.S.double() / exact - 1).abs().max()
+    tight_error = (tight.S.double() / exact - 1).abs().max()
+    assert tight_error < loose_error and tight_error < 1e-3
+
+
+@pytest.mark.parametrize("generator", ["given", None])
+def test_random_draws_never_touch_the_global_rng(generator: str | None) -> None:
+    W = torch.randn(2, 300, 200)
+    state = torch.get_rng_state()
+    g = torch.Generator().manual_seed(3) if generator else None
+    first = randomized_svd(W, 16, method="randomized", generator=g)
+    stale = first.V.clone()
+    stale[0, :, :5] = float("nan")  # redrawn columns come from the generator too
+    randomized_svd(W, 24, method="randomized", generator=g, init=stale)  # topped up at random
+    assert torch.equal(torch.get_rng_state(), state)
+
+
+def test_without_a_generator_the_result_is_deterministic() -> None:
+    W = torch.randn(300, 200)
+    assert torch.equal(
+        randomized_svd(W, method="randomized").S, randomized_svd(W, method="randomized").S
+    )
+
+
+def test_tf32_split_is_exact_and_recovers_float32_products() -> None:
+    g = torch.Generator().manual_seed(random.randrange(2**31))
+    A, B = torch.randn(64, 200, generator=g), torch.randn(200, 40, generator=g)
+    head, tail = svd_module._split_tf32(A)
+    assert torch.equal(head + tail, A)
+    assert torch.all(head.view(torch.int32) & 0x1FFF == 0)  # 10 mantissa bits: exact in TF32
+    B_head, B_tail = svd_module._split_tf32(B)
+    three = head @ B_head + (head @ B_tail + tail @ B_head)
+    exact = A.double() @ B.double()
+    torch.testing.assert_close(three.double(), exact, rtol=0, atol=1e-4)
+
+
+@pytest.mark.gpu
+def test_tf32_enabled_by_the_user_does_not_lower_the_svd_precision() -> None:
+    W = decaying((1024, 768), 0.5, random.randrange(2**31)).float().cuda()
+    previous = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("high")
+    try:
+        top = randomized_svd(W, 32, method="randomized", n_iter=6)
+    finally:
+        torch.set_float32_matmul_precision(previous)
+    torch.testing.assert_close(top.S.cpu().double(), reference(W.cpu(), 32), rtol=1e-4, atol=0)
+
+
+def test_auto_never_picks_the_float64_gram_path_on_an_accelerator() -> None:
+    assert _choose_method(64, 64, 40, 6, torch.float32, "cuda") == "svdvals"
+    assert _choose_method(3072, 768, 40, 5, torch.float32, "cuda") == "randomized"
+
+
+@pytest.mark.parametrize("n_iter", [None, 4])
+def test_a_non_finite_wide_matrix_on_the_gram_path_leaves_its_batch_alone(
+    n_iter: int | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Price the Gram path in, so the wide iteration in the smaller (left) space runs.
+    monkeypatch.setattr(svd_module, "_randomized_costs", lambda *args, **kwargs: (2.0, 1.0))
+    W = decaying((3, 60, 500), 1.0, random.randrange(2**31)).float()
+    W[1, 3, 3] = float("nan")
+    top = randomized_svd(W, 4, method="randomized", n_iter=n_iter)
+    assert torch.isnan(top.S[1]).all()
+    torch.testing.assert_close(top.S[[0, 2]].double(), reference(W[[0, 2]], 4), rtol=1e-3, atol=0)

@@ -27,8 +27,8 @@ from spectral_callbacks.functional.metrics import (
 from spectral_callbacks.functional.svd import (
     DEFAULT_K,
     DEFAULT_N_ITER,
-    DEFAULT_N_ITER_WARM,
     DEFAULT_N_OVERSAMPLES,
+    DEFAULT_TOL,
     METHODS,
     TopSVD,
     gram_singular_values,
@@ -38,7 +38,7 @@ from spectral_callbacks.functional.svd import (
 __all__ = [
     "DEFAULT_K",
     "DEFAULT_N_ITER",
-    "DEFAULT_N_ITER_WARM",
+    "DEFAULT_TOL",
     "DEFAULT_N_OVERSAMPLES",
     "ESD_MIN_TAIL",
     "METHODS",

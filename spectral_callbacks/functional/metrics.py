@@ -338,7 +338,10 @@ def frobenius_norm_sq(W: Tensor) -> Tensor:
     row_dtype = torch.float64 if W.dtype == torch.float64 else torch.float32
     frobenius_sq = torch.linalg.vector_norm(W, dim=-1, dtype=row_dtype).double().square().sum(-1)
     overflowed = ~torch.isfinite(frobenius_sq)
-    if bool(overflowed.any()):  # a float32 row norm overflows past ~1e19: redo those exactly
+    # A float32 row norm overflows past ~1e19: those matrices are redone exactly in float64. On
+    # the CPU the host read that decides it costs nothing; on an accelerator it would make the
+    # worker wait for its stream, so there the exact norm is computed unconditionally and selected.
+    if W.device.type != "cpu" or bool(overflowed.any()):
         exact = torch.linalg.vector_norm(W, dim=(-2, -1), dtype=torch.float64).square()
         frobenius_sq = torch.where(overflowed, exact, frobenius_sq)
     return torch.where(torch.isfinite(frobenius_sq), frobenius_sq, float("nan"))

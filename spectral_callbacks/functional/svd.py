@@ -15,10 +15,27 @@ that forming the Gram matrix once is cheaper, as one product with the explicit G
 way the singular values are read off ``W V`` (Rayleigh-Ritz on W itself, not on the Gram matrix),
 so they carry W's own rounding, not its square.
 
+The depth is decided a posteriori (``n_iter=None``): after each Krylov block the Ritz residuals of
+the top k say how much one more power step could still raise each Ritz value, and the iteration
+stops once that is below ``tol`` (``_converged``). A warm start from the previous snapshot's
+subspace on slowly moving weights stops after its first block (4 m n b flops: ``W Q`` and
+``W^T (W Q)``); a flat spectrum or a subspace rotated by a loss spike goes deeper. By products,
+``W V`` for the final Rayleigh-Ritz step is a combination of the ``W Q_j`` already made, and
+``W^T Y`` is computed as ``(Y^T W)^T`` (BLAS reads a transposed W at about half the speed).
+
 The exact paths are ``eigvalsh`` of the smaller Gram matrix in float64 (exact for sigma_1 and every
 singular value above ``sqrt(eps64) * sigma_1``) and ``svdvals`` of the tall orientation (LAPACK is
-several times slower on the wide one). Which path runs is decided by shape with a calibrated flop
-count (``_choose_method``), never by timing at run time, so the choice is deterministic.
+several times slower on the wide one). Which path runs is decided by shape and device with a
+calibrated flop count (``_choose_method``), never by timing at run time, so the choice is
+deterministic; on an accelerator the float64 Gram path is never chosen (weak FP64 on many GPUs).
+
+Host synchronization (what a CUDA worker waits for): masks (non-finite matrices, the rank
+tolerance, stale ``init`` columns) are applied with ``torch.where``, never decided on the host, and
+warm or cold is decided from whether ``init`` was given. What remains: one host read per Krylov
+step of the stopping rule (none with an explicit ``n_iter``), and the error checks inside
+``torch.linalg.eigh``/``svd``/``svdvals``/``eigvalsh`` (torch has no non-checking variants of these).
+Float32 products stay float32 even where the user enabled TF32 (``_matmul``), without touching
+that process-global setting, which training shares.
 
 Every path returns the same top-k: an exact path truncates its full spectrum to k, and singular
 values below ``max(m, n) * eps * sigma_1`` (``eps`` of the compute dtype, the rank tolerance of
@@ -37,8 +54,8 @@ from torch import Tensor
 __all__ = [
     "DEFAULT_K",
     "DEFAULT_N_ITER",
-    "DEFAULT_N_ITER_WARM",
     "DEFAULT_N_OVERSAMPLES",
+    "DEFAULT_TOL",
     "METHODS",
     "TopSVD",
     "gram_singular_values",
@@ -49,23 +66,33 @@ __all__ = [
 # k = 32 ranks span 1.5 decades of log i, enough for a stable power-law fit, while the cost of every
 # product with W stays linear in the block size k + n_oversamples.
 DEFAULT_K = 32
-# A few extra columns: the Krylov space (block size x (n_iter + 1) columns) already oversamples.
+# A few extra columns: the Krylov space (block size x (depth + 1) columns) already oversamples.
 DEFAULT_N_OVERSAMPLES = 8
-# Krylov depth of a cold start, by the smaller side: the top gaps of a flat (Gaussian) spectrum
-# shrink like n^(-2/3), so larger matrices need more. Measured worst sigma_1 miss on Gaussians:
-# depth 5 up to a side of 1024, -0.15 % (depth 4: -0.8 %); depth 6 at 2048, ~-0.1 %; at 4096
-# depth 6 missed by 0.3 %, depth 8 by 0.02 %. Stable rank's error is about twice sigma_1's.
+# Expected Krylov depth of a cold start, by the smaller side: the top gaps of a flat (Gaussian)
+# spectrum shrink like n^(-2/3), so larger matrices need more. Measured worst sigma_1 miss on
+# Gaussians: depth 5 up to a side of 768, -0.07 % (depth 4: -0.8 %); at 1024x4096 depth 5 missed by
+# up to 0.3 % (the stopping rule asks for 6); depth 6 at 2048, ~-0.1 %; at 4096 depth 6 missed by
+# 0.3 %, depth 8 by 0.02 %. The stopping rule decides the actual depth, first tested at this one
+# (a failed test costs an eigh); the depth may exceed it by _EXTRA_DEPTH.
 DEFAULT_N_ITER = 6
 DEFAULT_N_ITER_SMALL = 5
 DEFAULT_N_ITER_LARGE = 8
-_SMALL_SIDE = 1024
+_SMALL_SIDE = 768
 _LARGE_SIDE = 2048
-# A warm start from the previous snapshot's subspace is already close; two blocks polish it.
-DEFAULT_N_ITER_WARM = 2
+_EXTRA_DEPTH = 4
+# A warm start from the previous snapshot's subspace normally stops after its first block.
+_EXPECTED_WARM_DEPTH = 1
+# Stopping rule: a Krylov step is the last when the top Ritz pair (theta_1, x_1) of W^T W has
+# ||W^T W x_1 - theta_1 x_1||^2 <= tol * theta_1^2 (one more power step would raise theta_1 by at
+# most a fraction tol) and every other top-k pair meets 10 * tol. Measured along the Krylov depth of
+# Gaussian (flat, the hard case) matrices 768x768, 3072x768, 1024x4096: sigma_1's relative error is
+# at most 2.4x that fraction, so tol = 1e-3 keeps stable rank (twice sigma_1's error) within 0.5 %;
+# alpha's error is about half the worst fraction of the rest, so within 0.005.
+DEFAULT_TOL = 1e-3
 
 
 def default_n_iter(m: int, n: int) -> int:
-    """Krylov depth of a cold start on an ``m x n`` matrix (see the measurements above).
+    """Expected Krylov depth of a cold start on an ``m x n`` matrix (see the measurements above).
 
     >>> default_n_iter(3072, 768), default_n_iter(2048, 2048), default_n_iter(4096, 4096)
     (5, 6, 8)
@@ -84,9 +111,11 @@ class TopSVD(NamedTuple):
 
     Attributes:
         S: ``(..., k)`` singular values in descending order, float32 (float64 for float64 input).
-        V: ``(..., n, l)`` orthonormal approximate right singular vectors, ``l = k + n_oversamples``
-            (clamped to ``min(m, n)``), ordered like ``S``; pass it back as ``init=`` to warm-start
-            the next call on a slightly changed matrix. ``None`` when an exact method ran.
+        V: ``(..., n, l)`` orthonormal basis of the approximate top right singular subspace,
+            ``l = k + n_oversamples`` (clamped to ``min(m, n)``), leading columns first (one power
+            step past the Ritz vectors when the products with W were computed anyway); pass it
+            back as ``init=`` to warm-start the next call on a slightly changed matrix. ``None``
+            when an exact method ran.
     """
 
     S: Tensor
@@ -102,44 +131,59 @@ def randomized_svd(
     generator: torch.Generator | None = None,
     init: Tensor | None = None,
     method: str = "auto",
+    tol: float = DEFAULT_TOL,
 ) -> TopSVD:
     r"""Top-k singular values of ``W`` (or of each matrix of a batch).
 
     The randomized path (Musco & Musco 2015, Algorithm 2) builds an orthonormal basis :math:`Q` of
-    the block Krylov space of :math:`W^\top W` from a Gaussian start
-    :math:`\Omega \in \mathbb{R}^{n \times b}`, :math:`b = k + p`, keeps the top-b Ritz vectors
-    :math:`V` and reads the singular values off the small matrix :math:`W V`:
+    the block Krylov space of :math:`W^\top W` from a start :math:`\Omega \in \mathbb{R}^{n \times b}`,
+    :math:`b = k + p` (Gaussian, or ``init``), keeps the top-b Ritz vectors :math:`V` and reads the
+    singular values off the small matrix :math:`W V`:
 
     .. math::
 
         \mathcal{K} = [\Omega,\ (W^\top W)\,\Omega,\ \dots,\ (W^\top W)^q\,\Omega], \qquad
         \sigma_i(W V) \le \sigma_i(W).
 
+    With ``n_iter=None`` the depth ``q`` is decided a posteriori: after each block the Ritz
+    residuals :math:`r_i = W^\top W x_i - \theta_i x_i` of the top k are checked, and the
+    iteration stops once :math:`\lVert r_1 \rVert^2 \le \mathrm{tol}\,\theta_1^2` and
+    :math:`\lVert r_i \rVert^2 \le 10\,\mathrm{tol}\,\theta_i^2` for the others (one more power
+    step could raise :math:`\theta_1` by no more than the fraction ``tol``). A warm
+    start on a slowly moving matrix stops after its first block; a flat spectrum or a rotated
+    subspace goes deeper.
+
     Args:
         W: ``(m, n)`` or ``(B, m, n)`` matrix of any float dtype; views (``W.T``, slices) are fine.
         k: how many singular values to return (default 32); clamped to ``min(m, n)``.
         n_oversamples: extra block columns ``p`` (default 8); the block size is ``b = k + p``.
             More columns cost linearly more and converge faster on flat spectra.
-        n_iter: Krylov depth ``q`` (power iterations for ``method="subspace"``). Default ``None``:
-            5 for a cold start when the smaller side is at most 1024, 6 up to 2048, 8 beyond; 2 with ``init``.
-            Each step costs one product with :math:`W^\top W`
-            and buys accuracy.
-        generator: random generator for the Gaussian start (default: torch's global one).
+        n_iter: a fixed Krylov depth ``q`` (power iterations for ``method="subspace"``), no
+            stopping rule. Default ``None``: the stopping rule decides, up to 4 steps beyond the
+            expected cold depth (5 when the smaller side is at most 768, 6 up to 2048, 8 beyond).
+            Each step costs one product with :math:`W^\top W` and buys accuracy.
+        generator: random generator for the Gaussian start and for columns ``init`` lacks
+            (default ``None``: a fresh generator seeded 0 on ``W``'s device, so the result is
+            deterministic and torch's global RNG is never touched).
         init: ``(n, j)`` or ``(B, n, j)`` start subspace, normally ``.V`` of the previous call on
-            the same matrix; columns beyond ``b`` are dropped, missing ones drawn at random.
-        method: ``"auto"`` (default; chosen by shape, see the module docstring), ``"randomized"``
-            (block Krylov), ``"subspace"`` (Halko, Martinsson & Tropp 2011, Algorithm 4.4, for
-            comparison), ``"gram"`` (exact: float64 ``eigvalsh`` of the smaller Gram matrix) or
-            ``"svdvals"`` (exact: ``torch.linalg.svdvals`` of the tall orientation).
+            the same matrix; columns beyond ``b`` are dropped, missing or non-finite ones drawn
+            at random.
+        method: ``"auto"`` (default; chosen by shape and device, see the module docstring),
+            ``"randomized"`` (block Krylov), ``"subspace"`` (Halko, Martinsson & Tropp 2011,
+            Algorithm 4.4, for comparison), ``"gram"`` (exact: float64 ``eigvalsh`` of the smaller
+            Gram matrix) or ``"svdvals"`` (exact: ``torch.linalg.svdvals`` of the tall orientation).
+        tol: the stopping rule's tolerance (default 1e-3: stable rank within 0.5 %, alpha within
+            0.005 as measured); smaller is deeper and more accurate. Unused with ``n_iter``.
 
     Returns:
-        ``TopSVD(S, V)``. A matrix with a NaN or Inf entry gets ``S`` all NaN (the rest of the batch
-        is unaffected); a zero matrix gets ``S`` all 0.
+        ``TopSVD(S, V)``. A matrix with a NaN or Inf entry (or whose float32 products overflow)
+        gets ``S`` all NaN (the rest of the batch is unaffected); a zero matrix gets ``S`` all 0.
 
     Raises:
         TypeError: ``W`` or ``init`` is not a floating-point tensor.
         ValueError: ``W`` is not 2-D or 3-D or has an empty side, ``k``/``n_oversamples``/
-            ``n_iter`` are out of range, ``method`` is unknown, or ``init`` does not fit ``W``.
+            ``n_iter``/``tol`` are out of range, ``method`` is unknown, or ``init`` does not fit
+            ``W``.
 
     Example::
 
@@ -157,67 +201,83 @@ def randomized_svd(
         _check_int(n_iter, "n_iter", minimum=0)
     if method not in METHODS:
         raise ValueError(f"`method` must be one of {METHODS}, got {method!r}")
+    if isinstance(tol, bool) or not isinstance(tol, int | float) or not 0 < tol < 1:
+        raise ValueError(f"`tol` must be a number in (0, 1), got {tol!r}")
     m, n = W.shape[-2:]
     if init is not None:
         _check_init(init, W)
+    if generator is None:
+        generator = torch.Generator(W.device).manual_seed(0)
 
     compute_dtype = torch.float64 if W.dtype == torch.float64 else torch.float32
     A = W.to(compute_dtype)
-    # A non-finite entry would make LAPACK fail for the whole batch: zero those matrices, run, and
-    # report their spectrum as NaN.
-    # A finite row sum proves its row finite, and costs a fraction of an entry-wise isfinite on a
-    # large matrix; only a matrix whose sums say otherwise gets the exact entry-wise check.
-    finite = torch.isfinite(A.sum(-1)).all(-1)  # (...,)
-    all_finite = bool(finite.all())
-    if not all_finite:
-        finite = torch.isfinite(A).flatten(-2).all(-1)
-        all_finite = bool(finite.all())
-    if not all_finite:
-        A = torch.where(finite[..., None, None], A, torch.zeros((), dtype=compute_dtype))
-
     k = min(k, m, n)
     width = min(k + n_oversamples, m, n)
-    if n_iter is None:
-        # A stale init (non-finite, from a matrix that was non-finite last time) is redrawn at
-        # random in _start_block: that is a cold start and needs the cold depth.
-        warm = init is not None and bool(torch.isfinite(init).all())
-        n_iter = DEFAULT_N_ITER_WARM if warm else default_n_iter(m, n)
-    chosen = _choose_method(m, n, width, n_iter, compute_dtype) if method == "auto" else method
+    # Warm or cold is decided on the host from whether `init` was given (no read of its values):
+    # it only prices the paths; the stopping rule finds the depth either way.
+    expected = n_iter
+    if expected is None:
+        expected = _EXPECTED_WARM_DEPTH if init is not None else default_n_iter(m, n)
+    if method == "auto":
+        chosen = _choose_method(m, n, width, expected, compute_dtype, A.device.type)
+    else:
+        chosen = method
 
     if chosen in ("randomized", "subspace"):
-        S, V = _randomized(A, width, n_iter, generator, init, krylov=chosen == "randomized")
+        start = _start_block(A, width, generator, init)
+        # The stopping rule is tested from the first block of a warm start, and from the expected
+        # depth of a cold one: each test costs an eigh of the Rayleigh quotient, which at a cold
+        # depth's basis size (200-300 columns) costs more than a Krylov step. Subspace iteration
+        # (a comparison method) has no rule: the expected cold depth.
+        depth = default_n_iter(m, n) if n_iter is None else n_iter
+        first_check = None
+        if n_iter is None and chosen == "randomized":
+            first_check = 0 if init is not None else depth
+            depth += _EXTRA_DEPTH
+        S, V, finite = _randomized(
+            A, k, start, depth, tol, expected, first_check, krylov=chosen == "randomized"
+        )
     elif chosen == "gram":
-        S, V = _gram_eigvalsh(A), None
+        (S, finite), V = _gram_eigvalsh(A), None
     else:
-        S, V = _svdvals_tall(A), None
+        (S, finite), V = _svdvals_tall(A), None
     S = S[..., :k]
 
     # Values below the rank tolerance are rounding noise whose size depends on the method; report
     # them as 0 so every method gives the same answer for a rank-deficient matrix.
-    tol = max(m, n) * torch.finfo(compute_dtype).eps * S[..., :1]
-    S = torch.where(tol < S, S, torch.zeros((), dtype=S.dtype))
-    if not all_finite:
-        S = torch.where(finite[..., None], S, torch.full((), float("nan"), dtype=S.dtype))
+    rank_tol = max(m, n) * torch.finfo(compute_dtype).eps * S[..., :1]
+    S = torch.where(rank_tol < S, S, torch.zeros((), dtype=S.dtype, device=S.device))
+    S = torch.where(
+        finite[..., None], S, torch.full((), float("nan"), dtype=S.dtype, device=S.device)
+    )
     return TopSVD(S, V)
 
 
 # Relative cost of one flop in each kind of kernel, in units of a large float32 matmul, calibrated on
-# a 2-thread x86 CPU (torch 2.13, MKL): a big square product (the Gram matrix) runs near peak, skinny
-# products and tall-skinny QR slower, eigvalsh memory bound (tridiagonal reduction). Float64 costs
-# twice float32.
+# an x86 CPU (torch 2.13, MKL, 1-2 threads): a big square product (the Gram matrix) runs near peak,
+# skinny products and tall-skinny QR slower, eigvalsh memory bound (tridiagonal reduction). Float64
+# costs twice float32.
 _COST_GEMM = 1.0
-_COST_SKINNY = 2.5
+_COST_SKINNY = 2.3
 _COST_QR = 7.5
 _COST_EIGH = 14.0
 # Exact is preferred when the block would cover this much of the smaller side anyway.
 _EXACT_FRACTION = 0.5
 
 
-def _choose_method(m: int, n: int, width: int, n_iter: int, dtype: torch.dtype) -> str:
-    """The cheapest method for an ``m x n`` matrix by a flop count (deterministic, no timing)."""
+def _choose_method(
+    m: int, n: int, width: int, n_iter: int, dtype: torch.dtype, device_type: str = "cpu"
+) -> str:
+    """The cheapest method for an ``m x n`` matrix by a flop count (deterministic, no timing).
+
+    On an accelerator the float64 Gram path is never chosen: many GPUs run float64 at a small
+    fraction of their float32 rate, and a float32 Gram matrix would square W's rounding.
+    """
     small, large = min(m, n), max(m, n)
     if width >= _EXACT_FRACTION * small:
-        return "svdvals" if dtype == torch.float64 else "gram"
+        return "svdvals" if dtype == torch.float64 or device_type != "cpu" else "gram"
+    if device_type != "cpu":
+        return "randomized"
     randomized = min(_randomized_costs(m, n, width, n_iter, krylov=True))
     # Exact float64 Gram: product and eigvalsh both at float64 cost (2x).
     gram_exact = 2 * (2 * _COST_GEMM * small * small * large + _COST_EIGH * small**3)
@@ -229,81 +289,212 @@ def _randomized_costs(
 ) -> tuple[float, float]:
     """Cost of the randomized path with products by W, and with an explicit Gram matrix."""
     small, large = min(m, n), max(m, n)
-    applications = n_iter + 1 if krylov else n_iter
-    # Orthogonalization in the smaller space: two QRs per step, plus (Krylov) two projections
+    applications = n_iter + 1  # each block Q_j is multiplied by W^T W once
+    # Orthogonalization in the iterated space: two QRs per step, plus (Krylov) two projections
     # against the growing basis.
     blocks = n_iter * (n_iter + 1) / 2 if krylov else 0
     ortho = small * width * width * (_COST_QR * 8 * n_iter + _COST_SKINNY * 8 * blocks)
-    final = 2 * _COST_SKINNY * m * n * width  # W V
-    by_products = applications * 4 * _COST_SKINNY * m * n * width + final + ortho
+    # By products: W Q_j and W^T (W Q_j) per block; W V is a combination of the W Q_j already made.
+    by_products = applications * 4 * _COST_SKINNY * m * n * width + ortho
     gram = 2 * _COST_GEMM * small * small * large
+    final = 2 * _COST_SKINNY * m * n * width  # W V, to read the values off W itself
     by_gram = gram + applications * 2 * _COST_SKINNY * small * small * width + final + ortho
     return by_products, by_gram
 
 
 def _randomized(
     A: Tensor,
-    width: int,
-    n_iter: int,
-    generator: torch.Generator | None,
-    init: Tensor | None,
+    k: int,
+    start: Tensor,
+    depth: int,
+    tol: float,
+    expected: int,
+    first_check: int | None,
     *,
     krylov: bool,
-) -> tuple[Tensor, Tensor]:
-    """Block Krylov (or subspace iteration) + Rayleigh-Ritz on W itself; returns (S, V)."""
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Block Krylov (or subspace iteration) + Rayleigh-Ritz on W itself; returns (S, V, finite)."""
     m, n = A.shape[-2:]
-    start = _start_block(A, width, generator, init)  # (..., n, b)
-    by_products, by_gram = _randomized_costs(m, n, width, n_iter, krylov=krylov)
+    by_products, by_gram = _randomized_costs(m, n, start.shape[-1], expected, krylov=krylov)
+    use_gram = by_gram < by_products
     # Iterate in the space of the smaller side when the Gram matrix is used, else on the right.
-    wide = by_gram < by_products and m < n
+    wide = use_gram and m < n
     B = A.mT if wide else A  # iterate on the right space of B: (..., rows, d)
-    if wide:
-        start = A @ start  # (..., m, b): the left image of the right start
-    if by_gram < by_products:
-        G = B.mT @ B  # (..., d, d)
+    if use_gram:
+        G = _matmul(B.mT, B)  # (..., d, d)
+        # A NaN/Inf entry (or a float32 overflow) shows on the Gram matrix's diagonal (squared
+        # column norms); the images of those matrices are zeroed so LAPACK never sees a NaN.
+        finite = torch.isfinite(G.diagonal(dim1=-2, dim2=-1)).all(-1)
+        if wide:  # (..., m, b): the left image of the right start
+            image = _matmul(A, start)
+            zero = torch.zeros((), dtype=image.dtype, device=image.device)
+            start = _orthonormalize(torch.where(finite[..., None, None], image, zero))
 
-        def apply(X: Tensor) -> Tensor:
-            return G @ X
+        def apply(X: Tensor) -> tuple[Tensor, Tensor | None]:
+            return _matmul(G, X), None
 
     else:
+        finite = None
 
-        def apply(X: Tensor) -> Tensor:
-            return B.mT @ (B @ X)
+        def apply(X: Tensor) -> tuple[Tensor, Tensor | None]:
+            Y = _matmul(B, X)  # (..., rows, b)
+            # W^T Y as (Y^T W)^T: the same GEMM without a transposed W, which BLAS reads at half
+            # the speed (or torch copies).
+            return _matmul(Y.mT, B).mT, Y
 
-    basis = _block_krylov(apply, start, n_iter) if krylov else _subspace(apply, start, n_iter)
-    # Rayleigh-Ritz on W itself: the singular values of the (rows, b) matrix B V.
-    left, S, right_h = torch.linalg.svd(B @ basis, full_matrices=False)  # (..., rows, b), (..., b)
-    # The right singular vectors of A: left ones of A^T U when wide, else the rotated basis.
-    V = left if wide else basis @ right_h.mT  # (..., n, b)
-    return S, V
+    if krylov:
+        basis, images, lefts, finite = _block_krylov(
+            apply,
+            start,
+            k,
+            depth,
+            tol,
+            first_check=first_check,
+            finite=finite,
+            rank_scale=max(m, n),
+        )
+    else:
+        basis, images, lefts, finite = _subspace(apply, start, depth, finite)
+    # Rayleigh-Ritz on W itself: the singular values of the (rows, b) matrix B V. By products,
+    # B V is a combination of the images B Q_j already computed; with the Gram matrix it costs one
+    # product.
+    BV = _matmul(B, basis) if lefts is None else lefts
+    BV = torch.where(finite[..., None, None], BV, torch.zeros((), dtype=BV.dtype, device=BV.device))
+    # SVD of the tall-skinny B V as QR, then the SVD of the small R: several times faster than a
+    # LAPACK SVD of the tall matrix.
+    Q_BV, R = torch.linalg.qr(BV)  # (..., rows, b), (..., b, b)
+    left_R, S, right_h = torch.linalg.svd(R)  # (..., b)
+    if wide:  # the right singular vectors of A are the left ones of A^T U
+        return S, Q_BV @ left_R, finite
+    # One power step past the Ritz vectors, free since W^T W V was computed: the next warm start
+    # begins closer to the top subspace.
+    V = _orthonormalize(
+        torch.where(finite[..., None, None], images @ right_h.mT, basis @ right_h.mT)
+    )
+    return S, V, finite
 
 
-def _block_krylov(apply: Callable[[Tensor], Tensor], start: Tensor, depth: int) -> Tensor:
-    """Top-b Ritz vectors of the block Krylov space of ``apply`` (Musco & Musco 2015, Alg. 2)."""
+def _block_krylov(
+    apply: Callable[[Tensor], tuple[Tensor, Tensor | None]],
+    start: Tensor,
+    k: int,
+    depth: int,
+    tol: float,
+    *,
+    first_check: int | None,
+    finite: Tensor | None,
+    rank_scale: int,
+) -> tuple[Tensor, Tensor, Tensor | None, Tensor]:
+    """Top-b Ritz vectors of the block Krylov space of ``apply`` (Musco & Musco 2015, Alg. 2).
+
+    With ``first_check`` set, the stopping rule is tested after every step from that one on (each
+    test costs an ``eigh`` of the Rayleigh quotient, so a cold start skips the steps it will need
+    anyway); with ``None`` the depth is fixed. Returns the Ritz vectors ``X`` (..., d, b), their
+    images ``apply(X)``, ``B X`` when ``apply`` makes the products with B (else None), and which
+    matrices are finite.
+    """
     d, b = start.shape[-2:]
-    blocks = [_orthonormalize(start)]  # Q_0
-    images = []  # apply(Q_j), reused by the Rayleigh-Ritz step
-    for _ in range(depth):
-        room = d - sum(block.shape[-1] for block in blocks)
-        if room <= 0:  # the space is all of R^d: Rayleigh-Ritz is now exact
-            break
-        image = apply(blocks[-1])
-        images.append(image)
+    batch = start.shape[:-2]
+    size = min(d, b * (depth + 1))
+    # The basis [Q_0, Q_1, ...], the images apply(Q_j) (the Rayleigh quotient and the next block)
+    # and B Q_j (B X without one more product) fill preallocated buffers, not a cat per step. They
+    # hold the columns as rows, so a shallow stop touches (page-faults) only the rows it used.
+    basis_rows = start.new_empty((*batch, size, d))
+    image_rows = start.new_empty((*batch, size, d))
+    left_rows: Tensor | None = None
+    T: Tensor | None = None
+    block, used = start, 0
+    for step in range(depth + 1):
+        width = block.shape[-1]
+        new = slice(used, used + width)
+        basis_rows[..., new, :] = block.mT
+        image, left = apply(block)
+        if finite is None:  # a NaN/Inf of W (or a float32 overflow) shows in its first image
+            finite = torch.isfinite((block.mT @ image).diagonal(dim1=-2, dim2=-1)).all(-1)
+        keep = finite[..., None, None]
+        zero = torch.zeros((), dtype=image.dtype, device=image.device)
+        image_rows[..., new, :] = torch.where(keep, image, zero).mT
+        if left is not None:
+            if left_rows is None:
+                left_rows = start.new_empty((*batch, size, left.shape[-2]))
+            left_rows[..., new, :] = torch.where(keep, left, zero).mT
+        used += width
+        basis, images = basis_rows[..., :used, :].mT, image_rows[..., :used, :].mT  # (..., d, D)
+        # Rayleigh quotient T = basis^T (W^T W) basis of the Krylov space, grown by its new block
+        # column (T is symmetric: the new row is its transpose), not recomputed each step.
+        column = basis.mT @ images[..., new]  # (..., D, width)
+        if T is None:
+            T = column
+        else:
+            T = torch.cat([torch.cat([T, column[..., :-width, :].mT], -2), column], -1)
+        room = d - used
+        last = (
+            step == depth or room <= 0
+        )  # at room 0 the space is all of R^d: Rayleigh-Ritz is exact
+        check = first_check is not None and step >= first_check
+        if last or check:
+            theta, vectors = torch.linalg.eigh((T + T.mT) / 2)  # ascending
+            theta, vectors = (
+                theta[..., -b:].flip(-1),
+                vectors[..., -b:].flip(-1),
+            )  # top-b, descending
+        if check and not last:
+            # The stopping rule needs one host read per step (a sync on an accelerator; only a
+            # few small kernels are queued behind it).
+            last = bool(_converged(basis, images, vectors, theta, k, tol, rank_scale).all())
+        if last:
+            lefts = None if left_rows is None else left_rows[..., :used, :].mT @ vectors
+            return basis @ vectors, images @ vectors, lefts, finite
         # Q_{j+1}, trimmed so the basis never has more than d columns.
-        blocks.append(_orthogonalize_against(image, torch.cat(blocks, -1))[..., :room])
-    images.append(apply(blocks[-1]))
-    basis = torch.cat(blocks, -1)  # (..., d, b (depth + 1))
-    T = basis.mT @ torch.cat(images, -1)  # Rayleigh quotient of W^T W on the Krylov space
-    _, vectors = torch.linalg.eigh((T + T.mT) / 2)  # ascending
-    return basis @ vectors[..., -b:].flip(-1)  # (..., d, b) top-b Ritz vectors, descending
+        block = _orthogonalize_against(images[..., new], basis)[..., :room]
+    raise AssertionError("unreachable: the last step returns")
 
 
-def _subspace(apply: Callable[[Tensor], Tensor], start: Tensor, n_iter: int) -> Tensor:
+def _converged(
+    basis: Tensor,
+    images: Tensor,
+    vectors: Tensor,
+    theta: Tensor,
+    k: int,
+    tol: float,
+    rank_scale: int,
+) -> Tensor:
+    """Per matrix: ``||r_1||^2 <= tol theta_1^2`` and ``||r_i||^2 <= 10 tol theta_i^2`` for i <= k.
+
+    ``||r_i||^2 / theta_i^2`` is the fraction one more power step would add to ``theta_i``. The
+    top pair decides stable rank and the spectral norm, so it gets the tight bound; the rest only
+    move alpha's slope, which tolerates ten times more (see DEFAULT_TOL).
+    """
+    top = vectors[..., :k]  # (..., D, k)
+    residual = images @ top - (basis @ top) * theta[..., None, :k]  # (..., d, k)
+    r = torch.linalg.vector_norm(residual, dim=-2)  # (..., k)
+    theta_k = theta[..., :k]
+    bound = torch.full_like(theta_k, 10 * tol)
+    bound[..., 0] = tol
+    # A residual at the rounding level of theta_1 cannot shrink further (rank-deficient or zero
+    # matrices, steep spectra): that pair is as converged as float arithmetic allows.
+    floor = rank_scale * torch.finfo(theta.dtype).eps * theta[..., :1]
+    return ((r.square() <= bound * theta_k.square()) | (r <= floor)).all(-1)
+
+
+def _subspace(
+    apply: Callable[[Tensor], tuple[Tensor, Tensor | None]],
+    start: Tensor,
+    n_iter: int,
+    finite: Tensor | None,
+) -> tuple[Tensor, Tensor, Tensor | None, Tensor]:
     """Subspace iteration: orth((W^T W)^q Omega), re-orthonormalized at every step."""
-    V = _orthonormalize(start)
+    V = start
     for _ in range(n_iter):  # Halko, Martinsson & Tropp 2011, Algorithm 4.4
-        V = _orthonormalize(apply(V))
-    return V
+        image, _ = apply(V)
+        if finite is None:
+            finite = torch.isfinite(image).flatten(-2).all(-1)
+        zero = torch.zeros((), dtype=image.dtype, device=image.device)
+        V = _orthonormalize(torch.where(finite[..., None, None], image, zero))
+    image, left = apply(V)
+    if finite is None:
+        finite = torch.isfinite(image).flatten(-2).all(-1)
+    return V, image, left, finite
 
 
 def _orthogonalize_against(X: Tensor, basis: Tensor) -> Tensor:
@@ -311,14 +502,15 @@ def _orthogonalize_against(X: Tensor, basis: Tensor) -> Tensor:
 
     The second pass also catches columns that the first left (nearly) zero, whose QR directions
     are arbitrary: they must still be orthogonal to ``basis`` for the Rayleigh quotient to hold.
+    Householder QR, not CholeskyQR2: at b = 40 columns it costs under a tenth of a Krylov step on
+    a CPU, and a Krylov block that runs out of directions (a rank-deficient W) is exactly where
+    Cholesky of the block's Gram matrix breaks down.
     """
     X = _orthonormalize(X - basis @ (basis.mT @ X))
     return _orthonormalize(X - basis @ (basis.mT @ X))
 
 
-def _start_block(
-    A: Tensor, width: int, generator: torch.Generator | None, init: Tensor | None
-) -> Tensor:
+def _start_block(A: Tensor, width: int, generator: torch.Generator, init: Tensor | None) -> Tensor:
     """Orthonormal ``(..., n, l)`` start: ``init`` (trimmed or topped up at random) or Gaussian."""
     n = A.shape[-1]
     batch = A.shape[:-2]
@@ -332,18 +524,44 @@ def _start_block(
             (*batch, n, missing), dtype=A.dtype, device=A.device, generator=generator
         )
         start = torch.cat([start, extra], dim=-1)
-    # A stale subspace may hold NaN (from a matrix that was non-finite last time): draw those
-    # columns afresh rather than start from zeros, whose QR directions are not random.
+    # A stale subspace may hold NaN (from a matrix that was non-finite last time): those columns
+    # are drawn afresh rather than started from zeros, whose QR directions are not random. One
+    # block is drawn whether needed or not and selected per column, so no host read decides it.
     stale = ~torch.isfinite(start).all(-2, keepdim=True)  # (..., 1, b)
-    if bool(stale.any()):
-        fresh = torch.randn(start.shape, dtype=A.dtype, device=A.device, generator=generator)
-        start = torch.where(stale, fresh, start)
-    return _orthonormalize(start)
+    fresh = torch.randn(start.shape[-2:], dtype=A.dtype, device=A.device, generator=generator)
+    return _orthonormalize(torch.where(stale, fresh, start))
 
 
 def _orthonormalize(X: Tensor) -> Tensor:
     """Orthonormal basis of the columns of ``X`` (reduced Householder QR)."""
     return torch.linalg.qr(X).Q
+
+
+def _matmul(A: Tensor, B: Tensor) -> Tensor:
+    """``A @ B`` at full float32 precision even where TF32 is enabled for float32 matmuls.
+
+    ``torch.set_float32_matmul_precision("high")`` (TF32) is process-global and the SVD runs on a
+    worker thread beside training, so it cannot be switched off around the SVD without changing
+    training's matmuls. Instead each float32 CUDA operand is split into a TF32-exact head and a
+    tail, and three TF32 products recover float32 accuracy (the 3xTF32 scheme of NVIDIA's CUTLASS).
+    """
+    if A.is_cuda and A.dtype == torch.float32 and _tf32_enabled():
+        A_hi, A_lo = _split_tf32(A)
+        B_hi, B_lo = _split_tf32(B)
+        return A_hi @ B_hi + (A_hi @ B_lo + A_lo @ B_hi)
+    return A @ B
+
+
+def _tf32_enabled() -> bool:
+    return (
+        torch.backends.cuda.matmul.allow_tf32 or torch.get_float32_matmul_precision() != "highest"
+    )
+
+
+def _split_tf32(X: Tensor) -> tuple[Tensor, Tensor]:
+    """``X = head + tail`` with ``head`` exact in TF32 (10 mantissa bits): the low 13 bits cleared."""
+    head = (X.contiguous().view(torch.int32) & -8192).view(torch.float32)  # -8192 = ~0x1FFF
+    return head, X - head
 
 
 def gram_singular_values(G: Tensor) -> Tensor:
@@ -368,18 +586,26 @@ def gram_singular_values(G: Tensor) -> Tensor:
     return torch.linalg.eigvalsh(G.to(torch.float64)).flip(-1).clamp_min(0).sqrt()
 
 
-def _gram_eigvalsh(A: Tensor) -> Tensor:
-    """All singular values, descending, from float64 ``eigvalsh`` of the smaller Gram matrix."""
+def _gram_eigvalsh(A: Tensor) -> tuple[Tensor, Tensor]:
+    """All singular values, descending, from float64 ``eigvalsh`` of the smaller Gram matrix.
+
+    Returns ``(S, finite)``: a matrix with a NaN/Inf entry is zeroed in its Gram matrix (LAPACK
+    would fail for the whole batch) and flagged, without a host read.
+    """
     A64 = A.to(torch.float64)
     m, n = A.shape[-2:]
     G = A64.mT @ A64 if n <= m else A64 @ A64.mT  # (..., min, min)
-    return gram_singular_values(G).to(A.dtype)
+    finite = torch.isfinite(G).flatten(-2).all(-1)
+    G = torch.where(finite[..., None, None], G, torch.zeros((), dtype=G.dtype, device=G.device))
+    return gram_singular_values(G).to(A.dtype), finite
 
 
-def _svdvals_tall(A: Tensor) -> Tensor:
-    """All singular values, descending, from ``svdvals`` of the tall orientation."""
+def _svdvals_tall(A: Tensor) -> tuple[Tensor, Tensor]:
+    """All singular values, descending, from ``svdvals`` of the tall orientation; ``(S, finite)``."""
     m, n = A.shape[-2:]
-    return torch.linalg.svdvals(A if m >= n else A.mT)
+    finite = torch.isfinite(A).flatten(-2).all(-1)
+    A = torch.where(finite[..., None, None], A, torch.zeros((), dtype=A.dtype, device=A.device))
+    return torch.linalg.svdvals(A if m >= n else A.mT), finite
 
 
 def _check_matrix(W: object, name: str) -> None:
