@@ -36,12 +36,13 @@ def reference(W: torch.Tensor, k: int) -> torch.Tensor:
 @pytest.mark.parametrize("shape", [(150, 90), (90, 150), (3, 120, 100)])
 def test_top_k_matches_float64_svdvals(shape: tuple[int, ...], method: str, seed: int) -> None:
     W = decaying(shape, 0.5, seed).float()
-    # A fixed depth of 5 (no stopping rule): the Krylov machinery itself, converged.
+    # A fixed depth (no stopping rule): the machinery itself, converged. Subspace iteration
+    # converges at the gap, not its square root, so it gets a deeper fixed depth: at depth 5
+    # sigma_10 was up to 1.2 % off over 600 seeded cases (a flaky test), at depth 8 at most 5e-4.
     g = torch.Generator().manual_seed(seed)
-    top = randomized_svd(W, 10, generator=g, method=method, n_iter=5)
+    n_iter = 8 if method == "subspace" else 5
+    top = randomized_svd(W, 10, generator=g, method=method, n_iter=n_iter)
     assert top.S.shape == (*shape[:-2], 10) and top.S.dtype == torch.float32
-    # Subspace iteration converges at the gap, not its square root: it is only here for comparison
-    # (at the default depth of 5 for this size, sigma_10 has been seen 1.2e-3 off).
     rtol = 3e-3 if method == "subspace" else 1e-4
     torch.testing.assert_close(top.S.double(), reference(W, 10), rtol=rtol, atol=0)
     if method in ("randomized", "subspace"):
