@@ -23,24 +23,44 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 TIMEOUT_SECONDS = 180.0
 
 
 class LargestTensor(torch.overrides.TorchFunctionMode):
-    """Records the largest tensor (in elements) any torch function returns while active."""
+    """Records the largest tensor any torch function creates while active (this thread only).
+
+    Views of an argument (``to_local()``, ``t()``, slices) allocate nothing and are not counted.
+    ``numel`` is the largest element count; ``matrix_numel`` the largest ``rows x columns`` of one
+    matrix of any tensor (its last two dimensions), which is what "never a full matrix" is about.
+    """
 
     def __init__(self) -> None:
         super().__init__()
         self.numel = 0
-        self.shape: tuple[int, ...] = ()
+        self.matrix_numel = 0
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
+        inputs = {_storage(value) for value in torch.utils._pytree.tree_leaves((args, kwargs))}
         for value in out if isinstance(out, tuple) else (out,):
-            if isinstance(value, torch.Tensor) and value.numel() > self.numel:
-                self.numel, self.shape = value.numel(), tuple(value.shape)
+            if not isinstance(value, torch.Tensor) or _storage(value) in inputs:
+                continue
+            if isinstance(value, DTensor):  # its shape is global; only the local block exists
+                value = value.to_local()
+            self.numel = max(self.numel, value.numel())
+            matrix = value.shape[-2] * value.shape[-1] if value.ndim >= 2 else value.numel()
+            self.matrix_numel = max(self.matrix_numel, matrix)
         return out
+
+
+def _storage(value: Any) -> int | None:
+    if isinstance(value, DTensor):
+        value = value.to_local()
+    if not isinstance(value, torch.Tensor) or value.numel() == 0:
+        return None
+    return value.untyped_storage().data_ptr()
 
 
 def _entry(

@@ -131,7 +131,8 @@ def sharded_randomized_svd(
         shape: the global ``(m, n)`` of W; default ``None`` sums the ranks' row (column) counts.
         n_oversamples: extra block columns ``p`` (default 8), block size ``b = k + p``.
         n_iter: Krylov depth ``q``; default ``None`` picks ``randomized_svd``'s cold depth by
-            shape, or 2 with ``init``. Each step is one all-reduce of a ``d x b`` block.
+            shape, or with ``init`` 2 (3 when the unsplit side ``d`` is the longer one). Each
+            step is one all-reduce of a ``d x b`` block.
         generator: source of the Gaussian start, seeded identically on every rank. Default
             ``None``: a fresh generator seeded with 0.
         init: ``(d, j)`` or ``(B, d, j)`` start subspace, normally ``.V`` of the previous call on
@@ -187,7 +188,11 @@ def sharded_randomized_svd(
     width = min(k + n_oversamples, m, d)
     if n_iter is None:
         warm = init is not None and bool(torch.isfinite(init).all())
-        n_iter = DEFAULT_N_ITER_WARM if warm else default_n_iter(m, d)
+        # Iterating in the longer space (d > m), a warm start keeps its directions outside the
+        # new row space of W, which Rayleigh-Ritz cannot use: one more block makes up for them
+        # (measured on the first Adam step of a 512 x 128 matrix, k = 8: stable rank off by
+        # 2.3 % at depth 2, 0.09 % at depth 3).
+        n_iter = DEFAULT_N_ITER_WARM + (d > m) if warm else default_n_iter(m, d)
     if method == "auto":
         method = "gram" if d <= _GRAM_FACTOR * width else "randomized"
 
