@@ -148,7 +148,6 @@ def placements(rank: int, world_size: int) -> dict[str, Any]:
     """Hand-made DTensors: uneven Shard(0), Shard(1), Replicate, a per-head fused split, 2-D meshes."""
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
-    from spectral_callbacks.monitor.shards import ShardingError
     from spectral_callbacks.targets import Rows, Target
 
     generator = torch.Generator().manual_seed(0)
@@ -161,6 +160,7 @@ def placements(rank: int, world_size: int) -> dict[str, Any]:
         "replicate": (line, [Replicate()]),
         "replicate_dp_shard1_tp": (tall, [Replicate(), Shard(1)]),
         "shard0_dp_replicate_tp": (tall, [Shard(0), Replicate()]),
+        "shard0_dp_shard1_tp": (tall, [Shard(0), Shard(1)]),  # tiles (of one column block)
     }
     targets = []
     for name, (mesh, placement) in layouts.items():
@@ -175,11 +175,66 @@ def placements(rank: int, world_size: int) -> dict[str, Any]:
     engine.submit(engine.snapshot(0))
     (result,) = engine.drain(timeout=60)
     pieces = {p.target.name: (p.split, p.rows) for g in engine.groups.values() for p in g.pieces}
-    both = torch.nn.Parameter(distribute_tensor(full, tall, [Shard(0), Shard(1)]))
-    try:
-        ShardedEngine([Target.from_parameter("both", both, role="O")], group=engine.group)
-        refused = None
-    except ShardingError as error:
-        refused = str(error)
     engine.close()
-    return {"metrics": result.metrics, "pieces": pieces, "refused": refused, "full": full}
+    return {"metrics": result.metrics, "pieces": pieces, "full": full}
+
+
+def fsdp_over_tp(rank: int, world_size: int) -> dict[str, Any]:
+    """4 ranks, a 2 x 2 (dp, tp) mesh: tensor parallel blocks, then fully_shard over dp; plus the
+    tiled SVD on hand-made tiles (uneven, and with scattered index sets)."""
+    from sharded_models import TinyTPGPT, blocks
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    from spectral_callbacks.functional.sharded_svd import sharded_randomized_svd
+
+    group = svd_group(timeout_seconds=60)
+    # 1. Hand-made tiles of a 150 x 96 matrix: row cut 100, column cut 40, rows permuted.
+    full = torch.randn(150, 96, generator=torch.Generator().manual_seed(1))
+    order = torch.randperm(150, generator=torch.Generator().manual_seed(2))
+    rows = (order[:100], order[100:])[rank // 2]
+    cols = (torch.arange(40), torch.arange(40, 96))[rank % 2]
+    tile = full[rows][:, cols]
+    top = sharded_randomized_svd(
+        tile, K, group=group, split="tiles", shape=(150, 96), row_index=rows, col_index=cols
+    )
+    wide = sharded_randomized_svd(  # the transposed problem: iterates in its smaller side
+        tile.T, K, group=group, split="tiles", shape=(96, 150), row_index=cols, col_index=rows
+    )
+    # 2. Training: TP inside each block, FSDP2 across the dp dimension.
+    torch.manual_seed(0)
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    model = TinyTPGPT(d=64, heads=4, fused=False)
+    for block in blocks(model):
+        plan = {f"attention.{p}_proj": ColwiseParallel() for p in "qkv"}
+        plan.update({"attention.o_proj": RowwiseParallel(), "mlp.up_proj": ColwiseParallel()})
+        plan["mlp.down_proj"] = RowwiseParallel()
+        parallelize_module(block, mesh["tp"], plan)
+        fully_shard(block, mesh=mesh["dp"])
+    fully_shard(model, mesh=mesh["dp"])
+    targets = find_targets(model)
+    engine = ShardedEngine(targets, group=group, k=K)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    weights, results = {}, []
+    for step in range(5):
+        engine.submit(engine.snapshot(step))
+        weights[step] = {target.name: full_matrix(target) for target in targets}
+        if step < 4:
+            x, y = batch(rank // 2, step, "fsdp")  # one batch per dp rank
+            model(x, y).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    results = engine.drain(timeout=120)
+    engine.close()
+    return {
+        "tile": (top.S, top.frobenius_sq),
+        "wide": (wide.S, wide.frobenius_sq),
+        "full": full,
+        "splits": {p.target.name: p.split for g in engine.groups.values() for p in g.pieces},
+        "results": [(r.step, r.metrics) for r in results],
+        "weights": weights if rank == 0 else None,
+    }

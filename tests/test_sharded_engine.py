@@ -169,4 +169,30 @@ def test_placements_uneven_replicated_and_per_head_fused(tmp_path) -> None:
         ("rows", 25),
         ("rows", 25),
     )
-    assert "sharded along both dimensions" in rank0["refused"]
+    assert rank1["pieces"]["shard0_dp_shard1_tp"] == ("tiles", 75)
+
+
+def test_fsdp_over_tensor_parallel_on_a_2d_mesh(tmp_path) -> None:
+    ranks = run_ranks(cases.fsdp_over_tp, 4, tmp_path, timeout=400)
+    full = ranks[0]["full"].double()
+    expected = exact(full)
+    for rank in ranks:  # hand-made tiles, both orientations
+        for S, frobenius_sq in (rank["tile"], rank["wide"]):
+            got = {k: float(v) for k, v in metrics_from_spectrum(S, frobenius_sq).items()}
+            assert got["stable_rank"] == pytest.approx(expected["stable_rank"], rel=0.01)
+            assert got["alpha"] == pytest.approx(expected["alpha"], abs=0.02)
+    # Column-parallel weights are rows under FSDP2 over TP (both shard dim 0); row-parallel ones
+    # are tiles (FSDP2 shards dim 0, TP dim 1).
+    splits = ranks[0]["splits"]
+    assert splits["layers.0.attention.q_proj.weight"] == "rows"
+    assert splits["layers.0.attention.o_proj.weight"] == "tiles"
+    assert splits["layers.0.mlp.down_proj.weight"] == "tiles"
+    weights = ranks[0]["weights"]
+    assert [step for step, _ in ranks[0]["results"]] == [0, 1, 2, 3, 4]
+    for rank in ranks:
+        for step, metrics in rank["results"]:
+            assert len(metrics) == 12
+            for name, got in metrics.items():
+                truth = exact(weights[step][name])
+                assert got["stable_rank"] == pytest.approx(truth["stable_rank"], rel=0.01), name
+                assert got["alpha"] == pytest.approx(truth["alpha"], abs=0.02), name

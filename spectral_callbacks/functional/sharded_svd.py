@@ -58,7 +58,7 @@ from spectral_callbacks.functional.svd import (
 
 __all__ = ["SPLITS", "ShardedTopSVD", "sharded_randomized_svd"]
 
-SPLITS = ("rows", "columns")
+SPLITS = ("rows", "columns", "tiles")
 SHARDED_METHODS = ("auto", "randomized", "gram")
 # The exact path all-reduces the n x n Gram matrix: only worth it when that is no bigger than a
 # few Krylov blocks, i.e. when the block would cover most of the unsplit side anyway.
@@ -105,6 +105,8 @@ def sharded_randomized_svd(
     group: Any = None,
     split: str = "rows",
     shape: tuple[int, int] | None = None,
+    row_index: Tensor | None = None,
+    col_index: Tensor | None = None,
     n_oversamples: int = DEFAULT_N_OVERSAMPLES,
     n_iter: int | None = None,
     generator: torch.Generator | None = None,
@@ -126,9 +128,14 @@ def sharded_randomized_svd(
         group: the process group the blocks are spread over, e.g. a ``dist.new_group(backend=
             "gloo", timeout=...)`` of its own (its timeout bounds how long a missing rank can
             stall the call). Default ``None``: no communication, ``local`` is the whole matrix.
-        split: ``"rows"`` (default; FSDP2 and column-parallel TP, ``Shard(0)``) or ``"columns"``
-            (row-parallel TP, ``Shard(1)``).
-        shape: the global ``(m, n)`` of W; default ``None`` sums the ranks' row (column) counts.
+        split: ``"rows"`` (default; FSDP2 and column-parallel TP, ``Shard(0)``), ``"columns"``
+            (row-parallel TP, ``Shard(1)``) or ``"tiles"`` (both: FSDP2 over row-parallel TP on
+            a 2-D mesh): ``local`` is then ``W[row_index][:, col_index]``, and each product costs
+            two all-reduces, of an ``m x b`` and an ``n x b`` block.
+        shape: the global ``(m, n)`` of W; default ``None`` sums the ranks' row (column) counts;
+            required for ``"tiles"``.
+        row_index, col_index: for ``"tiles"``, the rows and columns of W that ``local`` holds
+            (LongTensors; the ranks' tiles must cover every entry of W exactly once).
         n_oversamples: extra block columns ``p`` (default 8), block size ``b = k + p``.
         n_iter: Krylov depth ``q``; default ``None`` picks ``randomized_svd``'s cold depth by
             shape, or with ``init`` 2 (3 when the unsplit side ``d`` is the longer one). Each
@@ -136,10 +143,11 @@ def sharded_randomized_svd(
         generator: source of the Gaussian start, seeded identically on every rank. Default
             ``None``: a fresh generator seeded with 0.
         init: ``(d, j)`` or ``(B, d, j)`` start subspace, normally ``.V`` of the previous call on
-            the same matrix (identical on every rank).
+            the same matrix (identical on every rank). For ``"tiles"`` ``d`` is the smaller side.
         method: ``"auto"`` (default: ``"gram"`` when the unsplit side is at most twice the block,
             else ``"randomized"``), ``"randomized"`` (block Krylov) or ``"gram"`` (exact: float64
-            ``eigvalsh`` of the all-reduced ``d x d`` Gram matrix).
+            ``eigvalsh`` of the all-reduced ``d x d`` Gram matrix; not for ``"tiles"``, whose Gram
+            matrix has cross terms between ranks).
 
     Returns:
         ``ShardedTopSVD(S, V, frobenius_sq, sent_bytes)``, the same on every rank (but for
@@ -149,15 +157,22 @@ def sharded_randomized_svd(
         TypeError: ``local`` or ``init`` is not a floating-point tensor.
         ValueError: ``local`` is not 2-D or 3-D or its unsplit side is empty, every rank's block
             is empty, ``split``/``method`` is unknown, or ``k``/``n_oversamples``/``n_iter``/
-            ``init`` are out of range.
+            ``init`` are out of range, or ``"tiles"`` lacks ``shape`` or an index that fits.
     """
     _check_arguments(local, k, split, method, n_oversamples, n_iter)
-    A = local if split == "rows" else local.mT  # (..., r, d): rows of the split orientation
+    tiles = _check_tiles(local, split, shape, row_index, col_index, method)
+    A = local.mT if split == "columns" else local  # (..., r, c): c = d unless tiles
+    if tiles is not None:
+        rows_held, cols_held, m, d = tiles
+        if d > m:  # iterate in the smaller side: a tile of W is a tile of W^T
+            A, rows_held, cols_held, m, d = A.mT, cols_held, rows_held, d, m
+        rows_held, cols_held = rows_held.to(A.device), cols_held.to(A.device)
+    else:
+        d = A.shape[-1]
     compute_dtype = torch.float64 if A.dtype == torch.float64 else torch.float32
     A = A.to(compute_dtype)
-    d = A.shape[-1]
     if init is not None:
-        _check_init(init, A)
+        _check_init(init, d, tuple(A.shape[:-2]))
     collective = _Collective(group)
 
     # 1. Scalars: exact ‖W_r‖_F² in float64, row counts, rows with a non-finite entry (a finite
@@ -175,7 +190,8 @@ def sharded_randomized_svd(
     frobenius_sq, rows, bad = scalars.unbind(-1)
     finite = bad == 0
     frobenius_sq = torch.where(finite, frobenius_sq, float("nan"))
-    m = (shape[0] if split == "rows" else shape[1]) if shape is not None else int(rows.max())
+    if tiles is None:
+        m = (shape[0] if split == "rows" else shape[1]) if shape is not None else int(rows.max())
     if m == 0:
         raise ValueError(
             f"every rank's block is empty (local shape {tuple(local.shape)} here): there is no "
@@ -194,22 +210,36 @@ def sharded_randomized_svd(
         # 2.3 % at depth 2, 0.09 % at depth 3).
         n_iter = DEFAULT_N_ITER_WARM + (d > m) if warm else default_n_iter(m, d)
     if method == "auto":
-        method = "gram" if d <= _GRAM_FACTOR * width else "randomized"
+        method = "gram" if d <= _GRAM_FACTOR * width and tiles is None else "randomized"
 
     if method == "gram":
         gram = A.mT.to(torch.float64) @ A.to(torch.float64)  # (..., d, d)
         S = gram_singular_values(collective.sum(gram)).to(compute_dtype)
         V = None
-    else:
+    elif tiles is None:
 
         def apply(X: Tensor) -> Tensor:  # (W^T W) X = sum_r W_r^T (W_r X), one all-reduce
             return collective.sum(A.mT @ (A @ X))
 
-        start = _start_block(A, width, generator, init)  # (..., d, b)
+        start = _start_block(d, A, width, generator, init)  # (..., d, b)
         basis = _block_krylov(apply, start, n_iter)  # (..., d, b) top-b Ritz vectors
         # 3. Rayleigh-Ritz on W itself: sigma(W V) from the float64 Gram of the local rows of W V.
         image = (A @ basis).to(torch.float64)  # (..., r, b)
         gram = collective.sum(image.mT @ image)  # (..., b, b)
+    else:
+
+        def product(X: Tensor) -> Tensor:  # W X, (..., m, b): each tile adds W[R, C] X[C]
+            return collective.sum(_spread(A @ X.index_select(-2, cols_held), rows_held, m))
+
+        def apply(X: Tensor) -> Tensor:  # W^T (W X): each tile adds W[R, C]^T (W X)[R]
+            image = product(X).index_select(-2, rows_held)
+            return collective.sum(_spread(A.mT @ image, cols_held, d))
+
+        start = _start_block(d, A, width, generator, init)
+        basis = _block_krylov(apply, start, n_iter)
+        image = product(basis).to(torch.float64)  # (..., m, b): the whole W V, on every rank
+        gram = image.mT @ image
+    if method != "gram":  # Ritz values and vectors of the (b, b) Gram of W V
         values, vectors = torch.linalg.eigh((gram + gram.mT) / 2)  # ascending
         S = values.flip(-1).clamp_min(0).sqrt().to(compute_dtype)
         V = basis @ vectors.flip(-1).to(compute_dtype)
@@ -254,13 +284,19 @@ def _orthonormalize(X: Tensor) -> Tensor:
     return torch.linalg.qr(X).Q
 
 
+def _spread(local: Tensor, index: Tensor, size: int) -> Tensor:
+    """``(..., size, b)`` zeros with ``local``'s rows placed at ``index`` (a tile's share of a sum)."""
+    out = local.new_zeros((*local.shape[:-2], size, local.shape[-1]))
+    return out.index_copy_(-2, index, local)
+
+
 def _start_block(
-    A: Tensor, width: int, generator: torch.Generator | None, init: Tensor | None
+    d: int, A: Tensor, width: int, generator: torch.Generator | None, init: Tensor | None
 ) -> Tensor:
     """Orthonormal ``(..., d, b)`` start, drawn only from ``generator`` (never the global RNG)."""
     if generator is None:
         generator = torch.Generator(device=A.device).manual_seed(0)
-    d, batch = A.shape[-1], A.shape[:-2]
+    batch = A.shape[:-2]
 
     def gaussian(columns: int) -> Tensor:
         return torch.randn(
@@ -294,7 +330,7 @@ def _check_arguments(
         raise ValueError(f"`split` must be one of {SPLITS}, got {split!r}")
     if method not in SHARDED_METHODS:
         raise ValueError(f"`method` must be one of {SHARDED_METHODS}, got {method!r}")
-    unsplit = local.shape[-1] if split == "rows" else local.shape[-2]
+    unsplit = {"rows": local.shape[-1], "columns": local.shape[-2]}.get(split, 1)
     if unsplit == 0:
         raise ValueError(
             f"`local` of shape {tuple(local.shape)} split by {split} has an empty unsplit side"
@@ -308,14 +344,36 @@ def _check_arguments(
         raise ValueError(f"`n_iter` must be an int >= 0 or None, got {n_iter!r}")
 
 
-def _check_init(init: object, A: Tensor) -> None:
-    d, batch = A.shape[-1], tuple(A.shape[:-2])
+def _check_tiles(
+    local: Tensor,
+    split: str,
+    shape: tuple[int, int] | None,
+    row_index: Tensor | None,
+    col_index: Tensor | None,
+    method: str,
+) -> tuple[Tensor, Tensor, int, int] | None:
+    """``(rows, columns, m, n)`` of a tile, checked; ``None`` for the other splits."""
+    if split != "tiles":
+        return None
+    if shape is None or row_index is None or col_index is None or method == "gram":
+        raise ValueError(
+            '`split="tiles"` needs `shape`, `row_index` and `col_index`, and a randomized '
+            f"`method`; got shape={shape!r}, method={method!r}"
+        )
+    if (len(row_index), len(col_index)) != tuple(local.shape[-2:]):
+        raise ValueError(
+            f"`row_index` and `col_index` must have {tuple(local.shape[-2:])} entries for a "
+            f"tile of shape {tuple(local.shape)}, got {len(row_index)} and {len(col_index)}"
+        )
+    return row_index.long(), col_index.long(), int(shape[0]), int(shape[1])
+
+
+def _check_init(init: object, d: int, batch: tuple[int, ...]) -> None:
     if not isinstance(init, Tensor) or not init.is_floating_point():
         raise TypeError(f"`init` must be a floating-point torch.Tensor, got {init!r:.60}")
     ok = init.ndim in (2, 3) and init.shape[-2] == d and init.shape[-1] >= 1
     if not ok or (init.ndim == 3 and tuple(init.shape[:-2]) != batch):
         raise ValueError(
-            f"`init` must have shape ({d}, j) or {(*batch, d, 'j')} for blocks of shape "
-            f"{tuple(A.shape)} in the split orientation, got {tuple(init.shape)}; pass `.V` of "
-            "the previous call on the same matrix, or None"
+            f"`init` must have shape ({d}, j) or {(*batch, d, 'j')} for this matrix, got "
+            f"{tuple(init.shape)}; pass `.V` of the previous call on the same matrix, or None"
         )

@@ -105,9 +105,9 @@ class ShardGroup:
         """A fresh ``(B, rows, d)`` copy of the members' local blocks, zero rows as padding."""
         blocks = [piece.block() for piece in self.pieces]
         rows = max(block.shape[0] for block in blocks)
-        first = blocks[0]
+        first = blocks[0]  # every member has the same width (d, or a tile's one member)
         out = torch.zeros(
-            (len(blocks), rows, self.pieces[0].shape[1]), dtype=first.dtype, device=first.device
+            (len(blocks), rows, first.shape[1]), dtype=first.dtype, device=first.device
         )
         for slot, block in zip(out, blocks, strict=True):
             slot[: block.shape[0]].copy_(block)
@@ -386,6 +386,7 @@ class ShardedEngine:
             if batch.dtype not in (torch.float32, torch.float64):
                 batch = batch.float()
             init = self._subspaces.get(key) if self.warm_start else None
+            piece = group.pieces[0]
             # The same seed on every rank (a function of the step and the group only).
             generator = torch.Generator(device=batch.device)
             generator.manual_seed(self.seed + 1_000_003 * snapshot.step + index)
@@ -393,9 +394,13 @@ class ShardedEngine:
                 batch,
                 self.k,
                 group=self.group,
-                shape=group.pieces[0].shape,
+                shape=piece.shape,
                 generator=generator,
                 init=init,
+                # The stacks hold rows of the split orientation (columns were transposed).
+                split="tiles" if piece.split == "tiles" else "rows",
+                row_index=piece.row_index,
+                col_index=piece.col_index,
                 **self.svd_options,
             )
             sent += top.sent_bytes
@@ -431,5 +436,7 @@ def _group(pieces: Any) -> dict[str, ShardGroup]:
     for piece in pieces:
         dtype = str(piece.target.parameter.dtype).removeprefix("torch.")
         key = f"{piece.split}/{piece.shape[0]}x{piece.shape[1]}/{dtype}"
+        if piece.split == "tiles":  # each its own group: the tiles' positions differ
+            key += f"/{piece.target.name}"
         members.setdefault(key, []).append(piece)
     return {key: ShardGroup(key, tuple(group)) for key, group in members.items()}

@@ -22,8 +22,9 @@ Which global indices a rank holds is computed by torch itself: ``distribute_tens
 src_data_rank=None)`` of a small index vector with the parameter's placements (no communication;
 ``Shard``, uneven and empty chunks, and ``_StridedShard`` all follow torch's own rules).
 
-A matrix sharded along both dimensions (FSDP × row-parallel TP on a 2-D mesh) is refused with a
-clear error: the one-all-reduce-per-step algorithm needs one side whole on every rank.
+* both dimensions sharded (FSDP2 over row-parallel TP on a 2-D mesh): each rank holds a **tile**,
+  some rows and some columns, with their global positions (the SVD then needs two all-reduces per
+  Krylov step instead of one).
 
 Example (one process, a 1-rank mesh: the whole matrix is the local block)::
 
@@ -58,10 +59,13 @@ class LocalPiece:
 
     Attributes:
         target: the watched matrix.
-        split: ``"rows"`` (the matrix's rows are spread over ranks) or ``"columns"``.
-        shape: global ``(m, d)`` of the split orientation: ``target.shape`` for ``"rows"``, its
-            transpose for ``"columns"``; ``d`` is whole on every rank.
+        split: ``"rows"`` (the matrix's rows are spread over ranks), ``"columns"`` or
+            ``"tiles"`` (both).
+        shape: global ``(m, d)`` of the split orientation: ``target.shape`` for ``"rows"`` and
+            ``"tiles"``, its transpose for ``"columns"``; ``d`` is whole on every rank unless tiles.
         rows: how many rows of the split orientation this rank holds (0 for an empty block).
+        row_index, col_index: for ``"tiles"``, the positions in the matrix of the tile's rows and
+            columns (``None`` otherwise).
     """
 
     target: Target
@@ -69,6 +73,8 @@ class LocalPiece:
     shape: tuple[int, int]
     rows: int
     _select: slice | torch.Tensor  # positions along the local output dimension
+    row_index: torch.Tensor | None = None
+    col_index: torch.Tensor | None = None
 
     def block(self) -> torch.Tensor:
         """The current ``(rows, d)`` local block: a view where the rows are contiguous.
@@ -78,13 +84,13 @@ class LocalPiece:
         parameter = self.target.parameter
         local = (parameter.to_local() if isinstance(parameter, DTensor) else parameter).detach()
         if self.rows == 0:
-            return local.new_empty((0, self.shape[1]))
+            return local.new_empty((0, 0 if self.split == "tiles" else self.shape[1]))
         matrix = local.t() if self.target.rows.transposed else local  # (local out, local in)
         if isinstance(self._select, slice):
             own = matrix[self._select]
         else:
             own = matrix.index_select(0, self._select.to(matrix.device))  # (role rows, local in)
-        return own if self.split == "rows" else own.t()
+        return own.t() if self.split == "columns" else own
 
 
 def local_piece(target: Target, group_rank: int) -> LocalPiece:
@@ -97,8 +103,7 @@ def local_piece(target: Target, group_rank: int) -> LocalPiece:
             parameter only group rank 0 contributes the matrix.
 
     Raises:
-        ShardingError: the parameter is ``Partial`` on a mesh dimension, or sharded along both
-            of its dimensions.
+        ShardingError: the parameter is ``Partial`` on a mesh dimension.
     """
     parameter = target.parameter
     out_dim = 1 if target.rows.transposed else 0
@@ -113,12 +118,9 @@ def local_piece(target: Target, group_rank: int) -> LocalPiece:
         )
     sharded = {_shard_dim(placement) for placement in placements} - {None}
     if sharded == {0, 1}:
-        raise ShardingError(
-            f"{target.parameter_name} is sharded along both dimensions ({placements}, e.g. FSDP "
-            "x row-parallel TP on a 2-D mesh): not supported yet; watch it under one kind of "
-            "sharding, or exclude it with exclude="
-        )
-    split = "columns" if (1 - out_dim) in sharded else "rows"
+        split = "tiles"
+    else:
+        split = "columns" if (1 - out_dim) in sharded else "rows"
     coordinate: Sequence[int] = parameter.device_mesh.get_coordinate() or ()
     replica = any(
         placement.is_replicate() and coordinate[mesh_dim] != 0
@@ -131,7 +133,21 @@ def local_piece(target: Target, group_rank: int) -> LocalPiece:
     within = held % chunk
     positions = ((within >= rows.start) & (within < stop)).nonzero().flatten()
     if replica:  # another rank contributes this very block: take part with an empty one
-        return _piece(target, split, slice(0, 0), rows=0)
+        empty = torch.zeros(0, dtype=torch.long) if split == "tiles" else None
+        return _piece(target, split, slice(0, 0), rows=0, row_index=empty, col_index=empty)
+    if split == "tiles":
+        kept = within[positions]  # the role's rows of each chunk, in matrix order
+        group = held[positions] // chunk
+        role_rows = group * (stop - rows.start) + (kept - rows.start)
+        columns = _local_indices(parameter, 1 - out_dim)
+        return _piece(
+            target,
+            split,
+            _as_slice(positions),
+            rows=len(positions),
+            row_index=role_rows,
+            col_index=columns,
+        )
     if split == "rows":
         count = len(positions)
     else:
@@ -158,10 +174,10 @@ def mesh_ranks(targets: list[Target]) -> list[int]:
     return sorted(meshes.pop()) if meshes else []
 
 
-def _piece(target: Target, split: str, select: Any, rows: int) -> LocalPiece:
+def _piece(target: Target, split: str, select: Any, rows: int, **indices: Any) -> LocalPiece:
     m, n = target.shape
-    shape = (m, n) if split == "rows" else (n, m)
-    return LocalPiece(target, split, shape, rows, select)
+    shape = (n, m) if split == "columns" else (m, n)
+    return LocalPiece(target, split, shape, rows, select, **indices)
 
 
 def _shard_dim(placement: Any) -> int | None:
