@@ -21,7 +21,10 @@ That is ``(n (q + 1) + b) b`` floats, against ``m n`` to gather the matrix: for 
 cold (``q = 5`` at 512, ``q = 8`` at 4096) 47 % and 8.8 %. docs/distributed.md has measured
 numbers. A matrix split by columns (row-parallel tensor parallelism) is the same problem on
 ``W^T`` (``split="columns"``): the all-reduced blocks are then ``m x b``, and ``V`` spans the left
-singular space of ``W``.
+singular space of ``W``. A matrix sharded along both dimensions (FSDP2 over row-parallel TP on a
+2-D mesh, ``split="tiles"``) needs the row and column positions of each rank's tile, and two
+all-reduces per step: ``W X`` (``m x b``, each tile adds ``W[R, C] X[C]`` into rows R) and then
+``W^T (W X)`` (``n x b``); it iterates in the smaller side.
 
 The random start comes from ``generator``, which must be seeded identically on every rank (the
 default is a fresh generator seeded with 0, never torch's global one): the ranks then draw the same

@@ -119,8 +119,10 @@ def local_piece(target: Target, group_rank: int) -> LocalPiece:
     sharded = {_shard_dim(placement) for placement in placements} - {None}
     if sharded == {0, 1}:
         split = "tiles"
+    elif 1 - out_dim in sharded:  # the input dimension
+        split = "columns"
     else:
-        split = "columns" if (1 - out_dim) in sharded else "rows"
+        split = "rows"
     coordinate: Sequence[int] = parameter.device_mesh.get_coordinate() or ()
     replica = any(
         placement.is_replicate() and coordinate[mesh_dim] != 0
