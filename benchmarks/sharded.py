@@ -22,6 +22,7 @@ in alternating rounds of ``--steps`` steps without and with a ShardedEngine snap
 
     python benchmarks/sharded.py                                   # widths 256 512 768 1024, 2 ranks
     python benchmarks/sharded.py --widths 512 --world-size 2 --k 32 --steps 40 --rounds 3
+    python benchmarks/sharded.py --comm-dtype float32               # Krylov blocks in float32
 """
 
 from __future__ import annotations
@@ -61,7 +62,9 @@ def layer_matrices(d: int, seed: int) -> dict[str, torch.Tensor]:
     return {role: 0.02 * torch.randn(*shape, generator=generator) for role, shape in shapes.items()}
 
 
-def bytes_and_times(rank: int, world_size: int, widths: list[int], k: int) -> list[dict]:
+def bytes_and_times(
+    rank: int, world_size: int, widths: list[int], k: int, comm_dtype: torch.dtype | None
+) -> list[dict]:
     mesh = init_device_mesh("cpu", (world_size,))
     group = svd_group(timeout_seconds=600)
     rows: list[dict] = []
@@ -74,7 +77,9 @@ def bytes_and_times(rank: int, world_size: int, widths: list[int], k: int) -> li
                 dim = 1 if layout == "tp" and role in ("O", "MLP_down") else 0
                 local = distribute_tensor(matrix, mesh, [Shard(dim)], src_data_rank=None)
                 targets.append(Target.from_parameter(role, torch.nn.Parameter(local), role=role))
-            engine = ShardedEngine(targets, group=group, k=k, synchronous=True)
+            engine = ShardedEngine(
+                targets, group=group, k=k, synchronous=True, comm_dtype=comm_dtype
+            )
             for step, label in enumerate(("cold", "warm")):
                 if step:  # the weights move a little between snapshots, as in training
                     with torch.no_grad():
@@ -163,7 +168,8 @@ def _rank(rank: int, world_size: int, store: str, args: argparse.Namespace, out:
         world_size=world_size,
         timeout=datetime.timedelta(seconds=600),
     )
-    rows = bytes_and_times(rank, world_size, args.widths, args.k)
+    comm_dtype = None if args.comm_dtype == "float32" else getattr(torch, args.comm_dtype)
+    rows = bytes_and_times(rank, world_size, args.widths, args.k, comm_dtype)
     ratios = training_ratio(
         rank, world_size, args.train_width, args.steps, args.rounds, args.every, args.k
     )
@@ -184,6 +190,12 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--every", type=int, default=10)
+    parser.add_argument(
+        "--comm-dtype",
+        default="bfloat16",
+        choices=["bfloat16", "float16", "float32"],
+        help="dtype of the all-reduced Krylov blocks (the engine's default: bfloat16)",
+    )
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         store, out = os.path.join(tmp, "store"), os.path.join(tmp, "out.pt")
@@ -200,7 +212,10 @@ def main() -> None:
             sys.exit("a rank failed; see its traceback above")
         gathered = torch.load(out, weights_only=False)
     per_rank = [rows for rows, _ in gathered]
-    print(f"{args.world_size} processes, gloo, k={args.k}, 1 torch thread per process")
+    print(
+        f"{args.world_size} processes, gloo, k={args.k}, Krylov blocks in {args.comm_dtype}, "
+        "1 torch thread per process"
+    )
     header = "| width | layout | snapshot | watched MB | sent KB/rank | sent % |"
     header += "".join(f" svd ms r{r} |" for r in range(args.world_size)) + " 1-proc ms |"
     print(header)

@@ -71,6 +71,17 @@ def svd_cases(rank: int, world_size: int) -> dict[str, Any]:
             "largest": largest.numel,
             "local": local.numel(),
         }
+    # The Krylov blocks in bfloat16 (the engine's default), a flat and a power-law spectrum.
+    for name in ("gaussian_rows_uneven", "power_1.0_columns"):
+        full, split, cut = cases()[name]
+        top = sharded_randomized_svd(
+            block(full, split, cut, rank), K, group=group, split=split, comm_dtype=torch.bfloat16
+        )
+        results[f"{name}_bf16"] = {
+            "S": top.S,
+            "frobenius_sq": top.frobenius_sq,
+            "sent_bytes": top.sent_bytes,
+        }
     # A batch of three matrices, each split unevenly, plus a warm start on a perturbed copy.
     fulls = torch.stack([gaussian(200, 96, seed=20 + i) for i in range(3)])
     local = fulls[:, :130] if rank == 0 else fulls[:, 130:]

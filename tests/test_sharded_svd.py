@@ -133,3 +133,17 @@ def test_bad_input_is_refused_with_what_to_do() -> None:
         sharded_randomized_svd(torch.ones(3, 0), 2)
     with pytest.raises(ValueError, match="`init` must have shape"):
         sharded_randomized_svd(torch.ones(30, 40), 2, init=torch.ones(30, 4))
+
+
+@pytest.mark.parametrize("name", ["gaussian_rows_uneven", "power_1.0_columns"])
+def test_krylov_blocks_in_bfloat16_keep_the_accuracy_at_half_the_bytes(ranks, name: str) -> None:
+    full, _, _ = cases.cases()[name]
+    expected = exact_metrics(full)
+    for rank in (0, 1):
+        result = ranks[rank][f"{name}_bf16"]
+        got = metrics(result["S"], result["frobenius_sq"])
+        assert got["stable_rank"] == pytest.approx(expected["stable_rank"], rel=0.01), rank
+        assert got["alpha"] == pytest.approx(expected["alpha"], abs=0.02), rank
+    float32, bf16 = ranks[0][name]["sent_bytes"], ranks[0][f"{name}_bf16"]["sent_bytes"]
+    b = K + 8
+    assert float32 - bf16 == (float32 - 3 * 8 - b * b * 8) // 2  # the Krylov blocks halve

@@ -94,11 +94,13 @@ class _Collective:
         self.group = group
         self.sent_bytes = 0
 
-    def sum(self, tensor: Tensor) -> Tensor:
+    def sum(self, tensor: Tensor, dtype: torch.dtype | None = None) -> Tensor:
+        """The sum over the group, travelling (and rounded, also without a group) in ``dtype``."""
+        sent = tensor if dtype is None else tensor.to(dtype)
         if self.group is not None:
-            dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group)
-            self.sent_bytes += tensor.numel() * tensor.element_size()
-        return tensor
+            dist.all_reduce(sent, op=dist.ReduceOp.SUM, group=self.group)
+            self.sent_bytes += sent.numel() * sent.element_size()
+        return sent if dtype is None else sent.to(tensor.dtype)
 
 
 def sharded_randomized_svd(
@@ -115,6 +117,7 @@ def sharded_randomized_svd(
     generator: torch.Generator | None = None,
     init: Tensor | None = None,
     method: str = "auto",
+    comm_dtype: torch.dtype | None = None,
 ) -> ShardedTopSVD:
     r"""Top-k singular values and exact ‖W‖_F² of a matrix split across the ranks of ``group``.
 
@@ -151,6 +154,10 @@ def sharded_randomized_svd(
             else ``"randomized"``), ``"randomized"`` (block Krylov) or ``"gram"`` (exact: float64
             ``eigvalsh`` of the all-reduced ``d x d`` Gram matrix; not for ``"tiles"``, whose Gram
             matrix has cross terms between ranks).
+        comm_dtype: the dtype the Krylov blocks travel in, e.g. ``torch.bfloat16`` to halve the
+            bytes (the blocks only steer the subspace; the scalars and the Rayleigh-Ritz Gram
+            matrix always travel in float64, so the singular values stay those of ``W V``).
+            Default ``None``: the compute dtype (float32).
 
     Returns:
         ``ShardedTopSVD(S, V, frobenius_sq, sent_bytes)``, the same on every rank (but for
@@ -222,7 +229,7 @@ def sharded_randomized_svd(
     elif tiles is None:
 
         def apply(X: Tensor) -> Tensor:  # (W^T W) X = sum_r W_r^T (W_r X), one all-reduce
-            return collective.sum(A.mT @ (A @ X))
+            return collective.sum(A.mT @ (A @ X), comm_dtype)
 
         start = _start_block(d, A, width, generator, init)  # (..., d, b)
         basis = _block_krylov(apply, start, n_iter)  # (..., d, b) top-b Ritz vectors
@@ -231,16 +238,19 @@ def sharded_randomized_svd(
         gram = collective.sum(image.mT @ image)  # (..., b, b)
     else:
 
-        def product(X: Tensor) -> Tensor:  # W X, (..., m, b): each tile adds W[R, C] X[C]
-            return collective.sum(_spread(A @ X.index_select(-2, cols_held), rows_held, m))
+        def product(X: Tensor, dtype: torch.dtype | None) -> Tensor:  # W X, (..., m, b)
+            # Each tile adds W[R, C] X[C] into rows R.
+            return collective.sum(_spread(A @ X.index_select(-2, cols_held), rows_held, m), dtype)
 
         def apply(X: Tensor) -> Tensor:  # W^T (W X): each tile adds W[R, C]^T (W X)[R]
-            image = product(X).index_select(-2, rows_held)
-            return collective.sum(_spread(A.mT @ image, cols_held, d))
+            image = product(X, comm_dtype).index_select(-2, rows_held)
+            return collective.sum(_spread(A.mT @ image, cols_held, d), comm_dtype)
 
         start = _start_block(d, A, width, generator, init)
         basis = _block_krylov(apply, start, n_iter)
-        image = product(basis).to(torch.float64)  # (..., m, b): the whole W V, on every rank
+        # (..., m, b): the whole W V on every rank, summed in float64 (the values come from it).
+        local_image = (A @ basis.index_select(-2, cols_held)).to(torch.float64)
+        image = collective.sum(_spread(local_image, rows_held, m))
         gram = image.mT @ image
     if method != "gram":  # Ritz values and vectors of the (b, b) Gram of W V
         values, vectors = torch.linalg.eigh((gram + gram.mT) / 2)  # ascending
