@@ -18,8 +18,8 @@ Per matrix the ranks exchange
 
 That is ``(n (q + 1) + b) b`` floats, against ``m n`` to gather the matrix: for a square
 ``d x d`` matrix at a warm start (``q = 2``, ``b = 40``) 24 % at d = 512 and 2.9 % at d = 4096;
-cold (``q = 5`` at 512, ``q = 8`` at 4096) 47 % and 8.8 %. docs/distributed.md has measured
-numbers. A matrix split by columns (row-parallel tensor parallelism) is the same problem on
+cold (``q = 5`` at 512, ``q = 8`` at 4096) 47 % and 8.8 %; ``comm_dtype=torch.bfloat16`` halves
+the Krylov part. docs/distributed.md has measured numbers. A matrix split by columns (row-parallel tensor parallelism) is the same problem on
 ``W^T`` (``split="columns"``): the all-reduced blocks are then ``m x b``, and ``V`` spans the left
 singular space of ``W``. A matrix sharded along both dimensions (FSDP2 over row-parallel TP on a
 2-D mesh, ``split="tiles"``) needs the row and column positions of each rank's tile, and two
