@@ -10,6 +10,7 @@ import math
 import pytest
 import sharded_engine_cases as cases
 import torch
+import torch.distributed as dist
 from spawn_ranks import run_ranks
 
 from spectral_callbacks.functional import metrics_from_spectrum, spectral_metrics
@@ -196,3 +197,30 @@ def test_fsdp_over_tensor_parallel_on_a_2d_mesh(tmp_path) -> None:
                 truth = exact(weights[step][name])
                 assert got["stable_rank"] == pytest.approx(truth["stable_rank"], rel=0.01), name
                 assert got["alpha"] == pytest.approx(truth["alpha"], abs=0.02), name
+
+
+def test_bad_arguments_are_refused_before_any_work(tmp_path) -> None:
+    from spectral_callbacks.monitor.sharded import ShardedEngine, svd_group
+    from spectral_callbacks.targets import Target
+
+    dist.init_process_group(
+        "gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1
+    )
+    try:
+        group = svd_group(timeout_seconds=30)
+        targets = [Target.from_parameter("w", torch.eye(4), role="O")]
+        with pytest.raises(ValueError, match="`k` must be a positive int, got 0"):
+            ShardedEngine(targets, group=group, k=0)
+        with pytest.raises(ValueError, match="`max_pending` must be a positive int, got 0"):
+            ShardedEngine(targets, group=group, max_pending=0)
+        with pytest.raises(ValueError, match="`behind_timeout` must be positive"):
+            ShardedEngine(targets, group=group, behind_timeout=0)
+        with pytest.raises(ValueError, match="`targets` is empty"):
+            ShardedEngine([], group=group)
+        engine = ShardedEngine(targets, group=group, k=2)  # a one-rank group: the plain problem
+        engine.submit(engine.snapshot(3))
+        (result,) = engine.drain(timeout=30)
+        assert result.step == 3 and result.metrics["w"]["stable_rank"] == pytest.approx(4.0)
+        engine.close()
+    finally:
+        dist.destroy_process_group()

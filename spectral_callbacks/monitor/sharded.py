@@ -186,8 +186,11 @@ class ShardedEngine:
         synchronous: bool = False,
         worker_threads: int | None = 1,
     ) -> None:
-        if not isinstance(max_pending, int) or isinstance(max_pending, bool) or max_pending < 1:
-            raise ValueError(f"`max_pending` must be a positive int, got {max_pending!r}")
+        for name, value in (("k", k), ("max_pending", max_pending)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"`{name}` must be a positive int, got {value!r}")
+        if not targets:
+            raise ValueError("`targets` is empty: pass what find_targets returned for the model")
         if not behind_timeout > 0:
             raise ValueError(f"`behind_timeout` must be positive seconds, got {behind_timeout!r}")
         group_rank = dist.get_rank(group)
