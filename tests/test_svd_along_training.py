@@ -17,8 +17,8 @@ import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from tiny_models import RecordingLogger, TinyGPT, WeightRecorder, quiet_trainer, token_loader
 
-from spectral_callbacks.callback import SpectralMonitor
 from spectral_callbacks.functional import powerlaw_alpha
+from spectral_callbacks.integrations.lightning import SpectralMonitor
 from spectral_callbacks.names import scalar_tag
 from spectral_callbacks.targets import find_targets
 

@@ -1,0 +1,450 @@
+"""ShardedEngine: live spectra of sharded weights (FSDP2, tensor parallel DTensors), never gathered.
+
+Each rank copies only its own rows (or columns) of each watched matrix (``shards.py``) and a worker
+thread decomposes every matrix *together with the other ranks*, with the distributed randomized
+SVD of ``functional/sharded_svd.py`` on a process group of its own:
+
+::
+
+    main thread, every rank (scheduled steps)       worker thread, every rank
+    -----------------------------------------       -------------------------
+    snapshot(step): copy the local blocks      ──►  per shape group, in the same order everywhere:
+      into padded (B, rows here, d) stacks            scalars all-reduce, Krylov all-reduces (d x b),
+    submit(snapshot): queue it (FIFO)                 b x b Gram all-reduce -> the same S on all ranks
+    collect(): results whose worker job is done ◄──   metrics; every rank has every matrix's values
+
+Agreement, by construction: every rank computes every snapshot it is handed, groups and matrices in
+one fixed order (target order), and the caller hands snapshots over at the steps of the shared
+schedule (a function of the optimizer step alone). Nothing depends on local timing, so the
+collectives of the ranks always match; no skip is ever decided locally (a skip on one rank and not
+another would desynchronize the group) and no collective runs on the training thread.
+
+Failure, bounded: the SVD's process group has a timeout, so a rank that never arrives makes the
+others' worker fail within it; a worker error (on any rank) is re-raised on that rank's main
+thread by the next :meth:`ShardedEngine.submit` / :meth:`ShardedEngine.collect` and the engine
+issues no more collectives; a rank whose worker is more than ``max_pending`` snapshots behind when
+the next one is due waits at most ``behind_timeout`` seconds and then raises. Either way the run
+ends with an error on every rank, never a hang.
+
+This engine keeps its own small worker loop rather than reusing ``SnapshotEngine``: that one skips
+a snapshot when it is full (a local decision) and, after an error, recomputes single matrices to
+name the culprit (collectives on one rank alone); both would desynchronize the group.
+
+Example (one process, a one-rank gloo group)::
+
+    >>> import datetime, tempfile, torch, torch.distributed as dist
+    >>> from spectral_callbacks.targets import Target
+    >>> store = tempfile.NamedTemporaryFile(delete=False).name
+    >>> dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
+    >>> weight = torch.diag(torch.tensor([3.0, 1.0, 1.0, 1.0]))
+    >>> engine = ShardedEngine([Target.from_parameter("w", weight, role="O")],
+    ...                        group=svd_group(timeout_seconds=30), k=2)
+    >>> engine.submit(engine.snapshot(step=0))
+    True
+    >>> [(r.step, round(r.metrics["w"]["stable_rank"], 4)) for r in engine.drain(timeout=30)]
+    [(0, 1.3333)]
+    >>> engine.close(); dist.destroy_process_group()
+"""
+
+from __future__ import annotations
+
+import collections
+import datetime
+import queue
+import threading
+import time
+import warnings
+from collections.abc import Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from spectral_callbacks.functional.metrics import metrics_from_spectrum
+from spectral_callbacks.functional.sharded_svd import sharded_randomized_svd
+from spectral_callbacks.monitor.engine import SnapshotResult
+from spectral_callbacks.monitor.shards import LocalPiece, local_piece, mesh_ranks
+from spectral_callbacks.monitor.snapshot import Snapshot
+from spectral_callbacks.targets.target import Target
+
+__all__ = ["ShardGroup", "ShardedEngine", "ShardedEngineError", "ShardedResult", "svd_group"]
+
+_POLL_SECONDS = 0.005
+
+
+class ShardedEngineError(RuntimeError):
+    """The sharded computation failed or fell behind on this rank; the run cannot go on."""
+
+
+@dataclass
+class ShardedResult(SnapshotResult):
+    """A snapshot's metrics (the same on every rank) and the payload this rank all-reduced."""
+
+    sent_bytes: int = 0
+
+
+@dataclass(frozen=True)
+class ShardGroup:
+    """Watched matrices of one split, global shape and dtype, decomposed as one batch.
+
+    The key and the members depend only on global facts (target order, global shapes, how the
+    parameter is sharded), so every rank builds the same groups in the same order; the number of
+    local rows of each member may differ between ranks, and the stack is padded with zero rows.
+    """
+
+    key: str
+    pieces: tuple[LocalPiece, ...]
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(piece.target.name for piece in self.pieces)
+
+    def stack(self) -> torch.Tensor:
+        """A fresh ``(B, rows, d)`` copy of the members' local blocks, zero rows as padding."""
+        blocks = [piece.block() for piece in self.pieces]
+        rows = max(block.shape[0] for block in blocks)
+        first = blocks[0]  # every member has the same width (d, or a tile's one member)
+        out = torch.zeros(
+            (len(blocks), rows, first.shape[1]), dtype=first.dtype, device=first.device
+        )
+        for slot, block in zip(out, blocks, strict=True):
+            slot[: block.shape[0]].copy_(block)
+        return out
+
+
+def svd_group(timeout_seconds: float = 300.0, ranks: Sequence[int] | None = None) -> Any:
+    """A gloo process group of its own for the SVD's collectives (a collective: call on every rank).
+
+    Args:
+        timeout_seconds: how long a collective waits for a missing rank before it fails. Default
+            300. It bounds how long a failure elsewhere can stall this rank's worker.
+        ranks: the global ranks of the group; default ``None`` is every rank.
+    """
+    return dist.new_group(
+        ranks=None if ranks is None else list(ranks),
+        backend="gloo",
+        timeout=datetime.timedelta(seconds=timeout_seconds),
+    )
+
+
+@dataclass
+class _Job:
+    snapshot: Snapshot
+    future: Future
+
+
+class ShardedEngine:
+    """Decomposes the watched matrices of a sharded model where their shards live.
+
+    The frontend drives it like the other engines: ``snapshot`` + ``submit`` at each scheduled
+    step on every rank, ``collect`` in later hooks (every rank gets every matrix's metrics; log
+    them on rank 0), ``drain`` at the end of training, ``abort`` after an exception, ``close``.
+
+    Args:
+        targets: every watched matrix, from ``find_targets`` on the sharded model, in the same
+            order on every rank.
+        group: the SVD's process group (:func:`svd_group`), never training's. Every rank of the
+            targets' device mesh must be in it.
+        k: singular values per matrix. Default ``32``.
+        n_oversamples, n_iter: passed to ``sharded_randomized_svd``; ``None`` keeps its defaults.
+        comm_dtype: the dtype the Krylov blocks travel in (``sharded_randomized_svd``). Default
+            ``torch.bfloat16``: half the bytes of float32, with the same stable rank and alpha
+            along the tested training runs (the Rayleigh-Ritz step always sums in float64).
+            ``None`` sends float32.
+        metric_options: passed to ``metrics_from_spectrum`` (``fit_window``, ``esd``, ...).
+        max_pending: snapshots that may be queued or computing. Default ``4``: the copies are
+            local shards, a fraction of the weights.
+        behind_timeout: seconds :meth:`submit` waits for room when ``max_pending`` are in flight
+            before it raises. Default ``60``.
+        warm_start: start each group from its previous subspace. Default ``True``.
+        seed: seed of the random start blocks (the same on every rank). Default ``0``.
+        synchronous: compute inline in :meth:`submit` (a baseline, and for tests). Default
+            ``False``.
+        worker_threads: ``torch.set_num_threads`` in the worker thread. Default ``1``.
+
+    Raises:
+        ValueError: an argument is out of range, or this rank is not in ``group``.
+        ShardingError: a parameter is sharded in a way the engine cannot decompose.
+    """
+
+    def __init__(
+        self,
+        targets: Sequence[Target],
+        *,
+        group: Any,
+        k: int = 32,
+        n_oversamples: int | None = None,
+        n_iter: int | None = None,
+        metric_options: dict[str, Any] | None = None,
+        comm_dtype: torch.dtype | None = torch.bfloat16,
+        max_pending: int = 4,
+        behind_timeout: float = 60.0,
+        warm_start: bool = True,
+        seed: int = 0,
+        synchronous: bool = False,
+        worker_threads: int | None = 1,
+    ) -> None:
+        for name, value in (("k", k), ("max_pending", max_pending)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"`{name}` must be a positive int, got {value!r}")
+        if not targets:
+            raise ValueError("`targets` is empty: pass what find_targets returned for the model")
+        if not behind_timeout > 0:
+            raise ValueError(f"`behind_timeout` must be positive seconds, got {behind_timeout!r}")
+        group_rank = dist.get_rank(group)
+        if group_rank < 0:
+            raise ValueError("this rank is not in `group`: build it with svd_group() on every rank")
+        missing = set(mesh_ranks(list(targets))) - set(dist.get_process_group_ranks(group))
+        if missing:
+            raise ValueError(
+                f"ranks {sorted(missing)} hold shards of the watched weights but are not in "
+                "`group`; build it with svd_group() over every rank of the device mesh"
+            )
+        self.group = group
+        self.k = k
+        self.svd_options: dict[str, Any] = {"comm_dtype": comm_dtype}
+        if n_oversamples is not None:
+            self.svd_options["n_oversamples"] = n_oversamples
+        if n_iter is not None:
+            self.svd_options["n_iter"] = n_iter
+        self.metric_options = dict(metric_options or {})
+        self.max_pending = max_pending
+        self.behind_timeout = behind_timeout
+        self.warm_start = warm_start
+        self.seed = seed
+        self.synchronous = synchronous
+        self.worker_threads = worker_threads
+        self.groups = _group(local_piece(target, group_rank) for target in targets)
+        self._subspaces: dict[str, torch.Tensor] = {}
+        self._jobs: collections.deque[_Job] = collections.deque()
+        self._queue: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+        self._worker: threading.Thread | None = None
+        self._stopped = threading.Event()  # set after an error or abort(): no more collectives
+        self._error: BaseException | None = None
+
+    @property
+    def pending(self) -> int:
+        """Snapshots submitted and not yet collected."""
+        return len(self._jobs)
+
+    @property
+    def has_room(self) -> bool:
+        """Always ``True``: every scheduled snapshot must reach :meth:`submit` on every rank."""
+        return True
+
+    @property
+    def skipped(self) -> int:
+        """Always 0: a snapshot is computed on every rank or the run ends with an error."""
+        return 0
+
+    def snapshot(self, step: int) -> Snapshot:
+        """Copy this rank's blocks of every watched matrix (main thread, after optimizer step ``step``).
+
+        On the CPU the copy is complete when this returns, so the next update (on the same
+        thread) cannot touch it; on CUDA it is queued on the current stream, before any later
+        update. No communication.
+        """
+        start = time.perf_counter()
+        with torch.no_grad():
+            tensors = {key: group.stack() for key, group in self.groups.items()}
+        return Snapshot(step, tensors, time.perf_counter() - start)
+
+    def submit(self, snapshot: Snapshot) -> bool:
+        """Queue a snapshot for the worker; returns ``True``.
+
+        Raises:
+            ShardedEngineError: an earlier snapshot failed (on this rank, or a peer stopped
+                answering), or ``max_pending`` snapshots are still not decomposed after
+                ``behind_timeout`` seconds.
+        """
+        self._raise_if_failed()
+        job = _Job(snapshot, Future())
+        if self.synchronous:
+            self._jobs.append(job)
+            self._run(job)
+            self._raise_if_failed()
+            return True
+        deadline = time.monotonic() + self.behind_timeout
+        while self._unfinished() >= self.max_pending:
+            self._raise_if_failed()
+            if time.monotonic() >= deadline:
+                self._fail(
+                    ShardedEngineError(
+                        f"the sharded spectral engine fell behind: {self.max_pending} snapshots "
+                        f"were still not decomposed {self.behind_timeout} s after step "
+                        f"{snapshot.step} was due; snapshot less often (every_n_steps) or raise "
+                        "behind_timeout"
+                    )
+                )
+                self._raise_if_failed()
+            time.sleep(_POLL_SECONDS)
+        self._jobs.append(job)
+        self._ensure_worker()
+        self._queue.put(job)
+        return True
+
+    def collect(self, wait_seconds: float = 0.0) -> list[SnapshotResult]:
+        """The finished results in step order; waits up to ``wait_seconds`` for all of them.
+
+        Raises:
+            ShardedEngineError: a snapshot failed (the results before it are returned first).
+        """
+        deadline = time.monotonic() + wait_seconds
+        results: list[SnapshotResult] = []
+        while self._jobs:
+            job = self._jobs[0]
+            while not job.future.done() and time.monotonic() < deadline:
+                time.sleep(_POLL_SECONDS)
+            if not job.future.done():
+                break
+            if job.future.cancelled() or job.future.exception() is not None:
+                if results:  # hand the finished ones over first; the error comes next call
+                    break
+                self._raise_if_failed()
+                self._jobs.popleft()  # cancelled by abort(): nothing to report
+                continue
+            self._jobs.popleft()
+            results.append(job.future.result())
+        return results
+
+    def drain(self, timeout: float) -> list[SnapshotResult]:
+        """End of training, on every rank: every pending result, waiting at most ``timeout``.
+
+        Raises:
+            ShardedEngineError: a snapshot failed, or some are not done after ``timeout``.
+        """
+        results = self.collect(wait_seconds=timeout)
+        if self._jobs:
+            self._raise_if_failed()
+            steps = [job.snapshot.step for job in self._jobs]
+            self._fail(
+                ShardedEngineError(
+                    f"the sharded spectral engine did not finish the snapshots of steps {steps} "
+                    f"within {timeout} s at the end of training"
+                )
+            )
+            self._raise_if_failed()
+        return results
+
+    def abort(self) -> None:
+        """After an exception: start no more collectives (peers may never reach them)."""
+        self._stopped.set()
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Stop the worker; a job inside a collective ends by itself or at the group's timeout."""
+        self._stopped.set()
+        worker, self._worker = self._worker, None
+        if worker is not None:
+            self._queue.put(None)
+            worker.join(timeout)
+            if worker.is_alive():  # a daemon thread: it cannot keep the interpreter alive
+                warnings.warn(
+                    f"the sharded spectral worker did not stop within {timeout} s (it waits in a "
+                    "collective until the SVD group's timeout); it is left as a daemon thread",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
+        self._jobs.clear()
+
+    # --- worker side ------------------------------------------------------------------------
+
+    def _ensure_worker(self) -> None:
+        if self._worker is None:
+            self._worker = threading.Thread(
+                target=self._loop, name="SpectralMonitor-sharded-worker", daemon=True
+            )
+            self._worker.start()
+
+    def _loop(self) -> None:
+        if self.worker_threads is not None:
+            torch.set_num_threads(self.worker_threads)
+        while True:
+            job = self._queue.get()
+            if job is None:
+                return
+            self._run(job)
+
+    def _run(self, job: _Job) -> None:
+        if self._stopped.is_set():  # after an error or abort: issue no more collectives
+            job.future.cancel()
+        if not job.future.set_running_or_notify_cancel():
+            job.snapshot.tensors = {}
+            return
+        try:
+            job.future.set_result(self._decompose(job.snapshot))
+        except BaseException as error:  # noqa: BLE001 - re-raised on the main thread
+            wrapped = ShardedEngineError(
+                f"the sharded spectral engine failed at step {job.snapshot.step}: "
+                f"{type(error).__name__}: {error}"
+            )
+            wrapped.__cause__ = error
+            self._fail(wrapped)
+            job.future.set_exception(wrapped)
+        finally:
+            job.snapshot.tensors = {}  # free the copies as soon as they are decomposed
+
+    def _decompose(self, snapshot: Snapshot) -> ShardedResult:
+        start = time.perf_counter()
+        metrics: dict[str, dict[str, float]] = {}
+        sent = 0
+        for index, (key, group) in enumerate(self.groups.items()):
+            batch = snapshot.tensors[key]
+            if batch.dtype not in (torch.float32, torch.float64):
+                batch = batch.float()
+            init = self._subspaces.get(key) if self.warm_start else None
+            piece = group.pieces[0]
+            # The same seed on every rank (a function of the step and the group only).
+            generator = torch.Generator(device=batch.device)
+            generator.manual_seed(self.seed + 1_000_003 * snapshot.step + index)
+            top = sharded_randomized_svd(
+                batch,
+                self.k,
+                group=self.group,
+                shape=piece.shape,
+                generator=generator,
+                init=init,
+                # The stacks hold rows of the split orientation (columns were transposed).
+                split="tiles" if piece.split == "tiles" else "rows",
+                row_index=piece.row_index,
+                col_index=piece.col_index,
+                **self.svd_options,
+            )
+            sent += top.sent_bytes
+            if self.warm_start and top.V is not None:
+                self._subspaces[key] = top.V
+            values = metrics_from_spectrum(top.S, top.frobenius_sq, **self.metric_options)
+            columns = {name: value.tolist() for name, value in values.items()}
+            for row, name in enumerate(group.names):
+                metrics[name] = {metric: float(column[row]) for metric, column in columns.items()}
+        seconds = time.perf_counter() - start
+        return ShardedResult(
+            snapshot.step, metrics, seconds, snapshot.main_thread_seconds, sent_bytes=sent
+        )
+
+    # --- state ------------------------------------------------------------------------------
+
+    def _unfinished(self) -> int:
+        return sum(not job.future.done() for job in self._jobs)
+
+    def _fail(self, error: BaseException) -> None:
+        if self._error is None:
+            self._error = error
+        self._stopped.set()
+
+    def _raise_if_failed(self) -> None:
+        if self._error is not None:
+            raise self._error
+
+
+def _group(pieces: Any) -> dict[str, ShardGroup]:
+    """Shape groups in first-seen (target) order, keyed by global facts only."""
+    members: dict[str, list[LocalPiece]] = {}
+    for piece in pieces:
+        dtype = str(piece.target.parameter.dtype).removeprefix("torch.")
+        key = f"{piece.split}/{piece.shape[0]}x{piece.shape[1]}/{dtype}"
+        if piece.split == "tiles":  # each its own group: the tiles' positions differ
+            key += f"/{piece.target.name}"
+        members.setdefault(key, []).append(piece)
+    return {key: ShardGroup(key, tuple(group)) for key, group in members.items()}

@@ -1,0 +1,240 @@
+"""What each rank runs for tests/test_sharded_engine.py: a raw training loop on a sharded model
+with a ShardedEngine, recording the full weights (``full_tensor()``, test-only) at each snapshot."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from sharded_models import build, full_matrix, shard
+from spawn_ranks import LargestTensor
+from torch.distributed.tensor import init_device_mesh
+
+from spectral_callbacks.functional import sharded_svd
+from spectral_callbacks.monitor.schedule import SnapshotSchedule
+from spectral_callbacks.monitor.sharded import ShardedEngine, ShardedEngineError, svd_group
+from spectral_callbacks.targets import find_targets
+
+K = 8
+STEPS = 10
+SCHEDULE = SnapshotSchedule(every_n_steps=4, log_spaced_until=3)  # 0, 1, 2, 4, 8 and the last
+SCHEDULED = [s for s in range(STEPS) if SCHEDULE.on_grid(s)] + [STEPS]
+
+
+def batch(rank: int, step: int, how: str) -> tuple[torch.Tensor, torch.Tensor]:
+    # FSDP is data parallel: each rank its own batch; tensor parallel ranks share one.
+    seed = 1000 * step + (rank if how == "fsdp" else 0)
+    tokens = torch.randint(0, 256, (4, 17), generator=torch.Generator().manual_seed(seed))
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def sharded_model(rank: int, world_size: int, how: str, name: str) -> tuple[Any, Any, list]:
+    torch.manual_seed(0)  # the same initial weights on every rank
+    model, loss = build(name)
+    shard(model, how, init_device_mesh("cpu", (world_size,)))
+    return model, loss, find_targets(model)
+
+
+def train(rank: int, world_size: int, how: str, name: str) -> dict[str, Any]:
+    model, loss_of, targets = sharded_model(rank, world_size, how, name)
+    engine = ShardedEngine(targets, group=svd_group(timeout_seconds=60), k=K)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    weights: dict[int, dict[str, torch.Tensor]] = {}
+    results = []
+    for step in range(STEPS + 1):
+        if step in SCHEDULED:
+            engine.submit(engine.snapshot(step))
+            weights[step] = {target.name: full_matrix(target) for target in targets}
+        results += engine.collect()
+        if step == STEPS:
+            break
+        loss_of(model, *batch(rank, step, how)).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    results += engine.drain(timeout=120)
+    engine.close()
+    return {
+        "targets": [(t.name, t.role, t.shape) for t in targets],
+        "splits": {p.target.name: p.split for g in engine.groups.values() for p in g.pieces},
+        "rows": {p.target.name: p.rows for g in engine.groups.values() for p in g.pieces},
+        "results": [(r.step, r.metrics, r.sent_bytes) for r in results],
+        "weights": weights if rank == 0 else None,
+    }
+
+
+def train_all(rank: int, world_size: int) -> dict[str, Any]:
+    cases = [
+        ("fsdp", "gpt2"),
+        ("fsdp", "nanogpt"),
+        ("fsdp", "llama"),
+        ("tp", "neox"),
+        ("tp", "llama"),
+    ]
+    return {f"{how}-{name}": train(rank, world_size, how, name) for how, name in cases}
+
+
+def largest_tensors(rank: int, world_size: int) -> dict[str, Any]:
+    """Per global shape, the largest matrix the engine creates while snapshotting and decomposing.
+
+    Separate q/k/v under FSDP2: every matrix is split between the ranks (a fused shard may hold
+    one role's matrix whole, and then its copy is that whole matrix by the sharding's choice).
+    """
+    _, _, targets = sharded_model(rank, world_size, "fsdp", "llama")
+    group = svd_group(timeout_seconds=60)
+    found = {}
+    for shape in sorted({target.shape for target in targets}):
+        subset = [target for target in targets if target.shape == shape]
+        engine = ShardedEngine(subset, group=group, k=K, synchronous=True)
+        with LargestTensor() as largest:
+            engine.submit(engine.snapshot(0))
+        (result,) = engine.collect()
+        found[shape] = {"matrix_numel": largest.matrix_numel, "metrics": result.metrics}
+    return found
+
+
+def failing_rank(rank: int, world_size: int) -> dict[str, Any]:
+    """Rank 1's SVD raises at the third snapshot: both ranks must end with an error, soon."""
+    _, _, targets = sharded_model(rank, world_size, "fsdp", "llama")
+    original = sharded_svd.sharded_randomized_svd
+    calls = {"n": 0}
+
+    def flaky(*args: Any, **kwargs: Any) -> Any:
+        calls["n"] += 1
+        if rank == 1 and calls["n"] == 5:
+            raise RuntimeError("planned failure on rank 1")
+        return original(*args, **kwargs)
+
+    from spectral_callbacks.monitor import sharded
+
+    sharded.sharded_randomized_svd = flaky  # type: ignore[assignment]
+    engine = ShardedEngine(targets, group=svd_group(timeout_seconds=5), k=K)
+    start = time.monotonic()
+    try:
+        for step in range(1000):
+            engine.submit(engine.snapshot(step))
+            engine.collect()
+            time.sleep(0.05)
+    except ShardedEngineError as error:
+        outcome = {"error": str(error), "seconds": time.monotonic() - start, "step": step}
+    else:
+        outcome = {"error": None}
+    engine.close(timeout=1)
+    return outcome
+
+
+def falling_behind(rank: int, world_size: int) -> dict[str, Any]:
+    """Snapshots due faster than they are decomposed: each rank raises after behind_timeout."""
+    _, _, targets = sharded_model(rank, world_size, "tp", "llama")
+    engine = ShardedEngine(
+        targets, group=svd_group(timeout_seconds=60), k=K, max_pending=1, behind_timeout=1e-4
+    )
+    start = time.monotonic()
+    try:
+        for step in range(100):
+            engine.submit(engine.snapshot(step))
+    except ShardedEngineError as error:
+        outcome = {"error": str(error), "seconds": time.monotonic() - start}
+    else:
+        outcome = {"error": None}
+    engine.abort()
+    engine.close(timeout=30)
+    dist.barrier()
+    return outcome
+
+
+def placements(rank: int, world_size: int) -> dict[str, Any]:
+    """Hand-made DTensors: uneven Shard(0), Shard(1), Replicate, a per-head fused split, 2-D meshes."""
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    from spectral_callbacks.targets import Rows, Target
+
+    generator = torch.Generator().manual_seed(0)
+    full = torch.randn(150, 96, generator=generator)  # the same on every rank
+    line = init_device_mesh("cpu", (world_size,))
+    tall = init_device_mesh("cpu", (world_size, 1), mesh_dim_names=("dp", "tp"))
+    layouts = {
+        "shard0": (line, [Shard(0)]),
+        "shard1": (line, [Shard(1)]),
+        "replicate": (line, [Replicate()]),
+        "replicate_dp_shard1_tp": (tall, [Replicate(), Shard(1)]),
+        "shard0_dp_replicate_tp": (tall, [Shard(0), Replicate()]),
+        "shard0_dp_shard1_tp": (tall, [Shard(0), Shard(1)]),  # tiles (of one column block)
+    }
+    targets = []
+    for name, (mesh, placement) in layouts.items():
+        parameter = torch.nn.Parameter(distribute_tensor(full, mesh, placement))
+        targets.append(Target.from_parameter(name, parameter, role="O"))
+    # GPT-NeoX-like per-head rows (heads=5, 3 parts of 10 rows): K of an uneven Shard(0).
+    fused = torch.nn.Parameter(distribute_tensor(full, line, [Shard(0)]))
+    for index, role in enumerate("QKV"):
+        rows = Rows(start=10 * index, stop=10 * (index + 1), groups=5)
+        targets.append(Target.from_parameter("fused", fused, role=role, rows=rows, fused=True))
+    engine = ShardedEngine(targets, group=svd_group(timeout_seconds=60), k=K)
+    engine.submit(engine.snapshot(0))
+    (result,) = engine.drain(timeout=60)
+    pieces = {p.target.name: (p.split, p.rows) for g in engine.groups.values() for p in g.pieces}
+    engine.close()
+    return {"metrics": result.metrics, "pieces": pieces, "full": full}
+
+
+def fsdp_over_tp(rank: int, world_size: int) -> dict[str, Any]:
+    """4 ranks, a 2 x 2 (dp, tp) mesh: tensor parallel blocks, then fully_shard over dp; plus the
+    tiled SVD on hand-made tiles (uneven, and with scattered index sets)."""
+    from sharded_models import TinyTPGPT, blocks
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    from spectral_callbacks.functional.sharded_svd import sharded_randomized_svd
+
+    group = svd_group(timeout_seconds=60)
+    # 1. Hand-made tiles of a 150 x 96 matrix: row cut 100, column cut 40, rows permuted.
+    full = torch.randn(150, 96, generator=torch.Generator().manual_seed(1))
+    order = torch.randperm(150, generator=torch.Generator().manual_seed(2))
+    rows = (order[:100], order[100:])[rank // 2]
+    cols = (torch.arange(40), torch.arange(40, 96))[rank % 2]
+    tile = full[rows][:, cols]
+    top = sharded_randomized_svd(
+        tile, K, group=group, split="tiles", shape=(150, 96), row_index=rows, col_index=cols
+    )
+    wide = sharded_randomized_svd(  # the transposed problem: iterates in its smaller side
+        tile.T, K, group=group, split="tiles", shape=(96, 150), row_index=cols, col_index=rows
+    )
+    # 2. Training: TP inside each block, FSDP2 across the dp dimension.
+    torch.manual_seed(0)
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    model = TinyTPGPT(d=64, heads=4, fused=False)
+    for block in blocks(model):
+        plan = {f"attention.{p}_proj": ColwiseParallel() for p in "qkv"}
+        plan.update({"attention.o_proj": RowwiseParallel(), "mlp.up_proj": ColwiseParallel()})
+        plan["mlp.down_proj"] = RowwiseParallel()
+        parallelize_module(block, mesh["tp"], plan)
+        fully_shard(block, mesh=mesh["dp"])
+    fully_shard(model, mesh=mesh["dp"])
+    targets = find_targets(model)
+    engine = ShardedEngine(targets, group=group, k=K)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    weights, results = {}, []
+    for step in range(5):
+        engine.submit(engine.snapshot(step))
+        weights[step] = {target.name: full_matrix(target) for target in targets}
+        if step < 4:
+            x, y = batch(rank // 2, step, "fsdp")  # one batch per dp rank
+            model(x, y).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    results = engine.drain(timeout=120)
+    engine.close()
+    return {
+        "tile": (top.S, top.frobenius_sq),
+        "wide": (wide.S, wide.frobenius_sq),
+        "full": full,
+        "splits": {p.target.name: p.split for g in engine.groups.values() for p in g.pieces},
+        "results": [(r.step, r.metrics) for r in results],
+        "weights": weights if rank == 0 else None,
+    }

@@ -1,0 +1,149 @@
+"""sharded_randomized_svd: 2 gloo processes, each holding a block of rows (or columns), against the
+float64 SVD of the full matrix and against the single-process ``randomized_svd``."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import sharded_svd_cases as cases
+import torch
+from spawn_ranks import run_ranks
+
+from spectral_callbacks.functional import metrics_from_spectrum, randomized_svd
+from spectral_callbacks.functional.sharded_svd import sharded_randomized_svd
+from spectral_callbacks.functional.svd import default_n_iter
+
+K = cases.K
+
+
+def exact_metrics(full: torch.Tensor) -> dict[str, float]:
+    S = torch.linalg.svdvals(full.double())
+    frobenius_sq = (full.double() ** 2).sum()
+    return {key: float(v) for key, v in metrics_from_spectrum(S[:K], frobenius_sq).items()}
+
+
+def metrics(S: torch.Tensor, frobenius_sq: torch.Tensor) -> dict[str, float]:
+    return {key: float(v) for key, v in metrics_from_spectrum(S, frobenius_sq).items()}
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+    return run_ranks(cases.svd_cases, 2, tmp_path_factory.mktemp("svd"))
+
+
+@pytest.mark.parametrize("name", list(cases.cases()))
+def test_matches_the_float64_svd_of_the_full_matrix(ranks, name: str) -> None:
+    full, split, cut = cases.cases()[name]
+    expected = exact_metrics(full)
+    results = [ranks[rank][name] for rank in (0, 1)]
+    for rank, result in enumerate(results):
+        got = metrics(result["S"], result["frobenius_sq"])
+        assert got["stable_rank"] == pytest.approx(expected["stable_rank"], rel=0.01), rank
+        assert got["alpha"] == pytest.approx(expected["alpha"], abs=0.02), rank
+        assert float(result["frobenius_sq"]) == pytest.approx(
+            float((full.double() ** 2).sum()), rel=1e-7
+        )
+    # Every rank ends with exactly the same spectrum (and warm-start subspace).
+    assert torch.equal(results[0]["S"], results[1]["S"])
+    if results[0]["V"] is not None:
+        assert torch.equal(results[0]["V"], results[1]["V"])
+
+
+@pytest.mark.parametrize("name", ["power_0.5_rows", "power_1.0_columns"])
+def test_recovers_a_known_power_law(ranks, name: str) -> None:
+    full, _, _ = cases.cases()[name]
+    a = float(name.split("_")[1])
+    result = ranks[0][name]
+    truth = torch.arange(1, K + 1, dtype=torch.float64) ** -a
+    torch.testing.assert_close(result["S"].double(), truth, rtol=1e-3, atol=1e-5)
+    assert metrics(result["S"], result["frobenius_sq"])["alpha"] == pytest.approx(a, abs=0.02)
+
+
+@pytest.mark.parametrize("name", ["gaussian_rows_uneven", "gaussian_columns_uneven"])
+def test_agrees_with_the_single_process_randomized_svd(ranks, name: str) -> None:
+    full, _, _ = cases.cases()[name]
+    single = randomized_svd(full, K, method="randomized")
+    torch.testing.assert_close(ranks[0][name]["S"], single.S, rtol=2e-3, atol=0.0)
+
+
+@pytest.mark.parametrize("name", [n for n in cases.cases() if n != "small_gram"])
+def test_no_rank_creates_a_full_matrix(ranks, name: str) -> None:
+    full, split, _ = cases.cases()[name]
+    m, n = full.shape
+    unsplit = n if split == "rows" else m
+    depth = default_n_iter(m, n)
+    krylov_basis = unsplit * (K + 8) * (depth + 1)
+    for rank in (0, 1):
+        result = ranks[rank][name]
+        # The largest tensor the call creates is this rank's own block or the Krylov basis of the
+        # unsplit side, whichever is larger; a rank holding part of the matrix never holds it all.
+        assert result["largest"] <= max(result["local"], krylov_basis), rank
+        if result["local"] < full.numel():
+            assert result["largest"] < full.numel(), rank
+
+
+def test_communication_is_a_few_blocks_not_the_matrix(ranks) -> None:
+    full, _, _ = cases.cases()["gaussian_rows_uneven"]  # 400 x 160, depth 5, b = 24
+    sent = ranks[0]["gaussian_rows_uneven"]["sent_bytes"]
+    b, depth, n = K + 8, 5, 160
+    assert sent == 3 * 8 + (depth + 1) * n * b * 4 + b * b * 8
+    assert sent < 0.5 * full.numel() * 4
+
+
+def test_batch_warm_start_and_nan_on_one_rank(ranks) -> None:
+    fulls = torch.stack([cases.gaussian(200, 96, seed=20 + i) for i in range(3)])
+    for i in range(3):
+        expected = exact_metrics(fulls[i])
+        got = metrics(ranks[0]["batch"]["S"][i], ranks[0]["batch"]["frobenius_sq"][i])
+        assert got["stable_rank"] == pytest.approx(expected["stable_rank"], rel=0.01)
+        moved = torch.cat([ranks[0]["batch"]["moved"][i], ranks[1]["batch"]["moved"][i]])
+        expected = exact_metrics(moved)
+        got = metrics(ranks[1]["warm"]["S"][i], ranks[1]["warm"]["frobenius_sq"][i])
+        assert got["stable_rank"] == pytest.approx(expected["stable_rank"], rel=0.01)
+    for rank in (0, 1):
+        S = ranks[rank]["nan"]["S"]
+        assert torch.isnan(S[1]).all() and torch.isfinite(S[[0, 2]]).all()
+        assert math.isnan(float(ranks[rank]["nan"]["frobenius_sq"][1]))
+    torch.testing.assert_close(ranks[0]["nan"]["S"][[0, 2]], ranks[0]["batch"]["S"][[0, 2]])
+
+
+def test_a_rank_that_never_arrives_is_an_error_within_the_group_timeout(tmp_path: Path) -> None:
+    rank0, _ = run_ranks(cases.missing_rank, 2, tmp_path)
+    assert rank0["error"] is not None
+    assert rank0["seconds"] < 30  # the group's 3 s timeout, with slack for a loaded machine
+
+
+def test_one_process_without_a_group_is_the_plain_algorithm() -> None:
+    W = cases.power_law(120, 80, 1.0, seed=0)
+    top = sharded_randomized_svd(W, 8, generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(top.S.double(), torch.arange(1, 9.0, dtype=torch.float64) ** -1)
+    assert top.sent_bytes == 0 and top.V is not None and top.V.shape == (80, 16)
+
+
+def test_bad_input_is_refused_with_what_to_do() -> None:
+    with pytest.raises(ValueError, match="`split` must be one of"):
+        sharded_randomized_svd(torch.ones(3, 3), 2, split="diagonal")
+    with pytest.raises(TypeError, match="floating-point"):
+        sharded_randomized_svd(torch.ones(3, 3, dtype=torch.long), 2)
+    with pytest.raises(ValueError, match="every rank's block is empty"):
+        sharded_randomized_svd(torch.ones(0, 3), 2)
+    with pytest.raises(ValueError, match="empty unsplit side"):
+        sharded_randomized_svd(torch.ones(3, 0), 2)
+    with pytest.raises(ValueError, match="`init` must have shape"):
+        sharded_randomized_svd(torch.ones(30, 40), 2, init=torch.ones(30, 4))
+
+
+@pytest.mark.parametrize("name", ["gaussian_rows_uneven", "power_1.0_columns"])
+def test_krylov_blocks_in_bfloat16_keep_the_accuracy_at_half_the_bytes(ranks, name: str) -> None:
+    full, _, _ = cases.cases()[name]
+    expected = exact_metrics(full)
+    for rank in (0, 1):
+        result = ranks[rank][f"{name}_bf16"]
+        got = metrics(result["S"], result["frobenius_sq"])
+        assert got["stable_rank"] == pytest.approx(expected["stable_rank"], rel=0.01), rank
+        assert got["alpha"] == pytest.approx(expected["alpha"], abs=0.02), rank
+    float32, bf16 = ranks[0][name]["sent_bytes"], ranks[0][f"{name}_bf16"]["sent_bytes"]
+    b = K + 8
+    assert float32 - bf16 == (float32 - 3 * 8 - b * b * 8) // 2  # the Krylov blocks halve
