@@ -258,15 +258,21 @@ class SpectralMonitor(Callback):
         references = (
             self._reporter.references if self._reporter else self._restored.get("references", {})
         )
-        return {
+        state = {
             "references": dict(references),
             "schedule": self.schedule.state_dict(),
             "skipped": self._engine.skipped if self._engine else self._restored.get("skipped", 0),
         }
+        # The compute's own random generators: a resumed run continues their streams.
+        if hasattr(self.compute, "state_dict"):
+            state["compute"] = self.compute.state_dict()
+        return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._restored = dict(state_dict)
         self.schedule.load_state_dict(state_dict.get("schedule", {}))
+        if "compute" in state_dict and hasattr(self.compute, "load_state_dict"):
+            self.compute.load_state_dict(state_dict["compute"])
         if self._reporter is not None:
             self._reporter.load_state_dict(state_dict)
 
