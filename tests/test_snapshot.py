@@ -39,7 +39,7 @@ def test_snapshot_is_an_exact_copy_untouched_by_the_next_update() -> None:
         weight.mul_(-2.0)  # the "next optimizer step", in place as optimizers do
     stacked = snapshot.tensors["6x5/float32/cpu"]
     assert torch.equal(stacked[0], originals["q"]) and torch.equal(stacked[1], originals["k"])
-    assert snapshot.main_thread_seconds >= 0 and snapshot.ready is None
+    assert snapshot.main_thread_seconds >= 0 and snapshot.copied == {}
 
 
 def test_snapshot_keeps_the_parameter_dtype() -> None:

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from spectral_callbacks.monitor import dashboards
 from spectral_callbacks.monitor import distributed as multi
@@ -185,7 +186,7 @@ class SpectralMonitor(Callback):
         self._engine: SnapshotEngine | None = None
         self._reporter: Reporter | None = None
         self._restored: dict[str, Any] = {}
-        self._stream: Any = None
+        self._draining = False
         self._previous_step = -1
         self._previous_time: float | None = None
         self._last_figure_step: int | None = None
@@ -296,16 +297,14 @@ class SpectralMonitor(Callback):
                 "`spectral-callbacks targets` on the model to see the candidates, then pass `mapping=`"
             )
         groups = group_by_shape(self.targets)
-        devices = {target.matrix().device for target in self.targets}
-        cuda = [device for device in devices if device.type == "cuda"]
-        self._stream = torch.cuda.Stream(cuda[0]) if cuda and not self.synchronous else None
+        on_cuda = any(group.device.startswith("cuda") for group in groups)
         self._engine = self._make_engine(
             groups,
             max_pending=self.max_pending,
             synchronous=self.synchronous,
             worker_threads=self.worker_threads,
             # On CUDA the worker only enqueues kernels: lowering its priority would only add latency.
-            worker_nice=self.worker_nice if self._stream is None else None,
+            worker_nice=None if on_cuda else self.worker_nice,
         )
         self._engine.skipped = int(self._restored.get("skipped", 0))
         self._reporter = Reporter(self.targets, self.metrics, self.history_size)
@@ -359,7 +358,7 @@ class SpectralMonitor(Callback):
             return
         start = time.perf_counter()
         with torch.no_grad():
-            snapshot = take_snapshot(list(self._engine.groups.values()), step, stream=self._stream)
+            snapshot = take_snapshot(list(self._engine.groups.values()), step)
         accepted = self._engine.submit(snapshot)
         snapshot.main_thread_seconds = time.perf_counter() - start
         if accepted:
@@ -391,7 +390,9 @@ class SpectralMonitor(Callback):
         if isinstance(result, multi.GatheredResult):  # per-rank health, the total skipped
             scalars.update(result.rank_scalars)
         log_to_all(trainer.loggers, scalars, step=result.step)
-        self.schedule.record_snapshot_cost(result.main_thread_seconds + result.svd_seconds)
+        self.schedule.record_snapshot_cost(
+            result.main_thread_seconds + result.copy_seconds + result.svd_seconds
+        )
         experiments = dashboards.tensorboard_experiments(trainer.loggers)
         if self.figures and experiments and self._figures_due(result.step):
             self._draw(experiments, result.step)
@@ -419,6 +420,8 @@ class SpectralMonitor(Callback):
             # A snapshot is a collective point: every rank must decide alike, by the shared schedule
             # (a local skip of the last scheduled snapshot cannot be retaken on one rank alone).
             final_missing = self.schedule.last_snapshot_step != step
+        self._draining = True
+        self._announce_wait(trainer, deadline, final_snapshot=final_missing, final_figures=True)
         if final_missing:
             # The final step is always measured: make room for it rather than skip it.
             while self._engine.pending >= self.max_pending and time.monotonic() < deadline:
@@ -449,10 +452,13 @@ class SpectralMonitor(Callback):
         # Training already failed: log what finishes within the bounded wait, but never let a
         # worker error replace the exception the user needs to see.
         try:
+            # Interrupted during the end-of-fit drain (Ctrl-C while it waited): do not wait again.
+            wait = 0.0 if self._draining else self.drain_timeout
             if trainer.is_global_zero:
-                self._collect_and_log(trainer, wait_seconds=self.drain_timeout)
+                self._announce_wait(trainer, time.monotonic() + wait)
+                self._collect_and_log(trainer, wait_seconds=wait)
                 self._warn_if_left(trainer)
-                self._figure_writer.wait(min(self.drain_timeout, 10.0))
+                self._figure_writer.wait(min(wait, 10.0))
         except Exception as error:  # noqa: BLE001 - reported, the original exception propagates
             warnings.warn(
                 f"while shutting down after an exception: {error}", RuntimeWarning, stacklevel=2
@@ -485,6 +491,28 @@ class SpectralMonitor(Callback):
             return True
         trainer = self._trainer
         return trainer is not None and trainer.is_global_zero and bool(self._engine.in_flight)
+
+    def _announce_wait(
+        self,
+        trainer: Trainer,
+        deadline: float,
+        final_snapshot: bool = False,
+        final_figures: bool = False,
+    ) -> None:
+        """Say what the end of fit waits for, and for how long at most, before it waits."""
+        assert self._engine is not None
+        pending = self._engine.pending
+        figures = self.figures and bool(dashboards.tensorboard_experiments(trainer.loggers))
+        drawing = figures and (final_figures or self._figure_writer.busy)
+        seconds = max(0.0, deadline - time.monotonic())
+        if trainer.is_global_zero and seconds > 0 and (pending or final_snapshot or drawing):
+            what = [f"{pending} snapshot(s) in flight"] if pending else []
+            what += ["the final step's snapshot"] if final_snapshot else []
+            what += ["the final figures"] if drawing else []
+            rank_zero_info(
+                f"SpectralMonitor: waiting up to {seconds:.0f} s (drain_timeout) for "
+                f"{' and '.join(what)}; Ctrl-C drops them"
+            )
 
     def _warn_if_left(self, trainer: Trainer) -> None:
         if self._engine is not None and self._engine.pending:
