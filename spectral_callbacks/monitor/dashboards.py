@@ -25,6 +25,7 @@ from typing import Any
 
 import pandas as pd
 
+from spectral_callbacks.monitor import background
 from spectral_callbacks.names import layer_label, scalar_tag
 
 FIGURE_SECTION = "spectral_figures"
@@ -129,13 +130,11 @@ class FigureWriter:
         if self.busy:
             self.skipped += 1
             return False
-        self._thread = threading.Thread(
-            target=self._draw,
-            args=(list(experiments), rows, step),
-            name="SpectralMonitor-figures",
-            daemon=True,
+        # Through background.start_daemon: a drawing still running at exit is waited for, not
+        # killed inside matplotlib's C++ (which would abort the process).
+        self._thread = background.start_daemon(
+            lambda: self._draw(list(experiments), rows, step), "SpectralMonitor-figures"
         )
-        self._thread.start()
         return True
 
     def wait(self, timeout: float) -> bool:
