@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 # The CPU build of torch that lies on disk on these machines; a bare `torch` would pull CUDA.
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: demo test lint bench clean
+.PHONY: demo test lint bench gpu-check clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -27,6 +27,13 @@ lint: $(VENV)/.installed
 bench: $(VENV)/.installed
 	$(PY) benchmarks/svd_accuracy.py
 	$(PY) benchmarks/overhead.py
+
+# The device machine as it is: its system python3 (torch with CUDA, lightning, pytest, ...), no venv,
+# no network. Prints one table (GPU tests, overhead, copy vs main-thread time, SVD, figures) in <= 8 min;
+# on a machine without CUDA it says "no CUDA device: nothing measured" and exits 0.
+GPU_PYTHON ?= python3
+gpu-check:
+	PYTHONPATH=. $(GPU_PYTHON) benchmarks/gpu_check.py
 
 clean:
 	rm -rf $(VENV) demo_output

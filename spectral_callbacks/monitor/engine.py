@@ -166,6 +166,7 @@ class SnapshotEngine:
         self.worker_nice = worker_nice
         self.skipped = 0
         self.abandoned = 0  # snapshots dropped by close() or at exit before their result existed
+        self.pinned_allocated = 0  # pinned result buffers ever allocated (bounded by max_pending)
         self._jobs: collections.deque[_Job] = collections.deque()
         self._queue: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self._worker: threading.Thread | None = None
@@ -390,6 +391,7 @@ class SnapshotEngine:
             buffer = free.popleft()
             if buffer.numel() == size:
                 return buffer
+        self.pinned_allocated += 1
         return torch.empty(size, dtype=torch.float64, pin_memory=True)
 
     def _compute_group(self, key: str, batch: torch.Tensor, step: int) -> dict[str, torch.Tensor]:
