@@ -526,3 +526,4 @@ class SpectralMonitor(Callback):
     def _close(self) -> None:
         if self._engine is not None:
             self._engine.close(timeout=min(5.0, self.drain_timeout))
+        self._figure_writer.close(timeout=min(5.0, self.drain_timeout))

@@ -3,7 +3,8 @@
 The layout has, for each logged metric, one chart per layer with every role (like "stable rank by
 matrix type") and one chart per role with every layer; TensorBoard shows them in its Custom Scalars
 tab. Figures are drawn with ``spectral_callbacks.offline.charts`` (object-oriented matplotlib on the Agg
-canvas, no pyplot state) and written with ``add_figure``, which closes them.
+canvas, no pyplot state) in a child process (``figure_process.py``) and written as PNG image
+summaries.
 
 Example::
 
@@ -26,6 +27,7 @@ from typing import Any
 import pandas as pd
 
 from spectral_callbacks.monitor import background
+from spectral_callbacks.monitor.figure_process import FigureProcess, png_size
 from spectral_callbacks.names import layer_label, scalar_tag
 
 FIGURE_SECTION = "spectral_figures"
@@ -103,12 +105,15 @@ def draw_figures(rows: pd.DataFrame, roles: Sequence[str] | None = ("Q",)) -> di
 
 
 class FigureWriter:
-    """Draws and writes figures on a background thread, one drawing at a time.
+    """Draws figures in a child process and writes them from a background thread, one at a time.
 
-    Drawing a handful of figures costs seconds of CPU; on the main thread that would stall training.
-    The main thread hands over a copy of the tidy rows (a DataFrame nothing else mutates); if the
-    previous drawing is still running the new one is skipped (never queued). An error while drawing
-    is re-raised on the main thread by the next :meth:`submit` or :meth:`wait`.
+    Drawing a handful of figures costs seconds of CPU, mostly Python holding the GIL: on the main
+    thread, or even on a thread of this process, that would stall training (see
+    ``figure_process.py`` for the measurement). The main thread hands over a copy of the tidy rows (a
+    DataFrame nothing else mutates); the thread sends them to the figure process and writes the
+    PNGs it gets back. If the previous drawing is still running the new one is skipped (never
+    queued). An error while drawing is re-raised on the main thread by the next :meth:`submit` or
+    :meth:`wait`. :meth:`close` stops the process.
 
     Args:
         roles: roles that get an α-vs-depth and a compression-wave figure (``None``: all).
@@ -119,6 +124,7 @@ class FigureWriter:
         self.skipped = 0
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
+        self._process = FigureProcess()
 
     @property
     def busy(self) -> bool:
@@ -144,9 +150,16 @@ class FigureWriter:
         self._raise_error()
         return not self.busy
 
+    def close(self, timeout: float = 5.0) -> None:
+        """Wait up to ``timeout`` for a running drawing, then stop the figure process."""
+        if self._thread is not None:
+            self._thread.join(timeout)
+        if not self.busy:
+            self._process.close(timeout)
+
     def _draw(self, experiments: list[Any], rows: pd.DataFrame, step: int) -> None:
         try:
-            add_figures(experiments, draw_figures(rows, self.roles), step)
+            add_pngs(experiments, self._process.render(rows, self.roles), step)
             flush(experiments)
         except BaseException as error:  # noqa: BLE001 - re-raised on the main thread
             self._error = error
@@ -170,13 +183,29 @@ def add_layout(experiments: Sequence[Any], layout: dict[str, dict[str, list]]) -
         experiment.add_custom_scalars(layout)
 
 
-def add_figures(experiments: Sequence[Any], figures: dict[str, Any], step: int) -> None:
-    """Write each figure to every TensorBoard writer at ``step`` and close it."""
-    for tag, figure in figures.items():
+def add_pngs(experiments: Sequence[Any], pngs: dict[str, bytes], step: int) -> None:
+    """Write PNG-encoded figures to every TensorBoard writer at ``step`` as image summaries.
+
+    The bytes are written as they are (no decode and re-encode on this process's GIL) through the
+    writer's event-file writer; a writer without one gets ``add_image`` of the decoded pixels.
+    """
+    from tensorboard.compat.proto.summary_pb2 import Summary
+
+    for tag, png in pngs.items():
+        width, height = png_size(png)
+        image = Summary.Image(height=height, width=width, colorspace=4, encoded_image_string=png)
+        summary = Summary(value=[Summary.Value(tag=tag, image=image)])
         for experiment in experiments:
-            experiment.add_figure(tag, figure, global_step=step, close=False)
-        figure.clear()
-        del figure  # OO-API figures are not tracked by pyplot: dropping the reference frees them
+            get_file_writer = getattr(experiment, "_get_file_writer", None)  # torch and tensorboardX
+            if callable(get_file_writer):
+                get_file_writer().add_summary(summary, global_step=step)
+            else:
+                import io
+
+                from matplotlib.image import imread
+
+                pixels = imread(io.BytesIO(png), format="png")  # (H, W, 4) floats in [0, 1]
+                experiment.add_image(tag, pixels, global_step=step, dataformats="HWC")
 
 
 def flush(experiments: Sequence[Any]) -> None:
