@@ -80,7 +80,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--drain", default="0,1", help="comma-separated drain_timeout values (s)")
     args = parser.parse_args(argv)
-    print(f"| drain_timeout | runs | exit statuses | aborts | s per run |  ({args.layers} x {args.width})")
+    print(
+        f"| drain_timeout | runs | exit statuses | aborts | s per run |  ({args.layers} x {args.width})"
+    )
     print("|---|---|---|---|---|")
     failed = False
     for drain in (float(value) for value in args.drain.split(",")):

@@ -252,7 +252,11 @@ def test_cuda_fit_bf16_randomized_values_are_exact_and_training_never_waits_for_
     logger, recorder = RecordingLogger(), WeightRecorder()
     model = TinyGPT(n_embd=256, n_head=4)
     monitor = SpectralMonitor(
-        metrics=("stable_rank",), every_n_steps=5, log_spaced_until=4, figures=False, compute=compute
+        metrics=("stable_rank",),
+        every_n_steps=5,
+        log_spaced_until=4,
+        figures=False,
+        compute=compute,
     )
     trainer = quiet_trainer(
         accelerator="gpu",

@@ -8,8 +8,8 @@ from typing import Any
 import torch
 from gpt import GPT, GPTConfig
 from lightning.pytorch import Callback, seed_everything
-from torch.utils.data import DataLoader, TensorDataset
 from tiny_models import RecordingLogger, TinyGPT, quiet_trainer
+from torch.utils.data import DataLoader, TensorDataset
 
 from spectral_callbacks.integrations.lightning import SpectralMonitor
 from spectral_callbacks.monitor.compute import SpectrumCompute
@@ -97,4 +97,6 @@ def test_a_resumed_fit_continues_the_compute_generator_from_the_checkpoint(tmp_p
     assert at_start.state is not None
     assert torch.equal(at_start.state["generators"]["cpu"], saved["generators"]["cpu"])
     # ... and it went on drawing from there.
-    assert not torch.equal(second.compute.state_dict()["generators"]["cpu"], saved["generators"]["cpu"])
+    assert not torch.equal(
+        second.compute.state_dict()["generators"]["cpu"], saved["generators"]["cpu"]
+    )

@@ -94,7 +94,11 @@ def test_the_svd_runs_while_later_training_steps_run() -> None:
     compute = TimedCompute(SpectrumCompute(method="randomized"), sleep=20)
     steps = TrainingEvents()
     monitor = SpectralMonitor(
-        metrics=("stable_rank",), every_n_steps=5, log_spaced_until=0, compute=compute, figures=False
+        metrics=("stable_rank",),
+        every_n_steps=5,
+        log_spaced_until=0,
+        compute=compute,
+        figures=False,
     )
     trainer = quiet_trainer(
         accelerator="gpu", max_steps=30, logger=RecordingLogger(), callbacks=[monitor, steps]

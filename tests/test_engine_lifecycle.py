@@ -75,7 +75,9 @@ def test_a_worker_that_cannot_start_is_an_error_at_the_next_collect() -> None:
     engine = SnapshotEngine(lambda g, b: {"x": torch.zeros(1)}, groups, worker_threads=0)
     engine.submit(take_snapshot(groups, step=0))
     deadline = time.monotonic() + 30
-    with pytest.raises(SpectralComputeError, match=r"worker thread could not start.*`worker_threads` \(0\)"):
+    with pytest.raises(
+        SpectralComputeError, match=r"worker thread could not start.*`worker_threads` \(0\)"
+    ):
         while time.monotonic() < deadline:
             engine.collect(wait_seconds=0.05)
     engine.close()

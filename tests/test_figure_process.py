@@ -16,8 +16,16 @@ from spectral_callbacks.monitor.figure_process import FigureProcess, png_size
 def _rows() -> pd.DataFrame:
     return pd.DataFrame(
         [
-            {"run": "r", "step": step, "metric": metric, "layer": layer, "depth": layer / 2,
-             "role": "Q", "value": 1.0 + step + layer, "wall_time": 0.0}
+            {
+                "run": "r",
+                "step": step,
+                "metric": metric,
+                "layer": layer,
+                "depth": layer / 2,
+                "role": "Q",
+                "value": 1.0 + step + layer,
+                "wall_time": 0.0,
+            }
             for step in (0, 10, 20)
             for layer in range(3)
             for metric in ("stable_rank", "alpha", "compression")

@@ -80,4 +80,6 @@ def test_the_figure_rows_draw_every_figure() -> None:
     from spectral_callbacks.monitor.dashboards import draw_figures
 
     figures = draw_figures(gpu_check.figure_rows(), roles=("Q",))
-    assert {"spectral_figures/alpha_vs_depth/Q", "spectral_figures/compression_by_layer"} <= set(figures)
+    assert {"spectral_figures/alpha_vs_depth/Q", "spectral_figures/compression_by_layer"} <= set(
+        figures
+    )

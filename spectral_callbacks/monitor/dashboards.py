@@ -196,7 +196,9 @@ def add_pngs(experiments: Sequence[Any], pngs: dict[str, bytes], step: int) -> N
         image = Summary.Image(height=height, width=width, colorspace=4, encoded_image_string=png)
         summary = Summary(value=[Summary.Value(tag=tag, image=image)])
         for experiment in experiments:
-            get_file_writer = getattr(experiment, "_get_file_writer", None)  # torch and tensorboardX
+            get_file_writer = getattr(
+                experiment, "_get_file_writer", None
+            )  # torch and tensorboardX
             if callable(get_file_writer):
                 get_file_writer().add_summary(summary, global_step=step)
             else:

@@ -355,11 +355,14 @@ class SnapshotEngine:
                 # in use here too, so freeing it below cannot hand its memory to training before
                 # these kernels have read it.
                 batch.record_stream(stream)
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record(stream)
-                per_device.setdefault(device, {})[key] = self._compute_group(key, batch, snapshot.step)
-                end.record(stream)
-                busy.append((start, end))
+                first = torch.cuda.Event(enable_timing=True)
+                last = torch.cuda.Event(enable_timing=True)
+                first.record(stream)
+                per_device.setdefault(device, {})[key] = self._compute_group(
+                    key, batch, snapshot.step
+                )
+                last.record(stream)
+                busy.append((first, last))
             del batch
         host, layouts, done = {}, {}, []
         for device, values in per_device.items():
@@ -449,10 +452,13 @@ class SnapshotEngine:
                 host.update(_unpack(work.layout[device], pinned.tolist()))
                 self._pinned.setdefault(device, collections.deque()).append(pinned)  # reuse it
             seconds = sum(start.elapsed_time(end) for start, end in work.busy) / 1000.0
-            copy_seconds = sum(
-                snapshot.copy_started[device].elapsed_time(event)
-                for device, event in snapshot.copied.items()
-            ) / 1000.0
+            copy_seconds = (
+                sum(
+                    snapshot.copy_started[device].elapsed_time(event)
+                    for device, event in snapshot.copied.items()
+                )
+                / 1000.0
+            )
         else:
             host = _unpack(work["layout"], work["values"])
             seconds, copy_seconds = work["seconds"], 0.0
@@ -472,7 +478,9 @@ def _pack(values: dict[str, dict[str, torch.Tensor]]) -> tuple[_Packed, torch.Te
     >>> flat.tolist(), _unpack(layout, flat.tolist())
     ([1.0, 2.0, 3.0, 4.0], {'g': {'a': [1.0, 2.0], 'b': [3.0, 4.0]}})
     """
-    columns, parts, offset = [], [], 0
+    columns: list[tuple[str, tuple[str, ...], int, int]] = []
+    parts: list[torch.Tensor] = []
+    offset = 0
     for key, metrics in values.items():
         batch = len(next(iter(metrics.values()))) if metrics else 0
         columns.append((key, tuple(metrics), offset, batch))

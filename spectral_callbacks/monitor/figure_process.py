@@ -71,7 +71,9 @@ class FigureProcess:
             status, payload = pickle.load(child.stdout)
         except (EOFError, OSError, pickle.UnpicklingError) as error:
             self.close(timeout=0)
-            raise RuntimeError(f"the figure process stopped: {type(error).__name__}: {error}") from error
+            raise RuntimeError(
+                f"the figure process stopped: {type(error).__name__}: {error}"
+            ) from error
         if status != "ok":
             raise RuntimeError(payload)
         return payload
