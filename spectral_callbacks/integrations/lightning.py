@@ -457,7 +457,7 @@ class SpectralMonitor(Callback):
             if trainer.is_global_zero:
                 self._announce_wait(trainer, time.monotonic() + wait)
                 self._collect_and_log(trainer, wait_seconds=wait)
-                self._warn_if_left(trainer)
+                self._warn_if_left(trainer, interrupted=self._draining)
                 self._figure_writer.wait(min(wait, 10.0))
         except Exception as error:  # noqa: BLE001 - reported, the original exception propagates
             warnings.warn(
@@ -514,11 +514,16 @@ class SpectralMonitor(Callback):
                 f"{' and '.join(what)}; Ctrl-C drops them"
             )
 
-    def _warn_if_left(self, trainer: Trainer) -> None:
+    def _warn_if_left(self, trainer: Trainer, interrupted: bool = False) -> None:
         if self._engine is not None and self._engine.pending:
+            why = (
+                "were still in flight when the end-of-fit wait was interrupted"
+                if interrupted
+                else f"did not finish within drain_timeout={self.drain_timeout} s"
+            )
+            advice = "" if interrupted else "; raise `drain_timeout` or lower `k`"
             warnings.warn(
-                f"SpectralMonitor: {self._engine.pending} snapshot(s) did not finish within "
-                f"drain_timeout={self.drain_timeout} s and are dropped; raise `drain_timeout` or lower `k`",
+                f"SpectralMonitor: {self._engine.pending} snapshot(s) {why} and are dropped{advice}",
                 RuntimeWarning,
                 stacklevel=3,
             )
