@@ -342,11 +342,15 @@ class SnapshotEngine:
                 "seconds": time.perf_counter() - start,
             }
         per_device: dict[str, dict[str, dict[str, torch.Tensor]]] = {}
+        on_host: dict[str, dict[str, torch.Tensor]] = {}  # groups of a model partly on the CPU
         busy = []
         for key in list(snapshot.tensors):
             self._raise_if_closing()
             batch = snapshot.tensors.pop(key)  # the snapshot no longer holds it: freed after use
             device = self.groups[key].device
+            if not device.startswith("cuda"):
+                on_host[key] = self._compute_group(key, batch, snapshot.step)
+                continue
             stream = self._stream(device)
             with torch.cuda.device(batch.device), torch.cuda.stream(stream):
                 # The compute stream, not training, waits for the copy on the training stream.
@@ -365,6 +369,8 @@ class SnapshotEngine:
                 busy.append((first, last))
             del batch
         host, layouts, done = {}, {}, []
+        if on_host:
+            layouts["cpu"], host["cpu"] = _pack(on_host)
         for device, values in per_device.items():
             stream = self._streams[device]
             with torch.cuda.device(torch.device(device)), torch.cuda.stream(stream):
@@ -450,7 +456,8 @@ class SnapshotEngine:
         if isinstance(work, _DeviceWork):
             for device, pinned in work.host.items():
                 host.update(_unpack(work.layout[device], pinned.tolist()))
-                self._pinned.setdefault(device, collections.deque()).append(pinned)  # reuse it
+                if device != "cpu":
+                    self._pinned.setdefault(device, collections.deque()).append(pinned)  # reuse
             seconds = sum(start.elapsed_time(end) for start, end in work.busy) / 1000.0
             copy_seconds = (
                 sum(
