@@ -10,7 +10,7 @@ TORCH_SPEC ?= torch==2.13.0
 
 TENSORBOARD_ARGS ?=
 
-.PHONY: demo tensorboard test lint bench clean
+.PHONY: demo tensorboard test lint bench gpu-check clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -35,6 +35,13 @@ lint: $(VENV)/.installed
 bench: $(VENV)/.installed
 	$(PY) benchmarks/svd_accuracy.py
 	$(PY) benchmarks/overhead.py
+
+# The device machine as it is: its system python3 (torch with CUDA, lightning, pytest, ...), no venv,
+# no network. Prints one table (GPU tests, overhead, copy vs main-thread time, SVD, figures) in <= 8 min;
+# on a machine without CUDA it says "no CUDA device: nothing measured" and exits 0.
+GPU_PYTHON ?= python3
+gpu-check:
+	PYTHONPATH=. $(GPU_PYTHON) benchmarks/gpu_check.py
 
 clean:
 	rm -rf $(VENV) demo_output

@@ -131,6 +131,7 @@ def run_once(variant: str, args: argparse.Namespace, logdir: str) -> dict[str, f
         accelerator="auto",
         devices=1,
         max_steps=args.steps,
+        precision=getattr(args, "precision", "32-true"),
         logger=[TensorBoardLogger(logdir, name=variant), health],
         callbacks=callbacks,
         enable_progress_bar=False,
@@ -163,6 +164,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--batch", type=int, default=16, help="sequences per batch")
     parser.add_argument("--steps", type=int, default=600)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--precision", default="32-true", help="Trainer precision, e.g. bf16-mixed")
     parser.add_argument(
         "--variants",
         default="default,synchronous",

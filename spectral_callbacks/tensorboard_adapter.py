@@ -5,8 +5,9 @@ costs speed or detail, never data - the day one of them changes, this file chang
 
 * ``SummaryWriter._get_file_writer()`` - write a snapshot's ~200 scalars as *one* event. Without
   it each scalar goes through ``log_metrics``, one event each (slower, same values).
-  The custom-scalars layout goes the same way, so that its sections can start collapsed; without
-  it ``add_custom_scalars`` writes the layout with every section open.
+  The custom-scalars layout goes the same way, so that its sections can start collapsed (without
+  it ``add_custom_scalars`` writes the layout with every section open), and so do the figures'
+  PNGs, as they are (without it they are decoded and written with ``add_image``).
 * ``TensorBoardLogger._prefix`` - a logger with a metric prefix must get ``log_metrics``, which adds
   the prefix. Without the attribute a logger is assumed to have no prefix.
 * ``event_file_loader._make_tf_record_iterator`` - read raw records and learn where a file is
@@ -90,8 +91,23 @@ def _file_writer(logger: Any) -> Any:
     """The event-file writer of a plain TensorBoard logger, or ``None`` to use ``log_metrics``."""
     if not is_tensorboard_logger(logger) or bool(getattr(logger, "_prefix", None)):
         return None
-    get_file_writer = getattr(logger.experiment, "_get_file_writer", None)
+    return _event_file_writer(logger.experiment)
+
+
+def _event_file_writer(writer: Any) -> Any:
+    """``SummaryWriter._get_file_writer()`` (torch and tensorboardX), or ``None`` without it."""
+    get_file_writer = getattr(writer, "_get_file_writer", None)
     return get_file_writer() if callable(get_file_writer) else None
+
+
+def write_summary(writer: Any, summary: Any, step: int | None = None) -> bool:
+    """Write a ``Summary`` proto as one event of ``writer``; ``False`` if it has no event-file writer
+    (the caller then falls back to the writer's public methods)."""
+    file_writer = _event_file_writer(writer)
+    if file_writer is None:
+        return False
+    file_writer.add_summary(summary, global_step=step)
+    return True
 
 
 def add_layout(writers: Sequence[Any], layout: Any) -> None:
@@ -120,11 +136,7 @@ def add_layout(writers: Sequence[Any], layout: Any) -> None:
         ]
     )
     for writer in writers:
-        get_file_writer = getattr(writer, "_get_file_writer", None)
-        file_writer = get_file_writer() if callable(get_file_writer) else None
-        if file_writer is not None:
-            file_writer.add_summary(summary)
-        else:
+        if not write_summary(writer, summary):
             writer.add_custom_scalars(_layout_dict(layout))
 
 

@@ -21,5 +21,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         return
     skip_gpu = pytest.mark.skip(reason="needs a CUDA device")
     for item in items:
-        if "gpu" in item.keywords:
+        if (
+            item.get_closest_marker("gpu") is not None
+        ):  # the marker, not a keyword: a folder named gpu is one
             item.add_marker(skip_gpu)

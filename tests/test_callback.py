@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 import torch
+from lightning.pytorch import Callback
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from tiny_models import (
@@ -233,22 +234,47 @@ def test_bad_arguments_are_named(kwargs: dict, match: str) -> None:
 
 
 @pytest.mark.gpu
-def test_cuda_side_stream_snapshots_are_the_weights_at_each_step() -> None:
-    logger, recorder, model = RecordingLogger(), WeightRecorder(), TinyGPT(n_embd=64)
-    monitor = SpectralMonitor(
-        metrics=("stable_rank",), every_n_steps=5, log_spaced_until=4, figures=False, max_pending=8
-    )
-    trainer = quiet_trainer(
-        accelerator="gpu", max_steps=20, logger=logger, callbacks=[monitor, recorder]
-    )
-    trainer.fit(model, token_loader())
-    assert sorted(logger.series(scalar_tag("stable_rank", 0, "Q"))) == [0, 1, 2, 5, 10, 15, 20]
+def test_cuda_fit_bf16_randomized_values_are_exact_and_training_never_waits_for_the_svd() -> None:
+    from cuda_checks import TimedCompute, sleep_ms
+
+    from spectral_callbacks.monitor.compute import SpectrumCompute
     from spectral_callbacks.targets import find_targets
 
+    sleep_ms(1)  # calibrate the GPU sleep on the main thread
+    # A slow SVD: 100 ms of GPU sleep on the compute stream before each group's randomized SVD.
+    compute = TimedCompute(SpectrumCompute(method="randomized"), sleep=100)
+    overlapped = []
+
+    class TrainingStreamDone(Callback):
+        """After the monitor's hook: the training stream is done, is a slow SVD still running?"""
+
+        def on_train_batch_end(self, *args: Any) -> None:
+            torch.cuda.current_stream().synchronize()  # the test's sync, not the callback's
+            overlapped.append(any(not event.query() for event in compute.after_sleep))
+
+    logger, recorder = RecordingLogger(), WeightRecorder()
+    model = TinyGPT(n_embd=256, n_head=4)
+    monitor = SpectralMonitor(
+        metrics=("stable_rank",),
+        every_n_steps=5,
+        log_spaced_until=4,
+        figures=False,
+        compute=compute,
+    )
+    trainer = quiet_trainer(
+        accelerator="gpu",
+        precision="bf16-true",
+        max_steps=20,
+        logger=logger,
+        callbacks=[monitor, TrainingStreamDone(), recorder],
+    )
+    trainer.fit(model, token_loader())
+    assert any(overlapped)  # training finished steps while the compute stream slept
     for target in find_targets(model):
-        for step, value in logger.series(
-            scalar_tag("stable_rank", target.layer, target.role)
-        ).items():
+        assert target.matrix().dtype == torch.bfloat16
+        series = logger.series(scalar_tag("stable_rank", target.layer, target.role))
+        assert {0, 20} <= set(series) <= {0, 1, 2, 5, 10, 15, 20}
+        for step, value in series.items():
             expected = exact_stable_rank(recorder.weights[step][target.name])
             assert value == pytest.approx(expected, rel=0.01), (target.name, step)
 

@@ -13,6 +13,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -192,6 +193,12 @@ def test_layout_round_trip_keeps_nan_and_leaves_out_what_is_absent() -> None:
     assert health[1]["svd_ms"] == 3.0 and health[0]["matrices"] == 1.0
 
 
+def _wait_computed(engine: multi.DistributedEngine, step: int) -> None:
+    deadline = time.monotonic() + 30
+    while step not in engine._done and time.monotonic() < deadline:
+        engine._harvest(wait_seconds=0.05)
+
+
 def test_engine_sends_each_result_at_the_next_point_and_a_late_one_as_missing(
     tmp_path: Path,
 ) -> None:
@@ -217,14 +224,16 @@ def test_engine_sends_each_result_at_the_next_point_and_a_late_one_as_missing(
         assert engine.lag == 1
         assert engine.submit(take_snapshot(engine.groups.values(), 0))
         assert engine.collect(wait_seconds=0.5) == []  # nothing is sent before the next point
+        _wait_computed(engine, 0)  # points never wait for a result: let it finish first
         engine.submit(take_snapshot(engine.groups.values(), 1))  # sends step 0
         (first,) = engine.collect(wait_seconds=5)
         assert first.step == 0
         ranks = {name: row["stable_rank"] for name, row in first.metrics.items()}
         assert ranks == pytest.approx({"w0": 2.0, "w1": 1.25, "w2": 1 + 1 / 9})
         assert first.rank_scalars[monitor_tag("rank0/matrices")] == 3.0
+        _wait_computed(engine, 1)  # step 1 is computed...
         slow["on"] = True
-        engine.submit(take_snapshot(engine.groups.values(), 2))  # sends step 1 (done within 1 s)
+        engine.submit(take_snapshot(engine.groups.values(), 2))  # ...and sent, without a wait
         engine.flush(deadline=0.0)  # step 2 is still computing: sent as missing
         results = engine.collect(wait_seconds=5)
         assert [r.step for r in results] == [1, 2]
@@ -257,3 +266,43 @@ def test_budget_mode_and_non_ddp_multi_process_strategies_are_refused() -> None:
     other = SimpleNamespace(strategy=object(), world_size=4, loggers=[object()])
     with pytest.raises(MisconfigurationException, match="does not support object with 4 processes"):
         SpectralMonitor().setup(other, TinyGPT(), "fit")
+
+
+def test_a_scheduled_point_never_waits_for_a_result_on_the_training_thread(
+    tmp_path: Path,
+) -> None:
+    dist.init_process_group(
+        "gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1
+    )
+    release = threading.Event()
+    try:
+        targets = [SimpleNamespace(name="w", shape=(4, 3), matrix=lambda: diagonal(0.5))]
+
+        def blocked(group, batch):
+            release.wait(timeout=30)
+            return exact_compute(group, batch)
+
+        engine = multi.DistributedEngine(
+            blocked, targets, ("stable_rank",), rank=0, world_size=1, group=dist.group.WORLD
+        )
+        waits: list[float] = []
+        local_collect = engine._local.collect
+
+        def recording_collect(wait_seconds: float = 0.0):
+            waits.append(wait_seconds)
+            return local_collect(wait_seconds)
+
+        engine._local.collect = recording_collect  # type: ignore[method-assign]
+        engine.submit(take_snapshot(engine.groups.values(), 0))
+        engine.submit(take_snapshot(engine.groups.values(), 1))  # step 0 still computing
+        assert waits and max(waits) == 0.0  # polled, never waited on
+        assert engine.missed == 1  # sent as missing instead
+        release.set()
+        engine.flush(deadline=time.monotonic() + 10)
+        deadline = time.monotonic() + 10
+        while engine.pending and time.monotonic() < deadline:
+            engine.collect(wait_seconds=0.05)
+        engine.close()
+    finally:
+        release.set()
+        dist.destroy_process_group()

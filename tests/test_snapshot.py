@@ -39,7 +39,7 @@ def test_snapshot_is_an_exact_copy_untouched_by_the_next_update() -> None:
         weight.mul_(-2.0)  # the "next optimizer step", in place as optimizers do
     stacked = snapshot.tensors["6x5/float32/cpu"]
     assert torch.equal(stacked[0], originals["q"]) and torch.equal(stacked[1], originals["k"])
-    assert snapshot.main_thread_seconds >= 0 and snapshot.stream is None
+    assert snapshot.main_thread_seconds >= 0 and snapshot.copied == {}
 
 
 def test_snapshot_keeps_the_parameter_dtype() -> None:
@@ -49,13 +49,55 @@ def test_snapshot_keeps_the_parameter_dtype() -> None:
 
 
 @pytest.mark.gpu
-def test_cuda_snapshot_is_ordered_before_the_next_update() -> None:
+def test_cuda_copy_sees_a_late_update_and_not_the_next_one() -> None:
+    from cuda_checks import sleep_ms
+
     weight = torch.randn(256, 256, device="cuda")
-    expected = weight.clone()
+    original = weight.clone()
+    groups = group_by_shape(_targets({"w": weight}))
+    torch.cuda.synchronize()
+    sleep_ms(200)  # the update of step s is late on the training stream...
+    weight.mul_(2.0)
+    snapshot = take_snapshot(groups, step=1)  # ...and the copy is enqueued before it ran
+    weight.add_(1.0)  # the update of step s + 1, in place
+    torch.cuda.synchronize()
+    assert torch.equal(snapshot.tensors["256x256/float32/cuda:0"][0], original * 2.0)
+
+
+@pytest.mark.gpu
+def test_cuda_copy_does_not_queue_behind_work_on_the_compute_stream() -> None:
+    from cuda_checks import sleep_ms
+
+    weight = torch.randn(256, 256, device="cuda")
     groups = group_by_shape(_targets({"w": weight}))
     side = torch.cuda.Stream()
-    snapshot = take_snapshot(groups, step=1, stream=side)
-    weight.mul_(3.0)  # queued on the training stream, which must wait for the copy
-    snapshot.stream.synchronize()
-    torch.cuda.current_stream().synchronize()
-    assert torch.equal(snapshot.tensors["256x256/float32/cuda:0"][0], expected)
+    torch.cuda.synchronize()
+    with torch.cuda.stream(side):
+        sleep_ms(500)  # an earlier snapshot's SVD, still running
+    snapshot = take_snapshot(groups, step=2)
+    weight.mul_(3.0)  # the next update
+    torch.cuda.current_stream().synchronize()  # the training stream is done: copy and update...
+    assert snapshot.copied["cuda:0"].query()
+    assert not side.query()  # ...while the compute stream is still busy: it never waited for it
+    side.synchronize()
+
+
+@pytest.mark.gpu
+def test_the_compute_stream_reads_the_stack_only_after_the_copy() -> None:
+    from cuda_checks import sleep_ms
+
+    from spectral_callbacks.monitor.engine import SnapshotEngine
+
+    weight = torch.randn(256, 256, device="cuda")
+    groups = group_by_shape(_targets({"w": weight}))
+    total = lambda group, batch: {"sum": batch.double().sum((-2, -1))}  # noqa: E731
+    engine = SnapshotEngine(total, groups)
+    expected = float((weight.double() * 2.0).sum())
+    torch.cuda.synchronize()
+    sleep_ms(300)  # training is behind: the copy runs 300 ms from now
+    weight.mul_(2.0)
+    assert engine.submit(take_snapshot(groups, step=3))
+    [result] = engine.collect(wait_seconds=60)
+    engine.close()
+    assert result.metrics["w"]["sum"] == pytest.approx(expected, rel=1e-9)
+    assert result.copy_seconds >= 0 and result.svd_seconds >= 0

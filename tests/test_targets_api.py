@@ -352,3 +352,16 @@ def test_transposed_per_head_split_of_an_in_out_weight():
     expected = (x @ model.proj.weight).view(5, 3, 2, 4)[:, :, 1].reshape(5, 12)
     torch.testing.assert_close(x @ v.matrix().T, expected)
     assert v.shape == (12, 16)
+
+
+def test_copy_into_writes_the_matrix_into_a_stack_slot():
+    torch.manual_seed(6)
+    model = CustomNet(layers=2)
+    mapping = {"wqkv": Split(("Q", "K", "V"), groups=4), "wout": "O"}
+    targets = [t for t in find_targets(model, mapping=mapping) if t.role in ("K", "O")]
+    stack = torch.empty(len(targets), 16, 16)
+    for slot, target in zip(stack, targets, strict=True):
+        assert target.copy_into(slot) is slot
+    torch.testing.assert_close(stack, torch.stack([t.matrix() for t in targets]), rtol=0, atol=0)
+    with pytest.raises(ValueError, match=r"`out` must have shape \(16, 16\)"):
+        targets[0].copy_into(torch.empty(16, 8))

@@ -360,3 +360,10 @@ def test_gpt2_split_is_a_view_of_the_conv1d_weight():
     with torch.no_grad():
         weight[3, 5] = 7.0  # matrix() reads the live parameter
     assert q.matrix()[5, 3].item() == 7.0
+
+
+def test_copy_into_handles_transposed_and_per_head_weights():
+    for build in (gpt2, gpt_neox):  # Conv1D (in, out) slices; (heads, 3, hd) interleaving
+        for target in find_targets(build(), roles=["Q", "V"]):
+            slot = torch.empty(target.shape)
+            torch.testing.assert_close(target.copy_into(slot), target.matrix(), rtol=0, atol=0)

@@ -3,6 +3,10 @@
 It turns a ``(B, m, n)`` stack of snapshots into metric tensors: a batched randomized top-k SVD,
 warm-started from the previous snapshot's subspace, the exact ‖W‖_F², and the metrics of
 ``spectral_callbacks.functional``. It holds no Lightning or engine logic.
+
+Observing must not change the run: the Gaussian start blocks come from generators the compute owns
+(one per device, seeded deterministically), never from torch's default generator, whose draws would
+otherwise interleave with training's dropout and data shuffling at moments that depend on timing.
 """
 
 from __future__ import annotations
@@ -29,6 +33,18 @@ class SpectrumCompute:
             default.
         esd: also compute ``esd_alpha``. Default ``False``.
         warm_start: reuse the previous snapshot's subspace. Default ``True``.
+        seed: seed of the compute's own random generators (one per device, created at first use).
+            Default ``0``.
+
+    Example::
+
+        >>> compute = SpectrumCompute(k=2, method="randomized")
+        >>> group = ShapeGroup("3x3/float32/cpu", ())
+        >>> batch = torch.diag(torch.tensor([3.0, 2.0, 1.0]))[None]
+        >>> [round(v, 4) for v in compute(group, batch)["spectral_norm"].tolist()]
+        [3.0]
+        >>> sorted(compute.state_dict()["generators"])
+        ['cpu']
     """
 
     def __init__(
@@ -41,6 +57,7 @@ class SpectrumCompute:
         fit_window: Any = None,
         esd: bool = False,
         warm_start: bool = True,
+        seed: int = 0,
     ) -> None:
         self.k = k
         self.svd_options: dict[str, Any] = {"method": method}
@@ -53,6 +70,9 @@ class SpectrumCompute:
             self.metric_options["fit_window"] = fit_window
         self.warm_start = warm_start
         self._subspaces: dict[str, torch.Tensor] = {}
+        self.seed = seed
+        self._generators: dict[str, torch.Generator] = {}
+        self._restored_states: dict[str, torch.Tensor] = {}
 
     def __call__(self, group: ShapeGroup, batch: torch.Tensor) -> dict[str, torch.Tensor]:
         # ‖W‖_F² exactly from the snapshot, never from the truncated spectrum (DESIGN.md §2).
@@ -61,7 +81,35 @@ class SpectrumCompute:
         init = self._subspaces.get(group.key) if self.warm_start else None
         if init is not None and init.shape[0] != batch.shape[0]:
             init = None
-        top = randomized_svd(batch, k, init=init, **self.svd_options)
+        top = randomized_svd(
+            batch, k, init=init, generator=self._generator(batch.device), **self.svd_options
+        )
         if self.warm_start and top.V is not None:
             self._subspaces[group.key] = top.V
         return metrics_from_spectrum(top.S, frobenius_sq, **self.metric_options)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The generators' states (device -> ByteTensor), so a resumed run continues their streams.
+
+        Read while the worker may be drawing, a state is still one between two draws (a generator
+        locks itself per draw); a snapshot in flight at checkpoint time draws after it.
+        """
+        states = dict(self._restored_states)
+        states.update({device: gen.get_state() for device, gen in self._generators.items()})
+        return {"seed": self.seed, "generators": states}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore the generators' states (applied to a device's generator when it is created)."""
+        self.seed = int(state_dict.get("seed", self.seed))
+        self._restored_states = dict(state_dict.get("generators", {}))
+        self._generators.clear()
+
+    def _generator(self, device: torch.device) -> torch.Generator:
+        key = str(device)
+        generator = self._generators.get(key)
+        if generator is None:
+            generator = torch.Generator(device=device).manual_seed(self.seed)
+            if key in self._restored_states:
+                generator.set_state(self._restored_states.pop(key))
+            self._generators[key] = generator
+        return generator

@@ -17,7 +17,8 @@ shows them in its Custom Scalars tab. What TensorBoard's custom-scalars frontend
   of the frontend (on by default), which clips the step-0 values (docs/callback.md).
 
 Figures are drawn with ``spectral_callbacks.offline.charts`` (object-oriented matplotlib on the Agg
-canvas, no pyplot state) and written with ``add_figure``, which closes them.
+canvas, no pyplot state) in a child process (``figure_process.py``), so matplotlib never holds the
+training process's GIL, and written as PNG image summaries.
 
 Example::
 
@@ -45,8 +46,10 @@ from typing import Any
 import pandas as pd
 from tensorboard.plugins.custom_scalar import layout_pb2
 
+from spectral_callbacks.monitor import background
+from spectral_callbacks.monitor.figure_process import FigureProcess, png_size
 from spectral_callbacks.names import layer_label, scalar_tag
-from spectral_callbacks.tensorboard_adapter import add_layout, flush
+from spectral_callbacks.tensorboard_adapter import add_layout, flush, write_summary
 
 FIGURE_SECTION = "spectral_figures"
 #: The run name of the tidy rows the live figures are drawn from (their legend).
@@ -215,12 +218,15 @@ def draw_figures(rows: pd.DataFrame, roles: Sequence[str] | None = ("Q",)) -> di
 
 
 class FigureWriter:
-    """Draws and writes figures on a background thread, one drawing at a time.
+    """Draws figures in a child process and writes them from a background thread, one at a time.
 
-    Drawing a handful of figures costs seconds of CPU; on the main thread that would stall training.
-    The main thread hands over a copy of the tidy rows (a DataFrame nothing else mutates); if the
-    previous drawing is still running the new one is skipped (never queued). An error while drawing
-    is re-raised on the main thread by the next :meth:`submit` or :meth:`wait`.
+    Drawing a handful of figures costs seconds of CPU, mostly Python holding the GIL: on the main
+    thread, or even on a thread of this process, that would stall training (see
+    ``figure_process.py`` for the measurement). The main thread hands over a copy of the tidy rows (a
+    DataFrame nothing else mutates); the thread sends them to the figure process and writes the
+    PNGs it gets back. If the previous drawing is still running the new one is skipped (never
+    queued). An error while drawing is re-raised on the main thread by the next :meth:`submit` or
+    :meth:`wait`. :meth:`close` stops the process.
 
     Args:
         roles: roles that get an α-vs-depth and a compression-wave figure (``None``: all).
@@ -231,6 +237,7 @@ class FigureWriter:
         self.skipped = 0
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
+        self._process = FigureProcess()
 
     @property
     def busy(self) -> bool:
@@ -242,13 +249,11 @@ class FigureWriter:
         if self.busy:
             self.skipped += 1
             return False
-        self._thread = threading.Thread(
-            target=self._draw,
-            args=(list(experiments), rows, step),
-            name="SpectralMonitor-figures",
-            daemon=True,
+        # Through background.start_daemon: a drawing still running at exit is waited for, not
+        # killed inside matplotlib's C++ (which would abort the process).
+        self._thread = background.start_daemon(
+            lambda: self._draw(list(experiments), rows, step), "SpectralMonitor-figures"
         )
-        self._thread.start()
         return True
 
     def wait(self, timeout: float) -> bool:
@@ -258,9 +263,16 @@ class FigureWriter:
         self._raise_error()
         return not self.busy
 
+    def close(self, timeout: float = 5.0) -> None:
+        """Wait up to ``timeout`` for a running drawing, then stop the figure process."""
+        if self._thread is not None:
+            self._thread.join(timeout)
+        if not self.busy:
+            self._process.close(timeout)
+
     def _draw(self, experiments: list[Any], rows: pd.DataFrame, step: int) -> None:
         try:
-            add_figures(experiments, draw_figures(rows, self.roles), step)
+            add_pngs(experiments, self._process.render(rows, self.roles), step)
             flush(experiments)
         except BaseException as error:  # noqa: BLE001 - re-raised on the main thread
             self._error = error
@@ -271,18 +283,31 @@ class FigureWriter:
             raise RuntimeError(f"SpectralMonitor could not draw its figures: {error}") from error
 
 
-def add_figures(experiments: Sequence[Any], figures: dict[str, Any], step: int) -> None:
-    """Write each figure to every TensorBoard writer at ``step`` and close it."""
-    for tag, figure in figures.items():
+def add_pngs(experiments: Sequence[Any], pngs: dict[str, bytes], step: int) -> None:
+    """Write PNG-encoded figures to every TensorBoard writer at ``step`` as image summaries.
+
+    The bytes are written as they are (no decode and re-encode on this process's GIL) through the
+    writer's event-file writer; a writer without one gets ``add_image`` of the decoded pixels.
+    """
+    from tensorboard.compat.proto.summary_pb2 import Summary
+
+    for tag, png in pngs.items():
+        width, height = png_size(png)
+        image = Summary.Image(height=height, width=width, colorspace=4, encoded_image_string=png)
+        summary = Summary(value=[Summary.Value(tag=tag, image=image)])
         for experiment in experiments:
-            experiment.add_figure(tag, figure, global_step=step, close=False)
-        figure.clear()
-        del figure  # OO-API figures are not tracked by pyplot: dropping the reference frees them
+            if not write_summary(experiment, summary, step):
+                import io
+
+                from matplotlib.image import imread
+
+                pixels = imread(io.BytesIO(png), format="png")  # (H, W, 4) floats in [0, 1]
+                experiment.add_image(tag, pixels, global_step=step, dataformats="HWC")
 
 
 class LiveFigures:
     """When a run draws its figures: every ``every_n_steps`` (on the first snapshot logged at or
-    after each multiple) and once more at the end, on a :class:`FigureWriter`'s thread.
+    after each multiple) and once more at the end, through a :class:`FigureWriter`.
 
     Args:
         roles: roles that get an α-vs-depth and a compression-wave figure (``None``: all).
@@ -293,6 +318,11 @@ class LiveFigures:
         self.every_n_steps = every_n_steps
         self.last_step: int | None = None
         self._writer = FigureWriter(roles)
+
+    @property
+    def busy(self) -> bool:
+        """Whether a drawing is still running."""
+        return self._writer.busy
 
     def due(self, step: int) -> bool:
         """Whether the figures are due at the snapshot of ``step``."""
@@ -317,3 +347,7 @@ class LiveFigures:
         if self.last_step != step and self._writer.wait(max(0.0, deadline - time.monotonic())):
             self.draw(experiments, rows(), step)
         return self._writer.wait(max(0.0, deadline - time.monotonic()))
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Wait up to ``timeout`` for a drawing still running, then stop the figure process."""
+        self._writer.close(timeout)

@@ -2,22 +2,35 @@
 
 ::
 
-    main thread (hooks)                 worker thread                     CUDA side stream
-    -------------------                 -------------                     ----------------
-    take_snapshot ───── submit ───────► compute(group, batch) per group ► SVD kernels, results
-      (skipped + counted if               (one thread, FIFO)                 copied to pinned host
-       max_pending are in flight)                                            memory, `done` event
-    collect ◄── future done and `done` event reached (polled, never waited on) ◄──┘
+    main thread (offer)             worker thread (1, daemon)              CUDA, per device
+    -------------------             -------------------------              ----------------
+    take_snapshot (copy on the ──── submit ──► per shape group:            training stream: ... update s,
+      training stream, `copied`      (skipped    compute.wait_event(copied)   copy, `copied`, step s+1 ...
+      event after it)                + counted   stack.record_stream(compute) compute stream: SVD kernels,
+                                     if full)    compute(group, batch)        metrics packed into one tensor
+                                                 free the group's stack       -> one copy into a reused
+                                                                              pinned host buffer, `done`
+    collect ◄── future done and every `done` event reached (polled with query(), never waited on) ◄─┘
 
 * CPU: the copy was made on the main thread; one daemon worker thread (started lazily) runs the
   compute function, so training only loses what the worker takes from the shared cores.
-* CUDA: the worker only *enqueues* the compute on the snapshot's side stream and records an event;
-  the main thread polls ``event.query()`` in later hooks - no ``synchronize()`` and no ``.item()``
-  on the training path.
+* CUDA: the worker enqueues each group's compute on its device's compute stream (one per device,
+  the worker's current device set to it), after a wait on the snapshot's ``copied`` event - so the
+  compute stream, not training, waits for the copy. The training stream never waits on the
+  compute stream. The main thread polls ``event.query()`` in later hooks: no ``synchronize()`` and
+  no ``.item()`` on the training path. The worker itself may block on the device inside the SVD
+  math (LAPACK-style error checks, data-dependent branches): that stalls only the worker.
+* Memory: each group's stack is freed as soon as its compute is enqueued (``record_stream`` keeps
+  the caching allocator from reusing it before the compute stream is done with it); a snapshot's
+  results travel in one pinned host buffer per device, reused from a pool of at most
+  ``max_pending`` per device.
 * ``synchronous=True`` runs the compute inline and waits for it: the naive baseline.
 
 Errors raised by the compute function are re-raised on the main thread by :meth:`collect`, as a
-:class:`SpectralComputeError` naming the matrix.
+:class:`SpectralComputeError` naming the matrix, with the frames' locals cleared (a kept traceback
+would otherwise pin the snapshot's memory). A worker thread that cannot even start fails every
+snapshot the same way, so the error surfaces at the next hook. At interpreter exit, work still in
+flight is abandoned at the next shape group and reported (``background.py``), never a crash.
 
 Example::
 
@@ -39,10 +52,12 @@ Example::
 from __future__ import annotations
 
 import collections
+import dataclasses
 import os
 import queue
 import threading
 import time
+import traceback
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -50,11 +65,12 @@ from typing import Any
 
 import torch
 
+from spectral_callbacks.monitor import background
 from spectral_callbacks.monitor.messages import rank_zero_warn
 from spectral_callbacks.monitor.snapshot import ShapeGroup, Snapshot, take_snapshot
 
 #: ``compute(group, batch)``: ``batch`` is a float ``(B, m, n)`` stack of the group's matrices;
-#: returns metric name -> ``(B,)`` tensor. On CUDA it runs with the side stream current.
+#: returns metric name -> ``(B,)`` tensor. On CUDA it runs with the compute stream current.
 Compute = Callable[[ShapeGroup, torch.Tensor], dict[str, torch.Tensor]]
 
 _POLL_SECONDS = 0.005
@@ -64,28 +80,47 @@ class SpectralComputeError(RuntimeError):
     """The compute function failed on a snapshot; the message names the matrix and the step."""
 
 
+class _Abandoned(Exception):
+    """The engine was closed (or the interpreter is exiting) while this snapshot was computed."""
+
+
 @dataclass
 class SnapshotResult:
     """The metrics of one snapshot: target name -> metric -> value, and what it cost.
 
-    ``rank_scalars`` holds health scalars an engine adds to the log (under DDP: each rank's health
-    and the total of skipped snapshots over ranks); empty for one process.
+    ``svd_seconds`` is the compute's busy time: on the CPU the worker's wall time, on CUDA the sum
+    over shape groups of the compute stream's time from the group's first kernel to its last
+    (so neither the wait for the copy nor the gaps between groups count; kernels slowed by
+    training's running alongside still do). ``copy_seconds`` is the copy's time on the training
+    stream (CUDA; 0 on the CPU, where the copy is in ``main_thread_seconds``). ``rank_scalars``
+    holds health scalars an engine adds to the log (under DDP: each rank's health and the total of
+    skipped snapshots over ranks); empty for one process.
     """
 
     step: int
     metrics: dict[str, dict[str, float]]
     svd_seconds: float
     main_thread_seconds: float
+    copy_seconds: float = 0.0
     rank_scalars: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass
-class _DeviceWork:
-    """What the worker enqueued on a CUDA stream; complete once ``done`` is reached."""
+class _Packed:
+    """Where each group's metrics lie in a snapshot's one flat result tensor."""
 
-    host: dict[str, dict[str, torch.Tensor]]  # group key -> metric -> pinned (B,) tensor
-    start: Any
-    done: Any
+    columns: list[tuple[str, tuple[str, ...], int, int]]  # (group key, metric names, offset, B)
+    size: int
+
+
+@dataclass
+class _DeviceWork:
+    """What the worker enqueued on the compute streams; complete once every ``done`` is reached."""
+
+    host: dict[str, torch.Tensor]  # device -> pinned flat float64 results
+    layout: dict[str, _Packed]  # device -> layout of its flat results
+    busy: list[tuple[Any, Any]]  # (start, end) timing events per group
+    done: list[Any]
 
 
 @dataclass
@@ -103,9 +138,9 @@ class SnapshotEngine:
         groups: the shape groups the snapshots hold, from ``group_by_shape``.
         max_pending: how many snapshots may be submitted and not yet collected. Default ``2``.
         synchronous: compute inline in :meth:`submit` and wait for it. Default ``False``.
-        worker_threads: ``torch.set_num_threads`` in the worker thread (it is per-thread for the
-            OpenMP pool), so a CPU SVD does not claim every core training uses. ``None`` leaves
-            torch's default. Default ``1``.
+        worker_threads: intra-op threads of the worker thread (``torch.set_num_threads``, undone
+            for every other thread: see :func:`_limit_this_thread`), so a CPU SVD does not claim
+            every core training uses. ``None`` leaves torch's default. Default ``1``.
         worker_nice: raise the worker thread's nice value by this much (Linux: per thread), so on
             busy cores the scheduler runs training first and the SVD in what is left. ``None``
             leaves it; ignored on CUDA, where the worker only enqueues kernels. Default ``None``.
@@ -136,20 +171,22 @@ class SnapshotEngine:
         self.max_pending = max_pending
         self.synchronous = synchronous
         self.worker_threads = worker_threads
-        devices = [group.targets[0].matrix().device for group in self.groups.values()]
-        cuda = [device for device in devices if device.type == "cuda"]
-        #: The side stream CUDA snapshots are copied and decomposed on (``None`` on the CPU).
-        self.stream = torch.cuda.Stream(cuda[0]) if cuda and not synchronous else None
         # On CUDA the worker only enqueues kernels: lowering its priority would only add latency.
-        self.worker_nice = worker_nice if self.stream is None else None
+        on_cuda = any(group.device.startswith("cuda") for group in self.groups.values())
+        self.worker_nice = None if on_cuda else worker_nice
         # The skip count lives here only: changed by _skip and by finish() retaking a skipped step.
         self._skipped = skipped
         self._last_skipped: int | None = None
         self._last_accepted: int | None = None
+        self.abandoned = 0  # snapshots dropped by close() or at exit before their result existed
+        self.pinned_allocated = 0  # pinned result buffers ever allocated (bounded by max_pending)
         self._jobs: collections.deque[_Job] = collections.deque()
         self._queue: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self._worker: threading.Thread | None = None
         self._closing = threading.Event()
+        self._streams: dict[str, torch.cuda.Stream] = {}
+        # device -> pinned result buffers free for reuse; at most max_pending exist per device.
+        self._pinned: dict[str, collections.deque[torch.Tensor]] = {}
 
     @property
     def pending(self) -> int:
@@ -199,6 +236,11 @@ class SnapshotEngine:
     def abort(self) -> None:
         """After an exception: nothing to do for one process (no collective can hang)."""
 
+    @property
+    def streams(self) -> dict[str, torch.cuda.Stream]:
+        """The compute stream of each CUDA device seen so far (created by the worker)."""
+        return dict(self._streams)
+
     def submit(self, snapshot: Snapshot) -> bool:
         """Hand a snapshot over; ``False`` (and ``skipped`` counts it) if ``max_pending`` are in flight."""
         if self.pending >= self.max_pending:
@@ -209,7 +251,7 @@ class SnapshotEngine:
 
     def _take(self, step: int) -> Snapshot:
         with torch.no_grad():
-            return take_snapshot(list(self.groups.values()), step, stream=self.stream)
+            return take_snapshot(list(self.groups.values()), step)
 
     def _skip(self, step: int) -> None:
         self._skipped += 1
@@ -227,7 +269,8 @@ class SnapshotEngine:
             self._run(job)
             work = job.future.result() if job.future.exception() is None else None
             if isinstance(work, _DeviceWork):
-                work.done.synchronize()  # the baseline blocks by design
+                for done in work.done:
+                    done.synchronize()  # the baseline blocks by design
             return
         self._ensure_worker()
         self._queue.put(job)
@@ -236,8 +279,8 @@ class SnapshotEngine:
         """The results that are complete, in step order; waits up to ``wait_seconds`` for all.
 
         Raises:
-            SpectralComputeError: if the compute function failed on a snapshot (raised once; the
-                snapshots before it are returned by the next call).
+            SpectralComputeError: if the compute function failed on a snapshot, or the worker thread
+                could not start (raised once; the snapshots before it are returned by the next call).
         """
         deadline = time.monotonic() + wait_seconds
         results: list[SnapshotResult] = []
@@ -249,6 +292,8 @@ class SnapshotEngine:
             if job.future.cancelled():
                 continue
             error = job.future.exception()
+            if isinstance(error, _Abandoned):
+                continue
             if error is not None:
                 if results:  # hand the finished ones over first; the error comes next call
                     self._jobs.appendleft(job)
@@ -258,19 +303,24 @@ class SnapshotEngine:
         return results
 
     def close(self, timeout: float = 5.0) -> None:
-        """Stop the worker: queued snapshots are dropped, a running one may finish within ``timeout``."""
+        """Stop the worker: queued snapshots are dropped, a running one may finish within ``timeout``.
+
+        Dropped snapshots are counted in ``abandoned``. A worker still inside a computation after
+        ``timeout`` is left to finish it (a daemon thread; at exit it is waited for, see
+        ``background.py``).
+        """
         self._closing.set()
         worker, self._worker = self._worker, None
-        if worker is None:
-            return
-        self._queue.put(None)
-        worker.join(timeout)
-        if worker.is_alive():  # a daemon thread: it cannot keep the interpreter alive
-            rank_zero_warn(
-                f"SpectralMonitor's worker thread did not stop within {timeout} s; it is left "
-                "running as a daemon thread and its snapshot is dropped",
-                category=RuntimeWarning,
-            )
+        if worker is not None:
+            self._queue.put(None)
+            worker.join(timeout)
+            if worker.is_alive():
+                rank_zero_warn(
+                    f"SpectralMonitor's worker thread did not stop within {timeout} s; it is left "
+                    "running as a daemon thread and its snapshot is dropped",
+                    category=RuntimeWarning,
+                )
+        self.abandoned += sum(not job.future.done() for job in self._jobs)
         self._jobs.clear()
 
     # --- worker side ------------------------------------------------------------------------
@@ -278,14 +328,43 @@ class SnapshotEngine:
     def _ensure_worker(self) -> None:
         if self._worker is None:
             self._closing.clear()
-            self._worker = threading.Thread(
-                target=self._loop, name="SpectralMonitor-worker", daemon=True
+            self._worker = background.start_daemon(
+                self._loop, "SpectralMonitor-worker", stop=self._stop_at_exit
             )
-            self._worker.start()
+
+    def _stop_at_exit(self) -> str | None:
+        """At interpreter exit: abandon the queued snapshots and the current one (next group)."""
+        self._closing.set()
+        self._queue.put(None)
+        in_flight = sum(not job.future.done() for job in list(self._jobs))
+        return f"{in_flight} snapshot(s) still in flight" if in_flight else None
 
     def _loop(self) -> None:
+        try:
+            self._configure_thread()
+            failure = None
+        except Exception as error:  # noqa: BLE001 - every snapshot fails with it, on the main thread
+            failure = SpectralComputeError(
+                f"SpectralMonitor's worker thread could not start ({type(error).__name__}: {error}); "
+                f"check `worker_threads` ({self.worker_threads!r}) and `worker_nice` "
+                f"({self.worker_nice!r})"
+            )
+        while True:
+            job = self._queue.get()
+            if job is None:
+                return
+            if self._closing.is_set():
+                job.future.cancel()
+                continue
+            if failure is not None:
+                if job.future.set_running_or_notify_cancel():
+                    job.future.set_exception(failure)
+                continue
+            self._run(job)
+
+    def _configure_thread(self) -> None:
         if self.worker_threads is not None:
-            torch.set_num_threads(self.worker_threads)
+            _limit_this_thread(self.worker_threads)
         if self.worker_nice and hasattr(os, "setpriority"):
             try:  # on Linux a thread is a task: this lowers the priority of this thread only
                 thread = threading.get_native_id()
@@ -296,14 +375,6 @@ class SnapshotEngine:
                 )
             except OSError:  # not permitted here: run at normal priority
                 pass
-        while True:
-            job = self._queue.get()
-            if job is None:
-                return
-            if self._closing.is_set():
-                job.future.cancel()
-                continue
-            self._run(job)
 
     def _run(self, job: _Job) -> None:
         if not job.future.set_running_or_notify_cancel():
@@ -311,37 +382,92 @@ class SnapshotEngine:
         try:
             job.future.set_result(self._compute_snapshot(job.snapshot))
         except BaseException as error:  # noqa: BLE001 - re-raised on the main thread by collect()
+            # The traceback's frames hold the batch (GPU memory, on CUDA) until the error is
+            # dropped: clear their locals, keep the lines.
+            cause: BaseException | None = error
+            while cause is not None:
+                traceback.clear_frames(cause.__traceback__)
+                cause = cause.__cause__ or cause.__context__
+            if isinstance(error, _Abandoned):
+                self.abandoned += 1
             job.future.set_exception(error)
         finally:
             job.snapshot.tensors = {}  # free the copies as soon as they are decomposed
 
     def _compute_snapshot(self, snapshot: Snapshot) -> dict[str, Any] | _DeviceWork:
-        if snapshot.stream is None:
+        if not snapshot.copied:
             start = time.perf_counter()
-            values = {
-                key: self._compute_group(key, batch, snapshot.step)
-                for key, batch in snapshot.tensors.items()
+            values = {}
+            for key in list(snapshot.tensors):
+                self._raise_if_closing()
+                values[key] = self._compute_group(key, snapshot.tensors.pop(key), snapshot.step)
+            layout, flat = _pack(values)
+            return {
+                "values": flat.tolist(),
+                "layout": layout,
+                "seconds": time.perf_counter() - start,
             }
-            host = {
-                key: {m: t.tolist() for m, t in metrics.items()} for key, metrics in values.items()
-            }
-            return {"host": host, "seconds": time.perf_counter() - start}
-        stream = snapshot.stream
-        with torch.cuda.stream(stream):
-            started = torch.cuda.Event(enable_timing=True)
-            started.record(stream)
-            host_tensors: dict[str, dict[str, torch.Tensor]] = {}
-            for key, batch in snapshot.tensors.items():
-                metrics = self._compute_group(key, batch, snapshot.step)
-                host_tensors[key] = {}
-                for name, value in metrics.items():
-                    # Pinned memory makes the device-to-host copy truly asynchronous.
-                    pinned = torch.empty(value.shape, dtype=value.dtype, pin_memory=True)
-                    pinned.copy_(value, non_blocking=True)
-                    host_tensors[key][name] = pinned
-            done = torch.cuda.Event(enable_timing=True)
-            done.record(stream)
-        return _DeviceWork(host_tensors, started, done)
+        per_device: dict[str, dict[str, dict[str, torch.Tensor]]] = {}
+        on_host: dict[str, dict[str, torch.Tensor]] = {}  # groups of a model partly on the CPU
+        busy = []
+        for key in list(snapshot.tensors):
+            self._raise_if_closing()
+            batch = snapshot.tensors.pop(key)  # the snapshot no longer holds it: freed after use
+            device = self.groups[key].device
+            if not device.startswith("cuda"):
+                on_host[key] = self._compute_group(key, batch, snapshot.step)
+                continue
+            stream = self._stream(device)
+            with torch.cuda.device(batch.device), torch.cuda.stream(stream):
+                # The compute stream, not training, waits for the copy on the training stream.
+                stream.wait_event(snapshot.copied[device])
+                # The stack was allocated on the training stream: tell the caching allocator it is
+                # in use here too, so freeing it below cannot hand its memory to training before
+                # these kernels have read it.
+                batch.record_stream(stream)
+                first = torch.cuda.Event(enable_timing=True)
+                last = torch.cuda.Event(enable_timing=True)
+                first.record(stream)
+                per_device.setdefault(device, {})[key] = self._compute_group(
+                    key, batch, snapshot.step
+                )
+                last.record(stream)
+                busy.append((first, last))
+            del batch
+        host, layouts, done = {}, {}, []
+        if on_host:
+            layouts["cpu"], host["cpu"] = _pack(on_host)
+        for device, values in per_device.items():
+            stream = self._streams[device]
+            with torch.cuda.device(torch.device(device)), torch.cuda.stream(stream):
+                layout, flat = _pack(values)
+                pinned = self._pinned_buffer(device, layout.size)
+                # One copy into pinned memory: truly asynchronous, and the buffer is reused.
+                pinned.copy_(flat, non_blocking=True)
+                event = torch.cuda.Event()
+                event.record(stream)
+            host[device], layouts[device] = pinned, layout
+            done.append(event)
+        return _DeviceWork(host, layouts, busy, done)
+
+    def _raise_if_closing(self) -> None:
+        if self._closing.is_set():
+            raise _Abandoned("the engine was closed while this snapshot was computed")
+
+    def _stream(self, device: str) -> torch.cuda.Stream:
+        stream = self._streams.get(device)
+        if stream is None:
+            stream = self._streams[device] = torch.cuda.Stream(torch.device(device))
+        return stream
+
+    def _pinned_buffer(self, device: str, size: int) -> torch.Tensor:
+        free = self._pinned.setdefault(device, collections.deque())
+        while free:
+            buffer = free.popleft()
+            if buffer.numel() == size:
+                return buffer
+        self.pinned_allocated += 1
+        return torch.empty(size, dtype=torch.float64, pin_memory=True)
 
     def _compute_group(self, key: str, batch: torch.Tensor, step: int) -> dict[str, torch.Tensor]:
         group = self.groups[key]
@@ -365,7 +491,7 @@ class SnapshotEngine:
         """Name the matrix that fails alone, or the whole group if none does."""
         if len(group.targets) > 1:
             for index, name in enumerate(group.names):
-                single = ShapeGroup(group.key, (group.targets[index],))
+                single = dataclasses.replace(group, targets=(group.targets[index],))
                 try:
                     self.compute(single, batch[index : index + 1])
                 except Exception:
@@ -380,7 +506,7 @@ class SnapshotEngine:
         if job.future.cancelled() or job.future.exception() is not None:
             return True
         work = job.future.result()
-        return not isinstance(work, _DeviceWork) or work.done.query()
+        return not isinstance(work, _DeviceWork) or all(done.query() for done in work.done)
 
     def _wait(self, job: _Job, deadline: float) -> bool:
         while time.monotonic() < deadline:
@@ -391,16 +517,75 @@ class SnapshotEngine:
 
     def _result(self, job: _Job) -> SnapshotResult:
         work = job.future.result()
+        snapshot = job.snapshot
+        host: dict[str, dict[str, list[float]]] = {}
         if isinstance(work, _DeviceWork):
-            host = {
-                key: {m: t.tolist() for m, t in metrics.items()}
-                for key, metrics in work.host.items()
-            }
-            seconds = work.start.elapsed_time(work.done) / 1000.0
+            for device, pinned in work.host.items():
+                host.update(_unpack(work.layout[device], pinned.tolist()))
+                if device != "cpu":
+                    self._pinned.setdefault(device, collections.deque()).append(pinned)  # reuse
+            seconds = sum(start.elapsed_time(end) for start, end in work.busy) / 1000.0
+            copy_seconds = (
+                sum(
+                    snapshot.copy_started[device].elapsed_time(event)
+                    for device, event in snapshot.copied.items()
+                )
+                / 1000.0
+            )
         else:
-            host, seconds = work["host"], work["seconds"]
+            host = _unpack(work["layout"], work["values"])
+            seconds, copy_seconds = work["seconds"], 0.0
         metrics: dict[str, dict[str, float]] = {}
         for key, values in host.items():
             for index, name in enumerate(self.groups[key].names):
                 metrics[name] = {metric: float(column[index]) for metric, column in values.items()}
-        return SnapshotResult(job.snapshot.step, metrics, seconds, job.snapshot.main_thread_seconds)
+        return SnapshotResult(
+            snapshot.step, metrics, seconds, snapshot.main_thread_seconds, copy_seconds
+        )
+
+
+def _pack(values: dict[str, dict[str, torch.Tensor]]) -> tuple[_Packed, torch.Tensor]:
+    """Every group's ``(B,)`` metrics in one flat float64 tensor (one device-to-host copy).
+
+    >>> layout, flat = _pack({"g": {"a": torch.tensor([1.0, 2.0]), "b": torch.tensor([3.0, 4.0])}})
+    >>> flat.tolist(), _unpack(layout, flat.tolist())
+    ([1.0, 2.0, 3.0, 4.0], {'g': {'a': [1.0, 2.0], 'b': [3.0, 4.0]}})
+    """
+    columns: list[tuple[str, tuple[str, ...], int, int]] = []
+    parts: list[torch.Tensor] = []
+    offset = 0
+    for key, metrics in values.items():
+        batch = len(next(iter(metrics.values()))) if metrics else 0
+        columns.append((key, tuple(metrics), offset, batch))
+        parts.extend(value.to(torch.float64) for value in metrics.values())  # each (B,)
+        offset += batch * len(metrics)
+    flat = torch.cat(parts) if parts else torch.empty(0, dtype=torch.float64)
+    return _Packed(columns, offset), flat
+
+
+def _unpack(layout: _Packed, flat: list[float]) -> dict[str, dict[str, list[float]]]:
+    """Group key -> metric -> values, from a flat list laid out by :func:`_pack`."""
+    return {
+        key: {
+            name: flat[offset + i * batch : offset + (i + 1) * batch]
+            for i, name in enumerate(names)
+        }
+        for key, names, offset, batch in layout.columns
+    }
+
+
+def _limit_this_thread(threads: int) -> None:
+    """``torch.set_num_threads(threads)`` for the calling thread only.
+
+    ``torch.set_num_threads`` sets the calling thread's OpenMP/MKL count *and* the process-wide
+    default that every thread which has not yet run a parallel op picks up (measured: a fresh thread
+    then reports 1 thread). So the count is fixed for this thread first (``get_num_threads``
+    initializes it), then the default is put back from a short-lived helper thread, which leaves
+    this thread's count alone.
+    """
+    default = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    torch.get_num_threads()  # this thread's count is now initialized and kept
+    helper = threading.Thread(target=torch.set_num_threads, args=(default,), daemon=True)
+    helper.start()
+    helper.join()

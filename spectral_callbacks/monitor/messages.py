@@ -8,11 +8,26 @@ reads it.
 
 from __future__ import annotations
 
+import logging
 import os
 
-from lightning_utilities.core.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
+from lightning_utilities.core.rank_zero import rank_zero_only, rank_zero_warn
 
 __all__ = ["rank_zero_info", "rank_zero_warn"]
+
+# Notes go to the "spectral_callbacks" logger at INFO. As Lightning does for its own logger, it
+# gets a stderr handler when logging is not set up at all, so a plain loop sees the notes too.
+_log = logging.getLogger("spectral_callbacks")
+_log.setLevel(logging.INFO)
+if not logging.getLogger().hasHandlers():
+    _log.addHandler(logging.StreamHandler())
+    _log.propagate = False
+
+
+@rank_zero_only
+def rank_zero_info(message: str) -> None:
+    """Log ``message`` at INFO on global rank 0 only."""
+    _log.info(message)
 
 
 def _environment_rank() -> int:

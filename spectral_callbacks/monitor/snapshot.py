@@ -1,32 +1,35 @@
 """Consistent copies of the watched matrices, grouped by shape so the SVD can run batched.
 
 A snapshot is exactly the weights after optimizer step ``s``: the copy is taken in a hook that runs
-after that step's update and before the next one (see ``tracker.py``), and
+after that step's update and before the next one (see ``tracker.py``), and it is
+made *on the stream that runs training*:
 
-* on the CPU it is made on the calling (main) thread, so the next update, which runs on the same
-  thread, cannot start before the copy is complete;
-* on CUDA it is enqueued on a side stream that first waits for an event recorded on the training
-  stream (so the copy sees the update of step ``s``), and the training stream then waits for an
-  event recorded after the copy (so the update of step ``s + 1`` cannot overwrite a weight that is
-  still being read). Only the copy is ordered against training - the SVD that follows on the side
-  stream is not.
+* on the CPU, on the calling (main) thread, so the next update, which runs on the same thread,
+  cannot start before the copy is complete;
+* on CUDA, enqueued on each device's current (training) stream, behind the update of step ``s``
+  and ahead of the update of step ``s + 1``: stream order is the whole synchronisation, and
+  training never waits for anything but its own copy (not for the SVDs of earlier snapshots
+  queued on the engine's compute streams). An event recorded after the copies (``copied``, one per
+  device) is what the engine's compute stream waits on before it reads the stacks.
 
-Same-shaped matrices are stacked into one ``(B, m, n)`` tensor in the parameter's dtype (the
-conversion to float32 happens off the main thread, in the engine).
+Each group is one ``(B, m, n)`` tensor allocated with one ``torch.empty`` and filled with one copy
+per matrix (``Target.copy_into``: a per-head interleaved split is gathered straight into its slot,
+not copied twice), in the parameter's dtype (the conversion to float32 happens off the main thread,
+in the engine).
 
 Example::
 
     >>> import torch
     >>> from types import SimpleNamespace
     >>> weights = [torch.ones(4, 3), torch.zeros(4, 3), torch.ones(2, 3)]
-    >>> targets = [SimpleNamespace(name=f"w{i}", shape=tuple(w.shape), matrix=lambda w=w: w)
+    >>> targets = [SimpleNamespace(name=f"w{i}", matrix=lambda w=w: w)
     ...            for i, w in enumerate(weights)]
     >>> groups = group_by_shape(targets)
     >>> [(group.key, group.names) for group in groups]
     [('4x3/float32/cpu', ('w0', 'w1')), ('2x3/float32/cpu', ('w2',))]
     >>> snapshot = take_snapshot(groups, step=7)
-    >>> snapshot.step, tuple(snapshot.tensors["4x3/float32/cpu"].shape)
-    (7, (2, 4, 3))
+    >>> snapshot.step, tuple(snapshot.tensors["4x3/float32/cpu"].shape), snapshot.copied
+    (7, (2, 4, 3), {})
     >>> weights[0].add_(1.0)[0, 0].item(), snapshot.tensors["4x3/float32/cpu"][0, 0, 0].item()
     (2.0, 1.0)
 """
@@ -35,14 +38,18 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
 
 
 class MatrixSource(Protocol):
-    """What a snapshot needs of a target (``spectral_callbacks.targets.Target`` is one)."""
+    """What a snapshot needs of a target (``spectral_callbacks.targets.Target`` is one).
+
+    A target may also offer ``copy_into(out)`` (one copy into a slot of the stack); without it the
+    snapshot copies ``matrix()``.
+    """
 
     name: str
 
@@ -55,6 +62,7 @@ class ShapeGroup:
 
     key: str
     targets: tuple[Any, ...]
+    device: str = "cpu"
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -65,71 +73,70 @@ class ShapeGroup:
 class Snapshot:
     """Copies of every group's matrices after one optimizer step.
 
-    ``main_thread_seconds`` is what taking it cost the calling thread; ``stream`` is the CUDA side
-    stream the copies were made on (``None`` on the CPU, where they are complete on return).
+    ``copied`` is empty on the CPU (the copies are complete when :func:`take_snapshot` returns)
+    and, on CUDA, maps each device (``"cuda:0"``) to a timing event recorded on its training stream
+    after that device's copies; ``copy_started`` holds the events recorded before them, so the
+    copy's time on the training stream can be measured once it is done.
     """
 
     step: int
     tensors: dict[str, torch.Tensor]
     main_thread_seconds: float = 0.0
-    stream: Any = None
+    copied: dict[str, Any] = field(default_factory=dict)
+    copy_started: dict[str, Any] = field(default_factory=dict)
 
 
 def group_by_shape(targets: Sequence[MatrixSource]) -> list[ShapeGroup]:
     """Group targets whose matrices share shape, dtype and device, in first-seen order."""
     groups: dict[str, list[MatrixSource]] = {}
+    devices: dict[str, str] = {}
     for target in targets:
         weight = target.matrix()
         dtype = str(weight.dtype).removeprefix("torch.")
         key = f"{weight.shape[0]}x{weight.shape[1]}/{dtype}/{weight.device}"
         groups.setdefault(key, []).append(target)
-    return [ShapeGroup(key, tuple(members)) for key, members in groups.items()]
+        devices[key] = str(weight.device)
+    return [ShapeGroup(key, tuple(members), devices[key]) for key, members in groups.items()]
 
 
-def take_snapshot(
-    groups: Sequence[ShapeGroup], step: int, stream: torch.cuda.Stream | None = None
-) -> Snapshot:
-    """Copy every group's current matrices; on CUDA pass the side ``stream`` to copy on.
+def take_snapshot(groups: Sequence[ShapeGroup], step: int) -> Snapshot:
+    """Copy every group's current matrices, on the stream that runs training (see the module doc).
 
     Args:
         groups: from :func:`group_by_shape`.
         step: the optimizer step whose weights these are (``trainer.global_step``).
-        stream: for CUDA weights, the side stream the copy runs on. Default ``None`` copies on the
-            current stream (the CPU path, and a correct if less overlapped CUDA path).
 
     Returns:
-        The snapshot, with the main-thread seconds the copy cost.
+        The snapshot, with the main-thread seconds the copy cost (on CUDA: the launches only).
     """
     start = time.perf_counter()
-    if stream is None:
-        with torch.no_grad():
-            tensors = {group.key: _stack(group) for group in groups}
-        return Snapshot(step, tensors, time.perf_counter() - start)
+    cuda = list(dict.fromkeys(group.device for group in groups if group.device.startswith("cuda")))
+    copy_started = {device: _record(device) for device in cuda}
+    with torch.no_grad():
+        tensors = {group.key: _stack(group) for group in groups}
+    # The compute stream waits on this event before it reads the stacks (engine.py); the training
+    # stream itself waits for nothing: the copies are simply the next work in its order.
+    copied = {device: _record(device) for device in cuda}
+    return Snapshot(step, tensors, time.perf_counter() - start, copied, copy_started)
 
-    training_stream = torch.cuda.current_stream(stream.device)
-    # 1. The side stream waits for everything queued so far on the training stream - the update of
-    #    step `step` included - so the copy reads the weights after that step.
-    stream.wait_stream(training_stream)
-    with torch.no_grad(), torch.cuda.stream(stream):
-        tensors = {}
-        for group in groups:
-            views = [target.matrix() for target in group.targets]
-            for view in views:
-                # The views may be temporaries the training stream allocated (a fused projection
-                # split with a copy); tell the caching allocator they are in use on the side stream
-                # so their memory is not handed out again before the copy has read it.
-                view.record_stream(stream)
-            # Allocated inside the side-stream context, the stack belongs to the side stream's
-            # pool: the engine's kernels on that stream are ordered after the copy for free.
-            tensors[group.key] = torch.stack(views)
-        ready = torch.cuda.Event()
-        ready.record(stream)
-    # 2. The next update on the training stream waits for the copy - not for the SVD, which is
-    #    queued on the side stream later and overlaps training.
-    training_stream.wait_event(ready)
-    return Snapshot(step, tensors, time.perf_counter() - start, stream=stream)
+
+def _record(device: str) -> torch.cuda.Event:
+    """A timing event recorded now on ``device``'s current (training) stream."""
+    event = torch.cuda.Event(enable_timing=True)
+    event.record(torch.cuda.current_stream(torch.device(device)))
+    return event
 
 
 def _stack(group: ShapeGroup) -> torch.Tensor:
-    # torch.stack allocates a fresh tensor: later in-place updates of the parameters cannot reach it.
-    return torch.stack([target.matrix() for target in group.targets])
+    """One fresh ``(B, m, n)`` tensor holding the group's matrices: later updates cannot reach it."""
+    first = group.targets[0].matrix()
+    # Allocated on the device's current stream, the training stream: its memory returns to
+    # training's pool when the engine frees it (after `record_stream` on the compute stream).
+    stack = torch.empty((len(group.targets), *first.shape), dtype=first.dtype, device=first.device)
+    for slot, target in zip(stack, group.targets, strict=True):
+        copy_into = getattr(target, "copy_into", None)
+        if copy_into is not None:
+            copy_into(slot)
+        else:
+            slot.copy_(target.matrix())
+    return stack

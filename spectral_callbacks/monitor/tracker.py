@@ -32,7 +32,7 @@ from spectral_callbacks.monitor import dashboards
 from spectral_callbacks.monitor.compute import SpectrumCompute
 from spectral_callbacks.monitor.distributed import world
 from spectral_callbacks.monitor.engine import SnapshotResult
-from spectral_callbacks.monitor.messages import rank_zero_warn
+from spectral_callbacks.monitor.messages import rank_zero_info, rank_zero_warn
 from spectral_callbacks.monitor.options import (
     DEFAULT_FIGURE_ROLES,
     DEFAULT_METRICS,
@@ -149,6 +149,7 @@ class SpectralTracker:
         self._previous_time: float | None = None
         self._warned_non_finite = False
         self._closed = False
+        self._draining = False  # in the end-of-training wait (a Ctrl-C there must not wait again)
         if state is not None:
             self.load_state_dict(state)
         if start_step is not None:
@@ -338,7 +339,9 @@ class SpectralTracker:
         )
         scalars.update(result.rank_scalars)  # per-rank health under DDP
         tb.log_scalars(self.writers, scalars, result.step)
-        self.schedule.record_snapshot_cost(result.main_thread_seconds + result.svd_seconds)
+        self.schedule.record_snapshot_cost(
+            result.main_thread_seconds + result.copy_seconds + result.svd_seconds
+        )
         self._warn_if_non_finite()
         experiments = tb.summary_writers(self.writers)
         self._layout.update(experiments, scalars)  # charts appear with their first finite value
@@ -380,6 +383,8 @@ class SpectralTracker:
         offered = self.schedule.last_snapshot_step == step
         if not offered:
             self.schedule.record_snapshot(step)
+        self._draining = True
+        self._announce_wait(deadline, final_snapshot=not offered, final_figures=True)
         self._engine.finish(step, offered=offered, deadline=deadline)
         self._collect_and_log(wait_seconds=max(0.0, deadline - time.monotonic()))
         self._warn_if_left()
@@ -388,24 +393,49 @@ class SpectralTracker:
     def _finish_after_exception(self) -> None:
         assert self._engine is not None
         self._engine.abort()  # peers may never reach another collective
+        # Interrupted during the end-of-training wait (a Ctrl-C while it waited): do not wait again.
+        wait = 0.0 if self._draining else self.options.drain_timeout
         try:
             if self.rank == 0:
-                self._collect_and_log(wait_seconds=self.options.drain_timeout)
-                self._warn_if_left()
+                self._announce_wait(time.monotonic() + wait)
+                self._collect_and_log(wait_seconds=wait)
+                self._warn_if_left(interrupted=self._draining)
                 # Bounded more tightly: the user is waiting for their exception (or Ctrl-C).
-                self._draw_final(time.monotonic() + min(self.options.drain_timeout, 10.0))
+                self._draw_final(time.monotonic() + min(wait, 10.0))
         except Exception as error:  # noqa: BLE001 - reported, the original exception propagates
             rank_zero_warn(
                 f"{self.caller}: while shutting down after an exception: {error}",
                 category=RuntimeWarning,
             )
 
-    def _warn_if_left(self) -> None:
+    def _announce_wait(
+        self, deadline: float, final_snapshot: bool = False, final_figures: bool = False
+    ) -> None:
+        """Say what the end of training waits for, and for how long at most, before it waits."""
+        assert self._engine is not None
+        pending = self._engine.pending
+        figures = self.options.figures and bool(tb.summary_writers(self.writers))
+        drawing = figures and (final_figures or self._figures.busy)
+        seconds = max(0.0, deadline - time.monotonic())
+        if seconds > 0 and (pending or final_snapshot or drawing):
+            what = [f"{pending} snapshot(s) in flight"] if pending else []
+            what += ["the final step's snapshot"] if final_snapshot else []
+            what += ["the final figures"] if drawing else []
+            rank_zero_info(
+                f"{self.caller}: waiting up to {seconds:.0f} s (drain_timeout) for "
+                f"{' and '.join(what)}; Ctrl-C drops them"
+            )
+
+    def _warn_if_left(self, interrupted: bool = False) -> None:
         if self._engine is not None and self._engine.pending:
+            why = (
+                "were still in flight when the end-of-training wait was interrupted"
+                if interrupted
+                else f"did not finish within drain_timeout={self.options.drain_timeout} s"
+            )
+            advice = "" if interrupted else "; raise `drain_timeout` or lower `k`"
             rank_zero_warn(
-                f"{self.caller}: {self._engine.pending} snapshot(s) did not finish within "
-                f"drain_timeout={self.options.drain_timeout} s and are dropped; raise "
-                "`drain_timeout` or lower `k`",
+                f"{self.caller}: {self._engine.pending} snapshot(s) {why} and are dropped{advice}",
                 category=RuntimeWarning,
             )
 
@@ -413,5 +443,6 @@ class SpectralTracker:
         self._closed = True
         if self._engine is not None:
             self._engine.close(timeout=min(5.0, self.options.drain_timeout))
+        self._figures.close(timeout=min(5.0, self.options.drain_timeout))
         if self._own_logger is not None:
             self._own_logger.finalize("success")

@@ -175,6 +175,24 @@ class Target:
         """
         return self.rows.take(self.parameter.detach())
 
+    def copy_into(self, out: torch.Tensor) -> torch.Tensor:
+        """Copy the current values into ``out`` (a ``shape`` tensor, e.g. one slot of a stack).
+
+        One copy even where ``matrix()`` would need two (per-head interleaved rows copied into a
+        fresh tensor, then into the stack). Returns ``out``.
+
+        Raises:
+            ValueError: ``out`` does not have this target's ``shape``.
+        """
+        if tuple(out.shape) != self.shape:
+            raise ValueError(
+                f"`out` must have shape {self.shape} for {self.name}, got {tuple(out.shape)}"
+            )
+        with torch.no_grad():
+            source = self.rows.grouped(self.parameter.detach())  # (groups, rows, in), a view
+            out.view(source.shape).copy_(source)
+        return out
+
 
 @dataclass(frozen=True)
 class Skipped:
