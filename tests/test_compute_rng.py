@@ -89,7 +89,9 @@ def test_a_resumed_fit_continues_the_compute_generator_from_the_checkpoint(tmp_p
     checkpoint = tmp_path / "step12.ckpt"
     trainer.save_checkpoint(checkpoint)
     saved = torch.load(checkpoint, weights_only=False)["callbacks"][first.state_key]["compute"]
-    assert torch.equal(saved["generators"]["cpu"], first.tracker.compute.state_dict()["generators"]["cpu"])
+    assert torch.equal(
+        saved["generators"]["cpu"], first.tracker.compute.state_dict()["generators"]["cpu"]
+    )
 
     second = _randomized_monitor()
     at_start = _GeneratorAtStart(second)
