@@ -218,8 +218,8 @@ def test_bad_arguments_are_refused_before_any_work(tmp_path) -> None:
         with pytest.raises(ValueError, match="`targets` is empty"):
             ShardedEngine([], group=group)
         engine = ShardedEngine(targets, group=group, k=2)  # a one-rank group: the plain problem
-        engine.submit(engine.snapshot(3))
-        (result,) = engine.drain(timeout=30)
+        engine.offer(3)
+        (result,) = cases.drain(engine, 3, timeout=30)
         assert result.step == 3 and result.metrics["w"]["stable_rank"] == pytest.approx(4.0)
         engine.close()
     finally:
