@@ -240,13 +240,16 @@ def test_engine_sends_each_result_at_the_next_point_and_a_late_one_as_missing(
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize(
-    "strategy", [FSDPStrategy(), ModelParallelStrategy()], ids=["fsdp", "fsdp2"]
-)
-def test_sharded_strategies_are_refused_at_setup(strategy) -> None:
-    trainer = SimpleNamespace(strategy=strategy, world_size=2, loggers=[object()])
-    with pytest.raises(MisconfigurationException, match=f"{type(strategy).__name__}: it shards"):
-        SpectralMonitor().setup(trainer, TinyGPT(), "fit")
+def test_fsdp1_is_refused_at_setup_and_model_parallel_is_accepted() -> None:
+    fsdp = SimpleNamespace(strategy=FSDPStrategy(), world_size=2, loggers=[object()])
+    with pytest.raises(
+        MisconfigurationException, match="FSDPStrategy: it flattens.*use ModelParallelStrategy"
+    ):
+        SpectralMonitor().setup(fsdp, TinyGPT(), "fit")
+    sharded = SimpleNamespace(strategy=ModelParallelStrategy(), world_size=2, loggers=[object()])
+    SpectralMonitor().setup(sharded, TinyGPT(), "fit")  # FSDP2 / tensor parallel DTensors
+    with pytest.raises(MisconfigurationException, match="`max_overhead` is not supported with 2"):
+        SpectralMonitor(max_overhead=0.01).setup(sharded, TinyGPT(), "fit")
 
 
 def test_budget_mode_and_non_ddp_multi_process_strategies_are_refused() -> None:
