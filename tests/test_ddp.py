@@ -36,12 +36,12 @@ TIMEOUT_SECONDS = 180
 SCHEDULED = [0, 1, 2, 4, 8, 12, 14]  # ddp_train.py: 0, 1, 2, every 4, and the last step (14)
 
 
-def run_script(outdir: Path, *args: str) -> subprocess.CompletedProcess:
-    """Run ddp_train.py; on timeout kill the whole process group (every rank) and fail."""
+def run_script(outdir: Path, *args: str, script: Path = SCRIPT) -> subprocess.CompletedProcess:
+    """Run ``script`` (ddp_train.py); on timeout kill the whole process group (every rank), fail."""
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     env.pop("LOCAL_RANK", None)  # never inherit a rank from an outer launcher
     process = subprocess.Popen(
-        [sys.executable, str(SCRIPT), str(outdir), *args],
+        [sys.executable, str(script), str(outdir), *args],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -53,7 +53,7 @@ def run_script(outdir: Path, *args: str) -> subprocess.CompletedProcess:
     except subprocess.TimeoutExpired:
         os.killpg(process.pid, signal.SIGKILL)
         output, _ = process.communicate()
-        pytest.fail(f"ddp_train.py hung for {TIMEOUT_SECONDS} s:\n{output[-3000:]}")
+        pytest.fail(f"{script.name} hung for {TIMEOUT_SECONDS} s:\n{output[-3000:]}")
     finally:
         with contextlib.suppress(ProcessLookupError):  # ranks left after rank 0 returned
             os.killpg(process.pid, signal.SIGKILL)

@@ -11,6 +11,7 @@ import pytest
 import sharded_engine_cases as cases
 import torch
 import torch.distributed as dist
+from sharded_models import exact_metrics
 from spawn_ranks import run_ranks
 
 from spectral_callbacks.functional import metrics_from_spectrum, spectral_metrics
@@ -20,9 +21,7 @@ pytestmark = pytest.mark.slow
 
 
 def exact(matrix: torch.Tensor) -> dict[str, float]:
-    S = torch.linalg.svdvals(matrix)
-    values = metrics_from_spectrum(S[: cases.K], (matrix**2).sum())
-    return {name: float(value) for name, value in values.items()}
+    return exact_metrics(matrix, cases.K)
 
 
 @pytest.fixture(scope="module")

@@ -66,6 +66,7 @@ import torch.distributed as dist
 from spectral_callbacks.functional.metrics import metrics_from_spectrum
 from spectral_callbacks.functional.sharded_svd import sharded_randomized_svd
 from spectral_callbacks.monitor.engine import SnapshotResult
+from spectral_callbacks.monitor.reporting import health_scalars
 from spectral_callbacks.monitor.shards import LocalPiece, local_piece, mesh_ranks
 from spectral_callbacks.monitor.snapshot import Snapshot
 from spectral_callbacks.targets.target import Target
@@ -81,7 +82,10 @@ class ShardedEngineError(RuntimeError):
 
 @dataclass
 class ShardedResult(SnapshotResult):
-    """A snapshot's metrics (the same on every rank) and the payload this rank all-reduced."""
+    """A snapshot's metrics (the same on every rank) and the payload this rank all-reduced.
+
+    ``rank_scalars`` carries it to the log as ``spectral_monitor/sent_bytes``.
+    """
 
     sent_bytes: int = 0
 
@@ -409,7 +413,12 @@ class ShardedEngine:
                 metrics[name] = {metric: float(column[row]) for metric, column in columns.items()}
         seconds = time.perf_counter() - start
         return ShardedResult(
-            snapshot.step, metrics, seconds, snapshot.main_thread_seconds, sent_bytes=sent
+            snapshot.step,
+            metrics,
+            seconds,
+            snapshot.main_thread_seconds,
+            health_scalars(sent_bytes=sent),
+            sent_bytes=sent,
         )
 
     # --- state ------------------------------------------------------------------------------

@@ -1,0 +1,48 @@
+"""A raw training loop with SpectralTracker on a fully_shard GPT-2, per rank (spawn_ranks.run_ranks)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from sharded_engine_cases import batch
+from sharded_models import build, full_matrix, shard
+from torch.distributed.tensor import init_device_mesh
+
+from spectral_callbacks import SpectralTracker
+from spectral_callbacks.targets import find_targets
+
+K = 8
+STEPS = 10
+
+
+def tracked_training(
+    rank: int,
+    world_size: int,
+    logdir: str,
+    fail_rank: int | None = None,
+    fail_step: int | None = None,
+) -> dict[str, Any]:
+    """Train STEPS steps under the tracker (0, 1, 2, every 4, the last); rank 0 returns the full
+    weights of every step (gathered by the test, not by the tracker)."""
+    torch.manual_seed(0)  # the same initial weights on every rank
+    model, loss_of = build("gpt2", d=64)
+    shard(model, "fsdp", init_device_mesh("cpu", (world_size,)))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    targets = find_targets(model)
+    weights = {0: {target.name: full_matrix(target) for target in targets}}
+    options = dict(every_n_steps=4, log_spaced_until=3, k=K, figures=False, drain_timeout=20.0)
+    with SpectralTracker(model, logdir=logdir, **options) as tracker:
+        for step in range(1, STEPS + 1):
+            if rank == fail_rank and step == fail_step:
+                raise RuntimeError(f"planned failure on rank {rank} at step {step}")
+            loss_of(model, *batch(rank, step, "fsdp")).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            tracker.step(step)
+            weights[step] = {target.name: full_matrix(target) for target in targets}
+    return {
+        "state": tracker.state_dict(),
+        "weights": weights if rank == 0 else None,
+        "targets": [(target.name, target.layer, target.role) for target in targets],
+    }

@@ -1,0 +1,104 @@
+"""Sharded weights through the frontends: Lightning's ModelParallelStrategy and a raw loop with
+SpectralTracker, 2 CPU processes with gloo, checked against a float64 exact SVD of the full
+weights (``full_tensor()``) at every scheduled step; and a failure on one rank mid-run.
+
+The Lightning runs launch ``tests/sharded_train.py`` in a subprocess of its own session (Lightning
+re-runs the script per rank) so a timeout kills every rank; the raw loops run under
+``spawn_ranks.run_ranks``, which kills ranks that outlive its timeout. A test never hangs.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import sharded_tracker_cases as cases
+import torch
+from sharded_models import exact_metrics
+from spawn_ranks import run_ranks
+from test_ddp import read_scalars, run_script
+
+from spectral_callbacks.names import monitor_tag, scalar_tag
+from spectral_callbacks.targets import find_targets
+
+pytestmark = pytest.mark.slow
+SCRIPT = Path(__file__).resolve().parent / "sharded_train.py"
+SCHEDULED = [0, 1, 2, 4, 8, 10]  # sharded_train.py and the raw loop: 0, 1, 2, every 4, the last
+
+
+def lightning_targets(tp: bool) -> list:
+    sys.path.insert(0, str(SCRIPT.parent))
+    from sharded_train import ShardedGPT
+
+    return find_targets(ShardedGPT("neox" if tp else "gpt2", "tp" if tp else "fsdp", None, None))
+
+
+def check_against_exact(scalars: dict, weights: dict, targets: list, k: int) -> None:
+    """Every matrix's logged stable rank (1 %) and alpha (0.02) at every scheduled step."""
+    assert len(targets) == 12
+    for target in targets:
+        stable_rank = scalars[scalar_tag("stable_rank", target.layer, target.role)]
+        alpha = scalars[scalar_tag("alpha", target.layer, target.role)]
+        assert sorted(stable_rank) == sorted(alpha) == SCHEDULED, target.name
+        for step in SCHEDULED:
+            truth = exact_metrics(weights[step][target.name], k)
+            assert stable_rank[step] == pytest.approx(truth["stable_rank"], rel=0.01), (
+                target.name,
+                step,
+            )
+            assert alpha[step] == pytest.approx(truth["alpha"], abs=0.02), (target.name, step)
+    assert set(scalars[monitor_tag("skipped")].values()) == {0.0}
+    assert all(sent > 0 for sent in scalars[monitor_tag("sent_bytes")].values())
+
+
+@pytest.mark.parametrize("tp", [False, True], ids=["fsdp2-gpt2", "tensor-parallel-neox"])
+def test_model_parallel_strategy_logs_the_exact_spectra_of_the_full_weights(
+    tmp_path: Path, tp: bool
+) -> None:
+    finished = run_script(tmp_path, *(["--tp"] if tp else []), script=SCRIPT)
+    assert finished.returncode == 0, finished.stdout[-3000:]
+    scalars = read_scalars(tmp_path / "tb" / "version_0")
+    weights = torch.load(tmp_path / "weights.pt")
+    targets = lightning_targets(tp)
+    check_against_exact(scalars, weights, targets, k=8)
+    # What a checkpoint keeps: every compression reference, the logged step-0 stable rank.
+    state = torch.load(tmp_path / "monitor_state.pt")
+    for target in targets:
+        logged = scalars[scalar_tag("stable_rank", target.layer, target.role)]
+        assert state["references"][target.name] == pytest.approx(logged[0], rel=1e-6)
+
+
+def test_model_parallel_failure_on_one_rank_ends_every_rank(tmp_path: Path) -> None:
+    # Bounded by run_script's timeout: a hang fails the test instead of blocking it.
+    finished = run_script(tmp_path, "--fail-rank", "1", "--fail-step", "6", script=SCRIPT)
+    assert finished.returncode != 0
+    assert "planned failure on rank 1 at step 6" in finished.stdout
+    scalars = read_scalars(tmp_path / "tb" / "version_0")
+    steps = {
+        target.name: sorted(scalars[scalar_tag("stable_rank", target.layer, target.role)])
+        for target in lightning_targets(tp=False)
+    }
+    # What finished before the failure is logged: the same steps for every matrix, a prefix of
+    # the schedule up to step 4 (the last point before step 6), the reference step 0 included.
+    (logged,) = {tuple(value) for value in steps.values()}
+    assert 1 <= len(logged) <= 4 and list(logged) == SCHEDULED[: len(logged)], logged
+
+
+def test_raw_loop_with_spectral_tracker_under_fully_shard(tmp_path: Path) -> None:
+    rank0, rank1 = run_ranks(cases.tracked_training, 2, tmp_path, str(tmp_path / "tb"))
+    assert rank1["state"]["references"] == rank0["state"]["references"]  # the same on every rank
+    scalars = read_scalars(tmp_path / "tb")
+    targets = [SimpleNamespace(name=n, layer=layer, role=r) for n, layer, r in rank0["targets"]]
+    check_against_exact(scalars, rank0["weights"], targets, k=cases.K)
+
+
+def test_raw_loop_failure_on_one_rank_ends_every_rank_with_an_error(tmp_path: Path) -> None:
+    rank0, rank1 = run_ranks(
+        cases.tracked_training, 2, tmp_path, str(tmp_path / "tb"), 1, 6, allow_errors=True
+    )
+    assert "planned failure on rank 1 at step 6" in rank1
+    # Rank 0 ends with an error too (its next collective, training's or the SVD group's, fails
+    # when the peer is gone), within run_ranks' timeout: not a hang.
+    assert isinstance(rank0, str) and "Error" in rank0, rank0
