@@ -10,6 +10,7 @@ from sharded_models import build, full_matrix, shard
 from torch.distributed.tensor import init_device_mesh
 
 from spectral_callbacks import SpectralTracker
+from spectral_callbacks.monitor import sharded
 from spectral_callbacks.targets import find_targets
 
 K = 8
@@ -22,9 +23,23 @@ def tracked_training(
     logdir: str,
     fail_rank: int | None = None,
     fail_step: int | None = None,
+    fail_in: str = "training",
 ) -> dict[str, Any]:
     """Train STEPS steps under the tracker (0, 1, 2, every 4, the last); rank 0 returns the full
-    weights of every step (gathered by the test, not by the tracker)."""
+    weights of every step (gathered by the test, not by the tracker).
+
+    ``fail_rank`` raises at ``fail_step``: in its training step (``fail_in="training"``) or in its
+    sharded SVD of that snapshot (``"svd"``, on the worker thread).
+    """
+    if fail_in == "svd" and rank == fail_rank:  # this rank never joins that snapshot's SVD
+        decompose = sharded.ShardedEngine._decompose
+
+        def failing(engine: Any, snapshot: Any) -> Any:
+            if snapshot.step == fail_step:
+                raise RuntimeError(f"planned failure on rank {rank} at step {fail_step}")
+            return decompose(engine, snapshot)
+
+        sharded.ShardedEngine._decompose = failing  # type: ignore[method-assign]
     torch.manual_seed(0)  # the same initial weights on every rank
     model, loss_of = build("gpt2", d=64)
     shard(model, "fsdp", init_device_mesh("cpu", (world_size,)))
@@ -34,7 +49,7 @@ def tracked_training(
     options = dict(every_n_steps=4, log_spaced_until=3, k=K, figures=False, drain_timeout=20.0)
     with SpectralTracker(model, logdir=logdir, **options) as tracker:
         for step in range(1, STEPS + 1):
-            if rank == fail_rank and step == fail_step:
+            if rank == fail_rank and step == fail_step and fail_in == "training":
                 raise RuntimeError(f"planned failure on rank {rank} at step {step}")
             loss_of(model, *batch(rank, step, "fsdp")).backward()
             optimizer.step()

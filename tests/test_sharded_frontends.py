@@ -94,11 +94,17 @@ def test_raw_loop_with_spectral_tracker_under_fully_shard(tmp_path: Path) -> Non
     check_against_exact(scalars, rank0["weights"], targets, k=cases.K)
 
 
-def test_raw_loop_failure_on_one_rank_ends_every_rank_with_an_error(tmp_path: Path) -> None:
+@pytest.mark.parametrize("fail_in", ["training", "svd"])
+def test_raw_loop_failure_on_one_rank_ends_every_rank_with_an_error(
+    tmp_path: Path, fail_in: str
+) -> None:
+    logdir = str(tmp_path / "tb")
     rank0, rank1 = run_ranks(
-        cases.tracked_training, 2, tmp_path, str(tmp_path / "tb"), 1, 6, allow_errors=True
+        cases.tracked_training, 2, tmp_path, logdir, 1, 8, fail_in, allow_errors=True
     )
-    assert "planned failure on rank 1 at step 6" in rank1
+    assert "planned failure on rank 1 at step 8" in rank1
+    if fail_in == "svd":  # raised on the worker, re-raised on the training thread
+        assert "ShardedEngineError: the sharded spectral engine failed at step 8" in rank1
     # Rank 0 ends with an error too (its next collective, training's or the SVD group's, fails
     # when the peer is gone), within run_ranks' timeout: not a hang.
     assert isinstance(rank0, str) and "Error" in rank0, rank0
