@@ -61,3 +61,40 @@ def tracked_training(
         "weights": weights if rank == 0 else None,
         "targets": [(target.name, target.layer, target.role) for target in targets],
     }
+
+
+def resumed_training(rank: int, world_size: int, outdir: str) -> dict[str, Any]:
+    """Train 6 steps, save a distributed checkpoint (model) and the tracker's state, then resume
+    a freshly built and sharded model from them and train to step 10 under a new tracker."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+    options = dict(every_n_steps=4, log_spaced_until=3, k=K, figures=False, drain_timeout=20.0)
+    mesh = init_device_mesh("cpu", (world_size,))
+    found: dict[str, Any] = {}
+    state: dict[str, Any] | None = None
+    for run, (seed, first, last) in enumerate([(0, 1, 6), (1, 7, 10)]):
+        torch.manual_seed(seed)  # the resumed model starts from other weights until it loads
+        model, loss_of = build("gpt2", d=64)
+        shard(model, "fsdp", mesh)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        if run == 1:
+            weights = get_model_state_dict(model)
+            dcp.load({"model": weights}, checkpoint_id=f"{outdir}/checkpoint")
+            set_model_state_dict(model, weights)
+            found["loaded"] = {t.name: full_matrix(t) for t in find_targets(model)}
+        with SpectralTracker(
+            model, logdir=f"{outdir}/tb{run}", state=state, start_step=first - 1, **options
+        ) as tracker:
+            for step in range(first, last + 1):
+                loss_of(model, *batch(rank, step, "fsdp")).backward()
+                optimizer.step()
+                optimizer.zero_grad()
+                tracker.step(step)
+        state = tracker.state_dict()
+        found[f"state{run}"] = state
+        if run == 0:
+            found["saved"] = {t.name: full_matrix(t) for t in find_targets(model)}
+            dcp.save({"model": get_model_state_dict(model)}, checkpoint_id=f"{outdir}/checkpoint")
+    found["targets"] = [(t.name, t.layer, t.role) for t in find_targets(model)]
+    return found

@@ -108,3 +108,23 @@ def test_raw_loop_failure_on_one_rank_ends_every_rank_with_an_error(
     # Rank 0 ends with an error too (its next collective, training's or the SVD group's, fails
     # when the peer is gone), within run_ranks' timeout: not a hang.
     assert isinstance(rank0, str) and "Error" in rank0, rank0
+
+
+def test_a_resumed_sharded_run_keeps_every_compression_reference(tmp_path: Path) -> None:
+    rank0, rank1 = run_ranks(cases.resumed_training, 2, tmp_path, str(tmp_path))
+    for name, saved in rank0["saved"].items():  # the checkpoint restored the trained weights
+        assert torch.equal(rank0["loaded"][name], saved), name
+    references = rank0["state0"]["references"]
+    assert len(references) == 12
+    for rank in (rank0, rank1):  # the same references on every rank, before and after resuming
+        assert rank["state0"]["references"] == references
+        assert rank["state1"]["references"] == references
+    first, resumed = read_scalars(tmp_path / "tb0"), read_scalars(tmp_path / "tb1")
+    for name, layer, role in rank0["targets"]:
+        assert first[scalar_tag("stable_rank", layer, role)][0] == pytest.approx(references[name])
+        stable_rank = resumed[scalar_tag("stable_rank", layer, role)]
+        compression = resumed[scalar_tag("compression", layer, role)]
+        assert sorted(stable_rank) == sorted(compression) == [8, 10], name  # none at 6 again
+        for step, value in compression.items():  # measured against step 0 of the first run
+            expected = 100 * (1 - stable_rank[step] / references[name])
+            assert value == pytest.approx(expected, abs=1e-3), (name, step)
