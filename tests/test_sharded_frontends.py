@@ -128,3 +128,36 @@ def test_a_resumed_sharded_run_keeps_every_compression_reference(tmp_path: Path)
         for step, value in compression.items():  # measured against step 0 of the first run
             expected = 100 * (1 - stable_rank[step] / references[name])
             assert value == pytest.approx(expected, abs=1e-3), (name, step)
+
+
+def test_make_engine_picks_the_sharded_engine_for_dtensors_and_refuses_a_custom_compute(
+    tmp_path: Path,
+) -> None:
+    import torch.distributed as dist
+    from sharded_models import build, shard
+    from tiny_models import exact_compute
+    from torch.distributed.tensor import init_device_mesh
+
+    from spectral_callbacks import SpectralTracker
+    from spectral_callbacks.monitor.options import ConfigurationError
+    from spectral_callbacks.monitor.protocol import Engine
+    from spectral_callbacks.monitor.sharded import ShardedEngine
+
+    dist.init_process_group(
+        "gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1
+    )
+    try:
+        torch.manual_seed(0)
+        model, _ = build("gpt2", d=64)
+        shard(model, "fsdp", init_device_mesh("cpu", (1,)))  # a one-rank mesh: still DTensors
+        with pytest.raises(ConfigurationError, match="`compute` cannot replace the SVD of sharded"):
+            SpectralTracker(model, compute=exact_compute, figures=False)
+        with SpectralTracker(model, k=4, figures=False, synchronous=True) as tracker:
+            engine = tracker._engine
+            assert isinstance(engine, ShardedEngine) and isinstance(engine, Engine)
+            assert engine.awaiting_results and engine.pending == 1 and engine.skipped == 0
+            tracker.step(1)  # step 0's result is logged; step 1 is on the schedule
+            assert engine.pending == 1
+        assert len(tracker.state_dict()["references"]) == 12
+    finally:
+        dist.destroy_process_group()

@@ -171,7 +171,8 @@ def monitor_class(package: str) -> type:
         @override
         def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
             if self.tracker is not None:
-                self.tracker.begin(trainer.global_step)
+                with raised_as_misconfiguration():  # the engine is chosen here (make_engine)
+                    self.tracker.begin(trainer.global_step)
 
         @override
         def on_train_batch_end(
