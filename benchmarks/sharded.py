@@ -87,7 +87,7 @@ def bytes_and_times(
                             local = target.parameter.to_local()
                             local.add_(1e-3 * torch.randn_like(local))
                 dist.barrier()
-                engine.submit(engine.snapshot(step))
+                engine.offer(step)
                 (result,) = engine.collect()
                 rows.append(
                     dict(
@@ -140,14 +140,15 @@ def training_ratio(
         start = time.perf_counter()
         for step in range(count):
             if watch and step % every == 0:
-                engine.submit(engine.snapshot(step))
+                engine.offer(step)
             engine.collect()
             _, loss = model(data[:, :-1], data[:, 1:])
             loss.backward()
             optimizer.step()
             optimizer.zero_grad()
         if watch:
-            engine.drain(timeout=600)
+            engine.finish(count - 1, offered=True, deadline=time.monotonic() + 600)
+            engine.collect()
         return time.perf_counter() - start
 
     train(5, watch=False)  # warm-up

@@ -9,7 +9,8 @@ Tags:
   ``spectral_stable_rank/L00/Q``. The layer index is zero-padded to at least two digits so charts
   sort by depth.
 * ``spectral_<metric>/mean/<role>`` - the mean over layers of one role.
-* ``spectral_monitor/<name>`` - the callback's own health (main-thread ms, SVD ms, pending, skipped)
+* ``spectral_monitor/<name>`` - the callback's own health (main-thread ms, SVD ms, pending, skipped;
+  ``sent_bytes`` with sharded weights)
   and ``spectral_monitor/num_layers``, which lets readers compute relative depth.
 * ``spectral_monitor/reference_step/L<layer>/<role>`` - the step of the snapshot whose stable rank
   is that matrix's compression reference (0 normally; later for a matrix that starts at zero).

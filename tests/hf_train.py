@@ -28,7 +28,11 @@ from spectral_callbacks.hf import SpectralTrainerCallback  # noqa: E402
 from spectral_callbacks.monitor import distributed  # noqa: E402
 from spectral_callbacks.targets import find_targets  # noqa: E402
 
-OPTIONS: dict[str, Any] = dict(every_n_steps=10, log_spaced_until=3, k=8, figure_every_n_steps=None)
+# max_pending leaves room for every scheduled step: which steps are logged must not depend on the
+# worker's speed on a loaded machine (the default of 2 once skipped a dense early step).
+OPTIONS: dict[str, Any] = dict(
+    every_n_steps=10, log_spaced_until=3, k=8, figure_every_n_steps=None, max_pending=16
+)
 
 
 def tiny_gpt2() -> GPT2LMHeadModel:

@@ -30,6 +30,12 @@ def batch(rank: int, step: int, how: str) -> tuple[torch.Tensor, torch.Tensor]:
     return tokens[:, :-1], tokens[:, 1:]
 
 
+def drain(engine: ShardedEngine, last_step: int, timeout: float) -> list[Any]:
+    """End of training through the engine protocol: wait for the worker, then every result."""
+    engine.finish(last_step, offered=True, deadline=time.monotonic() + timeout)
+    return engine.collect()
+
+
 def sharded_model(rank: int, world_size: int, how: str, name: str) -> tuple[Any, Any, list]:
     torch.manual_seed(0)  # the same initial weights on every rank
     model, loss = build(name)
@@ -45,7 +51,7 @@ def train(rank: int, world_size: int, how: str, name: str) -> dict[str, Any]:
     results = []
     for step in range(STEPS + 1):
         if step in SCHEDULED:
-            engine.submit(engine.snapshot(step))
+            engine.offer(step)
             weights[step] = {target.name: full_matrix(target) for target in targets}
         results += engine.collect()
         if step == STEPS:
@@ -53,7 +59,7 @@ def train(rank: int, world_size: int, how: str, name: str) -> dict[str, Any]:
         loss_of(model, *batch(rank, step, how)).backward()
         optimizer.step()
         optimizer.zero_grad()
-    results += engine.drain(timeout=120)
+    results += drain(engine, STEPS, timeout=120)
     engine.close()
     return {
         "targets": [(t.name, t.role, t.shape) for t in targets],
@@ -88,7 +94,7 @@ def largest_tensors(rank: int, world_size: int) -> dict[str, Any]:
         subset = [target for target in targets if target.shape == shape]
         engine = ShardedEngine(subset, group=group, k=K, synchronous=True)
         with LargestTensor() as largest:
-            engine.submit(engine.snapshot(0))
+            engine.offer(0)
         (result,) = engine.collect()
         found[shape] = {"matrix_numel": largest.matrix_numel, "metrics": result.metrics}
     return found
@@ -113,7 +119,7 @@ def failing_rank(rank: int, world_size: int) -> dict[str, Any]:
     start = time.monotonic()
     try:
         for step in range(1000):
-            engine.submit(engine.snapshot(step))
+            engine.offer(step)
             engine.collect()
             time.sleep(0.05)
     except ShardedEngineError as error:
@@ -133,7 +139,7 @@ def falling_behind(rank: int, world_size: int) -> dict[str, Any]:
     start = time.monotonic()
     try:
         for step in range(100):
-            engine.submit(engine.snapshot(step))
+            engine.offer(step)
     except ShardedEngineError as error:
         outcome = {"error": str(error), "seconds": time.monotonic() - start}
     else:
@@ -172,8 +178,8 @@ def placements(rank: int, world_size: int) -> dict[str, Any]:
         rows = Rows(start=10 * index, stop=10 * (index + 1), groups=5)
         targets.append(Target.from_parameter("fused", fused, role=role, rows=rows, fused=True))
     engine = ShardedEngine(targets, group=svd_group(timeout_seconds=60), k=K)
-    engine.submit(engine.snapshot(0))
-    (result,) = engine.drain(timeout=60)
+    engine.offer(0)
+    (result,) = drain(engine, 0, timeout=60)
     pieces = {p.target.name: (p.split, p.rows) for g in engine.groups.values() for p in g.pieces}
     engine.close()
     return {"metrics": result.metrics, "pieces": pieces, "full": full}
@@ -221,14 +227,14 @@ def fsdp_over_tp(rank: int, world_size: int) -> dict[str, Any]:
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     weights, results = {}, []
     for step in range(5):
-        engine.submit(engine.snapshot(step))
+        engine.offer(step)
         weights[step] = {target.name: full_matrix(target) for target in targets}
         if step < 4:
             x, y = batch(rank // 2, step, "fsdp")  # one batch per dp rank
             model(x, y).backward()
             optimizer.step()
             optimizer.zero_grad()
-    results = engine.drain(timeout=120)
+    results = drain(engine, 4, timeout=120)
     engine.close()
     return {
         "tile": (top.S, top.frobenius_sq),

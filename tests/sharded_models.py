@@ -153,3 +153,12 @@ def full_matrix(target: Any) -> torch.Tensor:
     parameter = target.parameter.detach()
     whole = parameter.full_tensor() if isinstance(parameter, DTensor) else parameter
     return target.rows.take(whole).double().clone()
+
+
+def exact_metrics(matrix: torch.Tensor, k: int) -> dict[str, float]:
+    """The reference: the metrics of the top ``k`` of a float64 full SVD, and the exact ‖W‖_F²."""
+    from spectral_callbacks.functional import metrics_from_spectrum
+
+    matrix = matrix.double()
+    values = metrics_from_spectrum(torch.linalg.svdvals(matrix)[:k], (matrix**2).sum())
+    return {name: float(value) for name, value in values.items()}

@@ -37,12 +37,12 @@ TIMEOUT_SECONDS = 180
 SCHEDULED = [0, 1, 2, 4, 8, 12, 14]  # ddp_train.py: 0, 1, 2, every 4, and the last step (14)
 
 
-def run_script(outdir: Path, *args: str) -> subprocess.CompletedProcess:
-    """Run ddp_train.py; on timeout kill the whole process group (every rank) and fail."""
+def run_script(outdir: Path, *args: str, script: Path = SCRIPT) -> subprocess.CompletedProcess:
+    """Run ``script`` (ddp_train.py); on timeout kill the whole process group (every rank), fail."""
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     env.pop("LOCAL_RANK", None)  # never inherit a rank from an outer launcher
     process = subprocess.Popen(
-        [sys.executable, str(SCRIPT), str(outdir), *args],
+        [sys.executable, str(script), str(outdir), *args],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -54,7 +54,7 @@ def run_script(outdir: Path, *args: str) -> subprocess.CompletedProcess:
     except subprocess.TimeoutExpired:
         os.killpg(process.pid, signal.SIGKILL)
         output, _ = process.communicate()
-        pytest.fail(f"ddp_train.py hung for {TIMEOUT_SECONDS} s:\n{output[-3000:]}")
+        pytest.fail(f"{script.name} hung for {TIMEOUT_SECONDS} s:\n{output[-3000:]}")
     finally:
         with contextlib.suppress(ProcessLookupError):  # ranks left after rank 0 returned
             os.killpg(process.pid, signal.SIGKILL)
@@ -249,13 +249,16 @@ def test_engine_sends_each_result_at_the_next_point_and_a_late_one_as_missing(
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize(
-    "strategy", [FSDPStrategy(), ModelParallelStrategy()], ids=["fsdp", "fsdp2"]
-)
-def test_sharded_strategies_are_refused_at_setup(strategy) -> None:
-    trainer = SimpleNamespace(strategy=strategy, world_size=2, loggers=[object()])
-    with pytest.raises(MisconfigurationException, match=f"{type(strategy).__name__}: it shards"):
-        SpectralMonitor().setup(trainer, TinyGPT(), "fit")
+def test_fsdp1_is_refused_at_setup_and_model_parallel_is_accepted() -> None:
+    fsdp = SimpleNamespace(strategy=FSDPStrategy(), world_size=2, loggers=[object()])
+    with pytest.raises(
+        MisconfigurationException, match="FSDPStrategy: it flattens.*use ModelParallelStrategy"
+    ):
+        SpectralMonitor().setup(fsdp, TinyGPT(), "fit")
+    sharded = SimpleNamespace(strategy=ModelParallelStrategy(), world_size=2, loggers=[object()])
+    SpectralMonitor().setup(sharded, TinyGPT(), "fit")  # FSDP2 / tensor parallel DTensors
+    with pytest.raises(MisconfigurationException, match="`max_overhead` is not supported with 2"):
+        SpectralMonitor(max_overhead=0.01).setup(sharded, TinyGPT(), "fit")
 
 
 def test_budget_mode_and_non_ddp_multi_process_strategies_are_refused() -> None:

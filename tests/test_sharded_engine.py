@@ -11,6 +11,7 @@ import pytest
 import sharded_engine_cases as cases
 import torch
 import torch.distributed as dist
+from sharded_models import exact_metrics
 from spawn_ranks import run_ranks
 
 from spectral_callbacks.functional import metrics_from_spectrum, spectral_metrics
@@ -20,9 +21,7 @@ pytestmark = pytest.mark.slow
 
 
 def exact(matrix: torch.Tensor) -> dict[str, float]:
-    S = torch.linalg.svdvals(matrix)
-    values = metrics_from_spectrum(S[: cases.K], (matrix**2).sum())
-    return {name: float(value) for name, value in values.items()}
+    return exact_metrics(matrix, cases.K)
 
 
 @pytest.fixture(scope="module")
@@ -218,8 +217,8 @@ def test_bad_arguments_are_refused_before_any_work(tmp_path) -> None:
         with pytest.raises(ValueError, match="`targets` is empty"):
             ShardedEngine([], group=group)
         engine = ShardedEngine(targets, group=group, k=2)  # a one-rank group: the plain problem
-        engine.submit(engine.snapshot(3))
-        (result,) = engine.drain(timeout=30)
+        engine.offer(3)
+        (result,) = cases.drain(engine, 3, timeout=30)
         assert result.step == 3 and result.metrics["w"]["stable_rank"] == pytest.approx(4.0)
         engine.close()
     finally:

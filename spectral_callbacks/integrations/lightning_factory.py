@@ -90,10 +90,15 @@ def monitor_class(package: str) -> type:
             MisconfigurationException: if an argument is out of range (at construction, a
                 :class:`ConfigurationError`); if the Trainer has no logger (at ``setup``) or the
                 model has no matrix to watch or no role of ``figure_roles`` (at ``on_fit_start``);
-                if the strategy shards parameters (FSDP, FSDP2, DeepSpeed ZeRO-3), is another
-                multi-process strategy than DDP, or ``max_overhead`` is set with several
-                processes (at ``setup``). Under DDP each rank decomposes a share of the matrices
-                and rank 0 logs them all: see docs/distributed.md.
+                if the strategy is FSDP (``FSDPStrategy``) or DeepSpeed ZeRO-3 (use
+                ``ModelParallelStrategy`` with ``fully_shard``), another multi-process strategy
+                than DDP or ``ModelParallelStrategy``, or ``max_overhead`` is set with several
+                processes (at ``setup``). Under DDP each rank decomposes a share of the
+                matrices; under ``ModelParallelStrategy`` the ranks decompose each sharded
+                matrix together where its shards live; rank 0 logs them all: see
+                docs/distributed.md.
+            ShardedEngineError: under ``ModelParallelStrategy``, if the sharded computation
+                fails or falls behind on a rank (it ends the run on every rank).
             TypeError: an argument that is not an option.
 
         Example::
@@ -166,7 +171,8 @@ def monitor_class(package: str) -> type:
         @override
         def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
             if self.tracker is not None:
-                self.tracker.begin(trainer.global_step)
+                with raised_as_misconfiguration():  # the engine is chosen here (make_engine)
+                    self.tracker.begin(trainer.global_step)
 
         @override
         def on_train_batch_end(
@@ -217,7 +223,7 @@ def monitor_class(package: str) -> type:
 
 
 def check_strategy(trainer: Any, max_overhead: float | None, strategies: Any) -> None:
-    """Reject strategies whose processes do not each hold whole, identical matrices.
+    """Reject strategies whose parameters the monitor cannot decompose where they live.
 
     Args:
         trainer: the Trainer (``strategy``, ``world_size``).
@@ -225,31 +231,34 @@ def check_strategy(trainer: Any, max_overhead: float | None, strategies: Any) ->
         strategies: the ``strategies`` module of the Trainer's package.
 
     Raises:
-        ConfigurationError: for FSDP / FSDP2 (``ModelParallelStrategy``) / DeepSpeed ZeRO-3
-            (sharded parameters), for any other multi-process strategy that is not DDP, and for
-            ``max_overhead`` with several processes (the budget is measured per rank, so ranks
-            would snapshot at different steps).
+        ConfigurationError: for FSDP (``FSDPStrategy``, FSDP1: its flat parameters are not
+            DTensors) and DeepSpeed ZeRO-3 (partitioned parameters): no rank holds a matrix or a
+            DTensor shard of one; for any other multi-process strategy than DDP and
+            ``ModelParallelStrategy``; and for ``max_overhead`` with several processes (the budget
+            is measured per rank, so ranks would snapshot at different steps).
     """
     strategy = getattr(trainer, "strategy", None)
     name = type(strategy).__name__
     supported = (
-        "SpectralMonitor supports a single device and DDP (strategy='ddp', 'ddp_spawn', "
-        "'ddp_notebook', DeepSpeed stages 1-2), where every rank holds whole matrices"
+        "SpectralMonitor supports a single device, DDP (strategy='ddp', 'ddp_spawn', "
+        "'ddp_notebook', DeepSpeed stages 1-2) and sharded DTensor weights through "
+        "ModelParallelStrategy (fully_shard / FSDP2 and tensor parallelism in configure_model)"
     )
     zero3 = (
         isinstance(strategy, strategies.DeepSpeedStrategy)
         and isinstance(getattr(strategy, "config", None), dict)
         and strategy.zero_stage_3
     )
-    sharded = isinstance(strategy, (strategies.FSDPStrategy, strategies.ModelParallelStrategy))
-    if sharded or zero3:
+    if isinstance(strategy, strategies.FSDPStrategy) or zero3:
         raise ConfigurationError(
-            f"SpectralMonitor cannot watch a model trained with {name}: it shards the parameters, so "
-            f"no rank holds a whole matrix to decompose. {supported}. Analyse checkpoints of a "
-            "sharded run offline with `spectral-callbacks analyze` instead."
+            f"SpectralMonitor cannot watch a model trained with {name}: it flattens and "
+            "partitions the parameters, so no rank holds a matrix or a DTensor shard of one, and "
+            f"gathering them would move every weight at every snapshot. {supported}: use "
+            "ModelParallelStrategy with fully_shard in configure_model instead."
         )
     world_size = int(getattr(trainer, "world_size", 1) or 1)
-    if world_size > 1 and not isinstance(strategy, strategies.DDPStrategy):
+    multi_process = (strategies.DDPStrategy, strategies.ModelParallelStrategy)
+    if world_size > 1 and not isinstance(strategy, multi_process):
         raise ConfigurationError(
             f"SpectralMonitor does not support {name} with {world_size} processes. {supported}."
         )

@@ -12,18 +12,22 @@ The tracker drives every engine through these calls and never asks which one it 
     health                   pending, skipped, awaiting_results
 
 Implementations: :class:`~spectral_callbacks.monitor.engine.SnapshotEngine` (one process: a worker
-thread, a CUDA side stream) and :class:`~spectral_callbacks.monitor.distributed.DistributedEngine`
-(DDP: each rank decomposes its share, rank 0 gets every result). An engine for sharded (DTensor)
-weights implements the same protocol: its ``offer`` snapshots the local shards, and a result
-reaches rank 0 through ``collect`` like any other.
+thread, a CUDA side stream), :class:`~spectral_callbacks.monitor.distributed.DistributedEngine`
+(DDP: each rank decomposes its share, rank 0 gets every result) and
+:class:`~spectral_callbacks.monitor.sharded.ShardedEngine` (sharded DTensor weights, FSDP2 or
+tensor parallel: each rank snapshots its local shards, the ranks decompose every matrix together,
+and every rank gets every result).
 
 Rules every implementation keeps:
 
 * ``offer`` is called at the same steps on every rank (the schedule depends only on the step),
   so an engine may issue collectives there and in ``finish``, and nowhere else.
 * ``offer`` never blocks on an SVD; when the bound is hit it skips, and the skip is counted in
-  ``skipped`` - the engine is the only place that count changes.
-* ``collect`` returns results only where they are logged (rank 0); ``[]`` elsewhere.
+  ``skipped`` - the engine is the only place that count changes. (The sharded engine never skips:
+  a skip on one rank and not another would desynchronize its collectives; a rank that falls
+  behind ends the run with an error instead.)
+* ``collect`` returns results at least where they are logged (rank 0); the tracker writes on rank
+  0 only.
 """
 
 from __future__ import annotations
@@ -31,7 +35,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, Protocol, runtime_checkable
 
+from torch.distributed.tensor import DTensor
+
+from spectral_callbacks.monitor.compute import SpectrumCompute
 from spectral_callbacks.monitor.engine import Compute, SnapshotResult
+from spectral_callbacks.monitor.options import ConfigurationError
 
 
 @runtime_checkable
@@ -101,7 +109,8 @@ def make_engine(
     drain_timeout: float,
     skipped: int = 0,
 ) -> Engine:
-    """The engine for this process: a :class:`SnapshotEngine`, or under DDP a ``DistributedEngine``.
+    """The engine for this process: a ``ShardedEngine`` if a watched parameter is a DTensor, else a
+    :class:`SnapshotEngine`, or under DDP a ``DistributedEngine``.
 
     Under several processes (a default process group with more than one rank) it is a collective:
     every rank must call it, in the same order relative to other collectives.
@@ -113,6 +122,10 @@ def make_engine(
         max_pending, synchronous, worker_threads, worker_nice: see ``MonitorOptions``.
         drain_timeout: seconds of the bounded waits; under DDP it sizes the results group timeout.
         skipped: skips counted before a resume.
+
+    Raises:
+        ConfigurationError: sharded weights with a custom ``compute`` (the sharded SVD runs the
+            default metrics only).
     """
     from spectral_callbacks.monitor import distributed
     from spectral_callbacks.monitor.engine import SnapshotEngine
@@ -125,6 +138,8 @@ def make_engine(
         "worker_nice": worker_nice,
         "skipped": skipped,
     }
+    if any(isinstance(target.parameter, DTensor) for target in targets):
+        return _sharded_engine(compute, targets, options, drain_timeout)
     rank, world_size = distributed.world()
     if world_size == 1:
         return SnapshotEngine(compute, group_by_shape(targets), **options)
@@ -136,4 +151,33 @@ def make_engine(
         world_size=world_size,
         group=distributed.results_group(2 * drain_timeout + 60),
         **options,
+    )
+
+
+def _sharded_engine(
+    compute: Compute, targets: Sequence[Any], options: dict[str, Any], drain_timeout: float
+) -> Engine:
+    """The engine for DTensor weights, configured like the default compute function."""
+    from spectral_callbacks.monitor.sharded import ShardedEngine, svd_group
+
+    if not isinstance(compute, SpectrumCompute):
+        raise ConfigurationError(
+            "`compute` cannot replace the SVD of sharded (DTensor) weights: the ranks decompose "
+            "each matrix together with the built-in distributed SVD; pass `compute=None`"
+        )
+    svd = compute.svd_options
+    return ShardedEngine(
+        targets,
+        # Like DDP's results group: a rank that never arrives becomes an error, bounded.
+        group=svd_group(timeout_seconds=max(60.0, 2 * drain_timeout + 60)),
+        k=compute.k,
+        n_oversamples=svd.get("n_oversamples"),
+        n_iter=svd.get("n_iter"),
+        metric_options=compute.metric_options,
+        max_pending=options["max_pending"],
+        behind_timeout=max(drain_timeout, 1.0),
+        warm_start=compute.warm_start,
+        synchronous=options["synchronous"],
+        worker_threads=options["worker_threads"],
+        skipped=options["skipped"],
     )

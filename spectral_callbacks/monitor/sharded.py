@@ -8,9 +8,9 @@ SVD of ``functional/sharded_svd.py`` on a process group of its own:
 
     main thread, every rank (scheduled steps)       worker thread, every rank
     -----------------------------------------       -------------------------
-    snapshot(step): copy the local blocks      ──►  per shape group, in the same order everywhere:
-      into padded (B, rows here, d) stacks            scalars all-reduce, Krylov all-reduces (d x b),
-    submit(snapshot): queue it (FIFO)                 b x b Gram all-reduce -> the same S on all ranks
+    offer(step): copy the local blocks into    ──►  per shape group, in the same order everywhere:
+      padded (B, rows here, d) stacks, queue          scalars all-reduce, Krylov all-reduces (d x b),
+      them for the worker (FIFO)                      b x b Gram all-reduce -> the same S on all ranks
     collect(): results whose worker job is done ◄──   metrics; every rank has every matrix's values
 
 Agreement, by construction: every rank computes every snapshot it is handed, groups and matrices in
@@ -21,7 +21,7 @@ another would desynchronize the group) and no collective runs on the training th
 
 Failure, bounded: the SVD's process group has a timeout, so a rank that never arrives makes the
 others' worker fail within it; a worker error (on any rank) is re-raised on that rank's main
-thread by the next :meth:`ShardedEngine.submit` / :meth:`ShardedEngine.collect` and the engine
+thread by the next :meth:`ShardedEngine.offer` / :meth:`ShardedEngine.collect` and the engine
 issues no more collectives; a rank whose worker is more than ``max_pending`` snapshots behind when
 the next one is due waits at most ``behind_timeout`` seconds and then raises. Either way the run
 ends with an error on every rank, never a hang.
@@ -32,16 +32,17 @@ name the culprit (collectives on one rank alone); both would desynchronize the g
 
 Example (one process, a one-rank gloo group)::
 
-    >>> import datetime, tempfile, torch, torch.distributed as dist
+    >>> import tempfile, time, torch, torch.distributed as dist
     >>> from spectral_callbacks.targets import Target
     >>> store = tempfile.NamedTemporaryFile(delete=False).name
     >>> dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
     >>> weight = torch.diag(torch.tensor([3.0, 1.0, 1.0, 1.0]))
     >>> engine = ShardedEngine([Target.from_parameter("w", weight, role="O")],
     ...                        group=svd_group(timeout_seconds=30), k=2)
-    >>> engine.submit(engine.snapshot(step=0))
+    >>> engine.offer(step=0)
     True
-    >>> [(r.step, round(r.metrics["w"]["stable_rank"], 4)) for r in engine.drain(timeout=30)]
+    >>> engine.finish(0, offered=True, deadline=time.monotonic() + 30)
+    >>> [(r.step, round(r.metrics["w"]["stable_rank"], 4)) for r in engine.collect()]
     [(0, 1.3333)]
     >>> engine.close(); dist.destroy_process_group()
 """
@@ -65,6 +66,7 @@ import torch.distributed as dist
 from spectral_callbacks.functional.metrics import metrics_from_spectrum
 from spectral_callbacks.functional.sharded_svd import sharded_randomized_svd
 from spectral_callbacks.monitor.engine import SnapshotResult
+from spectral_callbacks.monitor.reporting import health_scalars
 from spectral_callbacks.monitor.shards import LocalPiece, local_piece, mesh_ranks
 from spectral_callbacks.monitor.snapshot import Snapshot
 from spectral_callbacks.targets.target import Target
@@ -80,7 +82,10 @@ class ShardedEngineError(RuntimeError):
 
 @dataclass
 class ShardedResult(SnapshotResult):
-    """A snapshot's metrics (the same on every rank) and the payload this rank all-reduced."""
+    """A snapshot's metrics (the same on every rank) and the payload this rank all-reduced.
+
+    ``rank_scalars`` carries it to the log as ``spectral_monitor/sent_bytes``.
+    """
 
     sent_bytes: int = 0
 
@@ -138,9 +143,10 @@ class _Job:
 class ShardedEngine:
     """Decomposes the watched matrices of a sharded model where their shards live.
 
-    The frontend drives it like the other engines: ``snapshot`` + ``submit`` at each scheduled
-    step on every rank, ``collect`` in later hooks (every rank gets every matrix's metrics; log
-    them on rank 0), ``drain`` at the end of training, ``abort`` after an exception, ``close``.
+    It implements :class:`~spectral_callbacks.monitor.protocol.Engine`, and ``make_engine`` picks
+    it when a watched parameter is a DTensor: ``offer`` at each scheduled step on every rank,
+    ``collect`` in later hooks (every rank gets every matrix's metrics; the tracker writes them
+    on rank 0 only), ``finish`` at the end of training, ``abort`` after an exception, ``close``.
 
     Args:
         targets: every watched matrix, from ``find_targets`` on the sharded model, in the same
@@ -156,13 +162,14 @@ class ShardedEngine:
         metric_options: passed to ``metrics_from_spectrum`` (``fit_window``, ``esd``, ...).
         max_pending: snapshots that may be queued or computing. Default ``4``: the copies are
             local shards, a fraction of the weights.
-        behind_timeout: seconds :meth:`submit` waits for room when ``max_pending`` are in flight
+        behind_timeout: seconds :meth:`offer` waits for room when ``max_pending`` are in flight
             before it raises. Default ``60``.
         warm_start: start each group from its previous subspace. Default ``True``.
         seed: seed of the random start blocks (the same on every rank). Default ``0``.
-        synchronous: compute inline in :meth:`submit` (a baseline, and for tests). Default
+        synchronous: compute inline in :meth:`offer` (a baseline, and for tests). Default
             ``False``.
         worker_threads: ``torch.set_num_threads`` in the worker thread. Default ``1``.
+        skipped: skips counted before a resume (this engine adds none). Default ``0``.
 
     Raises:
         ValueError: an argument is out of range, or this rank is not in ``group``.
@@ -185,6 +192,7 @@ class ShardedEngine:
         seed: int = 0,
         synchronous: bool = False,
         worker_threads: int | None = 1,
+        skipped: int = 0,
     ) -> None:
         for name, value in (("k", k), ("max_pending", max_pending)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -223,36 +231,30 @@ class ShardedEngine:
         self._worker: threading.Thread | None = None
         self._stopped = threading.Event()  # set after an error or abort(): no more collectives
         self._error: BaseException | None = None
+        self._skipped = skipped
 
     @property
     def pending(self) -> int:
-        """Snapshots submitted and not yet collected."""
+        """Snapshots offered and not yet collected."""
         return len(self._jobs)
 
     @property
-    def has_room(self) -> bool:
-        """Always ``True``: every scheduled snapshot must reach :meth:`submit` on every rank."""
-        return True
+    def skipped(self) -> int:
+        """Only what a resumed run counted before: a snapshot is computed on every rank or the run
+        ends with an error, never skipped."""
+        return self._skipped
 
     @property
-    def skipped(self) -> int:
-        """Always 0: a snapshot is computed on every rank or the run ends with an error."""
-        return 0
+    def awaiting_results(self) -> bool:
+        """Whether :meth:`collect` may still return a result (the same answer on every rank)."""
+        return bool(self._jobs)
 
-    def snapshot(self, step: int) -> Snapshot:
-        """Copy this rank's blocks of every watched matrix (main thread, after optimizer step ``step``).
+    def offer(self, step: int) -> bool:
+        """Snapshot this rank's blocks of ``step`` and queue them for the worker; returns ``True``.
 
-        On the CPU the copy is complete when this returns, so the next update (on the same
-        thread) cannot touch it; on CUDA it is queued on the current stream, before any later
-        update. No communication.
-        """
-        start = time.perf_counter()
-        with torch.no_grad():
-            tensors = {key: group.stack() for key, group in self.groups.items()}
-        return Snapshot(step, tensors, time.perf_counter() - start)
-
-    def submit(self, snapshot: Snapshot) -> bool:
-        """Queue a snapshot for the worker; returns ``True``.
+        Call it after optimizer step ``step`` on every rank. On the CPU the copy is complete when
+        this returns, so the next update (on the same thread) cannot touch it; on CUDA it is
+        queued on the current stream, before any later update. No communication.
 
         Raises:
             ShardedEngineError: an earlier snapshot failed (on this rank, or a peer stopped
@@ -260,30 +262,38 @@ class ShardedEngine:
                 ``behind_timeout`` seconds.
         """
         self._raise_if_failed()
-        job = _Job(snapshot, Future())
+        self._wait_for_room(step)
+        start = time.perf_counter()
+        with torch.no_grad():
+            tensors = {key: group.stack() for key, group in self.groups.items()}
+        job = _Job(Snapshot(step, tensors, time.perf_counter() - start), Future())
+        self._jobs.append(job)
         if self.synchronous:
-            self._jobs.append(job)
             self._run(job)
             self._raise_if_failed()
             return True
-        deadline = time.monotonic() + self.behind_timeout
-        while self._unfinished() >= self.max_pending:
-            self._raise_if_failed()
-            if time.monotonic() >= deadline:
-                self._fail(
-                    ShardedEngineError(
-                        f"the sharded spectral engine fell behind: {self.max_pending} snapshots "
-                        f"were still not decomposed {self.behind_timeout} s after step "
-                        f"{snapshot.step} was due; snapshot less often (every_n_steps) or raise "
-                        "behind_timeout"
-                    )
-                )
-                self._raise_if_failed()
-            time.sleep(_POLL_SECONDS)
-        self._jobs.append(job)
         self._ensure_worker()
         self._queue.put(job)
         return True
+
+    def finish(self, step: int, *, offered: bool, deadline: float) -> None:
+        """End of training, on every rank: measure ``step`` unless offered, wait for the worker.
+
+        If snapshots are still not decomposed at ``deadline`` the engine fails: :meth:`collect`
+        hands over the finished results, then raises :class:`ShardedEngineError`.
+        """
+        if not offered:
+            self.offer(step)
+        while self._unfinished() and self._error is None and time.monotonic() < deadline:
+            time.sleep(_POLL_SECONDS)
+        if self._unfinished() and self._error is None:
+            steps = [job.snapshot.step for job in self._jobs if not job.future.done()]
+            self._fail(
+                ShardedEngineError(
+                    f"the sharded spectral engine did not finish the snapshots of steps {steps} "
+                    "by the end of training; raise drain_timeout or snapshot less often"
+                )
+            )
 
     def collect(self, wait_seconds: float = 0.0) -> list[SnapshotResult]:
         """The finished results in step order; waits up to ``wait_seconds`` for all of them.
@@ -295,9 +305,11 @@ class ShardedEngine:
         results: list[SnapshotResult] = []
         while self._jobs:
             job = self._jobs[0]
-            while not job.future.done() and time.monotonic() < deadline:
+            while not job.future.done() and self._error is None and time.monotonic() < deadline:
                 time.sleep(_POLL_SECONDS)
             if not job.future.done():
+                if self._error is not None and not results:
+                    raise self._error
                 break
             if job.future.cancelled() or job.future.exception() is not None:
                 if results:  # hand the finished ones over first; the error comes next call
@@ -307,25 +319,6 @@ class ShardedEngine:
                 continue
             self._jobs.popleft()
             results.append(job.future.result())
-        return results
-
-    def drain(self, timeout: float) -> list[SnapshotResult]:
-        """End of training, on every rank: every pending result, waiting at most ``timeout``.
-
-        Raises:
-            ShardedEngineError: a snapshot failed, or some are not done after ``timeout``.
-        """
-        results = self.collect(wait_seconds=timeout)
-        if self._jobs:
-            self._raise_if_failed()
-            steps = [job.snapshot.step for job in self._jobs]
-            self._fail(
-                ShardedEngineError(
-                    f"the sharded spectral engine did not finish the snapshots of steps {steps} "
-                    f"within {timeout} s at the end of training"
-                )
-            )
-            self._raise_if_failed()
         return results
 
     def abort(self) -> None:
@@ -420,10 +413,30 @@ class ShardedEngine:
                 metrics[name] = {metric: float(column[row]) for metric, column in columns.items()}
         seconds = time.perf_counter() - start
         return ShardedResult(
-            snapshot.step, metrics, seconds, snapshot.main_thread_seconds, sent_bytes=sent
+            snapshot.step,
+            metrics,
+            seconds,
+            snapshot.main_thread_seconds,
+            rank_scalars=health_scalars(sent_bytes=sent),
+            sent_bytes=sent,
         )
 
     # --- state ------------------------------------------------------------------------------
+
+    def _wait_for_room(self, step: int) -> None:
+        deadline = time.monotonic() + self.behind_timeout
+        while not self.synchronous and self._unfinished() >= self.max_pending:
+            self._raise_if_failed()
+            if time.monotonic() >= deadline:
+                self._fail(
+                    ShardedEngineError(
+                        f"the sharded spectral engine fell behind: {self.max_pending} snapshots "
+                        f"were still not decomposed {self.behind_timeout} s after step {step} was "
+                        "due; snapshot less often (every_n_steps) or raise behind_timeout"
+                    )
+                )
+                self._raise_if_failed()
+            time.sleep(_POLL_SECONDS)
 
     def _unfinished(self) -> int:
         return sum(not job.future.done() for job in self._jobs)

@@ -14,8 +14,9 @@ update of step ``s`` and before the next one: on the CPU the copy is made inside
 CUDA it is ordered after the update on a side stream (see ``snapshot.py``).
 
 Several processes (a default process group with more than one rank): every rank constructs a
-tracker and calls ``step`` at the same steps; each decomposes its share and rank 0 writes
-everything (``writers`` and ``logdir`` are ignored on the other ranks).
+tracker and calls ``step`` at the same steps; under DDP each decomposes its share, with sharded
+(DTensor) weights the ranks decompose each matrix together where its shards live, and rank 0
+writes everything (``writers`` and ``logdir`` are ignored on the other ranks).
 """
 
 from __future__ import annotations
@@ -65,8 +66,10 @@ class SpectralTracker:
 
     Raises:
         ConfigurationError: an option out of range, no matrix to watch, a bad mapping,
-            ``figure_roles`` naming a role the model does not have, or ``max_overhead`` with
-            several processes.
+            ``figure_roles`` naming a role the model does not have, ``max_overhead`` with
+            several processes, or ``compute`` with sharded (DTensor) weights.
+        ShardedEngineError: with sharded weights, from :meth:`step` or :meth:`close`, if the
+            sharded computation failed or fell behind on a rank (the run cannot go on).
 
     Example::
 
