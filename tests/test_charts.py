@@ -6,7 +6,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from spectral_callbacks.names import relative_depth
+from spectral_callbacks.names import TIDY_COLUMNS, relative_depth
 from spectral_callbacks.offline import charts
 
 ROLES = ["Q", "K", "V", "O", "MLP_up", "MLP_down"]
@@ -300,3 +300,21 @@ def test_plotted_values_are_the_lines_and_bars(rows: pd.DataFrame) -> None:
     for row in table.itertuples():
         role = {"MLP↑": "MLP_up", "MLP↓": "MLP_down"}.get(row.series, row.series)
         assert row.y == expected[(role, int(row.x))]
+
+
+def test_final_charts_say_when_nan_makes_them_fall_back_to_an_earlier_step() -> None:
+    # Weights turned NaN after step 50: the final charts draw step 50's values and say so
+    # (before, groupby().last() skipped the NaN silently and kept step 80 as the step).
+    records = []
+    for step, value in ((0, 0.3), (50, 0.4), (80, float("nan"))):
+        for layer in (0, 1):
+            for metric, scale in (("alpha", 1.0), ("compression", 100.0)):
+                records.append(("nanrun", step, metric, layer, layer / 1, "Q", value * scale, 0.0))
+    rows = pd.DataFrame.from_records(records, columns=list(TIDY_COLUMNS))
+    for fig in (charts.alpha_vs_depth(rows), charts.compression_by_layer(rows)):
+        assert "step 80" in fig.fell_back["nanrun"] and "(50-50)" in fig.fell_back["nanrun"]
+        assert "earlier step" in fig.get_supxlabel()
+    [line] = charts.alpha_vs_depth(rows).axes[0].get_lines()
+    assert list(line.get_ydata()) == [0.4, 0.4]
+    finite = rows[rows["step"] < 80]
+    assert not getattr(charts.alpha_vs_depth(finite), "fell_back", {})

@@ -180,6 +180,8 @@ def run(args: argparse.Namespace) -> int:
     left_out: dict[str, str] = getattr(figure, "left_out", {})
     for run, reason in left_out.items():
         say("plot", "note", f"left out {run}: {reason}")
+    for run, reason in getattr(figure, "fell_back", {}).items():
+        say("plot", "note", f"{run}: {reason}")
     if result.problems:
         runs = ", ".join(rows["run"].unique())
         return report_problems(

@@ -55,8 +55,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from spectral_callbacks.messages import rank_zero_warn
 from spectral_callbacks.monitor.engine import Compute, SnapshotEngine, SnapshotResult
-from spectral_callbacks.monitor.messages import rank_zero_warn
 from spectral_callbacks.monitor.snapshot import Snapshot, group_by_shape
 from spectral_callbacks.names import monitor_tag
 

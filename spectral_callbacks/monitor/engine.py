@@ -65,8 +65,8 @@ from typing import Any
 
 import torch
 
+from spectral_callbacks.messages import rank_zero_warn
 from spectral_callbacks.monitor import background
-from spectral_callbacks.monitor.messages import rank_zero_warn
 from spectral_callbacks.monitor.snapshot import ShapeGroup, Snapshot, take_snapshot
 
 #: ``compute(group, batch)``: ``batch`` is a float ``(B, m, n)`` stack of the group's matrices;

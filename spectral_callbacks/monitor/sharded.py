@@ -54,7 +54,6 @@ import datetime
 import queue
 import threading
 import time
-import warnings
 from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -65,6 +64,7 @@ import torch.distributed as dist
 
 from spectral_callbacks.functional.metrics import metrics_from_spectrum
 from spectral_callbacks.functional.sharded_svd import sharded_randomized_svd
+from spectral_callbacks.messages import rank_zero_warn
 from spectral_callbacks.monitor.engine import SnapshotResult
 from spectral_callbacks.monitor.reporting import health_scalars
 from spectral_callbacks.monitor.shards import LocalPiece, local_piece, mesh_ranks
@@ -333,11 +333,11 @@ class ShardedEngine:
             self._queue.put(None)
             worker.join(timeout)
             if worker.is_alive():  # a daemon thread: it cannot keep the interpreter alive
-                warnings.warn(
+                rank_zero_warn(
                     f"the sharded spectral worker did not stop within {timeout} s (it waits in a "
                     "collective until the SVD group's timeout); it is left as a daemon thread",
-                    RuntimeWarning,
-                    stacklevel=2,
+                    category=RuntimeWarning,
+                    stacklevel=5,  # + rank_zero_warn's own frames
                 )
         self._jobs.clear()
 

@@ -29,11 +29,11 @@ from typing import Any
 import torch
 
 from spectral_callbacks import tensorboard_adapter as tb
+from spectral_callbacks.messages import rank_zero_info, rank_zero_warn
 from spectral_callbacks.monitor import dashboards
 from spectral_callbacks.monitor.compute import SpectrumCompute
 from spectral_callbacks.monitor.distributed import world
 from spectral_callbacks.monitor.engine import SnapshotResult
-from spectral_callbacks.monitor.messages import rank_zero_info, rank_zero_warn
 from spectral_callbacks.monitor.options import (
     DEFAULT_FIGURE_ROLES,
     DEFAULT_METRICS,

@@ -119,9 +119,27 @@ def _select(rows: pd.DataFrame, *, metric: str, what: str, **equal: object) -> p
 
 
 def _final(rows: pd.DataFrame, keys: list[str]) -> pd.DataFrame:
-    """The last logged value per ``keys`` (the highest step, the latest write at that step)."""
+    """The last finite value per ``keys`` (the highest step, the latest write at that step).
+
+    A series whose newest values are NaN (non-finite weights from some step on) gives its last
+    finite row, with that row's step; :func:`_fallbacks` says where that happened.
+    """
     ordered = rows.sort_values(["step", "wall_time"], kind="stable")
-    return ordered.groupby(keys, as_index=False, sort=True).last()
+    finite = ordered[np.isfinite(ordered["value"].to_numpy(dtype=float))]
+    return finite.groupby(keys, as_index=False, sort=True).tail(1).sort_values(keys)
+
+
+def _fallbacks(rows: pd.DataFrame, final: pd.DataFrame) -> dict[str, str]:
+    """Per run, a note when ``final`` (from :func:`_final`) is older than the run's newest step."""
+    notes = {}
+    for run, newest in rows.groupby("run", sort=False)["step"].max().items():
+        older = final[(final["run"] == run) & (final["step"] < newest)]
+        if not older.empty:
+            notes[str(run)] = (
+                f"NaN at step {newest} for {len(older)} series: drawn at their last finite step "
+                f"({older['step'].min()}-{older['step'].max()})"
+            )
+    return notes
 
 
 def _legend(ax: Axes, title: str) -> None:
@@ -156,14 +174,24 @@ def _axes(ax: Axes | None, figsize: tuple[float, float]) -> tuple[Figure, Axes]:
     return fig, fig.add_subplot()
 
 
-def _note_left_out(fig: Figure, left_out: dict[str, str]) -> None:
-    """Record the runs a chart left out on ``fig.left_out`` and write them under the figure."""
+def _note_left_out(
+    fig: Figure, left_out: dict[str, str], fell_back: dict[str, str] | None = None
+) -> None:
+    """Record the runs a chart left out on ``fig.left_out`` (and those drawn from an earlier step
+    than their last on ``fig.fell_back``) and write both under the figure."""
     known: dict[str, str] = getattr(fig, "left_out", {})
     known.update(left_out)
     fig.left_out = known  # type: ignore[attr-defined]
-    if known:  # a figure-level label, so the constrained layout makes room for it
-        text = "; ".join(f"{run}: {reason}" for run, reason in known.items())
-        fig.supxlabel(f"left out — {text}", fontsize="x-small", wrap=True)
+    earlier: dict[str, str] = getattr(fig, "fell_back", {})
+    earlier.update(fell_back or {})
+    fig.fell_back = earlier  # type: ignore[attr-defined]
+    lines = []
+    if known:
+        lines.append("left out — " + "; ".join(f"{run}: {why}" for run, why in known.items()))
+    if earlier:
+        lines.append("earlier step — " + "; ".join(f"{run}: {why}" for run, why in earlier.items()))
+    if lines:  # a figure-level label, so the constrained layout makes room for it
+        fig.supxlabel("\n".join(lines), fontsize="x-small", wrap=True)
 
 
 def alpha_vs_depth(
@@ -189,6 +217,7 @@ def alpha_vs_depth(
     chosen = _select(rows, metric="alpha", what="alpha-depth", role=role)
     final = _final(chosen.assign(depth=_depths(chosen)), ["run", "layer"])
     fig, ax = _axes(ax, (6.0, 4.0))
+    _note_left_out(fig, {}, _fallbacks(chosen, final))
     for run in _runs(chosen):
         line = final[final["run"] == run].sort_values("depth")
         ax.plot(line["depth"].to_numpy(), line["value"].to_numpy(), marker="o", label=run)
@@ -325,6 +354,7 @@ def compression_by_layer(rows: pd.DataFrame, *, ax: Axes | None = None) -> Figur
     """
     chosen, left_out = compression_rows(rows)
     final = _final(chosen, ["run", "layer", "role"])
+    fell_back = _fallbacks(chosen, final)
     runs = _runs(final)
     colors = _role_colors(final["role"].unique())
     if ax is not None:
@@ -351,7 +381,7 @@ def compression_by_layer(rows: pd.DataFrame, *, ax: Axes | None = None) -> Figur
         ax.grid(axis="y", alpha=0.3)
         # Right of the axes: inside, it would cover the first layers' bars (compression reaches ~90 %).
         ax.legend(title="role", fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1.0))
-    _note_left_out(fig, left_out)  # type: ignore[arg-type]
+    _note_left_out(fig, left_out, fell_back)  # type: ignore[arg-type]
     return fig  # type: ignore[return-value]
 
 

@@ -19,12 +19,12 @@ Steps:
 from __future__ import annotations
 
 import fnmatch
-import warnings
 from collections import defaultdict
 from collections.abc import Iterable, Mapping
 
 from torch import nn
 
+from spectral_callbacks.messages import rank_zero_warn
 from spectral_callbacks.targets.errors import (
     AmbiguousTargetWarning,
     PartialTargetWarning,
@@ -169,13 +169,13 @@ def find_targets(
             chosen.append(candidate)
 
     if unmapped:
-        warnings.warn(
+        rank_zero_warn(
             f"{len(unmapped)} weights that look like targets are not watched:\n  "
             + "\n  ".join(unmapped[:_MAX_LISTED])
             + "\nGive them roles with mapping={pattern: role or Split(...)}, or silence this "
             "with exclude=.",
-            PartialTargetWarning,
-            stacklevel=2,
+            category=PartialTargetWarning,
+            stacklevel=5,  # + rank_zero_warn's own frames
         )
     kept = _number_layers(candidates, chosen)
 
@@ -204,12 +204,12 @@ def _number_layers(candidates: list[Candidate], chosen: list[Candidate]) -> list
             used[key].add(index)
     order = list(dict.fromkeys(c.block[0] if c.block else "" for c in chosen))
     if len(order) > 1:
-        warnings.warn(
+        rank_zero_warn(
             f"targets come from {len(order)} lists of blocks ("
             + ", ".join(repr(k or "<outside any list>") for k in order)
             + "); their layers are numbered one list after the other. Pass include= to watch one.",
-            AmbiguousTargetWarning,
-            stacklevel=3,
+            category=AmbiguousTargetWarning,
+            stacklevel=6,  # + rank_zero_warn's own frames
         )
     offset, layer_of = 0, {}
     for key in order:
@@ -252,11 +252,11 @@ def _warn_missing_roles(targets: list[Target]) -> None:
             f"layer {layer}: {', '.join(sorted(roles, key=role_sort_key))}"
             for layer, roles in sorted(missing.items())
         )
-        warnings.warn(
+        rank_zero_warn(
             f"some layers lack roles that other layers have ({text}); their charts will have "
             "gaps. Check format_targets(...) and pass mapping= if a weight was not recognised.",
-            PartialTargetWarning,
-            stacklevel=3,
+            category=PartialTargetWarning,
+            stacklevel=6,  # + rank_zero_warn's own frames
         )
 
 
@@ -270,10 +270,10 @@ def _filter_roles(
             f"`roles`={patterns!r} matched no target; roles found in this model: {', '.join(found)}"
         )
     if unused:
-        warnings.warn(
+        rank_zero_warn(
             f"`roles` {unused!r} matched no target (roles found: {', '.join(found)})",
-            PartialTargetWarning,
-            stacklevel=3,
+            category=PartialTargetWarning,
+            stacklevel=6,  # + rank_zero_warn's own frames
         )
     kept = []
     for t in targets:

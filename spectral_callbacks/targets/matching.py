@@ -8,13 +8,13 @@ map alike; a weight's block is found on the real name, in the module tree.
 from __future__ import annotations
 
 import re
-import warnings
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
+from spectral_callbacks.messages import rank_zero_warn
 from spectral_callbacks.targets.errors import AmbiguousTargetWarning, TargetError
 from spectral_callbacks.targets.rules import (
     BUILTIN_RULES,
@@ -123,12 +123,12 @@ def user_decision(mapping: UserMapping, ctx: Context, name: str) -> tuple[Decisi
     if not found:
         return None
     if len({repr(decision) for _, decision, _ in found}) > 1:
-        warnings.warn(
+        rank_zero_warn(
             f"{name} matches several mapping= patterns with different roles: "
             + ", ".join(f"{p!r} -> {d!r}" for p, d, _ in found)
             + f"; using the first ({found[0][0]!r}). Make the patterns disjoint to silence this.",
-            AmbiguousTargetWarning,
-            stacklevel=4,
+            category=AmbiguousTargetWarning,
+            stacklevel=7,  # + rank_zero_warn's own frames
         )
     return found[0][1], found[0][2]
 
