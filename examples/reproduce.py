@@ -41,7 +41,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from matplotlib.figure import Figure
 
 from spectral_callbacks.cli import main as cli
-from spectral_callbacks.offline import charts
+from spectral_callbacks.offline import charts, differences
 from spectral_callbacks.offline.events import read_runs
 
 FIGURES = ("lifecycle", "alpha-depth", "init-ablation")
@@ -314,7 +314,7 @@ def draw_init_ablation(rows: pd.DataFrame, variants: list[str], smoothing: float
     rows = rows[rows["run"].isin(order)].sort_values(
         "run", key=lambda runs: runs.map(order), kind="stable"
     )
-    fig = charts.metric_diff(
+    fig = differences.metric_diff(
         rows, "train/loss", pair=INIT_PAIR, x="train/tokens", smoothing=smoothing
     )
     ax = fig.axes[0]

@@ -7,7 +7,7 @@ import pandas as pd
 import pytest
 
 from spectral_callbacks.names import TIDY_COLUMNS, relative_depth
-from spectral_callbacks.offline import charts
+from spectral_callbacks.offline import charts, differences
 
 ROLES = ["Q", "K", "V", "O", "MLP_up", "MLP_down"]
 
@@ -132,14 +132,14 @@ def test_compression_wave_cells_hold_values(rows: pd.DataFrame) -> None:
 
 
 def test_metric_diff_against_steps_and_tokens(rows: pd.DataFrame) -> None:
-    fig = charts.metric_diff(rows, "train/loss", baseline="d4")
+    fig = differences.metric_diff(rows, "train/loss", baseline="d4")
     (line,) = [line for line in fig.axes[0].get_lines() if line.get_label() == "d6"]
     # d6 = d4 + 1 at every shared step; step 30 lies outside the baseline's range and is left out.
     np.testing.assert_array_equal(line.get_xdata(), [0, 10, 20])
     np.testing.assert_allclose(line.get_ydata(), [1.0, 1.0, 1.0])
     assert "d4" in fig.axes[0].get_ylabel()
 
-    fig = charts.metric_diff(rows, "train/loss", baseline="d4", x="tokens")
+    fig = differences.metric_diff(rows, "train/loss", baseline="d4", x="tokens")
     (line,) = [line for line in fig.axes[0].get_lines() if line.get_label() == "d6"]
     # d6 sees twice the tokens per step: at tokens 20000 it is at step 10, the baseline at step 20.
     np.testing.assert_array_equal(line.get_xdata(), [0, 20000])
@@ -151,9 +151,9 @@ def test_chart_errors_name_what_is_missing(rows: pd.DataFrame) -> None:
     with pytest.raises(ValueError, match="per-layer `alpha` rows with role='MLA'"):
         charts.alpha_vs_depth(rows, role="MLA")
     with pytest.raises(ValueError, match="the baseline 'nope' is not one of the runs: d4, d6"):
-        charts.metric_diff(rows, "train/loss", baseline="nope")
+        differences.metric_diff(rows, "train/loss", baseline="nope")
     with pytest.raises(ValueError, match="several .* pick one layer and role"):
-        charts.metric_diff(rows, "alpha", baseline="d4")
+        differences.metric_diff(rows, "alpha", baseline="d4")
 
 
 def test_save_figure_formats(rows: pd.DataFrame, tmp_path) -> None:
@@ -197,7 +197,7 @@ def pairs() -> pd.DataFrame:
 
 
 def test_pairing_recovers_the_known_differences(pairs: pd.DataFrame) -> None:
-    fig = charts.metric_diff(
+    fig = differences.metric_diff(
         pairs, "train/loss", pair=("{variant}/zero_out", "{variant}/gpt"), x="train/tokens"
     )
     lines = {
@@ -215,18 +215,18 @@ def test_pairing_recovers_the_known_differences(pairs: pd.DataFrame) -> None:
 
 def test_pairing_errors_say_what_to_write(pairs: pd.DataFrame) -> None:
     with pytest.raises(ValueError, match=r"needs a \{name\} placeholder"):
-        charts.pair_runs(["a"], "zero_out", "gpt")
+        differences.pair_runs(["a"], "zero_out", "gpt")
     with pytest.raises(ValueError, match=r"uses \['init'\], which '\{variant\}/zero_out' does not"):
-        charts.pair_runs(["a"], "{variant}/zero_out", "{variant}/{init}")
+        differences.pair_runs(["a"], "{variant}/zero_out", "{variant}/{init}")
     with pytest.raises(ValueError, match="no run is named like 'x/{v}'; the runs are: a, b"):
-        charts.pair_runs(["a", "b"], "x/{v}", "y/{v}")
+        differences.pair_runs(["a", "b"], "x/{v}", "y/{v}")
     with pytest.raises(ValueError, match="either a baseline run or a pair"):
-        charts.metric_diff(pairs, "train/loss", "mha/gpt", pair=("{v}/zero_out", "{v}/gpt"))
+        differences.metric_diff(pairs, "train/loss", "mha/gpt", pair=("{v}/zero_out", "{v}/gpt"))
 
 
 def test_smoothing_is_tensorboards_debiased_ema(pairs: pd.DataFrame) -> None:
     weight = 0.8
-    fig = charts.metric_diff(
+    fig = differences.metric_diff(
         pairs, "train/loss", pair=("{variant}/zero_out", "{variant}/gpt"), smoothing=weight
     )
     (mha,) = [line for line in fig.axes[0].get_lines() if line.get_label() == "mha"]
@@ -236,9 +236,11 @@ def test_smoothing_is_tensorboards_debiased_ema(pairs: pd.DataFrame) -> None:
     for count, value in enumerate(raw, start=1):  # TensorBoard's smoothing, written out
         last = last * weight + (1 - weight) * value
         expected.append(last / (1 - weight**count))
-    np.testing.assert_allclose(charts.ema(raw, weight), expected)
+    np.testing.assert_allclose(differences.ema(raw, weight), expected)
     with pytest.raises(ValueError, match=r"smoothing weight must be in \[0, 1\), got 1.0"):
-        charts.metric_diff(pairs, "train/loss", pair=("{v}/zero_out", "{v}/gpt"), smoothing=1.0)
+        differences.metric_diff(
+            pairs, "train/loss", pair=("{v}/zero_out", "{v}/gpt"), smoothing=1.0
+        )
 
 
 def _analyzed(rows: pd.DataFrame) -> pd.DataFrame:
@@ -281,7 +283,7 @@ def test_metric_diff_against_a_single_point_baseline_is_an_error(rows: pd.DataFr
     losses = rows[rows.metric == "train/loss"]
     single = losses[(losses.run == "d4") & (losses.step == 0)].assign(run="at-rest")
     with pytest.raises(ValueError, match="baseline 'at-rest' has `train/loss` at one step only"):
-        charts.metric_diff(pd.concat([losses, single]), "train/loss", baseline="at-rest")
+        differences.metric_diff(pd.concat([losses, single]), "train/loss", baseline="at-rest")
 
 
 def test_selection_errors_list_the_layers_and_roles_that_exist(rows: pd.DataFrame) -> None:

@@ -10,7 +10,7 @@ import pytest
 from cli_runs import NUM_LAYERS, STEPS, run_cli, training_runs
 
 from spectral_callbacks.cli.main import main
-from spectral_callbacks.offline import charts
+from spectral_callbacks.offline import charts, differences
 from spectral_callbacks.offline.events import read_runs
 
 ROLES = ["Q", "K", "V", "O", "MLP_up", "MLP_down"]
@@ -97,7 +97,7 @@ def test_compression_wave_content(rows: pd.DataFrame) -> None:
 
 
 def test_metric_diff_content(rows: pd.DataFrame) -> None:
-    ax = charts.metric_diff(rows, "train/loss", "a", x="train/tokens").axes[0]
+    ax = differences.metric_diff(rows, "train/loss", "a", x="train/tokens").axes[0]
     (line,) = [line for line in ax.get_lines() if line.get_label() == "b"]
     loss = {
         run: rows[(rows.run == run) & (rows.metric == "train/loss")].set_index("step").value

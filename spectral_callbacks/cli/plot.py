@@ -108,7 +108,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
 
 def draw(rows: pd.DataFrame, args: argparse.Namespace) -> Figure:
     """The figure of ``args.kind`` from ``rows``; chart errors become CommandErrors."""
-    from spectral_callbacks.offline import charts
+    from spectral_callbacks.offline import charts, differences
 
     try:
         if args.kind == "alpha-depth":
@@ -141,7 +141,7 @@ def draw(rows: pd.DataFrame, args: argparse.Namespace) -> Figure:
         ]
         if missing:
             raise CommandError(f"--kind metric-diff needs {' and '.join(missing)}")
-        return charts.metric_diff(
+        return differences.metric_diff(
             rows,
             args.metric,
             args.baseline,

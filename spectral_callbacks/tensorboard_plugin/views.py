@@ -27,7 +27,8 @@ import numpy as np
 import pandas as pd
 
 from spectral_callbacks.names import parse_tag
-from spectral_callbacks.offline.charts import _final, _ordered_roles, compression_rows, diff_curves
+from spectral_callbacks.offline.charts import _final, _ordered_roles, compression_rows
+from spectral_callbacks.offline.differences import diff_curves
 from spectral_callbacks.tensorboard_plugin.downsample import keep_extremes
 
 
@@ -247,7 +248,7 @@ def difference(
     """Each run's ``metric`` minus ``baseline``'s vs ``x``, aligned as ``plot --kind metric-diff``.
 
     Raises:
-        ValueError: as :func:`spectral_callbacks.offline.charts.diff_curves`.
+        ValueError: as :func:`spectral_callbacks.offline.differences.diff_curves`.
     """
     curves = diff_curves(rows, metric, baseline, x=x, layer=layer, role=role).curves
     series = []
