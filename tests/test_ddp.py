@@ -23,8 +23,7 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy, ModelParallelStrategy
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
-from tensorboard.backend.event_processing import event_accumulator
-from tiny_models import TinyGPT, exact_compute, exact_stable_rank
+from tiny_models import TinyGPT, exact_compute, exact_stable_rank, read_scalars
 
 from spectral_callbacks.integrations.lightning import SpectralMonitor
 from spectral_callbacks.monitor import distributed as multi
@@ -59,17 +58,6 @@ def run_script(outdir: Path, *args: str, script: Path = SCRIPT) -> subprocess.Co
         with contextlib.suppress(ProcessLookupError):  # ranks left after rank 0 returned
             os.killpg(process.pid, signal.SIGKILL)
     return subprocess.CompletedProcess(process.args, process.returncode, output, None)
-
-
-def read_scalars(logdir: Path) -> dict[str, dict[int, float]]:
-    reader = event_accumulator.EventAccumulator(
-        str(logdir), size_guidance={event_accumulator.SCALARS: 0}
-    )
-    reader.Reload()
-    return {
-        tag: {event.step: event.value for event in reader.Scalars(tag)}
-        for tag in reader.Tags()["scalars"]
-    }
 
 
 def tiny_targets() -> list:

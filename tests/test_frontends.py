@@ -20,7 +20,7 @@ import pytest
 import torch
 from gpt import GPT, GPTConfig
 from tensorboard.backend.event_processing import event_accumulator
-from tiny_models import RecordingLogger, exact_stable_rank
+from tiny_models import RecordingLogger, exact_stable_rank, read_scalars
 from torch import nn
 
 from spectral_callbacks import SpectralMonitor, SpectralTracker
@@ -90,15 +90,11 @@ def spectral(records: list[tuple[int | None, dict[str, float]]]) -> dict[tuple[s
 
 
 def from_events(logdir: Path) -> dict[tuple[str, int], float]:
-    reader = event_accumulator.EventAccumulator(
-        str(logdir), size_guidance={event_accumulator.SCALARS: 0}
-    )
-    reader.Reload()
     return spectral(
         [
-            (event.step, {tag: event.value})
-            for tag in reader.Tags()["scalars"]
-            for event in reader.Scalars(tag)
+            (step, {tag: value})
+            for tag, series in read_scalars(logdir).items()
+            for step, value in series.items()
         ]
     )
 

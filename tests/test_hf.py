@@ -15,8 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 from hf_train import train
-from tensorboard.backend.event_processing import event_accumulator
-from tiny_models import exact_stable_rank
+from tiny_models import exact_stable_rank, read_scalars
 
 from spectral_callbacks.cli.main import main as cli
 from spectral_callbacks.hf import SpectralTrainerCallback
@@ -33,21 +32,10 @@ Q0 = scalar_tag("stable_rank", 0, "Q")
 LAYER0_Q = "transformer.h.0.attn.c_attn.weight[Q]"
 
 
-def scalars(logdir: Path) -> dict[str, dict[int, float]]:
-    reader = event_accumulator.EventAccumulator(
-        str(logdir), size_guidance={event_accumulator.SCALARS: 0}
-    )
-    reader.Reload()
-    return {
-        tag: {event.step: event.value for event in reader.Scalars(tag)}
-        for tag in reader.Tags()["scalars"]
-    }
-
-
 def spectral_run(output_dir: Path) -> Path:
     """The one directory under ``output_dir`` whose event files hold the spectral scalars."""
     runs = {path.parent for path in output_dir.rglob("events.out.tfevents.*")}
-    found = [run for run in runs if Q0 in scalars(run)]
+    found = [run for run in runs if Q0 in read_scalars(run)]
     assert len(found) == 1, runs
     return found[0]
 
@@ -56,7 +44,7 @@ def test_gpt2_40_steps_writes_beside_the_trainer_and_the_cli_reads_it(tmp_path: 
     recorder = train(tmp_path, steps=40)
     run = spectral_run(tmp_path)
     assert run.parent == tmp_path / "runs"  # <output_dir>/runs/<time>_<host>, like the Trainer's
-    logged = scalars(run)
+    logged = read_scalars(run)
     assert "train/loss" in logged  # the Trainer's own TensorBoard callback wrote the same run
     assert sorted(logged[Q0]) == [0, 1, 2, 10, 20, 30, 40]
     for step, value in logged[Q0].items():
@@ -71,7 +59,7 @@ def test_gpt2_40_steps_writes_beside_the_trainer_and_the_cli_reads_it(tmp_path: 
 
 def test_gradient_accumulation_snapshots_optimizer_steps(tmp_path: Path) -> None:
     recorder = train(tmp_path, steps=6, accumulate=4, every_n_steps=5, report_to=[])
-    logged = scalars(spectral_run(tmp_path))
+    logged = read_scalars(spectral_run(tmp_path))
     assert sorted(logged[Q0]) == [0, 1, 2, 5, 6]  # optimizer steps, not the 24 micro-batches
     assert sorted(recorder.weights) == list(range(7))
     for step, value in logged[Q0].items():
@@ -83,7 +71,7 @@ def test_resume_from_a_trainer_checkpoint_keeps_the_compression_reference(tmp_pa
         tmp_path, steps=12, save_steps=6, every_n_steps=5, logdir=tmp_path / "first", report_to=[]
     )
     assert (tmp_path / "checkpoint-12" / STATE_FILE).is_file()
-    first = scalars(tmp_path / "first")
+    first = read_scalars(tmp_path / "first")
     train(
         tmp_path,
         steps=20,
@@ -93,7 +81,7 @@ def test_resume_from_a_trainer_checkpoint_keeps_the_compression_reference(tmp_pa
         logdir=tmp_path / "second",
         report_to=[],
     )
-    second = scalars(tmp_path / "second")
+    second = read_scalars(tmp_path / "second")
     assert sorted(second[Q0]) == [15, 20]  # no new reference snapshot at the resumed step
     reference = first[Q0][0]
     compression = second[scalar_tag("compression", 0, "Q")]

@@ -18,7 +18,8 @@ import sharded_tracker_cases as cases
 import torch
 from sharded_models import exact_metrics
 from spawn_ranks import run_ranks
-from test_ddp import read_scalars, run_script
+from test_ddp import run_script
+from tiny_models import read_scalars
 
 from spectral_callbacks.names import monitor_tag, scalar_tag
 from spectral_callbacks.targets import find_targets

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.loggers import Logger
+from tensorboard.backend.event_processing import event_accumulator
 from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
@@ -161,3 +162,15 @@ class RecordingLogger(Logger):
 
     def series(self, tag: str) -> dict[int, float]:
         return {step: metrics[tag] for step, metrics in self.records if tag in metrics}
+
+
+def read_scalars(logdir: Path | str) -> dict[str, dict[int, float]]:
+    """Every scalar of the event files in ``logdir``: tag -> step -> value (all points kept)."""
+    reader = event_accumulator.EventAccumulator(
+        str(logdir), size_guidance={event_accumulator.SCALARS: 0}
+    )
+    reader.Reload()
+    return {
+        tag: {event.step: event.value for event in reader.Scalars(tag)}
+        for tag in reader.Tags()["scalars"]
+    }
