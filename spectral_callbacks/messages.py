@@ -11,7 +11,8 @@ from __future__ import annotations
 import logging
 import os
 
-from lightning_utilities.core.rank_zero import rank_zero_only, rank_zero_warn
+from lightning_utilities.core.rank_zero import rank_zero_only
+from lightning_utilities.core.rank_zero import rank_zero_warn as _rank_zero_warn
 
 __all__ = ["rank_zero_info", "rank_zero_warn"]
 
@@ -22,6 +23,17 @@ _log.setLevel(logging.INFO)
 if not logging.getLogger().hasHandlers():
     _log.addHandler(logging.StreamHandler())
     _log.propagate = False
+
+
+def rank_zero_warn(
+    message: str, category: type[Warning] = UserWarning, stacklevel: int = 1
+) -> None:
+    """``warnings.warn`` on global rank 0 only; ``stacklevel`` counts as ``warnings.warn``'s does.
+
+    lightning_utilities' function adds three frames of its own (and this one a fourth): they are
+    added here once, so a caller writes the stacklevel it would give ``warnings.warn``.
+    """
+    _rank_zero_warn(message, category=category, stacklevel=stacklevel + 4)
 
 
 @rank_zero_only

@@ -337,7 +337,7 @@ class ShardedEngine:
                     f"the sharded spectral worker did not stop within {timeout} s (it waits in a "
                     "collective until the SVD group's timeout); it is left as a daemon thread",
                     category=RuntimeWarning,
-                    stacklevel=5,  # + rank_zero_warn's own frames
+                    stacklevel=2,
                 )
         self._jobs.clear()
 

@@ -175,7 +175,7 @@ def find_targets(
             + "\nGive them roles with mapping={pattern: role or Split(...)}, or silence this "
             "with exclude=.",
             category=PartialTargetWarning,
-            stacklevel=5,  # + rank_zero_warn's own frames
+            stacklevel=2,
         )
     kept = _number_layers(candidates, chosen)
 
@@ -209,7 +209,7 @@ def _number_layers(candidates: list[Candidate], chosen: list[Candidate]) -> list
             + ", ".join(repr(k or "<outside any list>") for k in order)
             + "); their layers are numbered one list after the other. Pass include= to watch one.",
             category=AmbiguousTargetWarning,
-            stacklevel=6,  # + rank_zero_warn's own frames
+            stacklevel=3,
         )
     offset, layer_of = 0, {}
     for key in order:
@@ -256,7 +256,7 @@ def _warn_missing_roles(targets: list[Target]) -> None:
             f"some layers lack roles that other layers have ({text}); their charts will have "
             "gaps. Check format_targets(...) and pass mapping= if a weight was not recognised.",
             category=PartialTargetWarning,
-            stacklevel=6,  # + rank_zero_warn's own frames
+            stacklevel=3,
         )
 
 
@@ -273,7 +273,7 @@ def _filter_roles(
         rank_zero_warn(
             f"`roles` {unused!r} matched no target (roles found: {', '.join(found)})",
             category=PartialTargetWarning,
-            stacklevel=6,  # + rank_zero_warn's own frames
+            stacklevel=3,
         )
     kept = []
     for t in targets:
