@@ -234,7 +234,6 @@ class FigureWriter:
 
     def __init__(self, roles: Sequence[str] | None = ("Q",)) -> None:
         self.roles = roles
-        self.skipped = 0
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._process = FigureProcess()
@@ -247,7 +246,6 @@ class FigureWriter:
         """Start drawing ``rows`` at ``step``; ``False`` if a drawing is still running."""
         self._raise_error()
         if self.busy:
-            self.skipped += 1
             return False
         # Through background.start_daemon: a drawing still running at exit is waited for, not
         # killed inside matplotlib's C++ (which would abort the process).

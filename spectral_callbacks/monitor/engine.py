@@ -178,7 +178,6 @@ class SnapshotEngine:
         self._skipped = skipped
         self._last_skipped: int | None = None
         self._last_accepted: int | None = None
-        self.abandoned = 0  # snapshots dropped by close() or at exit before their result existed
         self.pinned_allocated = 0  # pinned result buffers ever allocated (bounded by max_pending)
         self._jobs: collections.deque[_Job] = collections.deque()
         self._queue: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
@@ -235,11 +234,6 @@ class SnapshotEngine:
 
     def abort(self) -> None:
         """After an exception: nothing to do for one process (no collective can hang)."""
-
-    @property
-    def streams(self) -> dict[str, torch.cuda.Stream]:
-        """The compute stream of each CUDA device seen so far (created by the worker)."""
-        return dict(self._streams)
 
     def submit(self, snapshot: Snapshot) -> bool:
         """Hand a snapshot over; ``False`` (and ``skipped`` counts it) if ``max_pending`` are in flight."""
@@ -305,9 +299,8 @@ class SnapshotEngine:
     def close(self, timeout: float = 5.0) -> None:
         """Stop the worker: queued snapshots are dropped, a running one may finish within ``timeout``.
 
-        Dropped snapshots are counted in ``abandoned``. A worker still inside a computation after
-        ``timeout`` is left to finish it (a daemon thread; at exit it is waited for, see
-        ``background.py``).
+        A worker still inside a computation after ``timeout`` is left to finish it (a daemon
+        thread; at exit it is waited for and what it abandons is reported, see ``background.py``).
         """
         self._closing.set()
         worker, self._worker = self._worker, None
@@ -320,7 +313,6 @@ class SnapshotEngine:
                     "running as a daemon thread and its snapshot is dropped",
                     category=RuntimeWarning,
                 )
-        self.abandoned += sum(not job.future.done() for job in self._jobs)
         self._jobs.clear()
 
     # --- worker side ------------------------------------------------------------------------
@@ -388,8 +380,6 @@ class SnapshotEngine:
             while cause is not None:
                 traceback.clear_frames(cause.__traceback__)
                 cause = cause.__cause__ or cause.__context__
-            if isinstance(error, _Abandoned):
-                self.abandoned += 1
             job.future.set_exception(error)
         finally:
             job.snapshot.tensors = {}  # free the copies as soon as they are decomposed

@@ -152,9 +152,6 @@ class Reporter:
                         )
         return pd.DataFrame.from_records(records, columns=list(TIDY_COLUMNS))
 
-    #: The keys of :meth:`state_dict`; a checkpoint holds them beside the callback's own state.
-    STATE_KEYS = ("references", "reference_steps")
-
     def state_dict(self) -> dict[str, Any]:
         """The compression references and their steps (what a resume must keep)."""
         return {"references": dict(self.references), "reference_steps": dict(self.reference_steps)}
