@@ -180,8 +180,13 @@ def test_state_dict_and_checkpoints_with_an_architecture_hint(
     # An exact method: the only difference left is float32 storage in the event file.
     _check_against_exact(_analyzed(tmp_path / "st"), model, 3, rel=1e-5)
     # A Lightning-style checkpoint of a module holding the network as `model`.
+    # Saved in torch's legacy (pre-zip) format: the loader sniffs the format before unpickling.
     state = {f"model.{k}": v for k, v in model.state_dict().items()}
-    torch.save({"state_dict": state, "hyper_parameters": {}}, tmp_path / "hf.ckpt")
+    torch.save(
+        {"state_dict": state, "hyper_parameters": {}},
+        tmp_path / "hf.ckpt",
+        _use_new_zipfile_serialization=False,
+    )
     assert (
         main(
             [

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch import nn
 from cli_runs import run_cli
 from torch.utils.tensorboard import SummaryWriter
 
@@ -26,6 +27,8 @@ MODEL_SUFFIXES = (".ckpt", ".pt", ".pth", ".bin", ".safetensors", ".txt")
 EXPORT_SUFFIXES = (".csv", ".parquet", ".pq", ".json", ".jsonl")
 PLOT_SUFFIXES = (".png", ".svg", ".pdf")
 EVENT_FILE = "events.out.tfevents.1700000000.host.1.0"
+# What torch.save's legacy format opens with: its magic number pickled with protocol 2.
+LEGACY_TORCH_HEADER = b"\x80\x02\x8a\nl\xfc\x9cF\xf9 j\xa8P\x19"
 
 
 def contents() -> dict[str, bytes]:
@@ -39,7 +42,7 @@ def random_files(count: int, seed: int = 0) -> list[bytes]:
     files = []
     for _ in range(count):
         data = rng.randbytes(rng.choice([1, 2, 8, 64, 300]))
-        header = rng.choice([b"", b"\x80\x02", b"PK\x03\x04"])
+        header = rng.choice([b"", b"\x80\x02", b"PK\x03\x04", LEGACY_TORCH_HEADER])
         files.append(header + data + (bytes(range(256)) if rng.random() < 0.5 else b""))
     return files
 
@@ -143,6 +146,34 @@ def test_load_model_turns_random_bytes_into_model_load_errors(tmp_path: Path, su
             with pytest.raises(ModelLoadError, match=r"random\.\w+: not a readable"):
                 load_model(path, "torch.nn:Identity")
         assert not caught, [str(w.message) for w in caught]
+
+
+def test_a_file_torch_save_cannot_have_written_is_refused_before_unpickling(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # These 64 bytes once sent the full unpickler into a MemoryError, with a SystemError printed
+    # from C as it unwound: two lines of stderr, where one is promised.
+    head = bytes.fromhex(
+        "952c23b65bb8783f0ae4b32b78448d0408b483b40456ff23de6b9abd100959379efdd3c6e7a1849d8dfc7ab5b46331b2016c70e62864404da017d1e0413f8944"
+    )
+    path = tmp_path / "foreign.ckpt"
+    path.write_bytes(head + bytes(range(256)) * 4)
+    line = assert_one_line_error(["targets", str(path)], capsys)
+    assert "neither a zip archive nor torch's legacy format" in line
+    # A file in torch's legacy format is still read (a damaged one is still a ModelLoadError).
+    legacy = tmp_path / "legacy.pt"
+    saved = ThreeToTwo()
+    torch.save(saved.state_dict(), legacy, _use_new_zipfile_serialization=False)
+    assert legacy.read_bytes().startswith(LEGACY_TORCH_HEADER)
+    loaded = load_model(legacy, f"{__name__}:ThreeToTwo")
+    assert torch.equal(loaded.weight, saved.weight)
+
+
+class ThreeToTwo(nn.Linear):
+    """A model class an architecture hint can build without arguments."""
+
+    def __init__(self) -> None:
+        super().__init__(3, 2)
 
 
 @pytest.mark.parametrize(

@@ -323,7 +323,27 @@ def _torch_load(path: Path, *, weights_only: bool, kind: str) -> Any:
         "save it with torch.save / Trainer.save_checkpoint, or copy it again if it was cut short"
     )
     with _reading(path, kind, advice):
+        if path.is_file() and not _is_torch_save_file(path):
+            # Unpickling arbitrary bytes can do anything (huge allocations, errors printed from C
+            # as the pickle machine unwinds), so a file torch.save cannot have written is refused
+            # before torch.load sees it.
+            raise ModelLoadError(
+                f"{path}: not a readable {kind} (neither a zip archive nor torch's legacy format);"
+                f" {advice}"
+            )
         return torch.load(path, map_location="cpu", weights_only=weights_only)
+
+
+# torch.save's legacy (pre-1.6) format opens with its magic number, pickled with protocol 2.
+_LEGACY_TORCH_HEADER = pickle.dumps(0x1950A86A20F9469CFC6C, protocol=2)[:-1]  # without STOP
+
+
+def _is_torch_save_file(path: Path) -> bool:
+    """Whether ``path`` is in a format torch.save writes: a zip archive, or the legacy pickle."""
+    if zipfile.is_zipfile(path):
+        return True
+    with path.open("rb") as file:
+        return file.read(len(_LEGACY_TORCH_HEADER)) == _LEGACY_TORCH_HEADER
 
 
 def _safetensor_error() -> type[Exception]:
