@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch import nn
 from cli_runs import run_cli
+from torch import nn
 from torch.utils.tensorboard import SummaryWriter
 
 from spectral_callbacks.cli.main import main
