@@ -46,6 +46,9 @@ def cases() -> dict[str, tuple[torch.Tensor, str, int]]:
         "power_1.0_columns": (power_law(192, 384, 1.0, seed=7), "columns", 250),
         "power_0.2_rows": (power_law(256, 256, 0.2, seed=8), "rows", 128),
         "small_gram": (gaussian(50, 20, seed=9), "rows", 31),
+        # A long unsplit side (FSDP2's MLP_down): Rayleigh-Ritz over the whole Krylov basis.
+        "long_rows": (gaussian(256, 1536, seed=10), "rows", 100),
+        "power_1.0_long_rows": (power_law(256, 1536, 1.0, seed=11), "rows", 160),
     }
 
 
@@ -90,8 +93,27 @@ def svd_cases(rank: int, world_size: int) -> dict[str, Any]:
     )
     moved = local + 0.01 * gaussian(*local.shape, seed=99 + rank)
     warm = sharded_randomized_svd(moved, K, group=group, init=first.V)
-    results["batch"] = {"S": first.S, "frobenius_sq": first.frobenius_sq, "moved": moved}
-    results["warm"] = {"S": warm.S, "frobenius_sq": warm.frobenius_sq}
+    results["batch"] = {
+        "S": first.S,
+        "frobenius_sq": first.frobenius_sq,
+        "moved": moved,
+        "sent_bytes": first.sent_bytes,
+    }
+    results["warm"] = {
+        "S": warm.S,
+        "frobenius_sq": warm.frobenius_sq,
+        "sent_bytes": warm.sent_bytes,
+    }
+    # A warm start that no longer fits (the matrices were replaced): the stopping rule must go on.
+    others = torch.stack([gaussian(200, 96, seed=40 + i) for i in range(3)])
+    other = others[:, :130] if rank == 0 else others[:, 130:]
+    stale = sharded_randomized_svd(other, K, group=group, init=first.V)
+    results["stale"] = {
+        "S": stale.S,
+        "frobenius_sq": stale.frobenius_sq,
+        "full": others,
+        "sent_bytes": stale.sent_bytes,
+    }
     # A NaN on rank 1 only: both ranks must report NaN for that matrix and only that one.
     nan = local.clone()
     if rank == 1:

@@ -51,7 +51,7 @@ def test_matches_the_float64_svd_of_the_full_matrix(ranks, name: str) -> None:
         assert torch.equal(results[0]["V"], results[1]["V"])
 
 
-@pytest.mark.parametrize("name", ["power_0.5_rows", "power_1.0_columns"])
+@pytest.mark.parametrize("name", ["power_0.5_rows", "power_1.0_columns", "power_1.0_long_rows"])
 def test_recovers_a_known_power_law(ranks, name: str) -> None:
     full, _, _ = cases.cases()[name]
     a = float(name.split("_")[1])
@@ -88,8 +88,16 @@ def test_communication_is_a_few_blocks_not_the_matrix(ranks) -> None:
     full, _, _ = cases.cases()["gaussian_rows_uneven"]  # 400 x 160, depth 5, b = 24
     sent = ranks[0]["gaussian_rows_uneven"]["sent_bytes"]
     b, depth, n = K + 8, 5, 160
-    assert sent == 3 * 8 + (depth + 1) * n * b * 4 + b * b * 8
+    # Scalars, q + 1 blocks (the last for the Rayleigh quotient: cheaper here than the Gram of W
+    # over the whole basis) and the upper triangle of the b x b Gram of W V.
+    assert sent == 3 * 8 + (depth + 1) * n * b * 4 + b * (b + 1) // 2 * 8
     assert sent < 0.5 * full.numel() * 4
+    # A long unsplit side: the Gram matrix of W over the whole basis (its upper triangle) costs
+    # less than the last block would.
+    sent = ranks[0]["long_rows"]["sent_bytes"]
+    n, depth = 1536, default_n_iter(256, 1536)
+    columns = b * (depth + 1)
+    assert sent == 3 * 8 + depth * n * b * 4 + columns * (columns + 1) // 2 * 8
 
 
 def test_batch_warm_start_and_nan_on_one_rank(ranks) -> None:
@@ -102,11 +110,25 @@ def test_batch_warm_start_and_nan_on_one_rank(ranks) -> None:
         expected = exact_metrics(moved)
         got = metrics(ranks[1]["warm"]["S"][i], ranks[1]["warm"]["frobenius_sq"][i])
         assert got["stable_rank"] == pytest.approx(expected["stable_rank"], rel=0.01)
+    # The warm start stopped by the stopping rule: fewer Krylov blocks than the cold call.
+    assert ranks[0]["warm"]["sent_bytes"] < ranks[0]["batch"]["sent_bytes"] / 2
     for rank in (0, 1):
         S = ranks[rank]["nan"]["S"]
         assert torch.isnan(S[1]).all() and torch.isfinite(S[[0, 2]]).all()
         assert math.isnan(float(ranks[rank]["nan"]["frobenius_sq"][1]))
     torch.testing.assert_close(ranks[0]["nan"]["S"][[0, 2]], ranks[0]["batch"]["S"][[0, 2]])
+
+
+def test_a_warm_start_that_no_longer_fits_goes_deeper_and_stays_exact(ranks) -> None:
+    stale = ranks[0]["stale"]
+    for i in range(3):
+        expected = exact_metrics(stale["full"][i])
+        for rank in (0, 1):
+            got = metrics(ranks[rank]["stale"]["S"][i], ranks[rank]["stale"]["frobenius_sq"][i])
+            assert got["stable_rank"] == pytest.approx(expected["stable_rank"], rel=0.01), rank
+            assert got["alpha"] == pytest.approx(expected["alpha"], abs=0.02), rank
+    assert stale["sent_bytes"] > 2 * ranks[0]["warm"]["sent_bytes"]
+    assert torch.equal(ranks[0]["stale"]["S"], ranks[1]["stale"]["S"])
 
 
 def test_a_rank_that_never_arrives_is_an_error_within_the_group_timeout(tmp_path: Path) -> None:
@@ -146,4 +168,5 @@ def test_krylov_blocks_in_bfloat16_keep_the_accuracy_at_half_the_bytes(ranks, na
         assert got["alpha"] == pytest.approx(expected["alpha"], abs=0.02), rank
     float32, bf16 = ranks[0][name]["sent_bytes"], ranks[0][f"{name}_bf16"]["sent_bytes"]
     b = K + 8
-    assert float32 - bf16 == (float32 - 3 * 8 - b * b * 8) // 2  # the Krylov blocks halve
+    gram = b * (b + 1) // 2 * 8
+    assert float32 - bf16 == (float32 - 3 * 8 - gram) // 2  # the Krylov blocks halve

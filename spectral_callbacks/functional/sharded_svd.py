@@ -12,14 +12,18 @@ Per matrix the ranks exchange
 
 1. one all-reduce of 3 float64 scalars: ‖W_r‖_F² (exact, float64), the row count, the non-finite
    row count (so every rank agrees to report NaN for a matrix with a NaN anywhere);
-2. one all-reduce of an ``n x b`` block per Krylov step (``b = k + n_oversamples``), ``q + 1`` of
-   them for depth ``q``;
-3. one all-reduce of the ``b x b`` float64 Gram matrix of ``W V`` (Rayleigh-Ritz on W itself).
+2. one all-reduce of an ``n x b`` block per Krylov step (``b = k + n_oversamples``), ``q`` of
+   them for depth ``q``; a warm start stops as soon as ``randomized_svd``'s stopping rule holds
+   (often after one step), each test agreed by an all-reduce of one float64;
+3. Rayleigh-Ritz on W itself, in whichever of two ways sends fewer bytes: the float64 Gram matrix
+   of ``W Q`` over the whole Krylov basis ``Q`` (``b (q + 1)`` columns; its upper triangle), or
+   one more block (the Rayleigh quotient of ``W^T W`` picks the top-b Ritz vectors ``V``) and the
+   ``b x b`` Gram matrix of ``W V``. The first wins when ``n`` is long against ``b q``.
 
-That is ``(n (q + 1) + b) b`` floats, against ``m n`` to gather the matrix: for a square
-``d x d`` matrix at a warm start (``q = 2``, ``b = 40``) 24 % at d = 512 and 2.9 % at d = 4096;
-cold (``q = 5`` at 512, ``q = 8`` at 4096) 47 % and 8.8 %; ``comm_dtype=torch.bfloat16`` halves
-the Krylov part. docs/distributed.md has measured numbers. A matrix split by columns (row-parallel tensor parallelism) is the same problem on
+Against ``m n`` floats to gather the matrix, that is for a square ``d x d`` matrix at
+``q = 2``, ``b = 40`` 21 % at d = 512 and 2.0 % at d = 4096; cold (``q = 5`` at 512,
+``q = 8`` at 4096) 48 % and 8.6 %; ``comm_dtype=torch.bfloat16`` halves the Krylov part (12 %,
+1.1 %, 24 %, 4.4 %). docs/distributed.md has measured numbers. A matrix split by columns (row-parallel tensor parallelism) is the same problem on
 ``W^T`` (``split="columns"``): the all-reduced blocks are then ``m x b``, and ``V`` spans the left
 singular space of ``W``. A matrix sharded along both dimensions (FSDP2 over row-parallel TP on a
 2-D mesh, ``split="tiles"``) needs the row and column positions of each rank's tile, and two
@@ -31,7 +35,7 @@ default is a fresh generator seeded with 0, never torch's global one): the ranks
 start block and, since the all-reduced results are the same everywhere, run the same iteration.
 
 The building blocks are those of ``functional/svd.py`` with each product by ``W^T W`` replaced by a
-collective one; this module keeps its own copy of the small loop (``_block_krylov``) because svd.py
+collective one; this module keeps its own copy of the small loop (``_krylov_blocks``) because svd.py
 keeps it private.
 
 Example (one process: ``group=None`` means the local block is the whole matrix)::
@@ -54,17 +58,15 @@ from spectral_callbacks.functional.metrics import frobenius_norm_sq
 from spectral_callbacks.functional.svd import (
     DEFAULT_K,
     DEFAULT_N_OVERSAMPLES,
+    DEFAULT_TOL,
     default_n_iter,
     gram_singular_values,
+    ritz_pairs_converged,
 )
 
 __all__ = ["SPLITS", "ShardedTopSVD", "sharded_randomized_svd"]
 
 SPLITS = ("rows", "columns", "tiles")
-# A warm start's fixed Krylov depth (one more when iterating in the longer side). The one-process
-# path decides its depth by a stopping rule instead; here it stays fixed, so every rank runs the
-# same number of collectives without having to agree on a convergence test.
-WARM_N_ITER = 2
 SHARDED_METHODS = ("auto", "randomized", "gram")
 # The exact path all-reduces the n x n Gram matrix: only worth it when that is no bigger than a
 # few Krylov blocks, i.e. when the block would cover most of the unsplit side anyway.
@@ -104,6 +106,21 @@ class _Collective:
             dist.all_reduce(sent, op=dist.ReduceOp.SUM, group=self.group)
             self.sent_bytes += sent.numel() * sent.element_size()
         return sent if dtype is None else sent.to(tensor.dtype)
+
+    def sum_symmetric(self, gram: Tensor) -> Tensor:
+        """The sum of ``(..., c, c)`` symmetric matrices, sending only their upper triangles."""
+        c = gram.shape[-1]
+        rows, cols = torch.triu_indices(c, c, device=gram.device)
+        upper = self.sum(gram[..., rows, cols].contiguous())
+        total = gram.new_zeros(gram.shape)
+        total[..., rows, cols] = upper
+        total[..., cols, rows] = upper
+        return total
+
+
+def _triangle_bytes(c: int) -> int:
+    """What ``sum_symmetric`` sends for one ``c x c`` float64 matrix."""
+    return c * (c + 1) // 2 * 8
 
 
 def sharded_randomized_svd(
@@ -146,9 +163,10 @@ def sharded_randomized_svd(
         row_index, col_index: for ``"tiles"``, the rows and columns of W that ``local`` holds
             (LongTensors; the ranks' tiles must cover every entry of W exactly once).
         n_oversamples: extra block columns ``p`` (default 8), block size ``b = k + p``.
-        n_iter: Krylov depth ``q``; default ``None`` picks ``randomized_svd``'s cold depth by
-            shape, or with ``init`` 2 (3 when the unsplit side ``d`` is the longer one). Each
-            step is one all-reduce of a ``d x b`` block.
+        n_iter: Krylov depth ``q``, fixed; default ``None`` picks ``randomized_svd``'s cold
+            depth by shape, and with ``init`` stops earlier by ``randomized_svd``'s stopping rule
+            (tested after each block, agreed by one all-reduce of a scalar). Each step is one
+            all-reduce of a ``d x b`` block.
         generator: source of the Gaussian start, seeded identically on every rank. Default
             ``None``: a fresh generator seeded with 0.
         init: ``(d, j)`` or ``(B, d, j)`` start subspace, normally ``.V`` of the previous call on
@@ -215,13 +233,13 @@ def sharded_randomized_svd(
 
     k = min(k, m, d)
     width = min(k + n_oversamples, m, d)
+    converged = None
     if n_iter is None:
-        warm = init is not None and bool(torch.isfinite(init).all())
-        # Iterating in the longer space (d > m), a warm start keeps its directions outside the
-        # new row space of W, which Rayleigh-Ritz cannot use: one more block makes up for them
-        # (measured on the first Adam step of a 512 x 128 matrix, k = 8: stable rank off by
-        # 2.3 % at depth 2, 0.09 % at depth 3).
-        n_iter = WARM_N_ITER + (d > m) if warm else default_n_iter(m, d)
+        # A warm start tests randomized_svd's stopping rule from its first block on, up to the
+        # cold depth; a cold start runs the cold depth, which a flat spectrum needs anyway.
+        if init is not None and bool(torch.isfinite(init).all()):
+            converged = _agreed_stopping_rule(collective, k, width, rank_scale=max(m, d))
+        n_iter = default_n_iter(m, d)
     if method == "auto":
         method = "gram" if d <= _GRAM_FACTOR * width and tiles is None else "randomized"
 
@@ -235,10 +253,21 @@ def sharded_randomized_svd(
             return collective.sum(A.mT @ (A @ X), comm_dtype)
 
         start = _start_block(d, A, width, generator, init)  # (..., d, b)
-        basis = _block_krylov(apply, start, n_iter)  # (..., d, b) top-b Ritz vectors
-        # 3. Rayleigh-Ritz on W itself: sigma(W V) from the float64 Gram of the local rows of W V.
-        image = (A @ basis).to(torch.float64)  # (..., r, b)
-        gram = collective.sum(image.mT @ image)  # (..., b, b)
+        blocks, images = _krylov_blocks(apply, start, n_iter, converged)
+        block_bytes = d * width * torch.empty((), dtype=comm_dtype or compute_dtype).element_size()
+        columns = sum(block.shape[-1] for block in blocks)
+        if len(images) == len(blocks):  # stopped by the rule: the Rayleigh quotient is complete
+            basis = _top_ritz_vectors(blocks, images, width)
+        elif _triangle_bytes(columns) < block_bytes + _triangle_bytes(width):
+            # 3a. Rayleigh-Ritz on W over the whole Krylov basis: the float64 Gram of the local
+            #     rows of W Q costs less to send than the last block (the unsplit side is long).
+            basis = torch.cat(blocks, -1)  # (..., d, b (q + 1))
+        else:
+            # 3b. One more block gives the Rayleigh quotient of W^T W, whose top-b Ritz vectors
+            #     V are kept; Rayleigh-Ritz on W then needs only the b x b Gram of W V.
+            basis = _top_ritz_vectors(blocks, [*images, apply(blocks[-1])], width)
+        image = (A @ basis).to(torch.float64)  # (..., r, columns of basis)
+        gram = collective.sum_symmetric(image.mT @ image)
     else:
 
         def product(X: Tensor, dtype: torch.dtype | None) -> Tensor:  # W X, (..., m, b)
@@ -250,15 +279,18 @@ def sharded_randomized_svd(
             return collective.sum(_spread(A.mT @ image, cols_held, d), comm_dtype)
 
         start = _start_block(d, A, width, generator, init)
-        basis = _block_krylov(apply, start, n_iter)
+        blocks, images = _krylov_blocks(apply, start, n_iter, converged)
+        if len(images) < len(blocks):
+            images.append(apply(blocks[-1]))
+        basis = _top_ritz_vectors(blocks, images, width)
         # (..., m, b): the whole W V on every rank, summed in float64 (the values come from it).
         local_image = (A @ basis.index_select(-2, cols_held)).to(torch.float64)
         image = collective.sum(_spread(local_image, rows_held, m))
         gram = image.mT @ image
-    if method != "gram":  # Ritz values and vectors of the (b, b) Gram of W V
+    if method != "gram":  # Ritz values and the top-b Ritz vectors of the Gram of W basis
         values, vectors = torch.linalg.eigh((gram + gram.mT) / 2)  # ascending
         S = values.flip(-1).clamp_min(0).sqrt().to(compute_dtype)
-        V = basis @ vectors.flip(-1).to(compute_dtype)
+        V = basis @ vectors.flip(-1)[..., :width].to(compute_dtype)
     S = S[..., :k]
     # As randomized_svd: values below the rank tolerance are rounding noise, reported as 0.
     tol = max(m, d) * torch.finfo(compute_dtype).eps * S[..., :1]
@@ -267,25 +299,55 @@ def sharded_randomized_svd(
     return ShardedTopSVD(S, V, frobenius_sq, collective.sent_bytes)
 
 
-def _block_krylov(apply: Any, start: Tensor, depth: int) -> Tensor:
-    """Top-b Ritz vectors of the block Krylov space of ``apply`` (Musco & Musco 2015, Alg. 2).
+def _krylov_blocks(
+    apply: Any, start: Tensor, depth: int, converged: Any = None
+) -> tuple[list[Tensor], list[Tensor]]:
+    """Orthonormal blocks ``Q_0 .. Q_j`` of the block Krylov space of ``apply`` (Musco & Musco
+    2015, Alg. 2) and their images ``apply(Q_i)``.
 
     2. The same loop as svd.py's: ``apply`` is collective, everything else is replicated math on
-    identical inputs, so every rank builds the same basis.
+    identical inputs, so every rank builds the same basis. With ``converged`` (basis, images ->
+    bool, agreed by every rank) tested after each image, the loop stops as soon as it holds, and
+    every block has its image; otherwise it runs ``depth`` steps and the last block has none.
     """
-    d, b = start.shape[-2:]
+    d = start.shape[-2]
     blocks = [_orthonormalize(start)]  # Q_0
-    images = []  # apply(Q_j): one all-reduce each, reused by the Rayleigh quotient
+    images: list[Tensor] = []  # apply(Q_i): one all-reduce each, reused by a Rayleigh quotient
     for _ in range(depth):
         room = d - sum(block.shape[-1] for block in blocks)
         if room <= 0:  # the basis spans R^d: Rayleigh-Ritz is exact
             break
-        image = apply(blocks[-1])
-        images.append(image)
-        blocks.append(_orthogonalize_against(image, torch.cat(blocks, -1))[..., :room])
-    images.append(apply(blocks[-1]))
+        images.append(apply(blocks[-1]))
+        if converged is not None and converged(torch.cat(blocks, -1), torch.cat(images, -1)):
+            break
+        blocks.append(_orthogonalize_against(images[-1], torch.cat(blocks, -1))[..., :room])
+    return blocks, images
+
+
+def _agreed_stopping_rule(collective: _Collective, k: int, b: int, *, rank_scale: int) -> Any:
+    """randomized_svd's stopping rule on the Ritz pairs of the Krylov basis, agreed by the group.
+
+    The rule runs on all-reduced (identical) images on every rank, so the ranks should agree
+    anyway; summing their counts of unconverged matrices makes it exact whatever rounding one
+    rank's BLAS adds (a rank stopping alone would desynchronize every later collective).
+    """
+
+    def converged(basis: Tensor, images: Tensor) -> bool:
+        T = basis.mT @ images  # Rayleigh quotient of W^T W on the Krylov space
+        theta, vectors = torch.linalg.eigh((T + T.mT) / 2)  # ascending
+        theta, vectors = theta[..., -b:].flip(-1), vectors[..., -b:].flip(-1)
+        done = ritz_pairs_converged(basis, images, vectors, theta, k, DEFAULT_TOL, rank_scale)
+        pending = collective.sum((~done).sum().to(torch.float64).reshape(1))
+        return bool(pending.item() == 0)
+
+    return converged
+
+
+def _top_ritz_vectors(blocks: list[Tensor], images: list[Tensor], b: int) -> Tensor:
+    """The top-b Ritz vectors of the Rayleigh quotient of ``apply`` on the Krylov basis, given
+    ``apply`` of every block."""
     basis = torch.cat(blocks, -1)  # (..., d, b (depth + 1))
-    T = basis.mT @ torch.cat(images, -1)  # Rayleigh quotient of W^T W on the Krylov space
+    T = basis.mT @ torch.cat(images, -1)
     _, vectors = torch.linalg.eigh((T + T.mT) / 2)  # ascending
     return basis @ vectors[..., -b:].flip(-1)
 

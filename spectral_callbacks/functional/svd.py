@@ -17,7 +17,7 @@ so they carry W's own rounding, not its square.
 
 The depth is decided a posteriori (``n_iter=None``): after each Krylov block the Ritz residuals of
 the top k say how much one more power step could still raise each Ritz value, and the iteration
-stops once that is below ``tol`` (``_converged``). A warm start from the previous snapshot's
+stops once that is below ``tol`` (``ritz_pairs_converged``). A warm start from the previous snapshot's
 subspace on slowly moving weights stops after its first block (4 m n b flops: ``W Q`` and
 ``W^T (W Q)``); a flat spectrum or a subspace rotated by a loss spike goes deeper. By products,
 ``W V`` for the final Rayleigh-Ritz step is a combination of the ``W Q_j`` already made, and
@@ -441,7 +441,9 @@ def _block_krylov(
         if check and not last:
             # The stopping rule needs one host read per step (a sync on an accelerator; only a
             # few small kernels are queued behind it).
-            last = bool(_converged(basis, images, vectors, theta, k, tol, rank_scale).all())
+            last = bool(
+                ritz_pairs_converged(basis, images, vectors, theta, k, tol, rank_scale).all()
+            )
         if last:
             lefts = None if left_rows is None else left_rows[..., :used, :].mT @ vectors
             return basis @ vectors, images @ vectors, lefts, finite
@@ -450,7 +452,7 @@ def _block_krylov(
     raise AssertionError("unreachable: the last step returns")
 
 
-def _converged(
+def ritz_pairs_converged(
     basis: Tensor,
     images: Tensor,
     vectors: Tensor,
