@@ -24,8 +24,10 @@ Which hooks, and why (steps are ``trainer.global_step``: optimizer steps, 0 = be
 * in-flight work is finished with a bounded wait and logged, and the final figures drawn, in
   ``on_train_end`` and in ``on_exception`` (which Lightning also calls on ``KeyboardInterrupt``);
   the worker is shut down there and again, idempotently, in ``teardown``.
-* each ``fit`` starts afresh: a new tracker in ``on_fit_start``, with the state restored from the
-  checkpoint of *that* fit if there is one, so one instance can be reused for a second fit.
+* each ``fit`` starts afresh: a new tracker in ``on_fit_start``, given the state restored from the
+  checkpoint of *that* fit (if there is one) in ``on_train_start``, so one instance can be reused
+  for a second fit. Not earlier: strategies that shard the model (``ModelParallelStrategy``, FSDP,
+  DeepSpeed: ``restore_checkpoint_after_setup``) restore callback states *after* ``on_fit_start``.
 """
 
 from __future__ import annotations
@@ -155,22 +157,24 @@ def monitor_class(package: str) -> type:
         @override
         def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
             # Targets are found here, not in `setup`: the model is built (`configure_model`) and on
-            # its device now, and compiled or wrapped modules are in place. A checkpoint of this
-            # fit was restored just before; a second fit of this instance starts afresh.
-            state, self._restored = self._restored, {}
+            # its device now, and compiled or wrapped modules are in place.
             with raised_as_misconfiguration():
                 self.tracker = SpectralTracker(
                     pl_module,
                     writers=trainer.loggers,
                     start_step=None,
-                    state=state or None,
                     options=self.options,
                     caller=type(self).__name__,
                 )
 
         @override
         def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+            # Every strategy has restored this fit's checkpoint by now (a sharding one only after
+            # on_fit_start); a second fit of this instance without one starts afresh.
+            state, self._restored = self._restored, {}
             if self.tracker is not None:
+                if state:
+                    self.tracker.load_state_dict(state)
                 with raised_as_misconfiguration():  # the engine is chosen here (make_engine)
                     self.tracker.begin(trainer.global_step)
 
