@@ -81,7 +81,14 @@ def test_a_resumed_model_parallel_run_keeps_every_compression_reference(tmp_path
     checkpoint = tmp_path / "checkpoints" / "step=6.ckpt"
     assert (checkpoint / "meta.pt").is_file(), sorted(tmp_path.rglob("*"))
     resumed = run_script(
-        tmp_path, "--steps", "10", "--resume", str(checkpoint), "--suffix", "_resumed", script=SCRIPT
+        tmp_path,
+        "--steps",
+        "10",
+        "--resume",
+        str(checkpoint),
+        "--suffix",
+        "_resumed",
+        script=SCRIPT,
     )
     assert resumed.returncode == 0, resumed.stdout[-3000:]
     assert "no state to resume from" not in resumed.stdout  # the monitor's state was restored
@@ -110,7 +117,9 @@ def test_a_resumed_model_parallel_run_keeps_every_compression_reference(tmp_path
             assert compression[step] == pytest.approx(expected, abs=tolerance), (target.name, step)
             fresh = 100 * (1 - truth / exact_metrics(after[6][target.name], k=8)["stable_rank"])
             assert abs(compression[step] - fresh) > tolerance, (target.name, step)  # it can fail
-    reference_steps = [tag for tag, _ in points if tag.startswith("spectral_monitor/reference_step")]
+    reference_steps = [
+        tag for tag, _ in points if tag.startswith("spectral_monitor/reference_step")
+    ]
     assert len(reference_steps) == 12  # set once per matrix, at step 0 of the first fit
 
 
