@@ -18,9 +18,9 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from tiny_models import TinyGPT
 
 from spectral_callbacks import SpectralTracker
+from spectral_callbacks.integrations.lightning import SpectralMonitor
 from spectral_callbacks.monitor.options import ConfigurationError
 from spectral_callbacks.monitor.partitioned import partitioning
-from spectral_callbacks.integrations.lightning import SpectralMonitor
 
 
 def zero3_partitioned(model: torch.nn.Module) -> torch.nn.Module:
