@@ -193,6 +193,20 @@ def test_a_resumed_sharded_run_keeps_every_compression_reference(tmp_path: Path)
             assert value == pytest.approx(expected, abs=1e-3), (name, step)
 
 
+def test_the_hugging_face_callback_under_fully_shard_uses_the_sharded_engine(
+    tmp_path: Path,
+) -> None:
+    rank0, rank1 = run_ranks(cases.hf_callback_under_fully_shard, 2, tmp_path, str(tmp_path))
+    assert rank0["engine"] == rank1["engine"] == "ShardedEngine"
+    scalars = read_scalars(tmp_path / "tb")
+    for name, layer, role in rank0["targets"]:  # snapshots 0, 1, 2 and 4, the last
+        stable_rank = scalars[scalar_tag("stable_rank", layer, role)]
+        assert sorted(stable_rank) == [0, 1, 2, 4], name
+        for step, value in stable_rank.items():
+            truth = exact_metrics(rank0["weights"][step][name], cases.K)["stable_rank"]
+            assert value == pytest.approx(truth, rel=0.01), (name, step)
+
+
 def test_the_tracker_refuses_an_fsdp1_model_naming_fully_shard(tmp_path: Path) -> None:
     for messages in run_ranks(cases.fsdp1_refused, 2, tmp_path):
         # {wrapper, module inside} x {use_orig_params False, True}, and the wrapper found by its
