@@ -98,3 +98,78 @@ def resumed_training(rank: int, world_size: int, outdir: str) -> dict[str, Any]:
             dcp.save({"model": get_model_state_dict(model)}, checkpoint_id=f"{outdir}/checkpoint")
     found["targets"] = [(t.name, t.layer, t.role) for t in find_targets(model)]
     return found
+
+
+def fsdp1_refused(rank: int, world_size: int) -> list[str]:
+    """Wrap GPT-2 in FSDP1 (``FullyShardedDataParallel`` on the CPU, gloo), with and without
+    ``use_orig_params``, train one step, then construct a tracker on the wrapper and on the module
+    inside it, and once more on the wrapper with the private parameter marks unknown; returns each
+    ConfigurationError's message."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    from spectral_callbacks.monitor.options import ConfigurationError
+
+    messages = []
+    for use_orig_params in (False, True):
+        torch.manual_seed(0)
+        model, loss_of = build("gpt2", d=64)
+        wrapped = FullyShardedDataParallel(
+            model, device_id=torch.device("cpu"), use_orig_params=use_orig_params
+        )
+        optimizer = torch.optim.AdamW(wrapped.parameters(), lr=1e-2)
+        loss_of(wrapped, *batch(rank, 1, "fsdp")).backward()  # FSDP1 really trains on the CPU
+        optimizer.step()
+        for held in (wrapped, model):  # what a loop holds: the wrapper, or the module inside it
+            try:
+                SpectralTracker(held, figures=False)
+            except ConfigurationError as error:
+                messages.append(str(error))
+            else:
+                messages.append(f"not refused: use_orig_params={use_orig_params}, {type(held)}")
+    # The fallback if torch renames its private marks: the public wrapper class still refuses.
+    from spectral_callbacks.monitor import partitioned
+
+    partitioned._FSDP1_FLATTENED = ("_a_renamed_mark",)
+    try:
+        SpectralTracker(wrapped, figures=False)
+    except ConfigurationError as error:
+        messages.append(str(error))
+    return messages
+
+
+def hf_callback_under_fully_shard(rank: int, world_size: int, outdir: str) -> dict[str, Any]:
+    """SpectralTrainerCallback's hooks, called as the Trainer calls them, on a ``fully_shard``
+    GPT-2: what accelerate's FSDP2 (``fsdp_version: 2``) hands the callbacks, the same module with
+    DTensor parameters. (The Trainer itself runs FSDP only on GPUs: with ``use_cpu=True`` it
+    falls back to DDP.) Rank 0 returns the engine's name and the full weights of each step."""
+    from transformers import TrainerControl, TrainerState, TrainingArguments
+
+    from spectral_callbacks.hf import SpectralTrainerCallback
+
+    torch.manual_seed(0)
+    model, loss_of = build("gpt2", d=64)
+    shard(model, "fsdp", init_device_mesh("cpu", (world_size,)))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    targets = find_targets(model)
+    args = TrainingArguments(output_dir=outdir, report_to=[], use_cpu=True)
+    state, control = TrainerState(), TrainerControl()
+    callback = SpectralTrainerCallback(
+        logdir=f"{outdir}/tb", every_n_steps=4, log_spaced_until=3, k=K, figures=False
+    )
+    callback.on_train_begin(args, state, control, model=model)
+    assert callback.tracker is not None
+    engine = type(callback.tracker._engine).__name__
+    weights = {0: {target.name: full_matrix(target) for target in targets}}
+    for step in range(1, 5):
+        loss_of(model, *batch(rank, step, "fsdp")).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        state.global_step = step
+        callback.on_step_end(args, state, control, model=model)
+        weights[step] = {target.name: full_matrix(target) for target in targets}
+    callback.on_train_end(args, state, control, model=model)
+    return {
+        "engine": engine,
+        "weights": weights if rank == 0 else None,
+        "targets": [(target.name, target.layer, target.role) for target in targets],
+    }

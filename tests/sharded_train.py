@@ -1,6 +1,7 @@
 """A short sharded run (CPU, gloo, 2 processes) with SpectralMonitor, for tests/test_sharded_frontends.py.
 
-``python tests/sharded_train.py OUTDIR [--tp] [--steps S] [--fail-rank R --fail-step F]``
+``python tests/sharded_train.py OUTDIR [--tp] [--steps S] [--fail-rank R --fail-step F]
+[--checkpoint-every N] [--resume CKPT] [--suffix S]``
 
 Lightning's ``ModelParallelStrategy`` on 2 CPU devices: by default ``data_parallel_size=2`` with
 ``fully_shard`` per block of Hugging Face's GPT-2 (fused ``c_attn``, ``Conv1D`` stored (in, out));
@@ -9,6 +10,11 @@ style GPT (fused ``query_key_value`` interleaved per head). Lightning re-runs th
 extra rank, so it must be a file. A recorder gathers every watched matrix (``full_tensor()``, a
 test-only collective on every rank) at every optimizer step and rank 0 saves them to
 ``OUTDIR/weights.pt``, with the callback's state to ``OUTDIR/monitor_state.pt``.
+
+Resume: ``--checkpoint-every N`` saves Lightning checkpoints (under ``ModelParallelStrategy`` a
+distributed checkpoint *directory*) to ``OUTDIR/checkpoints``; ``--resume CKPT`` fits again from
+one of them (``ckpt_path=``), logging into the same ``OUTDIR/tb/version_0`` as a resumed run
+does; ``--suffix S`` names its saved files ``weightsS.pt`` and ``monitor_stateS.pt``.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ from typing import Any
 
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.strategies import ModelParallelStrategy
 
@@ -88,6 +95,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--fail-rank", type=int, default=None)
     parser.add_argument("--fail-step", type=int, default=None)
+    parser.add_argument("--checkpoint-every", type=int, default=None)
+    parser.add_argument("--resume", type=Path, default=None)
+    parser.add_argument("--suffix", default="")
     args = parser.parse_args()
     torch.set_num_threads(1)  # two processes share a small machine
     how = "tp" if args.tp else "fsdp"
@@ -101,22 +111,32 @@ def main() -> None:
     strategy = ModelParallelStrategy(
         data_parallel_size=1 if args.tp else 2, tensor_parallel_size=2 if args.tp else 1
     )
+    callbacks: list[Callback] = [monitor, FullWeights(args.outdir / f"weights{args.suffix}.pt")]
+    if args.checkpoint_every is not None:
+        callbacks.append(
+            ModelCheckpoint(
+                args.outdir / "checkpoints",
+                every_n_train_steps=args.checkpoint_every,
+                save_top_k=-1,
+                filename="{step}",
+            )
+        )
     trainer = Trainer(
         accelerator="cpu",
         devices=2,
         strategy=strategy,
         max_steps=args.steps,
         logger=TensorBoardLogger(args.outdir, name="tb", version=0),
-        callbacks=[monitor, FullWeights(args.outdir / "weights.pt")],
+        callbacks=callbacks,
         enable_progress_bar=False,
         enable_model_summary=False,
-        enable_checkpointing=False,
+        enable_checkpointing=args.checkpoint_every is not None,
         log_every_n_steps=1,
     )
     model = ShardedGPT("neox" if args.tp else "gpt2", how, args.fail_rank, args.fail_step)
-    trainer.fit(model, token_loader(num_batches=4 * args.steps))
+    trainer.fit(model, token_loader(num_batches=4 * args.steps), ckpt_path=args.resume)
     if trainer.is_global_zero:  # what a checkpoint written by rank 0 would hold
-        torch.save(monitor.state_dict(), args.outdir / "monitor_state.pt")
+        torch.save(monitor.state_dict(), args.outdir / f"monitor_state{args.suffix}.pt")
 
 
 if __name__ == "__main__":

@@ -240,7 +240,8 @@ def test_engine_sends_each_result_at_the_next_point_and_a_late_one_as_missing(
 def test_fsdp1_is_refused_at_setup_and_model_parallel_is_accepted() -> None:
     fsdp = SimpleNamespace(strategy=FSDPStrategy(), world_size=2, loggers=[object()])
     with pytest.raises(
-        MisconfigurationException, match="FSDPStrategy: it flattens.*use ModelParallelStrategy"
+        MisconfigurationException,
+        match=r"FSDPStrategy \(FSDP1\): it flattens.*ModelParallelStrategy with fully_shard",
     ):
         SpectralMonitor().setup(fsdp, TinyGPT(), "fit")
     sharded = SimpleNamespace(strategy=ModelParallelStrategy(), world_size=2, loggers=[object()])

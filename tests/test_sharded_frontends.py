@@ -22,6 +22,7 @@ from test_ddp import run_script
 from tiny_models import read_scalars
 
 from spectral_callbacks.names import monitor_tag, scalar_tag
+from spectral_callbacks.offline.events import read_event_file
 from spectral_callbacks.targets import find_targets
 
 pytestmark = pytest.mark.slow
@@ -69,6 +70,67 @@ def test_model_parallel_strategy_logs_the_exact_spectra_of_the_full_weights(
     for target in targets:
         logged = scalars[scalar_tag("stable_rank", target.layer, target.role)]
         assert state["references"][target.name] == pytest.approx(logged[0], rel=1e-6)
+
+
+def test_a_resumed_model_parallel_run_keeps_every_compression_reference(tmp_path: Path) -> None:
+    # Fit 6 steps with a checkpoint at step 6 (a distributed checkpoint directory: the sharded
+    # weights in .distcp files, the callback states in rank 0's meta.pt), then resume it to
+    # step 10 with `ckpt_path=`, logging into the same TensorBoard directory.
+    first = run_script(tmp_path, "--steps", "6", "--checkpoint-every", "6", script=SCRIPT)
+    assert first.returncode == 0, first.stdout[-3000:]
+    checkpoint = tmp_path / "checkpoints" / "step=6.ckpt"
+    assert (checkpoint / "meta.pt").is_file(), sorted(tmp_path.rglob("*"))
+    resumed = run_script(
+        tmp_path,
+        "--steps",
+        "10",
+        "--resume",
+        str(checkpoint),
+        "--suffix",
+        "_resumed",
+        script=SCRIPT,
+    )
+    assert resumed.returncode == 0, resumed.stdout[-3000:]
+    assert "no state to resume from" not in resumed.stdout  # the monitor's state was restored
+    before, after = torch.load(tmp_path / "weights.pt"), torch.load(tmp_path / "weights_resumed.pt")
+    points = logged_points(tmp_path / "tb" / "version_0")
+    assert len(points) == len(set(points))  # no (tag, step) written twice over both fits
+    scalars = read_scalars(tmp_path / "tb" / "version_0")
+    state = torch.load(tmp_path / "monitor_state_resumed.pt")
+    targets = lightning_targets(tp=False)
+    assert len(targets) == 12
+    for target in targets:
+        assert torch.equal(after[6][target.name], before[6][target.name])  # weights restored
+        stable_rank = scalars[scalar_tag("stable_rank", target.layer, target.role)]
+        compression = scalars[scalar_tag("compression", target.layer, target.role)]
+        # The first fit snapshots 0, 1, 2, 4 and its last step 6; the resumed one 8 and 10 and
+        # not step 6 again (a fresh reference would be taken there).
+        assert sorted(stable_rank) == sorted(compression) == [0, 1, 2, 4, 6, 8, 10], target.name
+        reference = exact_metrics(before[0][target.name], k=8)["stable_rank"]  # float64, step 0
+        assert state["references"][target.name] == pytest.approx(reference, rel=0.01)
+        assert state["reference_steps"][target.name] == 0
+        for step in (8, 10):  # measured against step 0 of the first fit, not step 6
+            truth = exact_metrics(after[step][target.name], k=8)["stable_rank"]
+            assert stable_rank[step] == pytest.approx(truth, rel=0.01), (target.name, step)
+            tolerance = 2 * truth / reference + 0.01  # 1 % on each stable rank, in points
+            expected = 100 * (1 - truth / reference)
+            assert compression[step] == pytest.approx(expected, abs=tolerance), (target.name, step)
+            fresh = 100 * (1 - truth / exact_metrics(after[6][target.name], k=8)["stable_rank"])
+            assert abs(compression[step] - fresh) > tolerance, (target.name, step)  # it can fail
+    reference_steps = [
+        tag for tag, _ in points if tag.startswith("spectral_monitor/reference_step")
+    ]
+    assert len(reference_steps) == 12  # set once per matrix, at step 0 of the first fit
+
+
+def logged_points(logdir: Path) -> list[tuple[str, int]]:
+    """Every (tag, step) written to ``logdir``'s event files, repeats kept (no reservoir)."""
+    points = []
+    for path in sorted(logdir.glob("events.out.tfevents.*")):
+        read, problem = read_event_file(path)
+        assert problem is None, problem
+        points += [(tag, step) for tag, step, _, _ in read]
+    return points
 
 
 def test_model_parallel_failure_on_one_rank_ends_every_rank(tmp_path: Path) -> None:
@@ -129,6 +191,33 @@ def test_a_resumed_sharded_run_keeps_every_compression_reference(tmp_path: Path)
         for step, value in compression.items():  # measured against step 0 of the first run
             expected = 100 * (1 - stable_rank[step] / references[name])
             assert value == pytest.approx(expected, abs=1e-3), (name, step)
+
+
+def test_the_hugging_face_callback_under_fully_shard_uses_the_sharded_engine(
+    tmp_path: Path,
+) -> None:
+    rank0, rank1 = run_ranks(cases.hf_callback_under_fully_shard, 2, tmp_path, str(tmp_path))
+    assert rank0["engine"] == rank1["engine"] == "ShardedEngine"
+    scalars = read_scalars(tmp_path / "tb")
+    for name, layer, role in rank0["targets"]:  # snapshots 0, 1, 2 and 4, the last
+        stable_rank = scalars[scalar_tag("stable_rank", layer, role)]
+        assert sorted(stable_rank) == [0, 1, 2, 4], name
+        for step, value in stable_rank.items():
+            truth = exact_metrics(rank0["weights"][step][name], cases.K)["stable_rank"]
+            assert value == pytest.approx(truth, rel=0.01), (name, step)
+
+
+def test_the_tracker_refuses_an_fsdp1_model_naming_fully_shard(tmp_path: Path) -> None:
+    for messages in run_ranks(cases.fsdp1_refused, 2, tmp_path):
+        # {wrapper, module inside} x {use_orig_params False, True}, and the wrapper found by its
+        # class alone (the fallback if torch renames the private marks on flattened parameters)
+        assert len(messages) == 5
+        for message in messages:
+            assert message.startswith(
+                "SpectralTracker cannot watch a model trained with FSDP1 "
+                "(FullyShardedDataParallel): it flattens and partitions the parameters"
+            ), message
+            assert "fully_shard" in message and "`spectral-callbacks analyze`" in message
 
 
 def test_make_engine_picks_the_sharded_engine_for_dtensors_and_refuses_a_custom_compute(

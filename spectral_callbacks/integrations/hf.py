@@ -55,7 +55,8 @@ class SpectralTrainerCallback(TrainerCallback):
 
     Raises:
         ConfigurationError: an option out of range (at construction); nothing to watch in the
-            model (at ``on_train_begin``).
+            model, or a model wrapped by FSDP1 or partitioned by DeepSpeed ZeRO-3 (at
+            ``on_train_begin``; FSDP2, ``fsdp_version: 2``, is decomposed where its shards live).
         TypeError: an argument that is not an option.
 
     Example::

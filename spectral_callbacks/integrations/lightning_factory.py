@@ -24,8 +24,10 @@ Which hooks, and why (steps are ``trainer.global_step``: optimizer steps, 0 = be
 * in-flight work is finished with a bounded wait and logged, and the final figures drawn, in
   ``on_train_end`` and in ``on_exception`` (which Lightning also calls on ``KeyboardInterrupt``);
   the worker is shut down there and again, idempotently, in ``teardown``.
-* each ``fit`` starts afresh: a new tracker in ``on_fit_start``, with the state restored from the
-  checkpoint of *that* fit if there is one, so one instance can be reused for a second fit.
+* each ``fit`` starts afresh: a new tracker in ``on_fit_start``, given the state restored from the
+  checkpoint of *that* fit (if there is one) in ``on_train_start``, so one instance can be reused
+  for a second fit. Not earlier: strategies that shard the model (``ModelParallelStrategy``, FSDP,
+  DeepSpeed: ``restore_checkpoint_after_setup``) restore callback states *after* ``on_fit_start``.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from typing import TYPE_CHECKING, Any
 from typing_extensions import override
 
 from spectral_callbacks.monitor.options import DEFAULT_METRICS, ConfigurationError, MonitorOptions
+from spectral_callbacks.monitor.partitioned import partitioned_error
 from spectral_callbacks.monitor.tracker import SpectralTracker
 
 if TYPE_CHECKING:
@@ -155,22 +158,24 @@ def monitor_class(package: str) -> type:
         @override
         def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
             # Targets are found here, not in `setup`: the model is built (`configure_model`) and on
-            # its device now, and compiled or wrapped modules are in place. A checkpoint of this
-            # fit was restored just before; a second fit of this instance starts afresh.
-            state, self._restored = self._restored, {}
+            # its device now, and compiled or wrapped modules are in place.
             with raised_as_misconfiguration():
                 self.tracker = SpectralTracker(
                     pl_module,
                     writers=trainer.loggers,
                     start_step=None,
-                    state=state or None,
                     options=self.options,
                     caller=type(self).__name__,
                 )
 
         @override
         def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+            # Every strategy has restored this fit's checkpoint by now (a sharding one only after
+            # on_fit_start); a second fit of this instance without one starts afresh.
+            state, self._restored = self._restored, {}
             if self.tracker is not None:
+                if state:
+                    self.tracker.load_state_dict(state)
                 with raised_as_misconfiguration():  # the engine is chosen here (make_engine)
                     self.tracker.begin(trainer.global_step)
 
@@ -233,34 +238,29 @@ def check_strategy(trainer: Any, max_overhead: float | None, strategies: Any) ->
     Raises:
         ConfigurationError: for FSDP (``FSDPStrategy``, FSDP1: its flat parameters are not
             DTensors) and DeepSpeed ZeRO-3 (partitioned parameters): no rank holds a matrix or a
-            DTensor shard of one; for any other multi-process strategy than DDP and
+            DTensor shard of one (``monitor/partitioned.py``'s one message, which the tracker
+            also raises for such a model under the other frontends); for any other multi-process strategy than DDP and
             ``ModelParallelStrategy``; and for ``max_overhead`` with several processes (the budget
             is measured per rank, so ranks would snapshot at different steps).
     """
     strategy = getattr(trainer, "strategy", None)
     name = type(strategy).__name__
-    supported = (
-        "SpectralMonitor supports a single device, DDP (strategy='ddp', 'ddp_spawn', "
-        "'ddp_notebook', DeepSpeed stages 1-2) and sharded DTensor weights through "
-        "ModelParallelStrategy (fully_shard / FSDP2 and tensor parallelism in configure_model)"
-    )
-    zero3 = (
+    if isinstance(strategy, strategies.FSDPStrategy):
+        raise partitioned_error("SpectralMonitor", f"{name} (FSDP1)")
+    if (
         isinstance(strategy, strategies.DeepSpeedStrategy)
         and isinstance(getattr(strategy, "config", None), dict)
         and strategy.zero_stage_3
-    )
-    if isinstance(strategy, strategies.FSDPStrategy) or zero3:
-        raise ConfigurationError(
-            f"SpectralMonitor cannot watch a model trained with {name}: it flattens and "
-            "partitions the parameters, so no rank holds a matrix or a DTensor shard of one, and "
-            f"gathering them would move every weight at every snapshot. {supported}: use "
-            "ModelParallelStrategy with fully_shard in configure_model instead."
-        )
+    ):
+        raise partitioned_error("SpectralMonitor", f"{name} (ZeRO stage 3)")
     world_size = int(getattr(trainer, "world_size", 1) or 1)
     multi_process = (strategies.DDPStrategy, strategies.ModelParallelStrategy)
     if world_size > 1 and not isinstance(strategy, multi_process):
         raise ConfigurationError(
-            f"SpectralMonitor does not support {name} with {world_size} processes. {supported}."
+            f"SpectralMonitor does not support {name} with {world_size} processes: it supports a "
+            "single device, DDP (strategy='ddp', 'ddp_spawn', 'ddp_notebook', DeepSpeed stages "
+            "1-2) and sharded DTensor weights through ModelParallelStrategy (fully_shard / FSDP2 "
+            "and tensor parallelism in configure_model)."
         )
     if world_size > 1 and max_overhead is not None:
         raise ConfigurationError(

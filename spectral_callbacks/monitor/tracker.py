@@ -40,6 +40,7 @@ from spectral_callbacks.monitor.options import (
     MonitorOptions,
     require,
 )
+from spectral_callbacks.monitor.partitioned import refuse_partitioned
 from spectral_callbacks.monitor.protocol import Engine, make_engine
 from spectral_callbacks.monitor.reporting import Reporter, health_scalars, num_layers_scalar
 from spectral_callbacks.monitor.schedule import SnapshotSchedule
@@ -67,7 +68,9 @@ class SpectralTracker:
     Raises:
         ConfigurationError: an option out of range, no matrix to watch, a bad mapping,
             ``figure_roles`` naming a role the model does not have, ``max_overhead`` with
-            several processes, or ``compute`` with sharded (DTensor) weights.
+            several processes, ``compute`` with sharded (DTensor) weights, or parameters
+            flattened and partitioned by FSDP1 (``FullyShardedDataParallel``) or DeepSpeed
+            ZeRO-3 (shard with FSDP2 ``fully_shard`` instead).
         ShardedEngineError: with sharded weights, from :meth:`step` or :meth:`close`, if the
             sharded computation failed or fell behind on a rank (the run cannot go on).
 
@@ -297,6 +300,7 @@ class SpectralTracker:
         from spectral_callbacks.targets import find_targets
         from spectral_callbacks.targets.find import TargetError
 
+        refuse_partitioned(model, self.caller)  # FSDP1, ZeRO-3: no matrix on any rank
         options = self.options.target_options
         try:
             targets = list(find_targets(model, **options))
