@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from spawn_ranks import LargestTensor
 
-from spectral_callbacks.functional.sharded_svd import sharded_randomized_svd
+from spectral_callbacks.functional.sharded_svd import ShardedTopSVD, sharded_randomized_svd
 
 K = 16
 
@@ -58,6 +58,11 @@ def block(full: torch.Tensor, split: str, cut: int, rank: int) -> torch.Tensor:
     return (part if split == "rows" else part.T).contiguous()
 
 
+def outcome(top: ShardedTopSVD, **extra: Any) -> dict[str, Any]:
+    """What a test reads of one call, plus ``extra``."""
+    return {"S": top.S, "frobenius_sq": top.frobenius_sq, "sent_bytes": top.sent_bytes, **extra}
+
+
 def svd_cases(rank: int, world_size: int) -> dict[str, Any]:
     group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=60))
     results: dict[str, Any] = {}
@@ -66,25 +71,14 @@ def svd_cases(rank: int, world_size: int) -> dict[str, Any]:
         generator = torch.Generator().manual_seed(1234)
         with LargestTensor() as largest:
             top = sharded_randomized_svd(local, K, group=group, split=split, generator=generator)
-        results[name] = {
-            "S": top.S,
-            "V": top.V,
-            "frobenius_sq": top.frobenius_sq,
-            "sent_bytes": top.sent_bytes,
-            "largest": largest.numel,
-            "local": local.numel(),
-        }
+        results[name] = outcome(top, V=top.V, largest=largest.numel, local=local.numel())
     # The Krylov blocks in bfloat16 (the engine's default), a flat and a power-law spectrum.
     for name in ("gaussian_rows_uneven", "power_1.0_columns"):
         full, split, cut = cases()[name]
         top = sharded_randomized_svd(
             block(full, split, cut, rank), K, group=group, split=split, comm_dtype=torch.bfloat16
         )
-        results[f"{name}_bf16"] = {
-            "S": top.S,
-            "frobenius_sq": top.frobenius_sq,
-            "sent_bytes": top.sent_bytes,
-        }
+        results[f"{name}_bf16"] = outcome(top)
     # A batch of three matrices, each split unevenly, plus a warm start on a perturbed copy.
     fulls = torch.stack([gaussian(200, 96, seed=20 + i) for i in range(3)])
     local = fulls[:, :130] if rank == 0 else fulls[:, 130:]
@@ -93,33 +87,19 @@ def svd_cases(rank: int, world_size: int) -> dict[str, Any]:
     )
     moved = local + 0.01 * gaussian(*local.shape, seed=99 + rank)
     warm = sharded_randomized_svd(moved, K, group=group, init=first.V)
-    results["batch"] = {
-        "S": first.S,
-        "frobenius_sq": first.frobenius_sq,
-        "moved": moved,
-        "sent_bytes": first.sent_bytes,
-    }
-    results["warm"] = {
-        "S": warm.S,
-        "frobenius_sq": warm.frobenius_sq,
-        "sent_bytes": warm.sent_bytes,
-    }
+    results["batch"] = outcome(first, moved=moved)
+    results["warm"] = outcome(warm)
     # A warm start that no longer fits (the matrices were replaced): the stopping rule must go on.
     others = torch.stack([gaussian(200, 96, seed=40 + i) for i in range(3)])
     other = others[:, :130] if rank == 0 else others[:, 130:]
     stale = sharded_randomized_svd(other, K, group=group, init=first.V)
-    results["stale"] = {
-        "S": stale.S,
-        "frobenius_sq": stale.frobenius_sq,
-        "full": others,
-        "sent_bytes": stale.sent_bytes,
-    }
+    results["stale"] = outcome(stale, full=others)
     # A NaN on rank 1 only: both ranks must report NaN for that matrix and only that one.
     nan = local.clone()
     if rank == 1:
         nan[1, 3, 5] = float("nan")
     poisoned = sharded_randomized_svd(nan, K, group=group)
-    results["nan"] = {"S": poisoned.S, "frobenius_sq": poisoned.frobenius_sq}
+    results["nan"] = outcome(poisoned)
     return results
 
 
