@@ -34,9 +34,10 @@ The random start comes from ``generator``, which must be seeded identically on e
 default is a fresh generator seeded with 0, never torch's global one): the ranks then draw the same
 start block and, since the all-reduced results are the same everywhere, run the same iteration.
 
-The building blocks are those of ``functional/svd.py`` with each product by ``W^T W`` replaced by a
-collective one; this module keeps its own copy of the small loop (``_krylov_blocks``) because svd.py
-keeps it private.
+The building blocks (start block, orthogonalization, stopping rule) are ``functional/krylov.py``'s,
+shared with ``randomized_svd``, with each product by ``W^T W`` replaced by a collective one; the
+loop itself (``_krylov_blocks``) is this module's: it keeps the blocks whole for the choice of
+Rayleigh-Ritz step and agrees its stop with the group.
 
 Example (one process: ``group=None`` means the local block is the whole matrix)::
 
@@ -54,6 +55,12 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from spectral_callbacks.functional.krylov import (
+    orthogonalize_against,
+    orthonormalize,
+    ritz_pairs_converged,
+    start_block,
+)
 from spectral_callbacks.functional.metrics import frobenius_norm_sq
 from spectral_callbacks.functional.svd import (
     DEFAULT_K,
@@ -61,7 +68,6 @@ from spectral_callbacks.functional.svd import (
     DEFAULT_TOL,
     default_n_iter,
     gram_singular_values,
-    ritz_pairs_converged,
 )
 
 __all__ = ["SPLITS", "ShardedTopSVD", "sharded_randomized_svd"]
@@ -205,6 +211,8 @@ def sharded_randomized_svd(
     if init is not None:
         _check_init(init, d, tuple(A.shape[:-2]))
     collective = _Collective(group)
+    if generator is None:
+        generator = torch.Generator(device=A.device).manual_seed(0)
 
     # 1. Scalars: exact ‖W_r‖_F² in float64, row counts, rows with a non-finite entry (a finite
     #    row sum proves a row finite); summed, they are the same on every rank.
@@ -252,7 +260,7 @@ def sharded_randomized_svd(
         def apply(X: Tensor) -> Tensor:  # (W^T W) X = sum_r W_r^T (W_r X), one all-reduce
             return collective.sum(A.mT @ (A @ X), comm_dtype)
 
-        start = _start_block(d, A, width, generator, init)  # (..., d, b)
+        start = start_block(A, width, generator, init, n=d)  # (..., d, b)
         blocks, images = _krylov_blocks(apply, start, n_iter, converged)
         block_bytes = d * width * torch.empty((), dtype=comm_dtype or compute_dtype).element_size()
         columns = sum(block.shape[-1] for block in blocks)
@@ -278,7 +286,7 @@ def sharded_randomized_svd(
             image = product(X, comm_dtype).index_select(-2, rows_held)
             return collective.sum(_spread(A.mT @ image, cols_held, d), comm_dtype)
 
-        start = _start_block(d, A, width, generator, init)
+        start = start_block(A, width, generator, init, n=d)
         blocks, images = _krylov_blocks(apply, start, n_iter, converged)
         if len(images) < len(blocks):
             images.append(apply(blocks[-1]))
@@ -311,7 +319,7 @@ def _krylov_blocks(
     every block has its image; otherwise it runs ``depth`` steps and the last block has none.
     """
     d = start.shape[-2]
-    blocks = [_orthonormalize(start)]  # Q_0
+    blocks = [orthonormalize(start)]  # Q_0
     images: list[Tensor] = []  # apply(Q_i): one all-reduce each, reused by a Rayleigh quotient
     for _ in range(depth):
         room = d - sum(block.shape[-1] for block in blocks)
@@ -320,7 +328,7 @@ def _krylov_blocks(
         images.append(apply(blocks[-1]))
         if converged is not None and converged(torch.cat(blocks, -1), torch.cat(images, -1)):
             break
-        blocks.append(_orthogonalize_against(images[-1], torch.cat(blocks, -1))[..., :room])
+        blocks.append(orthogonalize_against(images[-1], torch.cat(blocks, -1))[..., :room])
     return blocks, images
 
 
@@ -352,44 +360,10 @@ def _top_ritz_vectors(blocks: list[Tensor], images: list[Tensor], b: int) -> Ten
     return basis @ vectors[..., -b:].flip(-1)
 
 
-def _orthogonalize_against(X: Tensor, basis: Tensor) -> Tensor:
-    """Orthonormal columns spanning X minus its projection on ``basis`` (block CGS, twice)."""
-    X = _orthonormalize(X - basis @ (basis.mT @ X))
-    return _orthonormalize(X - basis @ (basis.mT @ X))
-
-
-def _orthonormalize(X: Tensor) -> Tensor:
-    return torch.linalg.qr(X).Q
-
-
 def _spread(local: Tensor, index: Tensor, size: int) -> Tensor:
     """``(..., size, b)`` zeros with ``local``'s rows placed at ``index`` (a tile's share of a sum)."""
     out = local.new_zeros((*local.shape[:-2], size, local.shape[-1]))
     return out.index_copy_(-2, index, local)
-
-
-def _start_block(
-    d: int, A: Tensor, width: int, generator: torch.Generator | None, init: Tensor | None
-) -> Tensor:
-    """Orthonormal ``(..., d, b)`` start, drawn only from ``generator`` (never the global RNG)."""
-    if generator is None:
-        generator = torch.Generator(device=A.device).manual_seed(0)
-    batch = A.shape[:-2]
-
-    def gaussian(columns: int) -> Tensor:
-        return torch.randn(
-            (*batch, d, columns), dtype=A.dtype, device=A.device, generator=generator
-        )
-
-    if init is None:
-        return _orthonormalize(gaussian(width))
-    start = init.to(dtype=A.dtype, device=A.device).expand(*batch, *init.shape[-2:])[..., :width]
-    if start.shape[-1] < width:
-        start = torch.cat([start, gaussian(width - start.shape[-1])], dim=-1)
-    stale = ~torch.isfinite(start).all(-2, keepdim=True)  # (..., 1, b) columns from a NaN matrix
-    if bool(stale.any()):
-        start = torch.where(stale, gaussian(width), start)
-    return _orthonormalize(start)
 
 
 def _check_arguments(

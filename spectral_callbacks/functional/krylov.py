@@ -1,0 +1,196 @@
+"""The block Krylov iteration that ``randomized_svd`` and ``sharded_randomized_svd`` share.
+
+Everything here works on the right space of W through ``apply(X) = (W^T W) X`` (or its collective
+form) and on small replicated blocks: the orthonormal start, block classical Gram-Schmidt, the
+Rayleigh quotient grown block by block, and the a-posteriori stopping rule on the Ritz residuals
+(``ritz_pairs_converged``; calibration in svd.py and docs/metrics.md). How ``apply`` is made -
+two skinny products with W, one with its Gram matrix, or an all-reduce over the ranks holding W's
+rows - is the callers' business.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "block_krylov",
+    "orthogonalize_against",
+    "orthonormalize",
+    "ritz_pairs_converged",
+    "start_block",
+    "subspace_iteration",
+]
+
+
+def block_krylov(
+    apply: Callable[[Tensor], tuple[Tensor, Tensor | None]],
+    start: Tensor,
+    k: int,
+    depth: int,
+    tol: float,
+    *,
+    first_check: int | None,
+    finite: Tensor | None,
+    rank_scale: int,
+) -> tuple[Tensor, Tensor, Tensor | None, Tensor]:
+    """Top-b Ritz vectors of the block Krylov space of ``apply`` (Musco & Musco 2015, Alg. 2).
+
+    With ``first_check`` set, the stopping rule is tested after every step from that one on (each
+    test costs an ``eigh`` of the Rayleigh quotient, so a cold start skips the steps it will need
+    anyway); with ``None`` the depth is fixed. Returns the Ritz vectors ``X`` (..., d, b), their
+    images ``apply(X)``, ``B X`` when ``apply`` makes the products with B (else None), and which
+    matrices are finite.
+    """
+    d, b = start.shape[-2:]
+    batch = start.shape[:-2]
+    size = min(d, b * (depth + 1))
+    # The basis [Q_0, Q_1, ...], the images apply(Q_j) (the Rayleigh quotient and the next block)
+    # and B Q_j (B X without one more product) fill preallocated buffers, not a cat per step. They
+    # hold the columns as rows, so a shallow stop touches (page-faults) only the rows it used.
+    basis_rows = start.new_empty((*batch, size, d))
+    image_rows = start.new_empty((*batch, size, d))
+    left_rows: Tensor | None = None
+    T: Tensor | None = None
+    block, used = start, 0
+    for step in range(depth + 1):
+        width = block.shape[-1]
+        new = slice(used, used + width)
+        basis_rows[..., new, :] = block.mT
+        image, left = apply(block)
+        if finite is None:  # a NaN/Inf of W (or a float32 overflow) shows in its first image
+            finite = torch.isfinite((block.mT @ image).diagonal(dim1=-2, dim2=-1)).all(-1)
+        keep = finite[..., None, None]
+        zero = torch.zeros((), dtype=image.dtype, device=image.device)
+        image_rows[..., new, :] = torch.where(keep, image, zero).mT
+        if left is not None:
+            if left_rows is None:
+                left_rows = start.new_empty((*batch, size, left.shape[-2]))
+            left_rows[..., new, :] = torch.where(keep, left, zero).mT
+        used += width
+        basis, images = basis_rows[..., :used, :].mT, image_rows[..., :used, :].mT  # (..., d, D)
+        # Rayleigh quotient T = basis^T (W^T W) basis of the Krylov space, grown by its new block
+        # column (T is symmetric: the new row is its transpose), not recomputed each step.
+        column = basis.mT @ images[..., new]  # (..., D, width)
+        if T is None:
+            T = column
+        else:
+            T = torch.cat([torch.cat([T, column[..., :-width, :].mT], -2), column], -1)
+        room = d - used
+        last = (
+            step == depth or room <= 0
+        )  # at room 0 the space is all of R^d: Rayleigh-Ritz is exact
+        check = first_check is not None and step >= first_check
+        if last or check:
+            theta, vectors = torch.linalg.eigh((T + T.mT) / 2)  # ascending
+            theta, vectors = (
+                theta[..., -b:].flip(-1),
+                vectors[..., -b:].flip(-1),
+            )  # top-b, descending
+        if check and not last:
+            # The stopping rule needs one host read per step (a sync on an accelerator; only a
+            # few small kernels are queued behind it).
+            last = bool(
+                ritz_pairs_converged(basis, images, vectors, theta, k, tol, rank_scale).all()
+            )
+        if last:
+            lefts = None if left_rows is None else left_rows[..., :used, :].mT @ vectors
+            return basis @ vectors, images @ vectors, lefts, finite
+        # Q_{j+1}, trimmed so the basis never has more than d columns.
+        block = orthogonalize_against(images[..., new], basis)[..., :room]
+    raise AssertionError("unreachable: the last step returns")
+
+
+def ritz_pairs_converged(
+    basis: Tensor,
+    images: Tensor,
+    vectors: Tensor,
+    theta: Tensor,
+    k: int,
+    tol: float,
+    rank_scale: int,
+) -> Tensor:
+    """Per matrix: ``||r_1||^2 <= tol theta_1^2`` and ``||r_i||^2 <= 10 tol theta_i^2`` for i <= k.
+
+    ``||r_i||^2 / theta_i^2`` is the fraction one more power step would add to ``theta_i``. The
+    top pair decides stable rank and the spectral norm, so it gets the tight bound; the rest only
+    move alpha's slope, which tolerates ten times more (see svd.DEFAULT_TOL).
+    """
+    top = vectors[..., :k]  # (..., D, k)
+    residual = images @ top - (basis @ top) * theta[..., None, :k]  # (..., d, k)
+    r = torch.linalg.vector_norm(residual, dim=-2)  # (..., k)
+    theta_k = theta[..., :k]
+    bound = torch.full_like(theta_k, 10 * tol)
+    bound[..., 0] = tol
+    # A residual at the rounding level of theta_1 cannot shrink further (rank-deficient or zero
+    # matrices, steep spectra): that pair is as converged as float arithmetic allows.
+    floor = rank_scale * torch.finfo(theta.dtype).eps * theta[..., :1]
+    return ((r.square() <= bound * theta_k.square()) | (r <= floor)).all(-1)
+
+
+def subspace_iteration(
+    apply: Callable[[Tensor], tuple[Tensor, Tensor | None]],
+    start: Tensor,
+    n_iter: int,
+    finite: Tensor | None,
+) -> tuple[Tensor, Tensor, Tensor | None, Tensor]:
+    """Subspace iteration: orth((W^T W)^q Omega), re-orthonormalized at every step."""
+    V = start
+    for _ in range(n_iter):  # Halko, Martinsson & Tropp 2011, Algorithm 4.4
+        image, _ = apply(V)
+        if finite is None:
+            finite = torch.isfinite(image).flatten(-2).all(-1)
+        zero = torch.zeros((), dtype=image.dtype, device=image.device)
+        V = orthonormalize(torch.where(finite[..., None, None], image, zero))
+    image, left = apply(V)
+    if finite is None:
+        finite = torch.isfinite(image).flatten(-2).all(-1)
+    return V, image, left, finite
+
+
+def orthogonalize_against(X: Tensor, basis: Tensor) -> Tensor:
+    """Orthonormal columns spanning X minus its projection on ``basis`` (block CGS, done twice).
+
+    The second pass also catches columns that the first left (nearly) zero, whose QR directions
+    are arbitrary: they must still be orthogonal to ``basis`` for the Rayleigh quotient to hold.
+    Householder QR, not CholeskyQR2: at b = 40 columns it costs under a tenth of a Krylov step on
+    a CPU, and a Krylov block that runs out of directions (a rank-deficient W) is exactly where
+    Cholesky of the block's Gram matrix breaks down.
+    """
+    X = orthonormalize(X - basis @ (basis.mT @ X))
+    return orthonormalize(X - basis @ (basis.mT @ X))
+
+
+def start_block(
+    A: Tensor, width: int, generator: torch.Generator, init: Tensor | None, n: int | None = None
+) -> Tensor:
+    """Orthonormal ``(..., n, width)`` start: ``init`` (trimmed or topped up at random) or Gaussian.
+
+    ``A`` gives the batch, dtype and device; ``n`` the side the iteration runs in (default
+    ``A``'s last). Draws come from ``generator`` only.
+    """
+    n = A.shape[-1] if n is None else n
+    batch = A.shape[:-2]
+    if init is None:
+        omega = torch.randn((*batch, n, width), dtype=A.dtype, device=A.device, generator=generator)
+        return orthonormalize(omega)
+    start = init.to(dtype=A.dtype, device=A.device).expand(*batch, *init.shape[-2:])[..., :width]
+    missing = width - start.shape[-1]
+    if missing > 0:
+        extra = torch.randn(
+            (*batch, n, missing), dtype=A.dtype, device=A.device, generator=generator
+        )
+        start = torch.cat([start, extra], dim=-1)
+    # A stale subspace may hold NaN (from a matrix that was non-finite last time): those columns
+    # are drawn afresh rather than started from zeros, whose QR directions are not random. One
+    # block is drawn whether needed or not and selected per column, so no host read decides it.
+    stale = ~torch.isfinite(start).all(-2, keepdim=True)  # (..., 1, b)
+    fresh = torch.randn(start.shape[-2:], dtype=A.dtype, device=A.device, generator=generator)
+    return orthonormalize(torch.where(stale, fresh, start))
+
+
+def orthonormalize(X: Tensor) -> Tensor:
+    """Orthonormal basis of the columns of ``X`` (reduced Householder QR)."""
+    return torch.linalg.qr(X).Q
