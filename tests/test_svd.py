@@ -230,6 +230,38 @@ def test_stopping_rule_stops_a_warm_start_early_and_takes_a_cold_one_deeper(
         torch.testing.assert_close(top.S.double(), exact, rtol=2.5e-2, atol=0)
 
 
+def test_after_a_failed_test_only_the_failing_pairs_get_new_directions(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A trained-looking matrix (init noise plus a rank-4 update whose directions then rotate):
+    # after block 0 of the warm start only a few top pairs miss their bound.
+    g = torch.Generator().manual_seed(random.randrange(2**31))
+    m, n = 384, 256
+    U, V = torch.randn(m, 4, generator=g), torch.randn(n, 4, generator=g)
+    W = 0.02 * torch.randn(m, n, generator=g) + 0.004 * (U @ V.T) / 4
+    previous = randomized_svd(W, method="randomized", generator=g)
+    U2, V2 = (
+        U + 0.5 * torch.randn(U.shape, generator=g),
+        V + 0.5 * torch.randn(V.shape, generator=g),
+    )
+    W2 = W + 0.001 * (U2 @ V2.T) / 4 + 0.001 * torch.randn(m, n, generator=g)
+    widths: list[int] = []
+    original = svd_module._matmul
+
+    def recording(A: torch.Tensor, B: torch.Tensor) -> torch.Tensor:
+        widths.append(B.shape[-1] if B.shape[-2] == n else A.shape[-2])  # columns of the block
+        return original(A, B)
+
+    monkeypatch.setattr(svd_module, "_matmul", recording)
+    warm = randomized_svd(W2, method="randomized", init=previous.V, generator=g)
+    block = 32 + 8
+    assert widths[:2] == [block, block]  # W Q_0 and W^T (W Q_0)
+    assert len(widths) > 2 and max(widths[2:]) < block, widths  # then narrower blocks only
+    exact = reference(W2, 32)
+    torch.testing.assert_close(warm.S[0].double(), exact[0], rtol=2.5e-3, atol=0)
+    torch.testing.assert_close(warm.S.double(), exact, rtol=2.5e-2, atol=0)
+
+
 def test_an_explicit_n_iter_is_a_fixed_depth(monkeypatch: pytest.MonkeyPatch) -> None:
     W = decaying((300, 200), 1.0, random.randrange(2**31)).float()  # converges at once
     previous = randomized_svd(W, 8, method="randomized")

@@ -89,17 +89,24 @@ def block_krylov(
                 theta[..., -b:].flip(-1),
                 vectors[..., -b:].flip(-1),
             )  # top-b, descending
+        grow = images[..., new]  # the next Krylov block, unless the rule says what is missing
         if check and not last:
+            residual, excess = _ritz_residuals(basis, images, vectors, theta, k, tol, rank_scale)
             # The stopping rule needs one host read per step (a sync on an accelerator; only a
             # few small kernels are queued behind it).
-            last = bool(
-                ritz_pairs_converged(basis, images, vectors, theta, k, tol, rank_scale).all()
-            )
+            missing = int((excess > 1).sum(-1).max())
+            last = missing == 0
+            # Only the pairs that failed need new directions: the next block is their
+            # residuals (the worst `missing` of each matrix), not b new columns. A warm start
+            # typically misses only sigma_1's tight bound, so it grows by one column, not 40;
+            # Rayleigh-Ritz holds on any subspace, and the rule still decides at the end.
+            worst = excess.argsort(-1, descending=True)[..., None, :missing]
+            grow = residual.gather(-1, worst.expand(*residual.shape[:-1], missing))
         if last:
             lefts = None if left_rows is None else left_rows[..., :used, :].mT @ vectors
             return basis @ vectors, images @ vectors, lefts, finite
-        # Q_{j+1}, trimmed so the basis never has more than d columns.
-        block = orthogonalize_against(images[..., new], basis)[..., :room]
+        # The next block, trimmed so the basis never has more than d columns.
+        block = orthogonalize_against(grow, basis)[..., :room]
     raise AssertionError("unreachable: the last step returns")
 
 
@@ -117,6 +124,31 @@ def ritz_pairs_converged(
     ``||r_i||^2 / theta_i^2`` is the fraction one more power step would add to ``theta_i``. The
     top pair decides stable rank and the spectral norm, so it gets the tight bound; the rest only
     move alpha's slope, which tolerates ten times more (see svd.DEFAULT_TOL).
+
+    Args:
+        basis, images: ``(..., d, D)`` orthonormal basis and ``apply`` of it.
+        vectors, theta: the top Ritz vectors (``(..., D, >= k)``, in the basis) and values.
+        k: how many top pairs must converge.
+        tol: the tolerance of the top pair.
+        rank_scale: ``max(m, n)``, for the rounding floor of the residuals.
+    """
+    _, excess = _ritz_residuals(basis, images, vectors, theta, k, tol, rank_scale)
+    return (excess <= 1).all(-1)
+
+
+def _ritz_residuals(
+    basis: Tensor,
+    images: Tensor,
+    vectors: Tensor,
+    theta: Tensor,
+    k: int,
+    tol: float,
+    rank_scale: int,
+) -> tuple[Tensor, Tensor]:
+    """The top-k residuals ``(..., d, k)`` and how far each pair is from its bound ``(..., k)``.
+
+    The excess is ``||r_i||^2 / (bound_i theta_i^2)``: at most 1 for a converged pair, 0 for one
+    at the rounding floor (see :func:`ritz_pairs_converged`).
     """
     top = vectors[..., :k]  # (..., D, k)
     residual = images @ top - (basis @ top) * theta[..., None, :k]  # (..., d, k)
@@ -127,7 +159,9 @@ def ritz_pairs_converged(
     # A residual at the rounding level of theta_1 cannot shrink further (rank-deficient or zero
     # matrices, steep spectra): that pair is as converged as float arithmetic allows.
     floor = rank_scale * torch.finfo(theta.dtype).eps * theta[..., :1]
-    return ((r.square() <= bound * theta_k.square()) | (r <= floor)).all(-1)
+    excess = r.square() / (bound * theta_k.square())
+    excess = torch.where(r <= floor, torch.zeros((), dtype=r.dtype, device=r.device), excess)
+    return residual, torch.nan_to_num(excess, nan=0.0)
 
 
 def subspace_iteration(

@@ -17,11 +17,13 @@ so they carry W's own rounding, not its square.
 
 The depth is decided a posteriori (``n_iter=None``): after each Krylov block the Ritz residuals of
 the top k say how much one more power step could still raise each Ritz value, and the iteration
-stops once that is below ``tol`` (``krylov.ritz_pairs_converged``). A warm start from the previous snapshot's
-subspace on slowly moving weights stops after its first block (4 m n b flops: ``W Q`` and
-``W^T (W Q)``); a flat spectrum or a subspace rotated by a loss spike goes deeper. By products,
-``W V`` for the final Rayleigh-Ritz step is a combination of the ``W Q_j`` already made, and
-``W^T Y`` is computed as ``(Y^T W)^T`` (BLAS reads a transposed W at about half the speed).
+stops once that is below ``tol`` (``krylov.ritz_pairs_converged``). A warm start from the previous
+snapshot's subspace on slowly moving weights stops after its first block (4 m n b flops: ``W Q``
+and ``W^T (W Q)``); a flat spectrum or a subspace rotated by a loss spike goes deeper, and after a
+failed test the next block holds only the residuals of the pairs that failed (often one column).
+By products, ``W V`` for the final Rayleigh-Ritz step is a combination of the ``W Q_j`` already
+made, and ``W^T Y`` is computed as ``(Y^T W)^T`` (BLAS reads a transposed W at about half the
+speed).
 
 The exact paths are ``eigvalsh`` of the smaller Gram matrix in float64 (exact for sigma_1 and every
 singular value above ``sqrt(eps64) * sigma_1``) and ``svdvals`` of the tall orientation (LAPACK is
