@@ -60,7 +60,12 @@ def test_tab_shows_every_view_with_data_and_no_console_error(
         listing = get_json(url + "data/plugins_listing")
         assert listing["spectral"]["tab_name"] == "SPECTRAL" and listing["spectral"]["enabled"]
         open_tab(driver, url)
-        points = wait_for_points(driver, VIEWS, timeout=60)
+        # Until the counts checked below are complete: TensorBoard may still be loading the runs
+        # when the page first draws (the tab polls and catches up).
+        complete = {"wave": 2 * 3 * 12, "byRole": 2 * 6 * 12, "bars": 2 * 3 * 6}
+        points = wait_for_points(
+            driver, VIEWS, timeout=60, more_than={v: n - 1 for v, n in complete.items()}
+        )
         from selenium.webdriver.common.by import By
 
         def inside(view: str, css: str) -> list:
