@@ -17,6 +17,7 @@ loopback with the tab and measures:
 
     python benchmarks/tensorboard_tab.py --browser
     python benchmarks/tensorboard_tab.py --logdir /tmp/long   # a parent of a run d24 written before
+    python benchmarks/tensorboard_tab.py --logdir /tmp/long --loader rust   # one loader only
 """
 
 from __future__ import annotations
@@ -99,6 +100,12 @@ def main() -> None:
     parser.add_argument("--logdir", type=Path, help="a parent of run d24 written by long_run.py")
     parser.add_argument("--rounds", type=int, default=3, help="warm repeats and browser opens")
     parser.add_argument("--browser", action="store_true", help="also time a real browser")
+    parser.add_argument(
+        "--loader",
+        choices=["both", "python", "rust"],
+        default="both",
+        help="measure one loader only (the Python loader's ingest of the run takes minutes)",
+    )
     args = parser.parse_args()
     logdir = args.logdir
     if logdir is None or not (logdir / "d24").exists():
@@ -108,6 +115,8 @@ def main() -> None:
         print(f"wrote {points:,} points to {logdir / 'd24'} in {time.perf_counter() - begin:.0f} s")
 
     loaders = {"false": "Python loader", "true": "Rust data server"}
+    if args.loader != "both":
+        loaders = {k: v for k, v in loaders.items() if (k == "true") == (args.loader == "rust")}
     results = {}
     for load_fast, name in loaders.items():
         try:

@@ -304,8 +304,6 @@ def compression_rows(rows: pd.DataFrame) -> tuple[pd.DataFrame, dict[str, str]]:
     Raises:
         ValueError: neither ``compression`` nor ``stable_rank`` rows in any run.
     """
-    from spectral_callbacks.functional import compression  # torch: only when it is needed
-
     per_layer = rows[rows["layer"].notna()]
     frames, left_out = [], {}
     for run in _runs(per_layer):
@@ -317,6 +315,10 @@ def compression_rows(rows: pd.DataFrame) -> tuple[pd.DataFrame, dict[str, str]]:
         if not logged.empty:
             frames.append(logged)
         elif ranks["step"].nunique() > 1:
+            # torch (~1 s to import) only when compression must be computed: the tab's server
+            # does not import it for runs that logged compression.
+            from spectral_callbacks.functional import compression
+
             reference = ranks.groupby(["run", "layer", "role"])["value"].transform("first")
             percent = compression(_float64(ranks["value"]), _float64(reference)).numpy()
             frames.append(ranks.assign(metric="compression", value=percent))
