@@ -148,7 +148,7 @@ def _legend(ax: Axes, title: str) -> None:
 
 
 def _runs(rows: pd.DataFrame) -> list[str]:
-    return list(dict.fromkeys(rows["run"]))  # first-seen order, the order the user named the runs
+    return rows["run"].unique().tolist()  # first-seen order, the order the user named the runs
 
 
 def _depths(rows: pd.DataFrame) -> pd.Series:
@@ -309,12 +309,13 @@ def compression_rows(rows: pd.DataFrame) -> tuple[pd.DataFrame, dict[str, str]]:
     for run in _runs(per_layer):
         of_run = per_layer[per_layer["run"] == run]
         logged = of_run[of_run["metric"] == "compression"]
+        if not logged.empty:
+            frames.append(logged)
+            continue
         ranks = of_run[of_run["metric"] == "stable_rank"].sort_values(
             ["step", "wall_time"], kind="stable"
         )
-        if not logged.empty:
-            frames.append(logged)
-        elif ranks["step"].nunique() > 1:
+        if ranks["step"].nunique() > 1:
             # torch (~1 s to import) only when compression must be computed: the tab's server
             # does not import it for runs that logged compression.
             from spectral_callbacks.functional import compression

@@ -28,6 +28,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterable, Mapping, Sequence
+from operator import attrgetter
 from typing import NamedTuple
 
 import numpy as np
@@ -140,7 +141,9 @@ class ScalarSource:
             run: [(t, _series([last[run][t]])) for t in tags if t in last.get(run, {})]
             for run, tags in wanted.items()
         }
-        first = {run: [t for t in tags if t in (tags[0], NUM_LAYERS_TAG)] for run, tags in wanted.items()}
+        first = {
+            run: [t for t in tags if t in (tags[0], NUM_LAYERS_TAG)] for run, tags in wanted.items()
+        }
         first_rows = self._frame(experiment_id, self._current(ctx, experiment_id, first, last))
         return self._frame(experiment_id, points), first_rows["step"].unique().tolist()
 
@@ -263,12 +266,14 @@ def _freshness(datum: provider.ScalarDatum | None) -> Freshness:
 
 
 def _series(data: Sequence[provider.ScalarDatum]) -> Series:
-    count = len(data)
+    def column(name: str, dtype: type) -> np.ndarray:
+        return np.fromiter(map(attrgetter(name), data), dtype=dtype, count=len(data))
+
     return Series(
         freshness=_freshness(data[-1] if data else None),
-        step=np.fromiter((d.step for d in data), dtype=np.int64, count=count),
-        value=np.fromiter((d.value for d in data), dtype=np.float64, count=count),
-        wall_time=np.fromiter((d.wall_time for d in data), dtype=np.float64, count=count),
+        step=column("step", np.int64),
+        value=column("value", np.float64),
+        wall_time=column("wall_time", np.float64),
     )
 
 
