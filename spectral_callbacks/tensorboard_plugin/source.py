@@ -223,36 +223,37 @@ class ScalarSource:
         builds them: the tag parsed once per series, not once per point."""
         with self._lock:
             directory = self._directories.get(experiment_id, (0.0, {}))[1]
-        runs, tags, depths, parts = [], [], [], []
+        labels: list[tuple[str, int | None, str | None]] = []  # (metric, layer, role) per series
+        runs, depths, parts = [], [], []
         for run, of_run in series.items():
             of_run = [(tag, copy) for tag, copy in of_run if len(copy.step)]
             logged = dict(of_run).get(NUM_LAYERS_TAG)
             num_layers = _num_layers(logged, directory.get(run, frozenset()))
             for tag, copy in of_run:
-                parsed = parse_tag(tag)
-                layer = parsed.layer if parsed is not None else None
+                parsed = parse_tag(tag)  # other scalars: the tag is the metric, as export has it
+                metric, layer, role = parsed if parsed is not None else (tag, None, None)
                 runs.append(run)
-                tags.append((tag, parsed))
+                labels.append((metric, layer, role))
                 depths.append(np.nan if layer is None else relative_depth(layer, num_layers or 1))
                 parts.append(copy)
         if not parts:
             return empty_rows()
         counts = [len(copy.step) for copy in parts]
 
-        def each_point(values: list, dtype: object = object) -> np.ndarray:
+        def each_point(values: list, dtype: type = object) -> np.ndarray:
             return np.repeat(np.array(values, dtype=dtype), counts)
 
-        layers = [p.layer if p is not None else None for _, p in tags]
+        metrics, layers, roles = (list(column) for column in zip(*labels, strict=True))
         columns = {
             "run": each_point(runs),
             "step": np.concatenate([copy.step for copy in parts]),
-            "metric": each_point([p.metric if p is not None else t for t, p in tags]),
+            "metric": each_point(metrics),
             "layer": pd.arrays.IntegerArray(
                 each_point([layer or 0 for layer in layers], np.int64),
                 each_point([layer is None for layer in layers], bool),
             ),
             "depth": each_point(depths, np.float64),
-            "role": each_point([p.role if p is not None else None for _, p in tags]),
+            "role": each_point(roles),
             "value": np.concatenate([copy.value for copy in parts]),
             "wall_time": np.concatenate([copy.wall_time for copy in parts]),
         }
