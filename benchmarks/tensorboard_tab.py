@@ -12,11 +12,13 @@ loopback with the tab and measures:
   nothing cached (opening the run), ``warm`` - again with unchanged data (every poll of the open
   tab), in ms over HTTP; ``open`` sums them;
 * with ``--browser`` (Debian's chromium + chromium-driver, selenium): headless Chromium's seconds
-  from opening ``/#spectral`` to every view drawn, TensorBoard's own page load included
-  (``--rounds`` times, warm).
+  from opening ``/#spectral`` to TensorBoard's page having made the tab's frame, and to every
+  view drawn (``--rounds`` opens: the first on a fresh server, cold, the others warm), and
+  TensorBoard's own page alone (a one-snapshot run).
 
     python benchmarks/tensorboard_tab.py --browser
     python benchmarks/tensorboard_tab.py --logdir /tmp/long   # a parent of a run d24 written before
+    python benchmarks/tensorboard_tab.py --logdir /tmp/long --loader rust   # one loader only
 """
 
 from __future__ import annotations
@@ -30,9 +32,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from long_run import write_long_run  # noqa: E402
 
 VIEWS = ("wave", "byRole", "byLayer", "depth", "bars")
+# A series no view opens, whose last point in every layer says the server holds the whole run.
+PROBE = "by_layer", {"run": "d24", "metric": "alpha_r2", "role": "MLP_down", "max_points": 4}
 
 
 def open_requests(run: str) -> list[tuple[str, dict]]:
@@ -47,15 +50,22 @@ def open_requests(run: str) -> list[tuple[str, dict]]:
     ]
 
 
+def holds_whole_run(answer: dict) -> bool:
+    """Whether the ``PROBE`` answer has the run's last snapshot in every layer."""
+    series = answer["series"]
+    return len(series) == 24 and all(line["steps"][-1] == 9_990 for line in series)
+
+
 def ingested(url: str) -> None:
-    """Wait until the server holds the run's last snapshot in every layer (a series no view opens)."""
+    """Wait until the server at ``url`` holds the whole run."""
+    from urllib.parse import urlencode
+
     from browser import get_json
 
-    probe = url + "data/plugin/spectral/by_layer?run=d24&metric=alpha_r2&role=MLP_down&max_points=4"
-    while True:
-        series = get_json(probe, timeout=120)["series"]
-        if len(series) == 24 and all(line["steps"][-1] == 9_990 for line in series):
-            return
+    route, params = PROBE
+    while not holds_whole_run(
+        get_json(f"{url}data/plugin/spectral/{route}?{urlencode(params)}", timeout=120)
+    ):
         time.sleep(0.5)
 
 
@@ -73,25 +83,59 @@ def timed_requests(url: str) -> dict[str, tuple[float, int]]:
     return out
 
 
-def measure(logdir: Path, load_fast: str, rounds: int, browser: bool) -> dict:
-    """Ingest seconds, cold and warm request times, and browser opens of one loader."""
-    from browser import chromium, open_tab, tensorboard, wait_for_points
+def browser_open(driver: object, url: str, views: tuple[str, ...] = VIEWS) -> tuple[float, float]:
+    """Seconds until TensorBoard's page has made the tab's frame, and until ``views`` are drawn."""
+    from browser import open_tab, wait_for_points
 
+    begin = time.perf_counter()
+    open_tab(driver, url)  # TensorBoard's page is up and the tab's frame is there
+    framed = time.perf_counter() - begin
+    if views:
+        wait_for_points(driver, views, timeout=120)
+    return framed, time.perf_counter() - begin
+
+
+def measure(logdir: Path, load_fast: str, rounds: int, browser: bool) -> dict:
+    """Ingest seconds, cold and warm request times, and browser opens of one loader.
+
+    With ``browser``, the first open is on a server of its own that nothing has asked yet (cold),
+    the others after the timed requests (warm).
+    """
+    from browser import chromium, tensorboard
+
+    flags = [f"--load_fast={load_fast}"]
+    result: dict = {"opens": []}
+    if browser:
+        with tensorboard(logdir, flags=flags, timeout=600) as url, chromium() as driver:
+            ingested(url)
+            result["opens"].append(browser_open(driver, url))
     start = time.perf_counter()
-    with tensorboard(logdir, flags=[f"--load_fast={load_fast}"], timeout=600) as url:
+    with tensorboard(logdir, flags=flags, timeout=600) as url:
         ingested(url)
-        result = {"ingest": time.perf_counter() - start, "cold": timed_requests(url)}
+        result["ingest"] = time.perf_counter() - start
+        result["cold"] = timed_requests(url)
         warm = [timed_requests(url) for _ in range(rounds)]
         result["warm"] = {name: statistics.median(w[name][0] for w in warm) for name in warm[0]}
-        result["opens"] = []
-        for _ in range(rounds if browser else 0):
+        for _ in range(rounds - 1 if browser else 0):
             with chromium() as driver:
-                begin = time.perf_counter()
-                open_tab(driver, url)  # TensorBoard's page is up and the tab's frame is there
-                framed = time.perf_counter() - begin
-                wait_for_points(driver, VIEWS, timeout=120)
-                result["opens"].append((framed, time.perf_counter() - begin))
+                result["opens"].append(browser_open(driver, url))
     return result
+
+
+def page_alone(rounds: int) -> list[float]:
+    """Seconds until TensorBoard's page has made the tab's frame for a run of one snapshot of
+    one layer: TensorBoard's own page load on this machine, with nearly nothing for the tab."""
+    from browser import chromium, tensorboard
+    from long_run import write_long_run
+
+    logdir = Path(tempfile.mkdtemp(prefix="spectral-tab-tiny-"))
+    write_long_run(logdir / "tiny", steps=1, layers=1, every=1)
+    with tensorboard(logdir, flags=["--load_fast=true"]) as url:
+        opens = []
+        for _ in range(rounds):
+            with chromium() as driver:
+                opens.append(browser_open(driver, url, views=())[0])
+    return opens
 
 
 def main() -> None:
@@ -99,15 +143,25 @@ def main() -> None:
     parser.add_argument("--logdir", type=Path, help="a parent of run d24 written by long_run.py")
     parser.add_argument("--rounds", type=int, default=3, help="warm repeats and browser opens")
     parser.add_argument("--browser", action="store_true", help="also time a real browser")
+    parser.add_argument(
+        "--loader",
+        choices=["both", "python", "rust"],
+        default="both",
+        help="measure one loader only (the Python loader's ingest of the run takes minutes)",
+    )
     args = parser.parse_args()
     logdir = args.logdir
     if logdir is None or not (logdir / "d24").exists():
+        from long_run import write_long_run
+
         logdir = logdir or Path(tempfile.mkdtemp(prefix="spectral-tab-"))
         begin = time.perf_counter()
         points = write_long_run(logdir / "d24", steps=10_000, layers=24, every=10)
         print(f"wrote {points:,} points to {logdir / 'd24'} in {time.perf_counter() - begin:.0f} s")
 
     loaders = {"false": "Python loader", "true": "Rust data server"}
+    if args.loader != "both":
+        loaders = {k: v for k, v in loaders.items() if (k == "true") == (args.loader == "rust")}
     results = {}
     for load_fast, name in loaders.items():
         try:
@@ -133,7 +187,8 @@ def main() -> None:
     )
     print(f"| **open** | {cells} | |")
     print(
-        "\n| loader | ingest s | browser s: TensorBoard page + tab frame / all views drawn (each round) |"
+        "\n| loader | ingest s | browser s: TensorBoard page + tab frame / all views drawn "
+        "(cold, then warm rounds) |"
     )
     print("|---|---:|---|")
     for n in names:
@@ -142,6 +197,9 @@ def main() -> None:
             ", ".join(f"{a:.2f} / {b:.2f}" for a, b in opens) if opens else "(run with --browser)"
         )
         print(f"| {n} | {results[n]['ingest']:.1f} | {shown} |")
+    if args.browser:
+        shown = ", ".join(f"{seconds:.2f}" for seconds in page_alone(args.rounds))
+        print(f"\nTensorBoard's own page (a one-snapshot run), until the tab's frame: {shown} s")
 
 
 if __name__ == "__main__":

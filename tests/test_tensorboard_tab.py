@@ -7,6 +7,9 @@ TensorBoard), on two real training runs; downsampled views against a long synthe
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import textwrap
 from pathlib import Path
 
 import numpy as np
@@ -28,17 +31,21 @@ ROUTE = "/data/plugin/spectral/"
 
 
 class CountingProvider:
-    """The data provider, counting the ``read_scalars`` calls (to see the cache work)."""
+    """The data provider, counting its calls (to see the cache work and what a view costs)."""
 
     def __init__(self, inner: data_provider.MultiplexerDataProvider) -> None:
-        self.inner, self.reads = inner, 0
+        self.inner, self.reads, self.last_reads = inner, 0, 0
 
     def read_scalars(self, *args, **kwargs):
         self.reads += 1
         return self.inner.read_scalars(*args, **kwargs)
 
     def read_last_scalars(self, *args, **kwargs):
+        self.last_reads += 1
         return self.inner.read_last_scalars(*args, **kwargs)
+
+    def calls(self) -> tuple[int, int]:
+        return self.reads, self.last_reads
 
 
 class Tab:
@@ -331,3 +338,54 @@ def test_a_run_that_appears_later_is_served_without_asking_runs_first(long_run: 
     tab.multiplexer.Reload()
     (line,) = tab.get("by_role", run="later")["series"]
     assert (line["role"], line["steps"], line["values"]) == ("V", [0], [3.0])
+
+
+def test_each_view_costs_one_read_cold_and_one_check_warm(long_run: Path) -> None:
+    """Each provider call is a round trip (~40 ms to TensorBoard's Rust data server): a view
+    reads what it lacks in one call, and a poll of an unchanged run only checks last points."""
+    tab = Tab(long_run)
+    tab.get("runs")
+
+    def cost(route: str, **params: object) -> tuple[int, int]:
+        before = tab.provider.calls()
+        tab.get(route, run="long", **params)
+        return tuple(now - then for now, then in zip(tab.provider.calls(), before, strict=True))
+
+    assert cost("by_layer") == (1, 0)  # (read_scalars, read_last_scalars): nothing to check yet
+    assert cost("by_layer") == (0, 1)
+    assert cost("by_role", layer=1) == (0, 1)  # layer 1 Q was read by by_layer
+    assert cost("depth", metric="stable_rank") == (0, 1)  # the last points say all is current
+    assert cost("bars", metric="stable_rank", step=100) == (0, 1)
+    assert cost("wave", metric="stable_rank", role="Q") == (0, 1)
+
+
+def test_serving_logged_compression_does_not_import_torch(tmp_path: Path) -> None:
+    """torch takes ~1 s to import: the tab's server needs it only to compute compression."""
+    with SummaryWriter(str(tmp_path / "run")) as writer:
+        for step in range(3):
+            for layer in range(2):
+                writer.add_scalar(scalar_tag("compression", layer, "Q"), 10.0 * step, step)
+    script = textwrap.dedent(
+        f"""
+        import sys
+        from tensorboard.backend import application
+        from tensorboard.backend.event_processing import data_provider, plugin_event_multiplexer
+        from tensorboard.plugins import base_plugin
+        from werkzeug import test, wrappers
+        from spectral_callbacks.tensorboard_plugin.plugin import SpectralPlugin
+
+        multiplexer = plugin_event_multiplexer.EventMultiplexer()
+        multiplexer.AddRunsFromDirectory({str(tmp_path)!r})
+        multiplexer.Reload()
+        provider = data_provider.MultiplexerDataProvider(multiplexer, {str(tmp_path)!r})
+        context = base_plugin.TBContext(data_provider=provider)
+        client = test.Client(application.TensorBoardWSGI([SpectralPlugin(context)]), wrappers.Response)
+        for route in ("runs", "wave?run=run", "bars?run=run", "by_layer?run=run&metric=compression"):
+            assert client.get("/data/plugin/spectral/" + route).status_code == 200, route
+        print("torch" in sys.modules)
+        """
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=True
+    )
+    assert done.stdout.strip() == "False", done.stdout + done.stderr

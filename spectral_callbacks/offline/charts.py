@@ -148,7 +148,7 @@ def _legend(ax: Axes, title: str) -> None:
 
 
 def _runs(rows: pd.DataFrame) -> list[str]:
-    return list(dict.fromkeys(rows["run"]))  # first-seen order, the order the user named the runs
+    return rows["run"].unique().tolist()  # first-seen order, the order the user named the runs
 
 
 def _depths(rows: pd.DataFrame) -> pd.Series:
@@ -304,19 +304,22 @@ def compression_rows(rows: pd.DataFrame) -> tuple[pd.DataFrame, dict[str, str]]:
     Raises:
         ValueError: neither ``compression`` nor ``stable_rank`` rows in any run.
     """
-    from spectral_callbacks.functional import compression  # torch: only when it is needed
-
     per_layer = rows[rows["layer"].notna()]
     frames, left_out = [], {}
     for run in _runs(per_layer):
         of_run = per_layer[per_layer["run"] == run]
         logged = of_run[of_run["metric"] == "compression"]
+        if not logged.empty:
+            frames.append(logged)
+            continue
         ranks = of_run[of_run["metric"] == "stable_rank"].sort_values(
             ["step", "wall_time"], kind="stable"
         )
-        if not logged.empty:
-            frames.append(logged)
-        elif ranks["step"].nunique() > 1:
+        if ranks["step"].nunique() > 1:
+            # torch (~1 s to import) only when compression must be computed: the tab's server
+            # does not import it for runs that logged compression.
+            from spectral_callbacks.functional import compression
+
             reference = ranks.groupby(["run", "layer", "role"])["value"].transform("first")
             percent = compression(_float64(ranks["value"]), _float64(reference)).numpy()
             frames.append(ranks.assign(metric="compression", value=percent))

@@ -213,8 +213,7 @@ class SpectralPlugin(base_plugin.TBPlugin):
         if step is not None or derived:
             rows = self._source.rows(*where, wanted)
             return rows, rows["step"].unique().tolist()
-        first = self._source.rows(*where, {run: tags[:1] for run, tags in wanted.items()})
-        return self._source.last_rows(*where, wanted), first["step"].unique().tolist()
+        return self._source.last_rows(*where, wanted)
 
 
 def _is(tag: str, metric: str, layer: int | None, role: str | None) -> bool:

@@ -4,17 +4,20 @@ The plugin never opens event files: TensorBoard's public data provider (``read_s
 ``read_last_scalars`` of the ``scalars`` plugin) already ingests them, reloads
 them while a run is written, and works the same with the Python loader and the Rust data server.
 
-What makes a long run fast (benchmarks/tensorboard_tab.py):
+What makes a long run fast (benchmarks/tensorboard_tab.py; docs/dashboards.md has the profile):
 
+* each provider call costs a round trip (with the Rust data server a fixed ~40 ms for most
+  answers, whatever their size), so a view makes as few as it can: one ``read_last_scalars``
+  that says whether the cached series are current (or, for a view at the last step, that is its
+  data) and one ``read_scalars`` per run of what is missing or has grown;
 * the tag directory (which tags each run has) comes from the last full listing, made by the
   ``runs`` route the page asks first on every poll (listed again when older than
-  ``DIRECTORY_MAX_AGE`` or missing a run asked for); a view reads the last point of its own
-  series only, whose step and wall time say whether the cached copy is still current;
-* each series is read once and kept as a small tidy DataFrame until the provider reports new
-  points for it, so a poll of an unchanged run reads nothing and a growing run re-reads only
-  the series that grew; the cache holds only series the provider still lists, so it is bounded
-  by what TensorBoard itself holds;
-* views at the last step read one point per series (``read_last_scalars``).
+  ``DIRECTORY_MAX_AGE`` or missing a run asked for);
+* each series is kept as numpy arrays until the provider reports new points for it (its last
+  point's step and wall time change), so a poll of an unchanged run reads one point per series
+  and a growing run re-reads only the series that grew; the cache holds only series the provider
+  still lists, so it is bounded by what TensorBoard itself holds; a request builds one DataFrame
+  of the series it needs, not one per series.
 
 Rows have the columns, tag parsing and relative depth of ``spectral-callbacks export
 --all-scalars`` (``spectral_callbacks.offline.events``).
@@ -25,13 +28,15 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterable, Mapping, Sequence
+from operator import attrgetter
+from typing import NamedTuple
 
 import numpy as np
 import pandas as pd
 from tensorboard.data import provider
 
-from spectral_callbacks.names import NUM_LAYERS_TAG, parse_tag
-from spectral_callbacks.offline.events import _add_depth, empty_rows
+from spectral_callbacks.names import NUM_LAYERS_TAG, parse_tag, relative_depth
+from spectral_callbacks.offline.events import COLUMNS, empty_rows
 
 SCALARS_PLUGIN = "scalars"
 # read_scalars must be given a limit; this one is above anything the provider keeps per series
@@ -43,6 +48,16 @@ DIRECTORY_MAX_AGE = 10.0
 
 Directory = dict[str, frozenset[str]]  # run -> its scalar tags
 Freshness = tuple[int, float]  # (step, wall_time) of a series' last point
+MISSING: Freshness = (-1, 0.0)  # a series listed a moment ago and gone now: read as empty
+
+
+class Series(NamedTuple):
+    """One scalar series in the provider's order, and the freshness of its last point."""
+
+    freshness: Freshness
+    step: np.ndarray  # int64
+    value: np.ndarray  # float64
+    wall_time: np.ndarray  # float64
 
 
 class ScalarSource:
@@ -62,7 +77,7 @@ class ScalarSource:
         self._provider = data_provider
         self._lock = threading.Lock()  # TensorBoard serves requests from several threads
         self._directories: dict[str, tuple[float, Directory]] = {}
-        self._series: dict[tuple[str, str, str], tuple[Freshness, pd.DataFrame]] = {}
+        self._series: dict[tuple[str, str, str], Series] = {}
 
     def list_tags(self, ctx: object, experiment_id: str) -> Directory:
         """Every run's scalar tags, listed afresh; later :meth:`directory` calls reuse it.
@@ -100,54 +115,37 @@ class ScalarSource:
         listed layer + 1, as export does.
         """
         wanted = self._known(ctx, experiment_id, wanted)
-        fresh = self._freshness(ctx, experiment_id, wanted)
         with self._lock:
-            stale = {
-                run: [t for t in tags if self._cached(experiment_id, run, t) != fresh[run][t]]
+            held = {
+                run: [t for t in tags if (experiment_id, run, t) in self._series]
                 for run, tags in wanted.items()
             }
-        stale = {run: tags for run, tags in stale.items() if tags}
-        for run, tags in stale.items():  # one read per run: a filter is a runs x tags product
-            read = self._provider.read_scalars(
-                ctx,
-                experiment_id=experiment_id,
-                plugin_name=SCALARS_PLUGIN,
-                downsample=READ_LIMIT,
-                run_tag_filter=provider.RunTagFilter(runs=[run], tags=tags),
-            ).get(run, {})
-            with self._lock:
-                for tag in tags:
-                    frame = _series_rows(run, [(tag, read.get(tag, []))])
-                    self._series[(experiment_id, run, tag)] = (fresh[run][tag], frame)
-        with self._lock:
-            frames = {
-                run: [self._series[(experiment_id, run, tag)][1] for tag in tags]
-                for run, tags in wanted.items()
-            }
-        return self._with_depth(experiment_id, frames)
+        # Only cached copies need checking: a series read now is current by construction.
+        last = self._read_last(ctx, experiment_id, held) if any(held.values()) else {}
+        return self._frame(experiment_id, self._current(ctx, experiment_id, wanted, last))
 
     def last_rows(
         self, ctx: object, experiment_id: str, wanted: Mapping[str, Iterable[str]]
-    ) -> pd.DataFrame:
-        """Tidy rows of the last point of each ``wanted`` series (one read, not cached).
+    ) -> tuple[pd.DataFrame, list[int]]:
+        """Tidy rows of the last point of each ``wanted`` series, and the logged steps (for a
+        slider): those of each run's first wanted series (and its num_layers tag), as :meth:`rows`
+        gives them.
 
-        The last point is the provider's: the latest written, which for a run that never went
-        back in steps is also the highest step.
+        One ``read_last_scalars`` gives the points and says whether the cached first series are
+        current. The last point is the provider's: the latest written, which for a run that never
+        went back in steps is also the highest step.
         """
         wanted = self._known(ctx, experiment_id, wanted)
-        read = self._provider.read_last_scalars(
-            ctx,
-            experiment_id=experiment_id,
-            plugin_name=SCALARS_PLUGIN,
-            run_tag_filter=provider.RunTagFilter(
-                runs=list(wanted), tags=sorted({t for tags in wanted.values() for t in tags})
-            ),
-        )
-        frames = {
-            run: [_series_rows(run, [(t, [read[run][t]]) for t in tags if t in read.get(run, {})])]
+        last = self._read_last(ctx, experiment_id, wanted)
+        points = {
+            run: [(t, _series([last[run][t]])) for t in tags if t in last.get(run, {})]
             for run, tags in wanted.items()
         }
-        return self._with_depth(experiment_id, frames)
+        first = {
+            run: [t for t in tags if t in (tags[0], NUM_LAYERS_TAG)] for run, tags in wanted.items()
+        }
+        first_rows = self._frame(experiment_id, self._current(ctx, experiment_id, first, last))
+        return self._frame(experiment_id, points), first_rows["step"].unique().tolist()
 
     def _known(
         self, ctx: object, experiment_id: str, wanted: Mapping[str, Iterable[str]]
@@ -164,78 +162,125 @@ class ScalarSource:
                 known[run] = list(dict.fromkeys(chosen))
         return known
 
-    def _freshness(
+    def _read_last(
         self, ctx: object, experiment_id: str, wanted: Mapping[str, list[str]]
-    ) -> dict[str, dict[str, Freshness]]:
-        """(step, wall_time) of each series' last point: any new point changes it (TensorBoard's
-        sampling always keeps the latest point), and it costs one point per series to read."""
-        fresh: dict[str, dict[str, Freshness]] = {}
-        for run, tags in wanted.items():
-            last = self._provider.read_last_scalars(
-                ctx,
-                experiment_id=experiment_id,
-                plugin_name=SCALARS_PLUGIN,
-                run_tag_filter=provider.RunTagFilter(runs=[run], tags=tags),
-            ).get(run, {})
-            fresh[run] = {t: (d.step, d.wall_time) for t, d in last.items()}
-        for run, tags in wanted.items():  # listed a moment ago, gone now: read as empty
-            for tag in tags:
-                fresh[run].setdefault(tag, (-1, 0.0))
-        return fresh
+    ) -> Mapping[str, Mapping[str, provider.ScalarDatum]]:
+        """The last point of each ``wanted`` series, in one call (the filter is a runs x tags
+        product: a few points too many at most)."""
+        return self._provider.read_last_scalars(
+            ctx,
+            experiment_id=experiment_id,
+            plugin_name=SCALARS_PLUGIN,
+            run_tag_filter=provider.RunTagFilter(
+                runs=list(wanted), tags=sorted({t for tags in wanted.values() for t in tags})
+            ),
+        )
 
-    def _cached(self, experiment_id: str, run: str, tag: str) -> Freshness | None:
-        entry = self._series.get((experiment_id, run, tag))
-        return entry[0] if entry is not None else None
+    def _current(
+        self,
+        ctx: object,
+        experiment_id: str,
+        wanted: Mapping[str, list[str]],
+        last: Mapping[str, Mapping[str, provider.ScalarDatum]],
+    ) -> dict[str, list[tuple[str, Series]]]:
+        """Each ``wanted`` series: the cached copy where its freshness is that of the series'
+        ``last`` point (any new point changes it: TensorBoard's sampling always keeps the latest
+        point), else read, in one ``read_scalars`` per run (a filter is a runs x tags product)."""
+        with self._lock:
+            cached = {
+                run: {t: self._series.get((experiment_id, run, t)) for t in tags}
+                for run, tags in wanted.items()
+            }
+        current: dict[str, list[tuple[str, Series]]] = {}
+        for run, of_run in cached.items():
+            last_of_run = last.get(run, {})
+            stale = [
+                t
+                for t, copy in of_run.items()
+                if copy is None or copy.freshness != _freshness(last_of_run.get(t))
+            ]
+            if stale:
+                read = self._provider.read_scalars(
+                    ctx,
+                    experiment_id=experiment_id,
+                    plugin_name=SCALARS_PLUGIN,
+                    downsample=READ_LIMIT,
+                    run_tag_filter=provider.RunTagFilter(runs=[run], tags=stale),
+                ).get(run, {})
+                with self._lock:
+                    for tag in stale:
+                        of_run[tag] = self._series[(experiment_id, run, tag)] = _series(
+                            read.get(tag, [])
+                        )
+            current[run] = [(tag, copy) for tag, copy in of_run.items() if copy is not None]
+        return current
 
-    def _with_depth(
-        self, experiment_id: str, frames: Mapping[str, list[pd.DataFrame]]
+    def _frame(
+        self, experiment_id: str, series: Mapping[str, Sequence[tuple[str, Series]]]
     ) -> pd.DataFrame:
-        """Concatenated rows, ``depth`` filled per run (and the num_layers rows kept, as export)."""
+        """One DataFrame of the tidy rows of ``series`` (run -> (tag, series)), each series in
+        the provider's order, ``depth`` filled per run (and the num_layers rows kept), as export
+        builds them: the tag parsed once per series, not once per point."""
         with self._lock:
             directory = self._directories.get(experiment_id, (0.0, {}))[1]
-        out = []
-        for run, parts in frames.items():
-            parts = [part for part in parts if not part.empty]
-            if not parts:
-                continue
-            rows = pd.concat(parts, ignore_index=True)
-            num_layers = _num_layers(rows, directory.get(run, frozenset()))
-            out.append(_add_depth(rows, num_layers))
-        return pd.concat(out, ignore_index=True) if out else empty_rows()
+        labels: list[tuple[str, int | None, str | None]] = []  # (metric, layer, role) per series
+        runs, depths, parts = [], [], []
+        for run, of_run in series.items():
+            of_run = [(tag, copy) for tag, copy in of_run if len(copy.step)]
+            logged = dict(of_run).get(NUM_LAYERS_TAG)
+            num_layers = _num_layers(logged, directory.get(run, frozenset()))
+            for tag, copy in of_run:
+                parsed = parse_tag(tag)  # other scalars: the tag is the metric, as export has it
+                metric, layer, role = parsed if parsed is not None else (tag, None, None)
+                runs.append(run)
+                labels.append((metric, layer, role))
+                depths.append(np.nan if layer is None else relative_depth(layer, num_layers or 1))
+                parts.append(copy)
+        if not parts:
+            return empty_rows()
+        counts = [len(copy.step) for copy in parts]
+
+        def each_point(values: list, dtype: type = object) -> np.ndarray:
+            return np.repeat(np.array(values, dtype=dtype), counts)
+
+        metrics, layers, roles = (list(column) for column in zip(*labels, strict=True))
+        columns = {
+            "run": each_point(runs),
+            "step": np.concatenate([copy.step for copy in parts]),
+            "metric": each_point(metrics),
+            "layer": pd.arrays.IntegerArray(
+                each_point([layer or 0 for layer in layers], np.int64),
+                each_point([layer is None for layer in layers], bool),
+            ),
+            "depth": each_point(depths, np.float64),
+            "role": each_point(roles),
+            "value": np.concatenate([copy.value for copy in parts]),
+            "wall_time": np.concatenate([copy.wall_time for copy in parts]),
+        }
+        return pd.DataFrame({name: columns[name] for name in COLUMNS}).astype(
+            {"metric": object, "role": object}
+        )
 
 
-def _num_layers(rows: pd.DataFrame, tags: Iterable[str]) -> int | None:
+def _freshness(datum: provider.ScalarDatum | None) -> Freshness:
+    return MISSING if datum is None else (datum.step, datum.wall_time)
+
+
+def _series(data: Sequence[provider.ScalarDatum]) -> Series:
+    def column(name: str, dtype: type) -> np.ndarray:
+        return np.fromiter(map(attrgetter(name), data), dtype=dtype, count=len(data))
+
+    return Series(
+        freshness=_freshness(data[-1] if data else None),
+        step=column("step", np.int64),
+        value=column("value", np.float64),
+        wall_time=column("wall_time", np.float64),
+    )
+
+
+def _num_layers(logged: Series | None, tags: Iterable[str]) -> int | None:
     """The run's last logged ``spectral_monitor/num_layers``, else its deepest listed layer + 1."""
-    logged = rows.loc[rows["metric"] == NUM_LAYERS_TAG, "value"]
-    if not logged.empty:
-        return int(logged.iloc[-1])
+    if logged is not None and len(logged.value):
+        return int(logged.value[-1])
     layers = [p.layer for p in map(parse_tag, tags) if p is not None and p.layer is not None]
     return max(layers) + 1 if layers else None
-
-
-def _series_rows(
-    run: str, series: Iterable[tuple[str, Sequence[provider.ScalarDatum]]]
-) -> pd.DataFrame:
-    """Tidy rows (no depth yet) of some series of one run, each in the provider's order, as
-    export builds them: the tag parsed once per series, not once per point."""
-    series = list(series)
-    counts = [len(data) for _, data in series]
-    parsed = [parse_tag(tag) for tag, _ in series]
-    points = [d for _, data in series for d in data]
-    total = len(points)
-    frame = pd.DataFrame(
-        {
-            "run": run,
-            "step": np.fromiter((d.step for d in points), dtype="int64", count=total),
-            "metric": np.repeat(
-                [p.metric if p else t for p, (t, _) in zip(parsed, series, strict=True)], counts
-            ),
-            "layer": pd.array(
-                np.repeat([p.layer if p else None for p in parsed], counts).tolist(), dtype="Int64"
-            ),
-            "role": np.repeat([p.role if p else None for p in parsed], counts),
-            "value": np.fromiter((d.value for d in points), dtype="float64", count=total),
-            "wall_time": np.fromiter((d.wall_time for d in points), dtype="float64", count=total),
-        }
-    )
-    return frame.astype({"metric": object, "role": object})

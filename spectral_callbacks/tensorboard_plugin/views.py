@@ -33,7 +33,14 @@ from spectral_callbacks.tensorboard_plugin.downsample import keep_extremes
 
 
 def _floats(values: Iterable[float]) -> list[float | None]:
-    return [None if np.isnan(v) else float(v) for v in values]
+    """Python floats, ``None`` for NaN (converted by numpy, not one number at a time)."""
+    values = np.asarray(values, dtype=float)
+    nan = np.isnan(values)
+    if not nan.any():
+        return values.tolist()
+    with_none = values.astype(object)
+    with_none[nan] = None
+    return with_none.tolist()
 
 
 def _line(steps: np.ndarray, values: np.ndarray, max_points: int) -> dict[str, list]:
@@ -125,9 +132,9 @@ def curves_by_role(
     chosen = chosen[chosen["layer"] == layer].sort_values("step", kind="stable")
     series = []
     for run in runs:
-        of_run = chosen[chosen["run"] == run]
-        for role in _ordered_roles(of_run["role"].unique()):
-            line = of_run[of_run["role"] == role]
+        lines = {role: line for role, line in chosen[chosen["run"] == run].groupby("role")}
+        for role in _ordered_roles(list(lines)):
+            line = lines[role]
             points = _line(line["step"].to_numpy(), line["value"].to_numpy(float), max_points)
             series.append({"run": run, "role": role, **points})
     return series
@@ -141,9 +148,7 @@ def curves_by_layer(
     chosen = chosen[chosen["role"] == role].sort_values("step", kind="stable")
     series = []
     for run in runs:
-        of_run = chosen[chosen["run"] == run]
-        for layer in sorted(of_run["layer"].unique()):
-            line = of_run[of_run["layer"] == layer]
+        for layer, line in chosen[chosen["run"] == run].groupby("layer", sort=True):
             points = _line(line["step"].to_numpy(), line["value"].to_numpy(float), max_points)
             depth = float(line["depth"].iloc[0])
             series.append({"run": run, "layer": int(layer), "depth": depth, **points})
