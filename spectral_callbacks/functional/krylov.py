@@ -3,7 +3,7 @@
 Everything here works on the right space of W through ``apply(X) = (W^T W) X`` (or its collective
 form) and on small replicated blocks: the orthonormal start, block classical Gram-Schmidt, the
 Rayleigh quotient grown block by block, and the a-posteriori stopping rule on the Ritz residuals
-(``ritz_pairs_converged``; calibration in svd.py and docs/metrics.md). How ``apply`` is made -
+(``ritz_residuals``; calibration in svd.py and docs/metrics.md). How ``apply`` is made -
 two skinny products with W, one with its Gram matrix, or an all-reduce over the ranks holding W's
 rows - is the callers' business.
 """
@@ -19,7 +19,7 @@ __all__ = [
     "block_krylov",
     "orthogonalize_against",
     "orthonormalize",
-    "ritz_pairs_converged",
+    "ritz_residuals",
     "start_block",
     "subspace_iteration",
 ]
@@ -91,7 +91,7 @@ def block_krylov(
             )  # top-b, descending
         grow = images[..., new]  # the next Krylov block, unless the rule says what is missing
         if check and not last:
-            residual, excess = _ritz_residuals(basis, images, vectors, theta, k, tol, rank_scale)
+            residual, excess = ritz_residuals(basis, images, vectors, theta, k, tol, rank_scale)
             # The stopping rule needs one host read per step (a sync on an accelerator; only a
             # few small kernels are queued behind it).
             missing = int((excess > 1).sum(-1).max())
@@ -110,33 +110,7 @@ def block_krylov(
     raise AssertionError("unreachable: the last step returns")
 
 
-def ritz_pairs_converged(
-    basis: Tensor,
-    images: Tensor,
-    vectors: Tensor,
-    theta: Tensor,
-    k: int,
-    tol: float,
-    rank_scale: int,
-) -> Tensor:
-    """Per matrix: ``||r_1||^2 <= tol theta_1^2`` and ``||r_i||^2 <= 10 tol theta_i^2`` for i <= k.
-
-    ``||r_i||^2 / theta_i^2`` is the fraction one more power step would add to ``theta_i``. The
-    top pair decides stable rank and the spectral norm, so it gets the tight bound; the rest only
-    move alpha's slope, which tolerates ten times more (see svd.DEFAULT_TOL).
-
-    Args:
-        basis, images: ``(..., d, D)`` orthonormal basis and ``apply`` of it.
-        vectors, theta: the top Ritz vectors (``(..., D, >= k)``, in the basis) and values.
-        k: how many top pairs must converge.
-        tol: the tolerance of the top pair.
-        rank_scale: ``max(m, n)``, for the rounding floor of the residuals.
-    """
-    _, excess = _ritz_residuals(basis, images, vectors, theta, k, tol, rank_scale)
-    return (excess <= 1).all(-1)
-
-
-def _ritz_residuals(
+def ritz_residuals(
     basis: Tensor,
     images: Tensor,
     vectors: Tensor,
@@ -145,10 +119,21 @@ def _ritz_residuals(
     tol: float,
     rank_scale: int,
 ) -> tuple[Tensor, Tensor]:
-    """The top-k residuals ``(..., d, k)`` and how far each pair is from its bound ``(..., k)``.
+    """The stopping rule: the top-k residuals ``(..., d, k)`` and each pair's excess ``(..., k)``.
 
-    The excess is ``||r_i||^2 / (bound_i theta_i^2)``: at most 1 for a converged pair, 0 for one
-    at the rounding floor (see :func:`ritz_pairs_converged`).
+    A pair is converged when ``||r_1||^2 <= tol theta_1^2`` (the top pair) or
+    ``||r_i||^2 <= 10 tol theta_i^2`` (i <= k): ``||r_i||^2 / theta_i^2`` is the fraction one more
+    power step would add to ``theta_i``. The top pair decides stable rank and the spectral norm,
+    so it gets the tight bound; the rest only move alpha's slope, which tolerates ten times more
+    (see svd.DEFAULT_TOL). The excess is ``||r_i||^2 / (bound_i theta_i^2)``, so a matrix has
+    converged when every excess is at most 1; a pair at the rounding floor has excess 0.
+
+    Args:
+        basis, images: ``(..., d, D)`` orthonormal basis and ``apply`` of it.
+        vectors, theta: the top Ritz vectors (``(..., D, >= k)``, in the basis) and values.
+        k: how many top pairs must converge.
+        tol: the tolerance of the top pair.
+        rank_scale: ``max(m, n)``, for the rounding floor of the residuals.
     """
     top = vectors[..., :k]  # (..., D, k)
     residual = images @ top - (basis @ top) * theta[..., None, :k]  # (..., d, k)

@@ -58,7 +58,7 @@ from torch import Tensor
 from spectral_callbacks.functional.krylov import (
     orthogonalize_against,
     orthonormalize,
-    ritz_pairs_converged,
+    ritz_residuals,
     start_block,
 )
 from spectral_callbacks.functional.metrics import frobenius_norm_sq
@@ -344,7 +344,8 @@ def _agreed_stopping_rule(collective: _Collective, k: int, b: int, *, rank_scale
         T = basis.mT @ images  # Rayleigh quotient of W^T W on the Krylov space
         theta, vectors = torch.linalg.eigh((T + T.mT) / 2)  # ascending
         theta, vectors = theta[..., -b:].flip(-1), vectors[..., -b:].flip(-1)
-        done = ritz_pairs_converged(basis, images, vectors, theta, k, DEFAULT_TOL, rank_scale)
+        _, excess = ritz_residuals(basis, images, vectors, theta, k, DEFAULT_TOL, rank_scale)
+        done = (excess <= 1).all(-1)
         pending = collective.sum((~done).sum().to(torch.float64).reshape(1))
         return bool(pending.item() == 0)
 

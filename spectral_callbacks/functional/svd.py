@@ -17,7 +17,7 @@ so they carry W's own rounding, not its square.
 
 The depth is decided a posteriori (``n_iter=None``): after each Krylov block the Ritz residuals of
 the top k say how much one more power step could still raise each Ritz value, and the iteration
-stops once that is below ``tol`` (``krylov.ritz_pairs_converged``). A warm start from the previous
+stops once that is below ``tol`` (``krylov.ritz_residuals``). A warm start from the previous
 snapshot's subspace on slowly moving weights stops after its first block (4 m n b flops: ``W Q``
 and ``W^T (W Q)``); a flat spectrum or a subspace rotated by a loss spike goes deeper, and after a
 failed test the next block holds only the residuals of the pairs that failed (often one column).
