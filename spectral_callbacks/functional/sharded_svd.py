@@ -262,7 +262,7 @@ def sharded_randomized_svd(
 
         start = start_block(A, width, generator, init, n=d)  # (..., d, b)
         blocks, images = _krylov_blocks(apply, start, n_iter, converged)
-        block_bytes = d * width * torch.empty((), dtype=comm_dtype or compute_dtype).element_size()
+        block_bytes = d * width * (comm_dtype or compute_dtype).itemsize
         columns = sum(block.shape[-1] for block in blocks)
         if len(images) == len(blocks):  # stopped by the rule: the Rayleigh quotient is complete
             basis = _top_ritz_vectors(blocks, images, width)
