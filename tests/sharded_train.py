@@ -32,10 +32,9 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from sharded_models import build, full_matrix, shard  # noqa: E402
-from tiny_models import token_loader  # noqa: E402
+from tiny_models import WeightRecorder, token_loader  # noqa: E402
 
 from spectral_callbacks import SpectralMonitor  # noqa: E402
-from spectral_callbacks.targets import find_targets  # noqa: E402
 
 EVERY_N_STEPS = 4
 LOG_SPACED_UNTIL = 3  # snapshots at 0, 1, 2, every 4 steps and the last
@@ -64,26 +63,18 @@ class ShardedGPT(LightningModule):
         return torch.optim.AdamW(self.model.parameters(), lr=1e-2)
 
 
-class FullWeights(Callback):
+class FullWeights(WeightRecorder):
     """Gathers the watched matrices at the monitor's points; rank 0 saves them at the end."""
 
     def __init__(self, path: Path) -> None:
+        super().__init__()
         self.path = path
-        self.weights: dict[int, dict[str, torch.Tensor]] = {}
 
-    def _record(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        if trainer.global_step not in self.weights:  # every rank: full_tensor() is a collective
-            targets = find_targets(pl_module)
-            self.weights[trainer.global_step] = {t.name: full_matrix(t) for t in targets}
-
-    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self._record(trainer, pl_module)
-
-    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, *args: Any) -> None:
-        self._record(trainer, pl_module)
+    def copy(self, target: Any) -> torch.Tensor:
+        return full_matrix(target)  # every rank: full_tensor() is a collective
 
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self._record(trainer, pl_module)
+        super().on_train_end(trainer, pl_module)
         if trainer.is_global_zero:
             torch.save(self.weights, self.path)
 

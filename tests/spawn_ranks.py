@@ -1,5 +1,8 @@
 """Run a function on N local processes joined by a gloo process group, with a hard time limit.
 
+``run_session(command, timeout)`` runs a launcher (Lightning re-running a script per rank,
+``torchrun``) in a session of its own, so a timeout kills every rank it started.
+
 ``run_ranks(function, world_size, tmp_path, *args)`` spawns ``world_size`` processes (fresh
 interpreters, ``spawn``), joins them with ``init_process_group("gloo")`` over a file store, calls
 ``function(rank, world_size, *args)`` in each and returns every rank's return value (which must be
@@ -14,6 +17,8 @@ import contextlib
 import datetime
 import multiprocessing
 import os
+import signal
+import subprocess
 import time
 import traceback
 from collections.abc import Callable
@@ -134,3 +139,28 @@ def run_ranks(
             pytest.fail(f"rank {rank} of {function.__name__} raised:\n{saved['error']}")
         results.append(saved.get("result", saved.get("error")))
     return results
+
+
+def run_session(
+    command: list[str], timeout: float, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
+    """Run ``command`` in its own session (stdout and stderr together); on timeout kill the whole
+    process group (every rank it launched) and fail the test."""
+    process = subprocess.Popen(
+        command,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+        start_new_session=True,
+    )
+    try:
+        output, _ = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        output, _ = process.communicate()
+        pytest.fail(f"{' '.join(command[:4])} hung for {timeout} s:\n{output[-3000:]}")
+    finally:
+        with contextlib.suppress(ProcessLookupError):  # ranks left after rank 0 returned
+            os.killpg(process.pid, signal.SIGKILL)
+    return subprocess.CompletedProcess(process.args, process.returncode, output, None)

@@ -7,10 +7,8 @@ the script per rank), in their own session so a timeout kills every rank: a test
 
 from __future__ import annotations
 
-import contextlib
 import math
 import os
-import signal
 import subprocess
 import sys
 import threading
@@ -23,6 +21,7 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy, ModelParallelStrategy
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from spawn_ranks import run_session
 from tiny_models import TinyGPT, exact_compute, exact_stable_rank, read_scalars
 
 from spectral_callbacks.integrations.lightning import SpectralMonitor
@@ -40,24 +39,7 @@ def run_script(outdir: Path, *args: str, script: Path = SCRIPT) -> subprocess.Co
     """Run ``script`` (ddp_train.py); on timeout kill the whole process group (every rank), fail."""
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     env.pop("LOCAL_RANK", None)  # never inherit a rank from an outer launcher
-    process = subprocess.Popen(
-        [sys.executable, str(script), str(outdir), *args],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env=env,
-        start_new_session=True,
-    )
-    try:
-        output, _ = process.communicate(timeout=TIMEOUT_SECONDS)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        output, _ = process.communicate()
-        pytest.fail(f"{script.name} hung for {TIMEOUT_SECONDS} s:\n{output[-3000:]}")
-    finally:
-        with contextlib.suppress(ProcessLookupError):  # ranks left after rank 0 returned
-            os.killpg(process.pid, signal.SIGKILL)
-    return subprocess.CompletedProcess(process.args, process.returncode, output, None)
+    return run_session([sys.executable, str(script), str(outdir), *args], TIMEOUT_SECONDS, env)
 
 
 def tiny_targets() -> list:

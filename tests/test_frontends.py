@@ -20,7 +20,7 @@ import pytest
 import torch
 from gpt import GPT, GPTConfig
 from tensorboard.backend.event_processing import event_accumulator
-from tiny_models import RecordingLogger, exact_stable_rank, read_scalars
+from tiny_models import QUIET_TRAINER, RecordingLogger, exact_stable_rank, read_scalars
 from torch import nn
 
 from spectral_callbacks import SpectralMonitor, SpectralTracker
@@ -157,15 +157,7 @@ def lightning_module(package: Any) -> Any:
 
 
 def trainer_options() -> dict[str, Any]:
-    return dict(
-        max_steps=STEPS,
-        accelerator="cpu",
-        devices=1,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        enable_checkpointing=False,
-        log_every_n_steps=1,
-    )
+    return dict(QUIET_TRAINER, max_steps=STEPS)
 
 
 def lightning_fit() -> dict:

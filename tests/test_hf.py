@@ -4,17 +4,16 @@ optimizer steps under gradient accumulation, resume from a Trainer checkpoint, a
 
 from __future__ import annotations
 
-import contextlib
 import os
-import signal
 import socket
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from browser import free_port
 from hf_train import train
+from spawn_ranks import run_session
 from tiny_models import exact_stable_rank, read_scalars
 
 from spectral_callbacks.cli.main import main as cli
@@ -115,12 +114,6 @@ def test_bad_arguments_are_named_at_construction() -> None:
         Again(every_n_step=5)
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 @pytest.mark.slow
 def test_two_processes_under_torchrun_log_every_matrix_once_from_rank_zero(tmp_path: Path) -> None:
     env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
@@ -133,7 +126,7 @@ def test_two_processes_under_torchrun_log_every_matrix_once_from_rank_zero(tmp_p
         "--nproc_per_node",
         "2",
         "--master_port",
-        str(_free_port()),
+        str(free_port()),
         str(SCRIPT),
         str(tmp_path),
         "--steps",
@@ -141,24 +134,9 @@ def test_two_processes_under_torchrun_log_every_matrix_once_from_rank_zero(tmp_p
         "--logdir",
         str(tmp_path / "tb"),
     ]
-    process = subprocess.Popen(
-        command,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env=env,
-        start_new_session=True,
-    )
-    try:
-        output, _ = process.communicate(timeout=300)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        output, _ = process.communicate()
-        pytest.fail(f"torchrun hung:\n{output[-3000:]}")
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(process.pid, signal.SIGKILL)
-    assert process.returncode == 0, output[-3000:]
+    finished = run_session(command, 300, env)
+    output = finished.stdout
+    assert finished.returncode == 0, output[-3000:]
     files = list((tmp_path / "tb").glob("events.out.tfevents.*"))
     assert len(files) == 1, files  # rank 0 writes; rank 1 writes nothing
     points, problem = read_event_file(files[0])

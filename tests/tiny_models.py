@@ -85,18 +85,20 @@ def token_loader(
     return DataLoader(TensorDataset(tokens[:, :-1], tokens[:, 1:]), batch_size=batch_size)
 
 
+#: A CPU Trainer without progress bar, summary or checkpoints (either Lightning package).
+QUIET_TRAINER: dict[str, Any] = dict(
+    accelerator="cpu",
+    devices=1,
+    enable_progress_bar=False,
+    enable_model_summary=False,
+    enable_checkpointing=False,
+    log_every_n_steps=1,
+)
+
+
 def quiet_trainer(**kwargs: Any) -> Trainer:
     """A CPU Trainer without progress bar, summary or checkpoints unless asked."""
-    options = dict(
-        accelerator="cpu",
-        devices=1,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        enable_checkpointing=False,
-        log_every_n_steps=1,
-    )
-    options.update(kwargs)
-    return Trainer(**options)
+    return Trainer(**{**QUIET_TRAINER, **kwargs})
 
 
 def exact_stable_rank(matrix: torch.Tensor) -> float:
@@ -124,10 +126,12 @@ class WeightRecorder(Callback):
     def _record(self, trainer: Trainer, pl_module: LightningModule) -> None:
         step = trainer.global_step
         if step != self._previous:
-            self.weights[step] = {
-                t.name: t.matrix().detach().double().clone() for t in find_targets(pl_module)
-            }
+            self.weights[step] = {t.name: self.copy(t) for t in find_targets(pl_module)}
             self._previous = step
+
+    def copy(self, target: Any) -> torch.Tensor:
+        """A float64 copy of one watched matrix."""
+        return target.matrix().detach().double().clone()
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._record(trainer, pl_module)
