@@ -249,8 +249,9 @@ def test_after_a_failed_test_only_the_failing_pairs_get_new_directions(
     original = svd_module._matmul
 
     def recording(A: torch.Tensor, B: torch.Tensor) -> torch.Tensor:
-        widths.append(B.shape[-1] if B.shape[-2] == n else A.shape[-2])  # columns of the block
-        return original(A, B)
+        out = original(A, B)
+        widths.append(min(out.shape[-2:]))  # columns of the block (W X, Y^T W or X^T W^T)
+        return out
 
     monkeypatch.setattr(svd_module, "_matmul", recording)
     warm = randomized_svd(W2, method="randomized", init=previous.V, generator=g)
