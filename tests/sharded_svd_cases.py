@@ -49,7 +49,14 @@ def cases() -> dict[str, tuple[torch.Tensor, str, int]]:
         # A long unsplit side (FSDP2's MLP_down): Rayleigh-Ritz over the whole Krylov basis.
         "long_rows": (gaussian(256, 1536, seed=10), "rows", 100),
         "power_1.0_long_rows": (power_law(256, 1536, 1.0, seed=11), "rows", 160),
+        # Rank 40 of 160 (dead input units): the Krylov space runs out inside the basis.
+        "dead_inputs_rows": (dead_inputs(gaussian(400, 160, seed=12), 40), "rows", 290),
     }
+
+
+def dead_inputs(W: torch.Tensor, alive: int) -> torch.Tensor:
+    W[:, alive:] = 0
+    return W
 
 
 def block(full: torch.Tensor, split: str, cut: int, rank: int) -> torch.Tensor:
