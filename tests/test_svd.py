@@ -335,7 +335,9 @@ def test_a_non_finite_wide_matrix_on_the_gram_path_leaves_its_batch_alone(
     n_iter: int | None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # Price the Gram path in, so the wide iteration in the smaller (left) space runs.
-    monkeypatch.setattr(svd_module, "_randomized_costs", lambda *args, **kwargs: (2.0, 1.0))
+    monkeypatch.setattr(
+        svd_module, "_randomized_costs", lambda *args, **kwargs: {"products": 2.0, "gram": 1.0}
+    )
     W = decaying((3, 60, 500), 1.0, random.randrange(2**31)).float()
     W[1, 3, 3] = float("nan")
     top = randomized_svd(W, 4, method="randomized", n_iter=n_iter)
@@ -370,3 +372,23 @@ def test_a_krylov_space_that_runs_out_keeps_its_basis_orthonormal(
         assert top.V is not None
         eye = torch.eye(top.V.shape[-1])
         torch.testing.assert_close(top.V.mT @ top.V, eye, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("route", ["products", "gram", "rounded"])
+@pytest.mark.parametrize("shape", [(3, 300, 200), (3, 200, 300)])
+def test_every_way_to_apply_the_gram_matrix_reads_the_same_values(
+    shape: tuple[int, ...], route: str, seed: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The cost model picks one per shape and machine (bfloat16 products only where the CPU has
+    # matrix tiles); each is forced here, cold (the stopping rule) and at a fixed depth, with a
+    # NaN matrix in the batch. The values always come from W itself in float32.
+    monkeypatch.setattr(svd_module, "_randomized_costs", lambda *args, **kwargs: {route: 0.0})
+    W = decaying(shape, 0.5, seed).float()
+    W[1, 3, 3] = float("nan")
+    rest = W[[0, 2]]
+    for n_iter, rtol in ((None, 2.5e-3), (5, 1e-4)):
+        top = randomized_svd(W, 10, method="randomized", n_iter=n_iter)
+        assert torch.isnan(top.S[1]).all()
+        torch.testing.assert_close(top.S[[0, 2]].double(), reference(rest, 10), rtol=rtol, atol=0)
+        assert top.V is not None and top.V.shape == (3, shape[-1], 18)

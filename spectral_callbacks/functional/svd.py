@@ -11,9 +11,11 @@ last block ``(W^T W)^q Omega``; block Krylov keeps every block ``Omega, (W^T W) 
 converges at the square root of the spectral gap. On a flat (freshly initialized) spectrum that
 difference is what brings sigma_1 within 0.5 % at a third of the cost (benchmarks/svd_accuracy.py).
 ``W^T W`` is applied either as two skinny products with W or, when the smaller side is short enough
-that forming the Gram matrix once is cheaper, as one product with the explicit Gram matrix. Either
-way the singular values are read off ``W V`` (Rayleigh-Ritz on W itself, not on the Gram matrix),
-so they carry W's own rounding, not its square.
+that forming the Gram matrix once is cheaper, as one product with the explicit Gram matrix. A cold
+start on a CPU with bfloat16 matrix tiles (Intel AMX) may instead multiply by W rounded to
+bfloat16 once, at about three times the float32 rate: those products only steer the subspace.
+Every way, the singular values are read off ``W V`` in float32 or better (Rayleigh-Ritz on W
+itself, not on the Gram matrix or a rounded W), so they carry W's own rounding, not its square.
 
 The depth is decided a posteriori (``n_iter=None``): after each Krylov block the Ritz residuals of
 the top k say how much one more power step could still raise each Ritz value, and the iteration
@@ -47,6 +49,7 @@ whichever method ran.
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import torch
@@ -227,8 +230,12 @@ def randomized_svd(
     expected = n_iter
     if expected is None:
         expected = _EXPECTED_WARM_DEPTH if init is not None else default_n_iter(m, n)
+    # A cold start (several full blocks) may find its subspace with products on W rounded to
+    # bfloat16, where the CPU multiplies bfloat16 in matrix tiles; a warm start's one block gets
+    # its values free from its own products, which a rounded W could not give.
+    rounded = init is None and compute_dtype == torch.float32 and _bf16_tiles(A.device)
     if method == "auto":
-        chosen = _choose_method(m, n, width, expected, compute_dtype, A.device.type)
+        chosen = _choose_method(m, n, width, expected, compute_dtype, A.device.type, rounded)
     else:
         chosen = method
 
@@ -244,7 +251,15 @@ def randomized_svd(
             first_check = 0 if init is not None else depth
             depth += _EXTRA_DEPTH
         S, V, finite = _randomized(
-            A, k, start, depth, tol, expected, first_check, krylov=chosen == "randomized"
+            A,
+            k,
+            start,
+            depth,
+            tol,
+            expected,
+            first_check,
+            krylov=chosen == "randomized",
+            rounded=rounded,
         )
     elif chosen == "gram":
         (S, finite), V = _gram_eigvalsh(A), None
@@ -270,12 +285,23 @@ _COST_GEMM = 1.0
 _COST_SKINNY = 2.3
 _COST_QR = 7.5
 _COST_EIGH = 14.0
+# On a CPU with AMX tiles: a skinny product on bfloat16 operands (float32 accumulation) runs at
+# about 3x the float32 rate, and rounding W to bfloat16 into fresh memory costs about as much as
+# 190 float32 GEMM flops per entry (35 ms for 48 x 768 x 768, page faults included).
+_COST_SKINNY_BF16 = 0.73
+_COST_ROUND = 190.0
 # Exact is preferred when the block would cover this much of the smaller side anyway.
 _EXACT_FRACTION = 0.5
 
 
 def _choose_method(
-    m: int, n: int, width: int, n_iter: int, dtype: torch.dtype, device_type: str = "cpu"
+    m: int,
+    n: int,
+    width: int,
+    n_iter: int,
+    dtype: torch.dtype,
+    device_type: str = "cpu",
+    rounded: bool = False,
 ) -> str:
     """The cheapest method for an ``m x n`` matrix by a flop count (deterministic, no timing).
 
@@ -287,16 +313,17 @@ def _choose_method(
         return "svdvals" if dtype == torch.float64 or device_type != "cpu" else "gram"
     if device_type != "cpu":
         return "randomized"
-    randomized = min(_randomized_costs(m, n, width, n_iter, krylov=True))
+    randomized = min(_randomized_costs(m, n, width, n_iter, krylov=True, rounded=rounded).values())
     # Exact float64 Gram: product and eigvalsh both at float64 cost (2x).
     gram_exact = 2 * (2 * _COST_GEMM * small * small * large + _COST_EIGH * small**3)
     return "randomized" if randomized <= gram_exact else "gram"
 
 
 def _randomized_costs(
-    m: int, n: int, width: int, n_iter: int, *, krylov: bool
-) -> tuple[float, float]:
-    """Cost of the randomized path with products by W, and with an explicit Gram matrix."""
+    m: int, n: int, width: int, n_iter: int, *, krylov: bool, rounded: bool = False
+) -> dict[str, float]:
+    """Cost of each way to apply W^T W: ``"products"`` with W, ``"gram"`` with an explicit Gram
+    matrix, and (when ``rounded``) ``"rounded"``: products with W rounded to bfloat16."""
     small, large = min(m, n), max(m, n)
     applications = n_iter + 1  # each block Q_j is multiplied by W^T W once
     # Orthogonalization in the iterated space: two QRs per step, plus (Krylov) two projections
@@ -308,7 +335,12 @@ def _randomized_costs(
     gram = 2 * _COST_GEMM * small * small * large
     final = 2 * _COST_SKINNY * m * n * width  # W V, to read the values off W itself
     by_gram = gram + applications * 2 * _COST_SKINNY * small * small * width + final + ortho
-    return by_products, by_gram
+    costs = {"products": by_products, "gram": by_gram}
+    if rounded:
+        rounding = _COST_ROUND * m * n
+        products = applications * 4 * _COST_SKINNY_BF16 * m * n * width
+        costs["rounded"] = rounding + products + final + ortho
+    return costs
 
 
 def _randomized(
@@ -321,13 +353,17 @@ def _randomized(
     first_check: int | None,
     *,
     krylov: bool,
+    rounded: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Block Krylov (or subspace iteration) + Rayleigh-Ritz on W itself; returns (S, V, finite)."""
     m, n = A.shape[-2:]
-    by_products, by_gram = _randomized_costs(m, n, start.shape[-1], expected, krylov=krylov)
-    use_gram = by_gram < by_products
+    costs = _randomized_costs(m, n, start.shape[-1], expected, krylov=krylov, rounded=rounded)
+    route = min(costs, key=costs.__getitem__)
+    use_gram = route == "gram"
     # Iterate in the space of the smaller side when the Gram matrix is used, else on the right.
-    wide = use_gram and m < n
+    # Iterate in the space of the smaller side when W itself is not multiplied at full
+    # precision (its Gram matrix, or W rounded to bfloat16), else on the right.
+    wide = route != "products" and m < n
     B = A.mT if wide else A  # iterate on the right space of B: (..., rows, d)
     if use_gram:
         G = _matmul(B.mT, B)  # (..., d, d)
@@ -340,13 +376,33 @@ def _randomized(
         def apply(X: Tensor) -> tuple[Tensor, Tensor | None]:
             return _matmul(G, X), None
 
+    elif route == "rounded":
+        # The products only steer the subspace: its values come from W V in float32 below,
+        # exact Ritz values of W itself, and the stopping rule's residuals carry bfloat16's
+        # rounding (about 2^-9 of each entry), far below its tolerance.
+        A_low = A.to(torch.bfloat16)
+        low = torch.bfloat16
+        finite = None
+        if wide:  # (..., m, b): the left image of the right start; a NaN/Inf shows in its sum
+            image = _times(A_low, start.to(low)).to(A.dtype)
+            finite = torch.isfinite(image.sum((-2, -1)))
+            start = orthonormalize(keep_finite(image, finite))
+
+            def apply(X: Tensor) -> tuple[Tensor, Tensor | None]:
+                Y = _matmul(X.to(low).mT, A_low).mT  # W^T X as (X^T W)^T
+                return _times(A_low, Y).to(X.dtype), None
+
+        else:
+
+            def apply(X: Tensor) -> tuple[Tensor, Tensor | None]:
+                Y = _times(A_low, X.to(low))
+                return _matmul(Y.mT, A_low).mT.to(X.dtype), None
+
     else:
         finite = None
 
         def apply(X: Tensor) -> tuple[Tensor, Tensor | None]:
-            # One column (a partial block) as (X^T B^T)^T: MKL's batched GEMM with one column
-            # reads B at under half the speed of the GEMV this becomes.
-            Y = _matmul(B, X) if X.shape[-1] > 1 else _matmul(X.mT, B.mT).mT  # (..., rows, b)
+            Y = _times(B, X)  # (..., rows, b)
             # W^T Y as (Y^T W)^T: the same GEMM without a transposed W, which BLAS reads at half
             # the speed (or torch copies).
             return _matmul(Y.mT, B).mT, Y
@@ -367,7 +423,9 @@ def _randomized(
     # Rayleigh-Ritz on W itself: the singular values of the (rows, b) matrix B V. By products,
     # B V is a combination of the images B Q_j already computed; with the Gram matrix it costs one
     # product.
-    BV = _matmul(B, basis) if lefts is None else lefts
+    BV = lefts
+    if BV is None:  # wide, B = W^T: multiplied as (basis^T W)^T
+        BV = _matmul(basis.mT, A).mT if wide else _matmul(B, basis)
     BV = keep_finite(BV, finite)
     # SVD of the tall-skinny B V as QR, then the SVD of the small R: several times faster than a
     # LAPACK SVD of the tall matrix.
@@ -382,6 +440,20 @@ def _randomized(
         return S, orthonormalize(images @ right_h.mT), finite
     past = torch.where(finite[..., None, None], images @ right_h.mT, basis @ right_h.mT)
     return S, orthonormalize(past), finite
+
+
+def _times(B: Tensor, X: Tensor) -> Tensor:
+    """``B @ X``; one column (a partial block) as ``(X^T B^T)^T``: MKL's batched GEMM with one
+    column reads B at under half the speed of the GEMV this becomes."""
+    return _matmul(B, X) if X.shape[-1] > 1 else _matmul(X.mT, B.mT).mT
+
+
+@functools.cache
+def _bf16_tiles(device: torch.device) -> bool:
+    """Whether ``device`` is a CPU that multiplies bfloat16 in matrix tiles (Intel AMX), several
+    times its float32 rate; elsewhere bfloat16 products would be no faster, or emulated."""
+    is_amx = getattr(torch.cpu, "_is_amx_tile_supported", None)
+    return device.type == "cpu" and is_amx is not None and bool(is_amx())
 
 
 def _matmul(A: Tensor, B: Tensor) -> Tensor:
