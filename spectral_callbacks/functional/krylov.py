@@ -55,29 +55,33 @@ def block_krylov(
     basis_rows = start.new_empty((*batch, size, d))
     image_rows = start.new_empty((*batch, size, d))
     left_rows: Tensor | None = None
-    T: Tensor | None = None
+    # The Rayleigh quotient T = basis^T (W^T W) basis, grown by the new block's column and its
+    # transpose (T is symmetric), in place.
+    T_full = start.new_empty((*batch, size, size))
     block, used = start, 0
     for step in range(depth + 1):
         width = block.shape[-1]
         new = slice(used, used + width)
         basis_rows[..., new, :] = block.mT
-        image, left = apply(block)
+        image, left = apply(block)  # in any float dtype: stored in the basis's
+        image_rows[..., new, :] = image.mT
+        image = image_rows[..., new, :].mT
         if finite is None:  # a NaN/Inf of W (or a float32 overflow) shows in its first image
             finite = torch.isfinite((block.mT @ image).diagonal(dim1=-2, dim2=-1)).all(-1)
-        image_rows[..., new, :] = keep_finite(image, finite).mT
+        kept = keep_finite(image, finite)
+        if kept is not image:  # a matrix was zeroed
+            image = kept
+            image_rows[..., new, :] = image.mT
         if left is not None:
             if left_rows is None:
                 left_rows = start.new_empty((*batch, size, left.shape[-2]))
             left_rows[..., new, :] = keep_finite(left, finite).mT
         used += width
         basis, images = basis_rows[..., :used, :].mT, image_rows[..., :used, :].mT  # (..., d, D)
-        # Rayleigh quotient T = basis^T (W^T W) basis of the Krylov space, grown by its new block
-        # column (T is symmetric: the new row is its transpose), not recomputed each step.
         column = basis.mT @ image  # (..., D, width)
-        if T is None:
-            T = column
-        else:
-            T = torch.cat([torch.cat([T, column[..., :-width, :].mT], -2), column], -1)
+        T_full[..., :used, new] = column
+        T_full[..., new, : used - width] = column[..., : used - width, :].mT
+        T = T_full[..., :used, :used]
         room = d - used
         last = (
             step == depth or room <= 0
