@@ -10,17 +10,19 @@ rows - is the callers' business.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor
 
 __all__ = [
+    "Basis",
     "block_krylov",
     "combine",
     "keep_finite",
     "orthogonalize_against",
     "orthonormalize",
+    "project",
     "ritz_residuals",
     "start_block",
     "subspace_iteration",
@@ -47,41 +49,33 @@ def block_krylov(
     matrices are finite.
     """
     d, b = start.shape[-2:]
-    batch = start.shape[:-2]
-    size = min(d, b * (depth + 1))
     # The basis [Q_0, Q_1, ...], the images apply(Q_j) (the Rayleigh quotient and the next block)
-    # and B Q_j (B X without one more product) fill preallocated buffers, not a cat per step. They
-    # hold the columns as rows, so a shallow stop touches (page-faults) only the rows it used.
-    basis_rows = start.new_empty((*batch, size, d))
-    image_rows = start.new_empty((*batch, size, d))
-    left_rows: Tensor | None = None
-    # The Rayleigh quotient T = basis^T (W^T W) basis, grown by the new block's column and its
-    # transpose (T is symmetric), in place.
-    T_full = start.new_empty((*batch, size, size))
+    # and B Q_j (B X without one more product) stay lists of blocks, multiplied block by block:
+    # no buffer to copy each block into, and no fresh pages to fault in (a 48 x 768 x 400
+    # buffer costs more in page faults on this machine than the products it holds).
+    blocks: list[Tensor] = []
+    images: list[Tensor] = []
+    lefts: list[Tensor] = []
+    T: Tensor | None = None
     block, used = start, 0
     for step in range(depth + 1):
         width = block.shape[-1]
-        new = slice(used, used + width)
-        basis_rows[..., new, :] = block.mT
-        image, left = apply(block)  # in any float dtype: stored in the basis's
-        image_rows[..., new, :] = image.mT
-        image = image_rows[..., new, :].mT
+        image, left = apply(block)
+        image = image.to(start.dtype)  # apply may compute in a lower precision
         if finite is None:  # a NaN/Inf of W (or a float32 overflow) shows in its first image
             finite = torch.isfinite((block.mT @ image).diagonal(dim1=-2, dim2=-1)).all(-1)
-        kept = keep_finite(image, finite)
-        if kept is not image:  # a matrix was zeroed
-            image = kept
-            image_rows[..., new, :] = image.mT
+        blocks.append(block)
+        images.append(keep_finite(image, finite))
         if left is not None:
-            if left_rows is None:
-                left_rows = start.new_empty((*batch, size, left.shape[-2]))
-            left_rows[..., new, :] = keep_finite(left, finite).mT
+            lefts.append(keep_finite(left, finite))
         used += width
-        basis, images = basis_rows[..., :used, :].mT, image_rows[..., :used, :].mT  # (..., d, D)
-        column = basis.mT @ image  # (..., D, width)
-        T_full[..., :used, new] = column
-        T_full[..., new, : used - width] = column[..., : used - width, :].mT
-        T = T_full[..., :used, :used]
+        # Rayleigh quotient T = basis^T (W^T W) basis of the Krylov space, grown by its new block
+        # column (T is symmetric: the new row is its transpose), not recomputed each step.
+        column = project(blocks, images[-1])  # (..., used, width)
+        if T is None:
+            T = column
+        else:
+            T = torch.cat([torch.cat([T, column[..., :-width, :].mT], -2), column], -1)
         room = d - used
         last = (
             step == depth or room <= 0
@@ -93,9 +87,9 @@ def block_krylov(
                 theta[..., -b:].flip(-1),
                 vectors[..., -b:].flip(-1),
             )  # top-b, descending
-        grow = images[..., new]  # the next Krylov block, unless the rule says what is missing
+        grow = images[-1]  # the next Krylov block, unless the rule says what is missing
         if check and not last:
-            residual, excess = ritz_residuals(basis, images, vectors, theta, k, tol, rank_scale)
+            residual, excess = ritz_residuals(blocks, images, vectors, theta, k, tol, rank_scale)
             # The stopping rule needs one host read per step (a sync on an accelerator; only a
             # few small kernels are queued behind it).
             missing = int((excess > 1).sum(-1).max())
@@ -107,16 +101,16 @@ def block_krylov(
             worst = excess.argsort(-1, descending=True)[..., None, :missing]
             grow = residual.gather(-1, worst.expand(*residual.shape[:-1], missing))
         if last:
-            lefts = None if left_rows is None else combine(left_rows[..., :used, :].mT, vectors)
-            return combine(basis, vectors), combine(images, vectors), lefts, finite
+            left_vectors = combine(lefts, vectors) if lefts else None
+            return combine(blocks, vectors), combine(images, vectors), left_vectors, finite
         # The next block, trimmed so the basis never has more than d columns.
-        block = orthogonalize_against(grow, basis)[..., :room]
+        block = orthogonalize_against(grow, blocks)[..., :room]
     raise AssertionError("unreachable: the last step returns")
 
 
 def ritz_residuals(
-    basis: Tensor,
-    images: Tensor,
+    basis: Basis,
+    images: Basis,
     vectors: Tensor,
     theta: Tensor,
     k: int,
@@ -133,7 +127,7 @@ def ritz_residuals(
     converged when every excess is at most 1; a pair at the rounding floor has excess 0.
 
     Args:
-        basis, images: ``(..., d, D)`` orthonormal basis and ``apply`` of it.
+        basis, images: ``(..., d, D)`` orthonormal basis and ``apply`` of it (or their blocks).
         vectors, theta: the top Ritz vectors (``(..., D, >= k)``, in the basis) and values.
         k: how many top pairs must converge.
         tol: the tolerance of the top pair.
@@ -172,14 +166,35 @@ def subspace_iteration(
     return V, image, left, finite
 
 
-def combine(basis: Tensor, coefficients: Tensor) -> Tensor:
-    """``basis @ coefficients``, computed as ``(coefficients^T basis^T)^T``.
+Basis = Tensor | Sequence[Tensor]
+"""An orthonormal ``(..., d, D)`` basis, whole or as its column blocks ``[Q_0, Q_1, ...]``."""
 
-    The same product, but block_krylov's basis is a transposed slice of a larger buffer, which
-    batched GEMM copies first when it is the left operand (3x slower at 768 x 41 here), and not
-    when it is the right one.
-    """
-    return (coefficients.mT @ basis.mT).mT
+
+def _blocks(basis: Basis) -> Sequence[Tensor]:
+    return [basis] if isinstance(basis, Tensor) else basis
+
+
+def project(basis: Basis, X: Tensor) -> Tensor:
+    """``basis^T X`` (..., D, c), block by block."""
+    parts = [Q.mT @ X for Q in _blocks(basis)]
+    return parts[0] if len(parts) == 1 else torch.cat(parts, -2)
+
+
+def combine(basis: Basis, coefficients: Tensor) -> Tensor:
+    """``basis @ coefficients`` (..., d, c), block by block, accumulated in place."""
+    out: Tensor | None = None
+    row = 0
+    for Q in _blocks(basis):
+        part = coefficients[..., row : row + Q.shape[-1], :]
+        row += Q.shape[-1]
+        if out is None:
+            out = Q @ part
+        elif out.ndim == 2:
+            out.addmm_(Q, part)
+        else:
+            out.baddbmm_(Q, part)
+    assert out is not None, "an empty basis"
+    return out
 
 
 def keep_finite(X: Tensor, finite: Tensor) -> Tensor:
@@ -193,7 +208,7 @@ def keep_finite(X: Tensor, finite: Tensor) -> Tensor:
     return torch.where(finite[..., None, None], X, torch.zeros((), dtype=X.dtype, device=X.device))
 
 
-def orthogonalize_against(X: Tensor, basis: Tensor) -> Tensor:
+def orthogonalize_against(X: Tensor, basis: Basis) -> Tensor:
     """Orthonormal columns spanning X minus its projection on ``basis`` (block CGS, done twice).
 
     Twice is enough unless a direction of X lies (nearly) inside span(basis), as the blocks of
@@ -207,18 +222,18 @@ def orthogonalize_against(X: Tensor, basis: Tensor) -> Tensor:
     directions is exactly where Cholesky of its Gram matrix breaks down.
     """
     Q = _project_out_twice(X, basis)
-    leak = (basis.mT @ Q).abs().amax(-2, keepdim=True)  # (..., 1, c)
+    leak = project(basis, Q).abs().amax(-2, keepdim=True)  # (..., 1, c)
     lost = ~(leak <= 1e3 * torch.finfo(Q.dtype).eps)  # NaN counts as lost
     if Q.device.type != "cpu" or bool(lost.any()):  # the host read is free on the CPU only
-        g = torch.Generator(Q.device).manual_seed(basis.shape[-1])
+        g = torch.Generator(Q.device).manual_seed(sum(B.shape[-1] for B in _blocks(basis)))
         fresh = torch.randn(Q.shape, dtype=Q.dtype, device=Q.device, generator=g)
         Q = _project_out_twice(torch.where(lost, fresh, Q), basis)
     return Q
 
 
-def _project_out_twice(X: Tensor, basis: Tensor) -> Tensor:
-    X = orthonormalize(X - combine(basis, basis.mT @ X))
-    return orthonormalize(X - combine(basis, basis.mT @ X))
+def _project_out_twice(X: Tensor, basis: Basis) -> Tensor:
+    X = orthonormalize(X - combine(basis, project(basis, X)))
+    return orthonormalize(X - combine(basis, project(basis, X)))
 
 
 def start_block(
