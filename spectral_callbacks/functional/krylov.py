@@ -103,8 +103,10 @@ def block_krylov(
         if last:
             left_vectors = combine(lefts, vectors) if lefts else None
             return combine(blocks, vectors), combine(images, vectors), left_vectors, finite
-        # The next block, trimmed so the basis never has more than d columns.
-        block = orthogonalize_against(grow, blocks)[..., :room]
+        # The next block, trimmed so the basis never has more than d columns. A whole Krylov
+        # block's projection on the basis is the Rayleigh quotient's new column.
+        projection = column if grow is images[-1] else None
+        block = orthogonalize_against(grow, blocks, projection)[..., :room]
     raise AssertionError("unreachable: the last step returns")
 
 
@@ -208,7 +210,7 @@ def keep_finite(X: Tensor, finite: Tensor) -> Tensor:
     return torch.where(finite[..., None, None], X, torch.zeros((), dtype=X.dtype, device=X.device))
 
 
-def orthogonalize_against(X: Tensor, basis: Basis) -> Tensor:
+def orthogonalize_against(X: Tensor, basis: Basis, projection: Tensor | None = None) -> Tensor:
     """Orthonormal columns spanning X minus its projection on ``basis`` (block CGS, done twice).
 
     Twice is enough unless a direction of X lies (nearly) inside span(basis), as the blocks of
@@ -219,9 +221,10 @@ def orthogonalize_against(X: Tensor, basis: Basis) -> Tensor:
     direction; Rayleigh-Ritz holds on any subspace. The leak allowed, 1000 eps, changes no
     Ritz value by more than that relative amount. Householder QR, not CholeskyQR2: at b = 40
     columns it costs under a tenth of a Krylov step on a CPU, and a block that runs out of
-    directions is exactly where Cholesky of its Gram matrix breaks down.
+    directions is exactly where Cholesky of its Gram matrix breaks down. ``projection`` is
+    ``basis^T X`` when the caller has it already (a Krylov step's column of the Rayleigh quotient).
     """
-    Q = _project_out_twice(X, basis)
+    Q = _project_out_twice(X, basis, projection)
     leak = project(basis, Q).abs().amax(-2, keepdim=True)  # (..., 1, c)
     lost = ~(leak <= 1e3 * torch.finfo(Q.dtype).eps)  # NaN counts as lost
     if Q.device.type != "cpu" or bool(lost.any()):  # the host read is free on the CPU only
@@ -231,8 +234,10 @@ def orthogonalize_against(X: Tensor, basis: Basis) -> Tensor:
     return Q
 
 
-def _project_out_twice(X: Tensor, basis: Basis) -> Tensor:
-    X = orthonormalize(X - combine(basis, project(basis, X)))
+def _project_out_twice(X: Tensor, basis: Basis, projection: Tensor | None = None) -> Tensor:
+    if projection is None:
+        projection = project(basis, X)
+    X = orthonormalize(X - combine(basis, projection))
     return orthonormalize(X - combine(basis, project(basis, X)))
 
 
