@@ -32,6 +32,7 @@ from spectral_callbacks.functional import powerlaw_alpha, randomized_svd, spectr
 from spectral_callbacks.functional.svd import (
     DEFAULT_K,
     DEFAULT_N_OVERSAMPLES,
+    _bf16_tiles,
     _choose_method,
     default_n_iter,
 )
@@ -136,7 +137,9 @@ def main() -> None:
             if exact_ms is None:  # no method's cost depends on the spectrum: time once per shape
                 ours, exact_ms, exact_name = time_side_by_side(W, args.repeats)
             width = min(DEFAULT_K + DEFAULT_N_OVERSAMPLES, *shape)
-            method = _choose_method(*shape, width, default_n_iter(*shape), torch.float32)
+            method = _choose_method(
+                *shape, width, default_n_iter(*shape), torch.float32, "cpu", _bf16_tiles(W.device)
+            )
             print(
                 f"| {shape[0]:>4}x{shape[1]:<4} | {spectrum!s:>8} | {sr_err:>+8.3f} | "
                 f"{alpha_err:>+9.4f} | {method:>10} | {ours:>8.1f} | {exact_ms:>13.1f} | "
