@@ -186,18 +186,26 @@ def project(basis: Basis, X: Tensor) -> Tensor:
 
 def combine(basis: Basis, coefficients: Tensor) -> Tensor:
     """``basis @ coefficients`` (..., d, c), block by block, accumulated in place."""
-    out: Tensor | None = None
-    row = 0
+    return _accumulate(None, basis, coefficients, 1.0)
+
+
+def _minus_combination(X: Tensor, basis: Basis, coefficients: Tensor) -> Tensor:
+    """``X - basis @ coefficients``, accumulated into one copy of X (no product to subtract)."""
+    return _accumulate(X, basis, coefficients, -1.0)
+
+
+def _accumulate(X: Tensor | None, basis: Basis, coefficients: Tensor, alpha: float) -> Tensor:
+    out, row = X, 0
     for Q in _blocks(basis):
         part = coefficients[..., row : row + Q.shape[-1], :]
         row += Q.shape[-1]
         if out is None:
             out = Q @ part
-        elif out.ndim == 2:
-            out.addmm_(Q, part)
+        elif out is X:  # the first accumulation copies X
+            out = (torch.addmm if Q.ndim == 2 else torch.baddbmm)(X, Q, part, alpha=alpha)
         else:
-            out.baddbmm_(Q, part)
-    assert out is not None, "an empty basis"
+            (out.addmm_ if out.ndim == 2 else out.baddbmm_)(Q, part, alpha=alpha)
+    assert out is not None and out is not X, "an empty basis"
     return out
 
 
@@ -226,34 +234,39 @@ def orthogonalize_against(X: Tensor, basis: Basis, projection: Tensor | None = N
     directions is exactly where Cholesky of its Gram matrix breaks down. ``projection`` is
     ``basis^T X`` when the caller has it already (a Krylov step's column of the Rayleigh quotient).
     """
-    Q = _project_out_twice(X, basis, projection)
+    Q, orthogonal = _project_out_twice(X, basis, projection)
+    if orthogonal:
+        return Q
     leak = project(basis, Q).abs().amax(-2, keepdim=True)  # (..., 1, c)
     lost = ~(leak <= 1e3 * torch.finfo(Q.dtype).eps)  # NaN counts as lost
     if Q.device.type != "cpu" or bool(lost.any()):  # the host read is free on the CPU only
         g = torch.Generator(Q.device).manual_seed(sum(B.shape[-1] for B in _blocks(basis)))
         fresh = torch.randn(Q.shape, dtype=Q.dtype, device=Q.device, generator=g)
-        Q = _project_out_twice(torch.where(lost, fresh, Q), basis)
+        Q, _ = _project_out_twice(torch.where(lost, fresh, Q), basis)
     return Q
 
 
-def _project_out_twice(X: Tensor, basis: Basis, projection: Tensor | None = None) -> Tensor:
+def _project_out_twice(
+    X: Tensor, basis: Basis, projection: Tensor | None = None
+) -> tuple[Tensor, bool]:
+    """Two projections, each followed by an orthonormalization; and whether the result is
+    known orthogonal to ``basis`` without measuring its leak.
+
+    It is when the second pass keeps at least half of every column's norm beyond the columns
+    before it (Kahan and Parlett's "twice is enough"): then what leaks into ``basis`` is rounding.
+    The Cholesky factor of the block's Gram matrix tells, and orthonormalizes it (CholeskyQR: a
+    third of a Householder QR at 768 x 40, exact to rounding at that condition). The check is a
+    host read, free on the CPU only; elsewhere Householder, and the caller measures the leak.
+    """
     if projection is None:
         projection = project(basis, X)
-    X = orthonormalize(X - combine(basis, projection))
-    return _orthonormalize_nearly(X - combine(basis, project(basis, X)))
-
-
-def _orthonormalize_nearly(X: Tensor) -> Tensor:
-    """Orthonormal basis of columns that are nearly orthonormal already (an orthonormal block
-    after a second, small projection): CholeskyQR, a Gram matrix and a triangular solve (a third
-    of a Householder QR at 768 x 40), exact to rounding while the Gram matrix is well
-    conditioned. That is checked on the host (free on the CPU only); otherwise Householder."""
+    X = orthonormalize(_minus_combination(X, basis, projection))
+    X = _minus_combination(X, basis, project(basis, X))
     if X.device.type == "cpu":
         L, info = torch.linalg.cholesky_ex(X.mT @ X)
-        # Every column keeps at least half its norm: the Gram matrix's condition is at most 4.
         if not bool(info.any()) and bool(L.diagonal(dim1=-2, dim2=-1).amin() >= 0.5):
-            return torch.linalg.solve_triangular(L.mT, X, upper=True, left=False)
-    return orthonormalize(X)
+            return torch.linalg.solve_triangular(L.mT, X, upper=True, left=False), True
+    return orthonormalize(X), False
 
 
 def start_block(
