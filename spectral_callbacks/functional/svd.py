@@ -509,14 +509,14 @@ def _gram_eigvalsh(A: Tensor) -> tuple[Tensor, Tensor]:
     """All singular values, descending, from float64 ``eigvalsh`` of the smaller Gram matrix.
 
     Returns ``(S, finite)``: a matrix with a NaN/Inf entry is zeroed in its Gram matrix (LAPACK
-    would fail for the whole batch) and flagged, without a host read.
+    would fail for the whole batch) and flagged, without a host read on an accelerator. Every
+    entry of A is in some column norm on G's diagonal, so that is where a NaN/Inf shows.
     """
     A64 = A.to(torch.float64)
     m, n = A.shape[-2:]
     G = A64.mT @ A64 if n <= m else A64 @ A64.mT  # (..., min, min)
-    finite = torch.isfinite(G).flatten(-2).all(-1)
-    G = torch.where(finite[..., None, None], G, torch.zeros((), dtype=G.dtype, device=G.device))
-    return gram_singular_values(G).to(A.dtype), finite
+    finite = torch.isfinite(G.diagonal(dim1=-2, dim2=-1)).all(-1)
+    return gram_singular_values(keep_finite(G, finite)).to(A.dtype), finite
 
 
 def _svdvals_tall(A: Tensor) -> tuple[Tensor, Tensor]:
