@@ -33,11 +33,13 @@ several times slower on the wide one). Which path runs is decided by shape and d
 calibrated flop count (``_choose_method``), never by timing at run time, so the choice is
 deterministic; on an accelerator the float64 Gram path is never chosen (weak FP64 on many GPUs).
 
-Host synchronization (what a CUDA worker waits for): masks (non-finite matrices, the rank
-tolerance, stale ``init`` columns) are applied with ``torch.where``, never decided on the host, and
-warm or cold is decided from whether ``init`` was given. What remains: one host read per Krylov
-step of the stopping rule (none with an explicit ``n_iter``), and the error checks inside
-``torch.linalg.eigh``/``svd``/``svdvals``/``eigvalsh`` (torch has no non-checking variants of these).
+Host synchronization (what a CUDA worker waits for): on an accelerator, masks (non-finite
+matrices, the rank tolerance, stale ``init`` columns, Krylov columns that leak into the basis) are
+applied with ``torch.where``, never decided on the host; on the CPU, where a host read is free,
+the usual case skips them. Warm or cold is decided from whether ``init`` was given. What remains:
+one host read per Krylov step of the stopping rule (none with an explicit ``n_iter``), and the
+error checks inside ``torch.linalg.eigh``/``svd``/``svdvals``/``eigvalsh`` (torch has no
+non-checking variants of these).
 Float32 products stay float32 even where the user enabled TF32 (``_matmul``), without touching
 that process-global setting, which training shares.
 
