@@ -229,10 +229,10 @@ def orthogonalize_against(X: Tensor, basis: Basis, projection: Tensor | None = N
     that are not orthogonal to ``basis`` (sigma_1 read up to 2.4x too large at rank 60 of 768).
     Columns that still leak into ``basis`` after two passes restart from a fixed pseudo-random
     direction; Rayleigh-Ritz holds on any subspace. The leak allowed, 1000 eps, changes no
-    Ritz value by more than that relative amount. Householder QR, not CholeskyQR2: at b = 40
-    columns it costs under a tenth of a Krylov step on a CPU, and a block that runs out of
-    directions is exactly where Cholesky of its Gram matrix breaks down. ``projection`` is
-    ``basis^T X`` when the caller has it already (a Krylov step's column of the Rayleigh quotient).
+    Ritz value by more than that relative amount. The first pass orthonormalizes by Householder
+    QR, not Cholesky: a block that runs out of directions is exactly where Cholesky of its Gram
+    matrix breaks down. ``projection`` is ``basis^T X`` when the caller has it already (a
+    Krylov step's column of the Rayleigh quotient).
     """
     Q, orthogonal = _project_out_twice(X, basis, projection)
     if orthogonal:
