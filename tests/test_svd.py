@@ -392,3 +392,26 @@ def test_every_way_to_apply_the_gram_matrix_reads_the_same_values(
         assert torch.isnan(top.S[1]).all()
         torch.testing.assert_close(top.S[[0, 2]].double(), reference(rest, 10), rtol=rtol, atol=0)
         assert top.V is not None and top.V.shape == (3, shape[-1], 18)
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_a_start_block_is_orthonormal_whatever_init_it_gets(seed: int) -> None:
+    from spectral_callbacks.functional.krylov import start_block
+
+    g = torch.Generator().manual_seed(seed)
+    W = torch.randn(3, 90, 60, generator=g)
+    eye = torch.eye(20).expand(3, 20, 20)
+    orthonormal = torch.linalg.qr(torch.randn(3, 60, 20, generator=g)).Q
+    skewed = orthonormal @ torch.randn(20, 20, generator=g)  # the same span, not orthonormal
+    short = orthonormal[..., :12]  # topped up at random
+    stale = orthonormal.clone()
+    stale[1, :, 4] = float("nan")  # redrawn
+    for init in (orthonormal, skewed, short, stale, orthonormal[0]):
+        start = start_block(W, 20, g, init)
+        assert start.shape == (3, 60, 20)
+        torch.testing.assert_close(start.mT @ start, eye, atol=1e-5, rtol=0)
+    # An orthonormal init (the previous call's V) is used as it is, not re-factored.
+    assert torch.equal(start_block(W, 20, g, orthonormal), orthonormal)
+    # A skewed one keeps its span.
+    start = start_block(W, 20, g, skewed)
+    torch.testing.assert_close(start @ (start.mT @ orthonormal), orthonormal, atol=1e-4, rtol=0)
