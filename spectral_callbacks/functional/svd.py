@@ -59,6 +59,7 @@ from torch import Tensor
 
 from spectral_callbacks.functional.krylov import (
     block_krylov,
+    cholesky_qr,
     keep_finite,
     orthonormalize,
     start_block,
@@ -439,7 +440,10 @@ def _randomized(
     # begins closer to the top subspace.
     # A non-finite matrix (its images zeroed) keeps its Ritz vectors instead.
     if images.device.type == "cpu" and bool(finite.all()):
-        return S, orthonormalize(images @ right_h.mT), finite
+        past = images @ right_h.mT  # columns ~ sigma_i^2 v_i: nearly orthogonal once normalized
+        past = past / torch.linalg.vector_norm(past, dim=-2, keepdim=True).clamp_min(1e-30)
+        V = cholesky_qr(past)
+        return S, orthonormalize(past) if V is None else V, finite
     past = torch.where(finite[..., None, None], images @ right_h.mT, basis @ right_h.mT)
     return S, orthonormalize(past), finite
 
