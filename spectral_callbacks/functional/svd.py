@@ -363,7 +363,6 @@ def _randomized(
     costs = _randomized_costs(m, n, start.shape[-1], expected, krylov=krylov, rounded=rounded)
     route = min(costs, key=costs.__getitem__)
     use_gram = route == "gram"
-    # Iterate in the space of the smaller side when the Gram matrix is used, else on the right.
     # Iterate in the space of the smaller side when W itself is not multiplied at full
     # precision (its Gram matrix, or W rounded to bfloat16), else on the right.
     wide = route != "products" and m < n
@@ -383,8 +382,8 @@ def _randomized(
         # The products only steer the subspace: its values come from W V in float32 below,
         # exact Ritz values of W itself, and the stopping rule's residuals carry bfloat16's
         # rounding (about 2^-9 of each entry), far below its tolerance.
-        A_low = A.to(torch.bfloat16)
         low = torch.bfloat16
+        A_low = A.to(low)
         finite = None
         if wide:  # (..., m, b): the left image of the right start; a NaN/Inf shows in its sum
             image = _times(A_low, start.to(low)).to(A.dtype)
@@ -427,7 +426,7 @@ def _randomized(
     # B V is a combination of the images B Q_j already computed; with the Gram matrix it costs one
     # product.
     BV = lefts
-    if BV is None:  # wide, B = W^T: multiplied as (basis^T W)^T
+    if BV is None:  # one product with W in float32 (wide, B = W^T: as (basis^T W)^T)
         BV = _matmul(basis.mT, A).mT if wide else _matmul(B, basis)
     BV = keep_finite(BV, finite)
     # SVD of the tall-skinny B V as QR, then the SVD of the small R: several times faster than a
