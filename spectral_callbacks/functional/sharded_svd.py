@@ -261,11 +261,11 @@ def sharded_randomized_svd(
             return collective.sum(A.mT @ (A @ X), comm_dtype)
 
         start = start_block(A, width, generator, init, n=d)  # (..., d, b)
-        blocks, images = _krylov_blocks(apply, start, n_iter, converged)
+        blocks, images, ritz = _krylov_blocks(apply, start, n_iter, converged)
         block_bytes = d * width * (comm_dtype or compute_dtype).itemsize
         columns = sum(block.shape[-1] for block in blocks)
-        if len(images) == len(blocks):  # stopped by the rule: the Rayleigh quotient is complete
-            basis = _top_ritz_vectors(blocks, images, width)
+        if ritz is not None:  # stopped by the rule, on the Ritz vectors it tested
+            basis = ritz
         elif _triangle_bytes(columns) < block_bytes + _triangle_bytes(width):
             # 3a. Rayleigh-Ritz on W over the whole Krylov basis: the float64 Gram of the local
             #     rows of W Q costs less to send than the last block (the unsplit side is long).
@@ -287,10 +287,10 @@ def sharded_randomized_svd(
             return collective.sum(_spread(A.mT @ image, cols_held, d), comm_dtype)
 
         start = start_block(A, width, generator, init, n=d)
-        blocks, images = _krylov_blocks(apply, start, n_iter, converged)
-        if len(images) < len(blocks):
-            images.append(apply(blocks[-1]))
-        basis = _top_ritz_vectors(blocks, images, width)
+        blocks, images, ritz = _krylov_blocks(apply, start, n_iter, converged)
+        if ritz is None:
+            ritz = _top_ritz_vectors(blocks, [*images, apply(blocks[-1])], width)
+        basis = ritz
         # (..., m, b): the whole W V on every rank, summed in float64 (the values come from it).
         local_image = (A @ basis.index_select(-2, cols_held)).to(torch.float64)
         image = collective.sum(_spread(local_image, rows_held, m))
@@ -309,14 +309,16 @@ def sharded_randomized_svd(
 
 def _krylov_blocks(
     apply: Any, start: Tensor, depth: int, converged: Any = None
-) -> tuple[list[Tensor], list[Tensor]]:
+) -> tuple[list[Tensor], list[Tensor], Tensor | None]:
     """Orthonormal blocks ``Q_0 .. Q_j`` of the block Krylov space of ``apply`` (Musco & Musco
-    2015, Alg. 2) and their images ``apply(Q_i)``.
+    2015, Alg. 2) from the orthonormal ``start``, the images ``apply(Q_i)``, and the top Ritz
+    vectors if ``converged`` stopped the loop.
 
     2. The same loop as svd.py's: ``apply`` is collective, everything else is replicated math on
-    identical inputs, so every rank builds the same basis. With ``converged`` (basis, images ->
-    bool, agreed by every rank) tested after each image, the loop stops as soon as it holds, and
-    every block has its image; otherwise it runs ``depth`` steps and the last block has none.
+    identical inputs, so every rank builds the same basis. ``converged`` (blocks, images -> the
+    top Ritz vectors or None, agreed by every rank) is tested after each image and stops the loop
+    as soon as it returns vectors; otherwise the loop runs ``depth`` steps and the last block has
+    no image.
     """
     d = start.shape[-2]
     blocks = [orthonormalize(start)]  # Q_0
@@ -326,39 +328,47 @@ def _krylov_blocks(
         if room <= 0:  # the basis spans R^d: Rayleigh-Ritz is exact
             break
         images.append(apply(blocks[-1]))
-        if converged is not None and converged(torch.cat(blocks, -1), torch.cat(images, -1)):
-            break
-        blocks.append(orthogonalize_against(images[-1], torch.cat(blocks, -1))[..., :room])
-    return blocks, images
+        ritz = None if converged is None else converged(blocks, images)
+        if ritz is not None:
+            return blocks, images, ritz
+        blocks.append(orthogonalize_against(images[-1], blocks)[..., :room])
+    return blocks, images, None
 
 
 def _agreed_stopping_rule(collective: _Collective, k: int, b: int, *, rank_scale: int) -> Any:
-    """randomized_svd's stopping rule on the Ritz pairs of the Krylov basis, agreed by the group.
+    """randomized_svd's stopping rule on the Ritz pairs of the Krylov basis, agreed by the group:
+    the top-b Ritz vectors once it holds on every rank, else None.
 
     The rule runs on all-reduced (identical) images on every rank, so the ranks should agree
     anyway; summing their counts of unconverged matrices makes it exact whatever rounding one
     rank's BLAS adds (a rank stopping alone would desynchronize every later collective).
     """
 
-    def converged(basis: Tensor, images: Tensor) -> bool:
-        T = basis.mT @ images  # Rayleigh quotient of W^T W on the Krylov space
-        theta, vectors = torch.linalg.eigh((T + T.mT) / 2)  # ascending
-        theta, vectors = theta[..., -b:].flip(-1), vectors[..., -b:].flip(-1)
-        _, excess = ritz_residuals(basis, images, vectors, theta, k, DEFAULT_TOL, rank_scale)
+    def converged(blocks: list[Tensor], images: list[Tensor]) -> Tensor | None:
+        basis, theta, vectors = _ritz_pairs(blocks, images, b)
+        _, excess = ritz_residuals(blocks, images, vectors, theta, k, DEFAULT_TOL, rank_scale)
         done = (excess <= 1).all(-1)
         pending = collective.sum((~done).sum().to(torch.float64).reshape(1))
-        return bool(pending.item() == 0)
+        return basis @ vectors if pending.item() == 0 else None
 
     return converged
 
 
-def _top_ritz_vectors(blocks: list[Tensor], images: list[Tensor], b: int) -> Tensor:
-    """The top-b Ritz vectors of the Rayleigh quotient of ``apply`` on the Krylov basis, given
-    ``apply`` of every block."""
+def _ritz_pairs(
+    blocks: list[Tensor], images: list[Tensor], b: int
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The basis and the top-b Ritz values and vectors (in the basis, descending) of the Rayleigh
+    quotient of ``apply`` on it, given ``apply`` of every block."""
     basis = torch.cat(blocks, -1)  # (..., d, b (depth + 1))
     T = basis.mT @ torch.cat(images, -1)
-    _, vectors = torch.linalg.eigh((T + T.mT) / 2)  # ascending
-    return basis @ vectors[..., -b:].flip(-1)
+    theta, vectors = torch.linalg.eigh((T + T.mT) / 2)  # ascending
+    return basis, theta[..., -b:].flip(-1), vectors[..., -b:].flip(-1)
+
+
+def _top_ritz_vectors(blocks: list[Tensor], images: list[Tensor], b: int) -> Tensor:
+    """The top-b Ritz vectors of the Rayleigh quotient of ``apply`` on the Krylov basis."""
+    basis, _, vectors = _ritz_pairs(blocks, images, b)
+    return basis @ vectors
 
 
 def _spread(local: Tensor, index: Tensor, size: int) -> Tensor:
