@@ -239,7 +239,7 @@ def orthogonalize_against(X: Tensor, basis: Basis, projection: Tensor | None = N
     if orthogonal:
         return Q
     leak = project(basis, Q).abs().amax(-2, keepdim=True)  # (..., 1, c)
-    lost = ~(leak <= 1e3 * torch.finfo(Q.dtype).eps)  # NaN counts as lost
+    lost = ~(leak <= _rounding(Q.dtype))  # NaN counts as lost
     if Q.device.type != "cpu" or bool(lost.any()):  # the host read is free on the CPU only
         g = torch.Generator(Q.device).manual_seed(sum(B.shape[-1] for B in _blocks(basis)))
         fresh = torch.randn(Q.shape, dtype=Q.dtype, device=Q.device, generator=g)
@@ -310,11 +310,17 @@ def start_block(
     if start.device.type == "cpu" and not bool(stale.any()):
         # The previous call's V is orthonormal already: a Gram check costs a third of its QR.
         defect = start.mT @ start - torch.eye(start.shape[-1], dtype=A.dtype)
-        if missing <= 0 and bool(defect.abs().amax() <= 1e3 * torch.finfo(A.dtype).eps):
+        if missing <= 0 and bool(defect.abs().amax() <= _rounding(A.dtype)):
             return start
         return orthonormalize(start)
     fresh = torch.randn(start.shape[-2:], dtype=A.dtype, device=A.device, generator=generator)
     return orthonormalize(torch.where(stale, fresh, start))
+
+
+def _rounding(dtype: torch.dtype) -> float:
+    """How far from orthonormal a basis may be and count as orthonormal: 1000 eps, which moves
+    no Ritz value by more than that relative amount."""
+    return 1e3 * torch.finfo(dtype).eps
 
 
 def orthonormalize(X: Tensor) -> Tensor:

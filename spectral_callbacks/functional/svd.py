@@ -438,13 +438,12 @@ def _randomized(
     # One power step past the Ritz vectors, free since W^T W V was computed: the next warm start
     # begins closer to the top subspace.
     # A non-finite matrix (its images zeroed) keeps its Ritz vectors instead.
-    if images.device.type == "cpu" and bool(finite.all()):
-        past = images @ right_h.mT  # columns ~ sigma_i^2 v_i: nearly orthogonal once normalized
-        past = past / torch.linalg.vector_norm(past, dim=-2, keepdim=True).clamp_min(1e-30)
-        V = cholesky_qr(past)
-        return S, orthonormalize(past) if V is None else V, finite
-    past = torch.where(finite[..., None, None], images @ right_h.mT, basis @ right_h.mT)
-    return S, orthonormalize(past), finite
+    past = images @ right_h.mT  # columns ~ sigma_i^2 v_i: nearly orthogonal once normalized
+    if images.device.type != "cpu" or not bool(finite.all()):
+        past = torch.where(finite[..., None, None], past, basis @ right_h.mT)
+    past = past / torch.linalg.vector_norm(past, dim=-2, keepdim=True).clamp_min(1e-30)
+    V = cholesky_qr(past)  # None off the CPU or when ill conditioned
+    return S, orthonormalize(past) if V is None else V, finite
 
 
 def _times(B: Tensor, X: Tensor) -> Tensor:
@@ -528,7 +527,7 @@ def _svdvals_tall(A: Tensor) -> tuple[Tensor, Tensor]:
     """All singular values, descending, from ``svdvals`` of the tall orientation; ``(S, finite)``."""
     m, n = A.shape[-2:]
     finite = torch.isfinite(A).flatten(-2).all(-1)
-    A = torch.where(finite[..., None, None], A, torch.zeros((), dtype=A.dtype, device=A.device))
+    A = keep_finite(A, finite)
     return torch.linalg.svdvals(A if m >= n else A.mT), finite
 
 
