@@ -158,7 +158,8 @@ def subspace_iteration(
     n_iter: int,
     finite: Tensor | None,
 ) -> tuple[Tensor, Tensor, Tensor | None, Tensor]:
-    """Subspace iteration: orth((W^T W)^q Omega), re-orthonormalized at every step."""
+    """Subspace iteration: orth((W^T W)^q Omega), re-orthonormalized at every step; returns its
+    Ritz vectors, their images and ``B X`` (as ``block_krylov``) and which matrices are finite."""
     V = start
     for _ in range(n_iter):  # Halko, Martinsson & Tropp 2011, Algorithm 4.4
         image, _ = apply(V)
@@ -168,7 +169,10 @@ def subspace_iteration(
     image, left = apply(V)
     if finite is None:
         finite = torch.isfinite(image).flatten(-2).all(-1)
-    return V, image, left, finite
+    image = keep_finite(image.to(start.dtype), finite)
+    vectors = torch.linalg.eigh(V.mT @ image).eigenvectors.flip(-1)  # descending Ritz values
+    left = None if left is None else keep_finite(left, finite) @ vectors
+    return V @ vectors, image @ vectors, left, finite
 
 
 Basis = Tensor | Sequence[Tensor]

@@ -429,21 +429,40 @@ def _randomized(
     if BV is None:  # one product with W in float32 (wide, B = W^T: as (basis^T W)^T)
         BV = _matmul(basis.mT, A).mT if wide else _matmul(B, basis)
     BV = keep_finite(BV, finite)
-    # SVD of the tall-skinny B V as QR, then the SVD of the small R: several times faster than a
-    # LAPACK SVD of the tall matrix.
-    Q_BV, R = torch.linalg.qr(BV)  # (..., rows, b), (..., b, b)
-    left_R, S, right_h = torch.linalg.svd(R)  # (..., b)
-    if wide:  # the right singular vectors of A are the left ones of A^T U
-        return S, Q_BV @ left_R, finite
+    S = _singular_values(BV)
+    if wide:  # B V's columns are ~ sigma_i u_i, u_i the right singular vectors of A = B^T
+        return S, _orthonormal_columns(BV), finite
     # One power step past the Ritz vectors, free since W^T W V was computed: the next warm start
     # begins closer to the top subspace.
     # A non-finite matrix (its images zeroed) keeps its Ritz vectors instead.
-    past = images @ right_h.mT  # columns ~ sigma_i^2 v_i: nearly orthogonal once normalized
+    past = images  # columns ~ sigma_i^2 v_i: nearly orthogonal once normalized
     if images.device.type != "cpu" or not bool(finite.all()):
-        past = torch.where(finite[..., None, None], past, basis @ right_h.mT)
-    past = past / torch.linalg.vector_norm(past, dim=-2, keepdim=True).clamp_min(1e-30)
-    V = cholesky_qr(past)  # None off the CPU or when ill conditioned
-    return S, orthonormalize(past) if V is None else V, finite
+        past = torch.where(finite[..., None, None], past, basis)
+    return S, _orthonormal_columns(past), finite
+
+
+def _singular_values(X: Tensor) -> Tensor:
+    """Singular values, descending, of a tall-skinny ``X`` (``W V``, V the Ritz vectors).
+
+    From ``eigvalsh`` of its Gram matrix in float64, as the sharded path does: squaring there
+    adds about eps64 * sigma_1^2 to each sigma_i^2, i.e. a relative eps64 (sigma_1 / sigma_i)^2
+    that is under 1e-6 above the float32 rank tolerance, far below the float32 rounding of ``X``
+    that any way of reading its values inherits; at 768 x 40 it takes a quarter of the time of a
+    Householder QR and LAPACK's SVD of R. A float64 ``X`` has no wider type to square in: QR,
+    then the singular values of R.
+    """
+    if X.dtype == torch.float64:
+        return torch.linalg.svdvals(torch.linalg.qr(X, mode="r").R)
+    X64 = X.to(torch.float64)
+    return torch.linalg.eigvalsh(X64.mT @ X64).flip(-1).clamp_min(0).sqrt().to(X.dtype)
+
+
+def _orthonormal_columns(X: Tensor) -> Tensor:
+    """An orthonormal basis of ``X``'s columns, leading first: the columns normalized, then
+    CholeskyQR when they are well conditioned, else Householder QR."""
+    X = X / torch.linalg.vector_norm(X, dim=-2, keepdim=True).clamp_min(1e-30)
+    Q = cholesky_qr(X)  # None off the CPU or when ill conditioned
+    return orthonormalize(X) if Q is None else Q
 
 
 def _times(B: Tensor, X: Tensor) -> Tensor:
