@@ -300,3 +300,40 @@ def test_both_engines_implement_the_protocol_and_the_factory_picks_by_world_size
     finally:
         dist.destroy_process_group()
     single.close()
+
+
+def test_the_writers_are_flushed_at_most_once_an_interval_and_at_close(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from spectral_callbacks.monitor import tracker as tracker_module
+
+    flushes: list[int] = []
+    flush = tensorboard_adapter.flush
+    monkeypatch.setattr(
+        tensorboard_adapter, "flush", lambda writers: (flushes.append(len(writers)), flush(writers))
+    )
+    monkeypatch.setattr(tracker_module, "FLUSH_INTERVAL_SECONDS", 3600.0)
+    logger = TensorBoardLogger(str(tmp_path), name="run", version=0)
+    tracker = SpectralTracker(
+        TinyGPT(),
+        writers=[logger],
+        metrics=("stable_rank",),
+        every_n_steps=1,
+        log_spaced_until=0,
+        figures=False,
+        synchronous=True,
+        start_step=0,
+    )
+    for step in range(1, 6):  # each call logs the previous step's snapshot
+        tracker.step(step)
+    assert flushes == [1]  # step 0's points at once; the burst after them waits for the interval
+    monkeypatch.setattr(tracker_module, "FLUSH_INTERVAL_SECONDS", 0.0)
+    tracker.step(6)  # logs step 5's points, and flushes them
+    assert flushes == [1, 1]
+    monkeypatch.setattr(tracker_module, "FLUSH_INTERVAL_SECONDS", 3600.0)
+    tracker.close()  # logs step 6's points, and flushes them whatever the interval
+    assert flushes == [1, 1, 1]
+    (path,) = (tmp_path / "run" / "version_0").glob("events.out.tfevents.*")
+    points, problem = read_event_file(path)
+    assert problem is None
+    assert sorted({step for tag, step, _, _ in points if tag == Q0}) == list(range(7))

@@ -119,6 +119,15 @@ def monitor_class(package: str) -> type:
                 )
             self.tracker: SpectralTracker | None = None
             self._restored: dict[str, Any] = {}
+            # Two monitors watching different matrices keep separate states. Only plain values go
+            # into the key: `mapping` may hold functions whose repr changes between processes, and
+            # a key that changes would silently lose the compression reference on resume. Built
+            # once (the options are frozen): Lightning reads it around every hook it calls.
+            self._state_key = self._generate_state_key(
+                roles=repr(self.options.roles),
+                include=repr(self.options.include),
+                exclude=repr(self.options.exclude),
+            )
 
         @property
         def targets(self) -> list[Any]:
@@ -133,14 +142,7 @@ def monitor_class(package: str) -> type:
         @property
         @override
         def state_key(self) -> str:
-            # Two monitors watching different matrices keep separate states. Only plain values go
-            # into the key: `mapping` may hold functions whose repr changes between processes, and
-            # a key that changes would silently lose the compression reference on resume.
-            return self._generate_state_key(
-                roles=repr(self.options.roles),
-                include=repr(self.options.include),
-                exclude=repr(self.options.exclude),
-            )
+            return self._state_key
 
         # --- hooks: a guard and one call each -----------------------------------------------
 

@@ -99,14 +99,13 @@ class Reporter:
             row = dict(metrics)
             if self.first_non_finite is None and _non_finite(row):
                 self.first_non_finite = (name, step)
-            if "stable_rank" in row:
-                if name not in self.references and math.isfinite(row["stable_rank"]):
-                    self.references[name] = float(row["stable_rank"])
-                    self.reference_steps[name] = step
-                    new_references.append(name)
-                reference = self.references.get(name, math.nan)
-                row["compression"] = _compression(row["stable_rank"], reference)
+            stable_rank = row.get("stable_rank", math.nan)
+            if name not in self.references and math.isfinite(stable_rank):
+                self.references[name] = float(stable_rank)
+                self.reference_steps[name] = step
+                new_references.append(name)
             per_target[name] = row
+        _add_compression(per_target, self.references)
         scalars: dict[str, float] = {}
         by_role: dict[tuple[str, str], list[float]] = collections.defaultdict(list)
         for name, row in per_target.items():
@@ -186,6 +185,15 @@ def _non_finite(row: Mapping[str, float]) -> bool:
     return any(name in row and not math.isfinite(float(row[name])) for name in names)
 
 
-def _compression(stable_rank: float, reference: float) -> float:
-    """``functional.compression`` on plain floats (the math lives there, not here)."""
-    return float(compression(torch.tensor(stable_rank, dtype=torch.float64), reference))
+def _add_compression(rows: Mapping[str, dict[str, float]], references: Mapping[str, float]) -> None:
+    """Each row with a stable rank gets its ``compression``: ``functional.compression`` (the math
+    lives there, not here), in one call for the whole snapshot."""
+    names = [name for name, row in rows.items() if "stable_rank" in row]
+    if not names:
+        return
+    stable_ranks = torch.tensor([rows[name]["stable_rank"] for name in names], dtype=torch.float64)
+    reference = torch.tensor(
+        [references.get(name, math.nan) for name in names], dtype=torch.float64
+    )
+    for name, value in zip(names, compression(stable_ranks, reference).tolist(), strict=True):
+        rows[name]["compression"] = value

@@ -45,6 +45,11 @@ from spectral_callbacks.monitor.protocol import Engine, make_engine
 from spectral_callbacks.monitor.reporting import Reporter, health_scalars, num_layers_scalar
 from spectral_callbacks.monitor.schedule import SnapshotSchedule
 
+# The TensorBoard writers are flushed at most this often: a running TensorBoard (which rereads its
+# files every few seconds) still shows each point within seconds, and a burst of snapshots (the
+# dense early schedule) costs one flush, not one each (a flush waits for the writer thread).
+FLUSH_INTERVAL_SECONDS = 1.0
+
 
 class SpectralTracker:
     r"""Snapshot a model's watched matrices on schedule, decompose them off the training path, log.
@@ -156,6 +161,8 @@ class SpectralTracker:
         self._warned_non_finite = False
         self._closed = False
         self._draining = False  # in the end-of-training wait (a Ctrl-C there must not wait again)
+        self._unflushed = False
+        self._flushed_at = -float("inf")
         if state is not None:
             self.load_state_dict(state)
         if start_step is not None:
@@ -211,6 +218,7 @@ class SpectralTracker:
             return
         if step == self._previous_step:
             self._collect_and_log()
+            self._flush()
             return
         now = time.perf_counter()
         if self._previous_time is not None and step > self._previous_step:
@@ -227,6 +235,7 @@ class SpectralTracker:
             cost_unknown and self._engine.pending
         ):
             self._offer(step)
+        self._flush()
         self._previous_step, self._previous_time = step, now
 
     def close(self, step: int | None = None, *, error: BaseException | None = None) -> None:
@@ -354,7 +363,15 @@ class SpectralTracker:
         self._layout.update(experiments, scalars)  # charts appear with their first finite value
         if self.options.figures and experiments and self._figures.due(result.step):
             self._figures.draw(experiments, self._figure_rows(), result.step)
-        tb.flush(experiments)
+        self._unflushed = True
+
+    def _flush(self, *, now: bool = False) -> None:
+        """Flush what was logged, once ``FLUSH_INTERVAL_SECONDS`` have passed since the last
+        flush (``now``: whatever the time)."""
+        clock = time.monotonic()
+        if self._unflushed and (now or clock - self._flushed_at >= FLUSH_INTERVAL_SECONDS):
+            tb.flush(tb.summary_writers(self.writers))
+            self._unflushed, self._flushed_at = False, clock
 
     def _warn_if_non_finite(self) -> None:
         found = self._reporter.first_non_finite
@@ -451,5 +468,6 @@ class SpectralTracker:
         if self._engine is not None:
             self._engine.close(timeout=min(5.0, self.options.drain_timeout))
         self._figures.close(timeout=min(5.0, self.options.drain_timeout))
+        self._flush(now=True)
         if self._own_logger is not None:
             self._own_logger.finalize("success")
