@@ -40,12 +40,15 @@ def block_krylov(
     first_check: int | None,
     finite: Tensor | None,
     rank_scale: int,
+    lead: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor | None, Tensor]:
     """Top-b Ritz vectors of the block Krylov space of ``apply`` (Musco & Musco 2015, Alg. 2).
 
     With ``first_check`` set, the stopping rule is tested after every step from that one on (each
     test costs an ``eigh`` of the Rayleigh quotient, so a cold start skips the steps it will need
-    anyway); with ``None`` the depth is fixed. Returns the Ritz vectors ``X`` (..., d, b), their
+    anyway); with ``None`` the depth is fixed. With ``lead`` the first step grows by the residual
+    of the start's leading column only (a warm start's estimate of the top pair, whose tight bound
+    is what its first test would fail on), so that test and its ``eigh`` are spared. Returns the Ritz vectors ``X`` (..., d, b), their
     images ``apply(X)``, ``B X`` when ``apply`` makes the products with B (else None), and which
     matrices are finite.
     """
@@ -91,6 +94,8 @@ def block_krylov(
                 vectors[..., -b:].flip(-1),
             )  # top-b, descending
         grow = images[-1]  # the next Krylov block, unless the rule says what is missing
+        if lead and step == 0:  # r = W^T W q - rho q of the leading column, rho = T[0, 0]
+            grow = images[-1][..., :1] - block[..., :1] * column[..., :1, :1]
         if check and not last:
             residual, excess = ritz_residuals(blocks, images, vectors, theta, k, tol, rank_scale)
             # The stopping rule needs one host read per step (a sync on an accelerator; only a

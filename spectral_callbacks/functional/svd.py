@@ -244,14 +244,16 @@ def randomized_svd(
 
     if chosen in ("randomized", "subspace"):
         start = start_block(A, width, generator, init)
-        # The stopping rule is tested from the first block of a warm start, and from the expected
-        # depth of a cold one: each test costs an eigh of the Rayleigh quotient, which at a cold
-        # depth's basis size (200-300 columns) costs more than a Krylov step. Subspace iteration
-        # (a comparison method) has no rule: the expected cold depth.
+        # The stopping rule is tested from the first block of a warm start, grown first by the
+        # residual of its leading column (which sigma_1's tight bound nearly always asks for), and
+        # from the expected depth of a cold one: each test costs an eigh of the Rayleigh
+        # quotient, which at a cold depth's basis size (200-300 columns) costs more than a Krylov
+        # step. Subspace iteration (a comparison method) has no rule: the expected cold depth.
         depth = default_n_iter(m, n) if n_iter is None else n_iter
         first_check = None
+        lead = n_iter is None and chosen == "randomized" and init is not None
         if n_iter is None and chosen == "randomized":
-            first_check = 0 if init is not None else depth
+            first_check = 1 if lead else depth
             depth += _EXTRA_DEPTH
         S, V, finite = _randomized(
             A,
@@ -263,6 +265,7 @@ def randomized_svd(
             first_check,
             krylov=chosen == "randomized",
             rounded=rounded,
+            lead=lead,
         )
     elif chosen == "gram":
         (S, finite), V = _gram_eigvalsh(A), None
@@ -357,6 +360,7 @@ def _randomized(
     *,
     krylov: bool,
     rounded: bool = False,
+    lead: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Block Krylov (or subspace iteration) + Rayleigh-Ritz on W itself; returns (S, V, finite)."""
     m, n = A.shape[-2:]
@@ -419,6 +423,7 @@ def _randomized(
             first_check=first_check,
             finite=finite,
             rank_scale=max(m, n),
+            lead=lead,
         )
     else:
         basis, images, lefts, finite = subspace_iteration(apply, start, depth, finite)
