@@ -154,6 +154,38 @@ def test_method_is_chosen_by_shape() -> None:
     assert _choose_method(4096, 4096, 40, 6, torch.float32) == "randomized"
     assert _choose_method(64, 64, 40, 6, torch.float32) == "gram"  # the block covers most of it
     assert _choose_method(64, 64, 40, 6, torch.float64) == "svdvals"
+    # A warm call on a small matrix pays only in a batch big enough to make up for a call's cost.
+    assert _choose_method(128, 128, 40, 1, torch.float32, batch=4) == "gram"
+    assert _choose_method(128, 128, 40, 1, torch.float32, batch=16) == "randomized"
+
+
+@pytest.mark.parametrize("shape", [(16, 128, 128), (16, 128, 256), (16, 256, 128)])
+def test_an_exact_first_call_hands_back_a_subspace_when_warm_calls_will_pay(
+    shape: tuple[int, int, int],
+) -> None:
+    _, m, n = shape
+    assert _choose_method(m, n, 40, svd_module.default_n_iter(m, n), torch.float32, batch=16) == (
+        "gram"
+    )
+    g = torch.Generator().manual_seed(random.randrange(2**31))
+    W = decaying(shape, 0.5, random.randrange(2**31)).float()
+    first = randomized_svd(W, 32, generator=g)  # exact, with the top-40 right subspace
+    torch.testing.assert_close(first.S.double(), reference(W, 32), rtol=1e-5, atol=0)
+    assert first.V is not None and first.V.shape == (16, n, 40)
+    torch.testing.assert_close(
+        first.V.mT @ first.V, torch.eye(40).expand(16, 40, 40), atol=1e-5, rtol=0
+    )
+    right = torch.linalg.svd(W.double()).Vh.mT[..., :32]  # the top 32 are in it
+    inside = torch.linalg.vector_norm(first.V.double().mT @ right, dim=-2)
+    torch.testing.assert_close(inside, torch.ones_like(inside), atol=1e-5, rtol=0)
+    W2 = W + 1e-3 * W.norm(dim=(-2, -1), keepdim=True) * torch.randn(shape, generator=g) / m
+    warm = randomized_svd(W2, 32, generator=g, init=first.V)  # randomized, warm
+    assert warm.V is not None
+    torch.testing.assert_close(
+        warm.S[..., 0].double(), reference(W2, 1)[..., 0], rtol=2.5e-3, atol=0
+    )
+    few = randomized_svd(W[:4], 32, generator=g)  # four matrices: warm calls would not pay
+    assert few.V is None
 
 
 @pytest.mark.parametrize(

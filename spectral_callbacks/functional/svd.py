@@ -238,7 +238,9 @@ def randomized_svd(
     # its values free from its own products, which a rounded W could not give.
     rounded = init is None and compute_dtype == torch.float32 and _bf16_tiles(A.device)
     if method == "auto":
-        chosen = _choose_method(m, n, width, expected, compute_dtype, A.device.type, rounded)
+        chosen = _choose_method(
+            m, n, width, expected, compute_dtype, A.device.type, rounded, A[..., 0, 0].numel()
+        )
     else:
         chosen = method
 
@@ -268,7 +270,18 @@ def randomized_svd(
             lead=lead,
         )
     elif chosen == "gram":
-        (S, finite), V = _gram_eigvalsh(A), None
+        # A small matrix's first call may be exact and its later ones warm: then the exact path
+        # also hands back the top subspace (eigh, not eigvalsh), so there is something to warm
+        # start from.
+        warm_pays = (
+            method == "auto"
+            and init is None
+            and _choose_method(
+                m, n, width, _EXPECTED_WARM_DEPTH, compute_dtype, batch=A[..., 0, 0].numel()
+            )
+            == "randomized"
+        )
+        S, finite, V = _gram_eigvalsh(A, width if warm_pays else None)
     else:
         (S, finite), V = _svdvals_tall(A), None
     S = S[..., :k]
@@ -298,6 +311,10 @@ _COST_SKINNY_BF16 = 0.73
 _COST_ROUND = 190.0
 # Exact is preferred when the block would cover this much of the smaller side anyway.
 _EXACT_FRACTION = 0.5
+# What one call of the randomized path costs beyond the exact one whatever the batch (Python and
+# small kernels, ~1.5 ms on the CPU above): a batch of a few small matrices cannot make it back
+# (measured: 4 x 512x128 warm 3.3 ms against exact 3.1; 16 x 128x128 warm 6.7 against 9.4).
+_COST_CALL = 2.0e8
 
 
 def _choose_method(
@@ -308,8 +325,10 @@ def _choose_method(
     dtype: torch.dtype,
     device_type: str = "cpu",
     rounded: bool = False,
+    batch: int = 1,
 ) -> str:
-    """The cheapest method for an ``m x n`` matrix by a flop count (deterministic, no timing).
+    """The cheapest method for a batch of ``m x n`` matrices by a flop count (deterministic, no
+    timing).
 
     On an accelerator the float64 Gram path is never chosen: many GPUs run float64 at a small
     fraction of their float32 rate, and a float32 Gram matrix would square W's rounding.
@@ -322,7 +341,7 @@ def _choose_method(
     randomized = min(_randomized_costs(m, n, width, n_iter, krylov=True, rounded=rounded).values())
     # Exact float64 Gram: product and eigvalsh both at float64 cost (2x).
     gram_exact = 2 * (2 * _COST_GEMM * small * small * large + _COST_EIGH * small**3)
-    return "randomized" if randomized <= gram_exact else "gram"
+    return "randomized" if batch * randomized + _COST_CALL <= batch * gram_exact else "gram"
 
 
 def _randomized_costs(
@@ -533,18 +552,28 @@ def gram_singular_values(G: Tensor) -> Tensor:
     return torch.linalg.eigvalsh(G.to(torch.float64)).flip(-1).clamp_min(0).sqrt()
 
 
-def _gram_eigvalsh(A: Tensor) -> tuple[Tensor, Tensor]:
+def _gram_eigvalsh(A: Tensor, width: int | None = None) -> tuple[Tensor, Tensor, Tensor | None]:
     """All singular values, descending, from float64 ``eigvalsh`` of the smaller Gram matrix.
 
-    Returns ``(S, finite)``: a matrix with a NaN/Inf entry is zeroed in its Gram matrix (LAPACK
+    Returns ``(S, finite, V)``: a matrix with a NaN/Inf entry is zeroed in its Gram matrix (LAPACK
     would fail for the whole batch) and flagged, without a host read on an accelerator. Every
-    entry of A is in some column norm on G's diagonal, so that is where a NaN/Inf shows.
+    entry of A is in some column norm on G's diagonal, so that is where a NaN/Inf shows. With
+    ``width``, ``V`` is the top-``width`` right singular subspace (``eigh``; about twice the time),
+    else ``None``.
     """
     A64 = A.to(torch.float64)
     m, n = A.shape[-2:]
     G = A64.mT @ A64 if n <= m else A64 @ A64.mT  # (..., min, min)
     finite = torch.isfinite(G.diagonal(dim1=-2, dim2=-1)).all(-1)
-    return gram_singular_values(keep_finite(G, finite)).to(A.dtype), finite
+    G = keep_finite(G, finite)
+    if width is None:
+        return gram_singular_values(G).to(A.dtype), finite, None
+    values, vectors = torch.linalg.eigh(G)  # ascending
+    S = values.flip(-1).clamp_min(0).sqrt().to(A.dtype)
+    top = vectors.flip(-1)[..., :width]
+    if n > m:  # left singular vectors: the right ones are A^T u_i / sigma_i
+        top = _orthonormal_columns(keep_finite(A64.mT @ top, finite))
+    return S, finite, top.to(A.dtype)
 
 
 def _svdvals_tall(A: Tensor) -> tuple[Tensor, Tensor]:
