@@ -244,6 +244,7 @@ def randomized_svd(
     else:
         chosen = method
 
+    V: Tensor | None
     if chosen in ("randomized", "subspace"):
         start = start_block(A, width, generator, init)
         # The stopping rule is tested from the first block of a warm start, grown first by the
