@@ -29,13 +29,8 @@ from collections.abc import Callable
 import torch
 
 from spectral_callbacks.functional import powerlaw_alpha, randomized_svd, spectral_metrics
-from spectral_callbacks.functional.svd import (
-    DEFAULT_K,
-    DEFAULT_N_OVERSAMPLES,
-    _bf16_tiles,
-    _choose_method,
-    default_n_iter,
-)
+from spectral_callbacks.functional.method_choice import bf16_tiles, choose_method
+from spectral_callbacks.functional.svd import DEFAULT_K, DEFAULT_N_OVERSAMPLES, default_n_iter
 
 SHAPES = [(768, 768), (2304, 768), (3072, 768), (1024, 4096), (4096, 4096)]
 SPECTRA = ["gaussian", 0.2, 0.5, 1.0]
@@ -137,8 +132,8 @@ def main() -> None:
             if exact_ms is None:  # no method's cost depends on the spectrum: time once per shape
                 ours, exact_ms, exact_name = time_side_by_side(W, args.repeats)
             width = min(DEFAULT_K + DEFAULT_N_OVERSAMPLES, *shape)
-            method = _choose_method(
-                *shape, width, default_n_iter(*shape), torch.float32, "cpu", _bf16_tiles(W.device)
+            method = choose_method(
+                *shape, width, default_n_iter(*shape), torch.float32, "cpu", bf16_tiles(W.device)
             )
             print(
                 f"| {shape[0]:>4}x{shape[1]:<4} | {spectrum!s:>8} | {sr_err:>+8.3f} | "

@@ -9,7 +9,7 @@ import torch
 
 import spectral_callbacks.functional.svd as svd_module
 from spectral_callbacks.functional import randomized_svd
-from spectral_callbacks.functional.svd import _choose_method
+from spectral_callbacks.functional.method_choice import choose_method
 
 # A fixed seed and a fresh one per run (its value is in the test id, to reproduce a failure).
 SEEDS = [0, random.SystemRandom().randrange(2**31)]
@@ -151,12 +151,12 @@ def test_a_generator_makes_the_result_reproducible() -> None:
 
 
 def test_method_is_chosen_by_shape() -> None:
-    assert _choose_method(4096, 4096, 40, 6, torch.float32) == "randomized"
-    assert _choose_method(64, 64, 40, 6, torch.float32) == "gram"  # the block covers most of it
-    assert _choose_method(64, 64, 40, 6, torch.float64) == "svdvals"
+    assert choose_method(4096, 4096, 40, 6, torch.float32) == "randomized"
+    assert choose_method(64, 64, 40, 6, torch.float32) == "gram"  # the block covers most of it
+    assert choose_method(64, 64, 40, 6, torch.float64) == "svdvals"
     # A warm call on a small matrix pays only in a batch big enough to make up for a call's cost.
-    assert _choose_method(128, 128, 40, 1, torch.float32, batch=4) == "gram"
-    assert _choose_method(128, 128, 40, 1, torch.float32, batch=16) == "randomized"
+    assert choose_method(128, 128, 40, 1, torch.float32, batch=4) == "gram"
+    assert choose_method(128, 128, 40, 1, torch.float32, batch=16) == "randomized"
 
 
 @pytest.mark.parametrize("shape", [(16, 128, 128), (16, 128, 256), (16, 256, 128)])
@@ -164,7 +164,7 @@ def test_an_exact_first_call_hands_back_a_subspace_when_warm_calls_will_pay(
     shape: tuple[int, int, int],
 ) -> None:
     _, m, n = shape
-    assert _choose_method(m, n, 40, svd_module.default_n_iter(m, n), torch.float32, batch=16) == (
+    assert choose_method(m, n, 40, svd_module.default_n_iter(m, n), torch.float32, batch=16) == (
         "gram"
     )
     g = torch.Generator().manual_seed(random.randrange(2**31))
@@ -360,8 +360,8 @@ def test_tf32_enabled_by_the_user_does_not_lower_the_svd_precision() -> None:
 
 
 def test_auto_never_picks_the_float64_gram_path_on_an_accelerator() -> None:
-    assert _choose_method(64, 64, 40, 6, torch.float32, "cuda") == "svdvals"
-    assert _choose_method(3072, 768, 40, 5, torch.float32, "cuda") == "randomized"
+    assert choose_method(64, 64, 40, 6, torch.float32, "cuda") == "svdvals"
+    assert choose_method(3072, 768, 40, 5, torch.float32, "cuda") == "randomized"
 
 
 @pytest.mark.parametrize("n_iter", [None, 4])
@@ -370,7 +370,7 @@ def test_a_non_finite_wide_matrix_on_the_gram_path_leaves_its_batch_alone(
 ) -> None:
     # Price the Gram path in, so the wide iteration in the smaller (left) space runs.
     monkeypatch.setattr(
-        svd_module, "_randomized_costs", lambda *args, **kwargs: {"products": 2.0, "gram": 1.0}
+        svd_module, "randomized_costs", lambda *args, **kwargs: {"products": 2.0, "gram": 1.0}
     )
     W = decaying((3, 60, 500), 1.0, random.randrange(2**31)).float()
     W[1, 3, 3] = float("nan")
@@ -417,7 +417,7 @@ def test_every_way_to_apply_the_gram_matrix_reads_the_same_values(
     # The cost model picks one per shape and machine (bfloat16 products only where the CPU has
     # matrix tiles); each is forced here, cold (the stopping rule) and at a fixed depth, with a
     # NaN matrix in the batch. The values always come from W itself in float32.
-    monkeypatch.setattr(svd_module, "_randomized_costs", lambda *args, **kwargs: {route: 0.0})
+    monkeypatch.setattr(svd_module, "randomized_costs", lambda *args, **kwargs: {route: 0.0})
     W = decaying(shape, 0.5, seed).float()
     W[1, 3, 3] = float("nan")
     rest = W[[0, 2]]

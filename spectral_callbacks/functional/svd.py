@@ -30,7 +30,7 @@ speed).
 The exact paths are ``eigvalsh`` of the smaller Gram matrix in float64 (exact for sigma_1 and every
 singular value above ``sqrt(eps64) * sigma_1``) and ``svdvals`` of the tall orientation (LAPACK is
 several times slower on the wide one). Which path runs is decided by shape and device with a
-calibrated flop count (``_choose_method``), never by timing at run time, so the choice is
+calibrated flop count (``method_choice.choose_method``), never by timing at run time, so the choice is
 deterministic; on an accelerator the float64 Gram path is never chosen (weak FP64 on many GPUs).
 
 Host synchronization (what a CUDA worker waits for): on an accelerator, masks (non-finite
@@ -51,7 +51,6 @@ whichever method ran.
 
 from __future__ import annotations
 
-import functools
 from typing import NamedTuple
 
 import torch
@@ -65,6 +64,7 @@ from spectral_callbacks.functional.krylov import (
     start_block,
     subspace_iteration,
 )
+from spectral_callbacks.functional.method_choice import bf16_tiles, choose_method, randomized_costs
 
 __all__ = [
     "DEFAULT_K",
@@ -236,9 +236,9 @@ def randomized_svd(
     # A cold start (several full blocks) may find its subspace with products on W rounded to
     # bfloat16, where the CPU multiplies bfloat16 in matrix tiles; a warm start's one block gets
     # its values free from its own products, which a rounded W could not give.
-    rounded = init is None and compute_dtype == torch.float32 and _bf16_tiles(A.device)
+    rounded = init is None and compute_dtype == torch.float32 and bf16_tiles(A.device)
     if method == "auto":
-        chosen = _choose_method(
+        chosen = choose_method(
             m, n, width, expected, compute_dtype, A.device.type, rounded, A[..., 0, 0].numel()
         )
     else:
@@ -277,7 +277,7 @@ def randomized_svd(
         warm_pays = (
             method == "auto"
             and init is None
-            and _choose_method(
+            and choose_method(
                 m, n, width, _EXPECTED_WARM_DEPTH, compute_dtype, batch=A[..., 0, 0].numel()
             )
             == "randomized"
@@ -297,78 +297,6 @@ def randomized_svd(
     return TopSVD(S, V)
 
 
-# Relative cost of one flop in each kind of kernel, in units of a large float32 matmul, calibrated on
-# an x86 CPU (torch 2.13, MKL, 1-2 threads): a big square product (the Gram matrix) runs near peak,
-# skinny products and tall-skinny QR slower, eigvalsh memory bound (tridiagonal reduction). Float64
-# costs twice float32.
-_COST_GEMM = 1.0
-_COST_SKINNY = 2.3
-_COST_QR = 7.5
-_COST_EIGH = 14.0
-# On a CPU with AMX tiles: a skinny product on bfloat16 operands (float32 accumulation) runs at
-# about 3x the float32 rate, and rounding W to bfloat16 into fresh memory costs about as much as
-# 190 float32 GEMM flops per entry (35 ms for 48 x 768 x 768, page faults included).
-_COST_SKINNY_BF16 = 0.73
-_COST_ROUND = 190.0
-# Exact is preferred when the block would cover this much of the smaller side anyway.
-_EXACT_FRACTION = 0.5
-# What one call of the randomized path costs beyond the exact one whatever the batch (Python and
-# small kernels, ~1.5 ms on the CPU above): a batch of a few small matrices cannot make it back
-# (measured: 4 x 512x128 warm 3.3 ms against exact 3.1; 16 x 128x128 warm 6.7 against 9.4).
-_COST_CALL = 2.0e8
-
-
-def _choose_method(
-    m: int,
-    n: int,
-    width: int,
-    n_iter: int,
-    dtype: torch.dtype,
-    device_type: str = "cpu",
-    rounded: bool = False,
-    batch: int = 1,
-) -> str:
-    """The cheapest method for a batch of ``m x n`` matrices by a flop count (deterministic, no
-    timing).
-
-    On an accelerator the float64 Gram path is never chosen: many GPUs run float64 at a small
-    fraction of their float32 rate, and a float32 Gram matrix would square W's rounding.
-    """
-    small, large = min(m, n), max(m, n)
-    if width >= _EXACT_FRACTION * small:
-        return "svdvals" if dtype == torch.float64 or device_type != "cpu" else "gram"
-    if device_type != "cpu":
-        return "randomized"
-    randomized = min(_randomized_costs(m, n, width, n_iter, krylov=True, rounded=rounded).values())
-    # Exact float64 Gram: product and eigvalsh both at float64 cost (2x).
-    gram_exact = 2 * (2 * _COST_GEMM * small * small * large + _COST_EIGH * small**3)
-    return "randomized" if batch * randomized + _COST_CALL <= batch * gram_exact else "gram"
-
-
-def _randomized_costs(
-    m: int, n: int, width: int, n_iter: int, *, krylov: bool, rounded: bool = False
-) -> dict[str, float]:
-    """Cost of each way to apply W^T W: ``"products"`` with W, ``"gram"`` with an explicit Gram
-    matrix, and (when ``rounded``) ``"rounded"``: products with W rounded to bfloat16."""
-    small, large = min(m, n), max(m, n)
-    applications = n_iter + 1  # each block Q_j is multiplied by W^T W once
-    # Orthogonalization in the iterated space: two QRs per step, plus (Krylov) two projections
-    # against the growing basis.
-    blocks = n_iter * (n_iter + 1) / 2 if krylov else 0
-    ortho = small * width * width * (_COST_QR * 8 * n_iter + _COST_SKINNY * 8 * blocks)
-    # By products: W Q_j and W^T (W Q_j) per block; W V is a combination of the W Q_j already made.
-    by_products = applications * 4 * _COST_SKINNY * m * n * width + ortho
-    gram = 2 * _COST_GEMM * small * small * large
-    final = 2 * _COST_SKINNY * m * n * width  # W V, to read the values off W itself
-    by_gram = gram + applications * 2 * _COST_SKINNY * small * small * width + final + ortho
-    costs = {"products": by_products, "gram": by_gram}
-    if rounded:
-        rounding = _COST_ROUND * m * n
-        products = applications * 4 * _COST_SKINNY_BF16 * m * n * width
-        costs["rounded"] = rounding + products + final + ortho
-    return costs
-
-
 def _randomized(
     A: Tensor,
     k: int,
@@ -384,7 +312,7 @@ def _randomized(
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Block Krylov (or subspace iteration) + Rayleigh-Ritz on W itself; returns (S, V, finite)."""
     m, n = A.shape[-2:]
-    costs = _randomized_costs(m, n, start.shape[-1], expected, krylov=krylov, rounded=rounded)
+    costs = randomized_costs(m, n, start.shape[-1], expected, krylov=krylov, rounded=rounded)
     route = min(costs, key=costs.__getitem__)
     use_gram = route == "gram"
     # Iterate in the space of the smaller side when W itself is not multiplied at full
@@ -494,14 +422,6 @@ def _times(B: Tensor, X: Tensor) -> Tensor:
     """``B @ X``; one column (a partial block) as ``(X^T B^T)^T``: MKL's batched GEMM with one
     column reads B at under half the speed of the GEMV this becomes."""
     return _matmul(B, X) if X.shape[-1] > 1 else _matmul(X.mT, B.mT).mT
-
-
-@functools.cache
-def _bf16_tiles(device: torch.device) -> bool:
-    """Whether ``device`` is a CPU that multiplies bfloat16 in matrix tiles (Intel AMX), several
-    times its float32 rate; elsewhere bfloat16 products would be no faster, or emulated."""
-    is_amx = getattr(torch.cpu, "_is_amx_tile_supported", None)
-    return device.type == "cpu" and is_amx is not None and bool(is_amx())
 
 
 def _matmul(A: Tensor, B: Tensor) -> Tensor:

@@ -1,0 +1,92 @@
+"""Which way ``randomized_svd`` computes a batch's top-k singular values: a calibrated flop count.
+
+The method (randomized block Krylov, or an exact one) and, on the randomized path, the way W^T W
+is applied (products with W, an explicit Gram matrix, or W rounded to bfloat16) are chosen by
+these counts, never by timing at run time, so the choice is deterministic. Costs are in flops of
+a large float32 matmul on the CPU they were calibrated on.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+# Relative cost of one flop in each kind of kernel, in units of a large float32 matmul, calibrated on
+# an x86 CPU (torch 2.13, MKL, 1-2 threads): a big square product (the Gram matrix) runs near peak,
+# skinny products and tall-skinny QR slower, eigvalsh memory bound (tridiagonal reduction). Float64
+# costs twice float32.
+_COST_GEMM = 1.0
+_COST_SKINNY = 2.3
+_COST_QR = 7.5
+_COST_EIGH = 14.0
+# On a CPU with AMX tiles: a skinny product on bfloat16 operands (float32 accumulation) runs at
+# about 3x the float32 rate, and rounding W to bfloat16 into fresh memory costs about as much as
+# 190 float32 GEMM flops per entry (35 ms for 48 x 768 x 768, page faults included).
+_COST_SKINNY_BF16 = 0.73
+_COST_ROUND = 190.0
+# Exact is preferred when the block would cover this much of the smaller side anyway.
+_EXACT_FRACTION = 0.5
+# What one call of the randomized path costs beyond the exact one whatever the batch (Python and
+# small kernels, ~1.5 ms on the CPU above): a batch of a few small matrices cannot make it back
+# (measured: 4 x 512x128 warm 3.3 ms against exact 3.1; 16 x 128x128 warm 6.7 against 9.4).
+_COST_CALL = 2.0e8
+
+
+def choose_method(
+    m: int,
+    n: int,
+    width: int,
+    n_iter: int,
+    dtype: torch.dtype,
+    device_type: str = "cpu",
+    rounded: bool = False,
+    batch: int = 1,
+) -> str:
+    """The cheapest method for a batch of ``m x n`` matrices by a flop count (deterministic, no
+    timing).
+
+    On an accelerator the float64 Gram path is never chosen: many GPUs run float64 at a small
+    fraction of their float32 rate, and a float32 Gram matrix would square W's rounding.
+    """
+    small, large = min(m, n), max(m, n)
+    if width >= _EXACT_FRACTION * small:
+        return "svdvals" if dtype == torch.float64 or device_type != "cpu" else "gram"
+    if device_type != "cpu":
+        return "randomized"
+    randomized = min(randomized_costs(m, n, width, n_iter, krylov=True, rounded=rounded).values())
+    # Exact float64 Gram: product and eigvalsh both at float64 cost (2x).
+    gram_exact = 2 * (2 * _COST_GEMM * small * small * large + _COST_EIGH * small**3)
+    return "randomized" if batch * randomized + _COST_CALL <= batch * gram_exact else "gram"
+
+
+def randomized_costs(
+    m: int, n: int, width: int, n_iter: int, *, krylov: bool, rounded: bool = False
+) -> dict[str, float]:
+    """Cost of each way to apply W^T W: ``"products"`` with W, ``"gram"`` with an explicit Gram
+    matrix, and (when ``rounded``) ``"rounded"``: products with W rounded to bfloat16."""
+    small, large = min(m, n), max(m, n)
+    applications = n_iter + 1  # each block Q_j is multiplied by W^T W once
+    # Orthogonalization in the iterated space: two QRs per step, plus (Krylov) two projections
+    # against the growing basis.
+    blocks = n_iter * (n_iter + 1) / 2 if krylov else 0
+    ortho = small * width * width * (_COST_QR * 8 * n_iter + _COST_SKINNY * 8 * blocks)
+    # By products: W Q_j and W^T (W Q_j) per block; W V is a combination of the W Q_j already made.
+    by_products = applications * 4 * _COST_SKINNY * m * n * width + ortho
+    gram = 2 * _COST_GEMM * small * small * large
+    final = 2 * _COST_SKINNY * m * n * width  # W V, to read the values off W itself
+    by_gram = gram + applications * 2 * _COST_SKINNY * small * small * width + final + ortho
+    costs = {"products": by_products, "gram": by_gram}
+    if rounded:
+        rounding = _COST_ROUND * m * n
+        products = applications * 4 * _COST_SKINNY_BF16 * m * n * width
+        costs["rounded"] = rounding + products + final + ortho
+    return costs
+
+
+@functools.cache
+def bf16_tiles(device: torch.device) -> bool:
+    """Whether ``device`` is a CPU that multiplies bfloat16 in matrix tiles (Intel AMX), several
+    times its float32 rate; elsewhere bfloat16 products would be no faster, or emulated."""
+    is_amx = getattr(torch.cpu, "_is_amx_tile_supported", None)
+    return device.type == "cpu" and is_amx is not None and bool(is_amx())
