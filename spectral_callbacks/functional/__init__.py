@@ -11,6 +11,7 @@ Example::
     (tensor(4.), tensor(1.))
 """
 
+from spectral_callbacks.functional.exact import gram_singular_values
 from spectral_callbacks.functional.metrics import (
     ESD_MIN_TAIL,
     MIN_FIT_POINTS,
@@ -31,7 +32,6 @@ from spectral_callbacks.functional.svd import (
     DEFAULT_TOL,
     METHODS,
     TopSVD,
-    gram_singular_values,
     randomized_svd,
 )
 

@@ -335,3 +335,11 @@ def _rounding(dtype: torch.dtype) -> float:
 def orthonormalize(X: Tensor) -> Tensor:
     """Orthonormal basis of the columns of ``X`` (reduced Householder QR)."""
     return torch.linalg.qr(X).Q
+
+
+def orthonormal_columns(X: Tensor) -> Tensor:
+    """An orthonormal basis of ``X``'s columns, leading first: the columns normalized, then
+    CholeskyQR when they are well conditioned, else Householder QR."""
+    X = X / torch.linalg.vector_norm(X, dim=-2, keepdim=True).clamp_min(1e-30)
+    Q = cholesky_qr(X)  # None off the CPU or when ill conditioned
+    return orthonormalize(X) if Q is None else Q

@@ -55,6 +55,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from spectral_callbacks.functional.exact import gram_singular_values
 from spectral_callbacks.functional.krylov import (
     orthogonalize_against,
     orthonormalize,
@@ -67,7 +68,6 @@ from spectral_callbacks.functional.svd import (
     DEFAULT_N_OVERSAMPLES,
     DEFAULT_TOL,
     default_n_iter,
-    gram_singular_values,
 )
 
 __all__ = ["SPLITS", "ShardedTopSVD", "sharded_randomized_svd"]

@@ -56,10 +56,11 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from spectral_callbacks.functional.exact import gram_eigvalsh, svdvals_tall
 from spectral_callbacks.functional.krylov import (
     block_krylov,
-    cholesky_qr,
     keep_finite,
+    orthonormal_columns,
     orthonormalize,
     start_block,
     subspace_iteration,
@@ -73,7 +74,6 @@ __all__ = [
     "DEFAULT_TOL",
     "METHODS",
     "TopSVD",
-    "gram_singular_values",
     "randomized_svd",
 ]
 
@@ -282,9 +282,9 @@ def randomized_svd(
             )
             == "randomized"
         )
-        S, finite, V = _gram_eigvalsh(A, width if warm_pays else None)
+        S, finite, V = gram_eigvalsh(A, width if warm_pays else None)
     else:
-        (S, finite), V = _svdvals_tall(A), None
+        (S, finite), V = svdvals_tall(A), None
     S = S[..., :k]
 
     # Values below the rank tolerance are rounding noise whose size depends on the method; report
@@ -384,14 +384,14 @@ def _randomized(
     BV = keep_finite(BV, finite)
     S = _singular_values(BV)
     if wide:  # B V's columns are ~ sigma_i u_i, u_i the right singular vectors of A = B^T
-        return S, _orthonormal_columns(BV), finite
+        return S, orthonormal_columns(BV), finite
     # One power step past the Ritz vectors, free since W^T W V was computed: the next warm start
     # begins closer to the top subspace.
     # A non-finite matrix (its images zeroed) keeps its Ritz vectors instead.
     past = images  # columns ~ sigma_i^2 v_i: nearly orthogonal once normalized
     if images.device.type != "cpu" or not bool(finite.all()):
         past = torch.where(finite[..., None, None], past, basis)
-    return S, _orthonormal_columns(past), finite
+    return S, orthonormal_columns(past), finite
 
 
 def _singular_values(X: Tensor) -> Tensor:
@@ -408,14 +408,6 @@ def _singular_values(X: Tensor) -> Tensor:
         return torch.linalg.svdvals(torch.linalg.qr(X, mode="r").R)
     X64 = X.to(torch.float64)
     return torch.linalg.eigvalsh(X64.mT @ X64).flip(-1).clamp_min(0).sqrt().to(X.dtype)
-
-
-def _orthonormal_columns(X: Tensor) -> Tensor:
-    """An orthonormal basis of ``X``'s columns, leading first: the columns normalized, then
-    CholeskyQR when they are well conditioned, else Householder QR."""
-    X = X / torch.linalg.vector_norm(X, dim=-2, keepdim=True).clamp_min(1e-30)
-    Q = cholesky_qr(X)  # None off the CPU or when ill conditioned
-    return orthonormalize(X) if Q is None else Q
 
 
 def _times(B: Tensor, X: Tensor) -> Tensor:
@@ -449,60 +441,6 @@ def _split_tf32(X: Tensor) -> tuple[Tensor, Tensor]:
     """``X = head + tail`` with ``head`` exact in TF32 (10 mantissa bits): the low 13 bits cleared."""
     head = (X.contiguous().view(torch.int32) & -8192).view(torch.float32)  # -8192 = ~0x1FFF
     return head, X - head
-
-
-def gram_singular_values(G: Tensor) -> Tensor:
-    r"""Singular values of X, descending, from its Gram matrix :math:`G = X^\top X` (or :math:`X X^\top`).
-
-    .. math:: \sigma_i(X) = \sqrt{\max(\lambda_i(G), 0)}
-
-    Computed with ``eigvalsh`` in float64; rounding makes tiny eigenvalues slightly negative,
-    hence the clamp.
-
-    Args:
-        G: ``(..., d, d)`` symmetric positive semi-definite matrix.
-
-    Returns:
-        ``(..., d)`` float64 singular values, descending.
-
-    Example::
-
-        >>> gram_singular_values(torch.diag(torch.tensor([4.0, 9.0, 1.0])))
-        tensor([3., 2., 1.], dtype=torch.float64)
-    """
-    return torch.linalg.eigvalsh(G.to(torch.float64)).flip(-1).clamp_min(0).sqrt()
-
-
-def _gram_eigvalsh(A: Tensor, width: int | None = None) -> tuple[Tensor, Tensor, Tensor | None]:
-    """All singular values, descending, from float64 ``eigvalsh`` of the smaller Gram matrix.
-
-    Returns ``(S, finite, V)``: a matrix with a NaN/Inf entry is zeroed in its Gram matrix (LAPACK
-    would fail for the whole batch) and flagged, without a host read on an accelerator. Every
-    entry of A is in some column norm on G's diagonal, so that is where a NaN/Inf shows. With
-    ``width``, ``V`` is the top-``width`` right singular subspace (``eigh``; about twice the time),
-    else ``None``.
-    """
-    A64 = A.to(torch.float64)
-    m, n = A.shape[-2:]
-    G = A64.mT @ A64 if n <= m else A64 @ A64.mT  # (..., min, min)
-    finite = torch.isfinite(G.diagonal(dim1=-2, dim2=-1)).all(-1)
-    G = keep_finite(G, finite)
-    if width is None:
-        return gram_singular_values(G).to(A.dtype), finite, None
-    values, vectors = torch.linalg.eigh(G)  # ascending
-    S = values.flip(-1).clamp_min(0).sqrt().to(A.dtype)
-    top = vectors.flip(-1)[..., :width]
-    if n > m:  # left singular vectors: the right ones are A^T u_i / sigma_i
-        top = _orthonormal_columns(keep_finite(A64.mT @ top, finite))
-    return S, finite, top.to(A.dtype)
-
-
-def _svdvals_tall(A: Tensor) -> tuple[Tensor, Tensor]:
-    """All singular values, descending, from ``svdvals`` of the tall orientation; ``(S, finite)``."""
-    m, n = A.shape[-2:]
-    finite = torch.isfinite(A).flatten(-2).all(-1)
-    A = keep_finite(A, finite)
-    return torch.linalg.svdvals(A if m >= n else A.mT), finite
 
 
 def _check_matrix(W: object, name: str) -> None:

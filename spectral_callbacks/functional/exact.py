@@ -1,0 +1,63 @@
+"""The exact paths of ``randomized_svd``: every singular value, from float64 ``eigvalsh`` of the
+smaller Gram matrix or from ``svdvals`` of the tall orientation, non-finite matrices flagged."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from spectral_callbacks.functional.krylov import keep_finite, orthonormal_columns
+
+
+def gram_singular_values(G: Tensor) -> Tensor:
+    r"""Singular values of X, descending, from its Gram matrix :math:`G = X^\top X` (or :math:`X X^\top`).
+
+    .. math:: \sigma_i(X) = \sqrt{\max(\lambda_i(G), 0)}
+
+    Computed with ``eigvalsh`` in float64; rounding makes tiny eigenvalues slightly negative,
+    hence the clamp.
+
+    Args:
+        G: ``(..., d, d)`` symmetric positive semi-definite matrix.
+
+    Returns:
+        ``(..., d)`` float64 singular values, descending.
+
+    Example::
+
+        >>> gram_singular_values(torch.diag(torch.tensor([4.0, 9.0, 1.0])))
+        tensor([3., 2., 1.], dtype=torch.float64)
+    """
+    return torch.linalg.eigvalsh(G.to(torch.float64)).flip(-1).clamp_min(0).sqrt()
+
+
+def gram_eigvalsh(A: Tensor, width: int | None = None) -> tuple[Tensor, Tensor, Tensor | None]:
+    """All singular values, descending, from float64 ``eigvalsh`` of the smaller Gram matrix.
+
+    Returns ``(S, finite, V)``: a matrix with a NaN/Inf entry is zeroed in its Gram matrix (LAPACK
+    would fail for the whole batch) and flagged, without a host read on an accelerator. Every
+    entry of A is in some column norm on G's diagonal, so that is where a NaN/Inf shows. With
+    ``width``, ``V`` is the top-``width`` right singular subspace (``eigh``; about twice the time),
+    else ``None``.
+    """
+    A64 = A.to(torch.float64)
+    m, n = A.shape[-2:]
+    G = A64.mT @ A64 if n <= m else A64 @ A64.mT  # (..., min, min)
+    finite = torch.isfinite(G.diagonal(dim1=-2, dim2=-1)).all(-1)
+    G = keep_finite(G, finite)
+    if width is None:
+        return gram_singular_values(G).to(A.dtype), finite, None
+    values, vectors = torch.linalg.eigh(G)  # ascending
+    S = values.flip(-1).clamp_min(0).sqrt().to(A.dtype)
+    top = vectors.flip(-1)[..., :width]
+    if n > m:  # left singular vectors: the right ones are A^T u_i / sigma_i
+        top = orthonormal_columns(keep_finite(A64.mT @ top, finite))
+    return S, finite, top.to(A.dtype)
+
+
+def svdvals_tall(A: Tensor) -> tuple[Tensor, Tensor]:
+    """All singular values, descending, from ``svdvals`` of the tall orientation; ``(S, finite)``."""
+    m, n = A.shape[-2:]
+    finite = torch.isfinite(A).flatten(-2).all(-1)
+    A = keep_finite(A, finite)
+    return torch.linalg.svdvals(A if m >= n else A.mT), finite
