@@ -400,8 +400,8 @@ def _singular_values(X: Tensor) -> Tensor:
     From ``eigvalsh`` of its Gram matrix in float64, as the sharded path does: squaring there
     adds about eps64 * sigma_1^2 to each sigma_i^2, i.e. a relative eps64 (sigma_1 / sigma_i)^2
     that is under 1e-6 above the float32 rank tolerance, far below the float32 rounding of ``X``
-    that any way of reading its values inherits; at 768 x 40 it takes a quarter of the time of a
-    Householder QR and LAPACK's SVD of R. A float64 ``X`` has no wider type to square in: QR,
+    that any way of reading its values inherits; for 48 x 768 x 40 it takes about a third of the
+    time of a Householder QR and LAPACK's SVD of R (4.8 against 13.5 ms). A float64 ``X`` has no wider type to square in: QR,
     then the singular values of R.
     """
     if X.dtype == torch.float64:
