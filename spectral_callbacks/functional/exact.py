@@ -28,7 +28,13 @@ def gram_singular_values(G: Tensor) -> Tensor:
         >>> gram_singular_values(torch.diag(torch.tensor([4.0, 9.0, 1.0])))
         tensor([3., 2., 1.], dtype=torch.float64)
     """
-    return torch.linalg.eigvalsh(G.to(torch.float64)).flip(-1).clamp_min(0).sqrt()
+    return from_gram_eigenvalues(torch.linalg.eigvalsh(G.to(torch.float64)))
+
+
+def from_gram_eigenvalues(values: Tensor) -> Tensor:
+    """Singular values, descending, from a Gram matrix's eigenvalues in ``eigh``'s ascending
+    order: the square roots, tiny negative ones (rounding) read as 0."""
+    return values.flip(-1).clamp_min(0).sqrt()
 
 
 def gram_eigvalsh(A: Tensor, width: int | None = None) -> tuple[Tensor, Tensor, Tensor | None]:
@@ -48,7 +54,7 @@ def gram_eigvalsh(A: Tensor, width: int | None = None) -> tuple[Tensor, Tensor, 
     if width is None:
         return gram_singular_values(G).to(A.dtype), finite, None
     values, vectors = torch.linalg.eigh(G)  # ascending
-    S = values.flip(-1).clamp_min(0).sqrt().to(A.dtype)
+    S = from_gram_eigenvalues(values).to(A.dtype)
     top = vectors.flip(-1)[..., :width]
     if n > m:  # left singular vectors: the right ones are A^T u_i / sigma_i
         top = orthonormal_columns(keep_finite(A64.mT @ top, finite))

@@ -48,9 +48,9 @@ def block_krylov(
     test costs an ``eigh`` of the Rayleigh quotient, so a cold start skips the steps it will need
     anyway); with ``None`` the depth is fixed. With ``lead`` the first step grows by the residual
     of the start's leading column only (a warm start's estimate of the top pair, whose tight bound
-    is what its first test would fail on), so that test and its ``eigh`` are spared. Returns the Ritz vectors ``X`` (..., d, b), their
-    images ``apply(X)``, ``B X`` when ``apply`` makes the products with B (else None), and which
-    matrices are finite.
+    is what its first test would fail on), so that test and its ``eigh`` are spared. Returns the
+    Ritz vectors ``X`` (..., d, b), their images ``apply(X)``, ``B X`` when ``apply`` makes the
+    products with B (else None), and which matrices are finite.
     """
     d, b = start.shape[-2:]
     # The basis [Q_0, Q_1, ...], the images apply(Q_j) (the Rayleigh quotient and the next block)

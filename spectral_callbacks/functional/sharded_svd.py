@@ -55,7 +55,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from spectral_callbacks.functional.exact import gram_singular_values
+from spectral_callbacks.functional.exact import from_gram_eigenvalues, gram_singular_values
 from spectral_callbacks.functional.krylov import (
     orthogonalize_against,
     orthonormalize,
@@ -297,7 +297,7 @@ def sharded_randomized_svd(
         gram = image.mT @ image
     if method != "gram":  # Ritz values and the top-b Ritz vectors of the Gram of W basis
         values, vectors = torch.linalg.eigh((gram + gram.mT) / 2)  # ascending
-        S = values.flip(-1).clamp_min(0).sqrt().to(compute_dtype)
+        S = from_gram_eigenvalues(values).to(compute_dtype)
         V = basis @ vectors.flip(-1)[..., :width].to(compute_dtype)
     S = S[..., :k]
     # As randomized_svd: values below the rank tolerance are rounding noise, reported as 0.

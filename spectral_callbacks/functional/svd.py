@@ -56,7 +56,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from spectral_callbacks.functional.exact import gram_eigvalsh, svdvals_tall
+from spectral_callbacks.functional.exact import gram_eigvalsh, gram_singular_values, svdvals_tall
 from spectral_callbacks.functional.krylov import (
     block_krylov,
     keep_finite,
@@ -237,10 +237,9 @@ def randomized_svd(
     # bfloat16, where the CPU multiplies bfloat16 in matrix tiles; a warm start's one block gets
     # its values free from its own products, which a rounded W could not give.
     rounded = init is None and compute_dtype == torch.float32 and bf16_tiles(A.device)
+    batch = A[..., 0, 0].numel()
     if method == "auto":
-        chosen = choose_method(
-            m, n, width, expected, compute_dtype, A.device.type, rounded, A[..., 0, 0].numel()
-        )
+        chosen = choose_method(m, n, width, expected, compute_dtype, A.device.type, rounded, batch)
     else:
         chosen = method
 
@@ -277,9 +276,7 @@ def randomized_svd(
         warm_pays = (
             method == "auto"
             and init is None
-            and choose_method(
-                m, n, width, _EXPECTED_WARM_DEPTH, compute_dtype, batch=A[..., 0, 0].numel()
-            )
+            and choose_method(m, n, width, _EXPECTED_WARM_DEPTH, compute_dtype, batch=batch)
             == "randomized"
         )
         S, finite, V = gram_eigvalsh(A, width if warm_pays else None)
@@ -401,13 +398,13 @@ def _singular_values(X: Tensor) -> Tensor:
     adds about eps64 * sigma_1^2 to each sigma_i^2, i.e. a relative eps64 (sigma_1 / sigma_i)^2
     that is under 1e-6 above the float32 rank tolerance, far below the float32 rounding of ``X``
     that any way of reading its values inherits; for 48 x 768 x 40 it takes about a third of the
-    time of a Householder QR and LAPACK's SVD of R (4.8 against 13.5 ms). A float64 ``X`` has no wider type to square in: QR,
-    then the singular values of R.
+    time of a Householder QR and LAPACK's SVD of R (4.8 against 13.5 ms). A float64 ``X`` has no
+    wider type to square in: QR, then the singular values of R.
     """
     if X.dtype == torch.float64:
         return torch.linalg.svdvals(torch.linalg.qr(X, mode="r").R)
     X64 = X.to(torch.float64)
-    return torch.linalg.eigvalsh(X64.mT @ X64).flip(-1).clamp_min(0).sqrt().to(X.dtype)
+    return gram_singular_values(X64.mT @ X64).to(X.dtype)
 
 
 def _times(B: Tensor, X: Tensor) -> Tensor:

@@ -218,7 +218,6 @@ class SpectralTracker:
             return
         if step == self._previous_step:
             self._collect_and_log()
-            self._flush()
             return
         now = time.perf_counter()
         if self._previous_time is not None and step > self._previous_step:
@@ -235,7 +234,6 @@ class SpectralTracker:
             cost_unknown and self._engine.pending
         ):
             self._offer(step)
-        self._flush()
         self._previous_step, self._previous_time = step, now
 
     def close(self, step: int | None = None, *, error: BaseException | None = None) -> None:
@@ -340,6 +338,7 @@ class SpectralTracker:
             for result in engine.collect(wait_seconds=max(0.0, deadline - time.monotonic())):
                 self._log(result)
             if not engine.pending or time.monotonic() >= deadline:
+                self._flush()
                 return
 
     def _log(self, result: SnapshotResult) -> None:
@@ -368,8 +367,10 @@ class SpectralTracker:
     def _flush(self, *, now: bool = False) -> None:
         """Flush what was logged, once ``FLUSH_INTERVAL_SECONDS`` have passed since the last
         flush (``now``: whatever the time)."""
+        if not self._unflushed:
+            return
         clock = time.monotonic()
-        if self._unflushed and (now or clock - self._flushed_at >= FLUSH_INTERVAL_SECONDS):
+        if now or clock - self._flushed_at >= FLUSH_INTERVAL_SECONDS:
             tb.flush(tb.summary_writers(self.writers))
             self._unflushed, self._flushed_at = False, clock
 
