@@ -13,6 +13,14 @@ The three variants run alternately in one process (round 1: none, default, synch
   synchronous), from ``spectral_monitor/main_thread_ms``;
 * ``svd ms``   - SVD + metrics milliseconds per snapshot (worker thread or side stream).
 
+Two more variants take the default's cost apart (each replays the default run of its round, call by
+call): ``no-svd`` returns the recorded metrics without computing (what the hooks, the copies, the
+hand-over and the logging cost), ``same-cpu-gemm`` first spends each call's recorded CPU seconds in
+large GEMMs (the same worker CPU time in a few GIL-releasing kernels instead of the SVD's hundreds
+of small operations)::
+
+    python benchmarks/overhead.py --variants default,no-svd,same-cpu-gemm --rounds 5
+
 The device is chosen automatically (CUDA when available), so the same command prints the same
 table on a GPU::
 
@@ -39,16 +47,60 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 from gpt import GPT, GPTConfig  # noqa: E402
 
 from spectral_callbacks import SpectralMonitor  # noqa: E402
+from spectral_callbacks.monitor.compute import SpectrumCompute  # noqa: E402
 from spectral_callbacks.names import monitor_tag  # noqa: E402
 
-# Keyword arguments of SpectralMonitor per variant; "none" runs without the callback.
+# Keyword arguments of SpectralMonitor per variant; "none" runs without the callback. The last two
+# take the default run of the same round apart (see ReplayCompute): they need "default" before them.
 VARIANTS: dict[str, dict[str, Any]] = {
     "none": {},
     "default": {},
     "synchronous": {"synchronous": True},
     "nice": {"worker_nice": 10},  # the worker thread at lower priority
     "budget-1%": {"max_overhead": 0.01},
+    "no-svd": {},  # the default's results replayed: hooks, copies, hand-over and logging only
+    "same-cpu-gemm": {},  # ... after the default's CPU seconds per call, spent in large GEMMs
 }
+REPLAYS = ("no-svd", "same-cpu-gemm")
+
+
+class RecordingCompute(SpectrumCompute):
+    """The default compute, remembering each call's metrics and thread CPU seconds, in order."""
+
+    def __init__(self, record: list[tuple[float, dict[str, torch.Tensor]]]) -> None:
+        super().__init__()
+        self.record = record
+
+    def __call__(self, group: Any, batch: torch.Tensor) -> dict[str, torch.Tensor]:
+        start = time.thread_time()
+        metrics = super().__call__(group, batch)
+        self.record.append((time.thread_time() - start, metrics))
+        return metrics
+
+
+class ReplayCompute:
+    """The recorded default run's metrics, call by call, instead of the SVD.
+
+    With ``burn`` each call first spends the CPU seconds the default's call took, in 192 x 192
+    float32 GEMMs: the same worker CPU time in a few large kernels with the GIL released, so the
+    difference from the default is what the SVD's pattern (hundreds of small operations a
+    snapshot, each releasing and retaking the GIL the training loop's Python needs) costs beyond
+    its CPU seconds. A CPU diagnostic: on CUDA the compute only enqueues kernels.
+    """
+
+    def __init__(self, record: list[tuple[float, dict[str, torch.Tensor]]], burn: bool) -> None:
+        if not record:
+            raise RuntimeError("the default run of this round recorded no snapshot to replay")
+        self.record, self.burn, self.calls = record, burn, 0
+        self.operand = torch.randn(192, 192)
+
+    def __call__(self, group: Any, batch: torch.Tensor) -> dict[str, torch.Tensor]:
+        seconds, metrics = self.record[min(self.calls, len(self.record) - 1)]
+        self.calls += 1
+        start = time.thread_time()
+        while self.burn and time.thread_time() - start < seconds:
+            torch.mm(self.operand, self.operand)
+        return {name: value.clone() for name, value in metrics.items()}
 
 
 class GPTModule(LightningModule):
@@ -116,7 +168,13 @@ def _sync() -> None:
         torch.cuda.current_stream().synchronize()
 
 
-def run_once(variant: str, args: argparse.Namespace, logdir: str) -> dict[str, float]:
+def run_once(
+    variant: str,
+    args: argparse.Namespace,
+    logdir: str,
+    record: list[tuple[float, dict[str, torch.Tensor]]] | None = None,
+) -> dict[str, float]:
+    """One training run; ``record`` is what the default variant records and the replays read."""
     torch.manual_seed(0)
     config = GPTConfig(
         n_layer=args.layers, n_head=args.width // 32, n_embd=args.width, block_size=args.block
@@ -126,7 +184,13 @@ def run_once(variant: str, args: argparse.Namespace, logdir: str) -> dict[str, f
     timer, health = LoopTimer(), HealthLogger()
     callbacks: list[Callback] = [timer]
     if variant != "none":
-        callbacks.append(SpectralMonitor(**VARIANTS[variant]))
+        options = dict(VARIANTS[variant])
+        if record is not None and variant == "default":
+            record.clear()
+            options["compute"] = RecordingCompute(record)
+        elif variant in REPLAYS:
+            options["compute"] = ReplayCompute(record or [], burn=variant == "same-cpu-gemm")
+        callbacks.append(SpectralMonitor(**options))
     trainer = Trainer(
         accelerator="auto",
         devices=1,
@@ -186,12 +250,19 @@ def main(argv: list[str] | None = None) -> None:
     unknown = [variant for variant in variants if variant not in VARIANTS]
     if unknown:
         parser.error(f"--variants: unknown {unknown}; choose from {', '.join(list(VARIANTS)[1:])}")
+    replays = [variant for variant in variants if variant in REPLAYS]
+    if replays and (
+        "default" not in variants or variants.index("default") > variants.index(replays[0])
+    ):
+        parser.error(f"--variants: list default before {', '.join(replays)}, which replay its runs")
     results: dict[str, list[dict[str, float]]] = {variant: [] for variant in variants}
     with tempfile.TemporaryDirectory() as logdir:
         run_once("default", argparse.Namespace(**{**vars(args), "steps": 20}), logdir)  # warm-up
+        # Only recorded when a replay needs it: otherwise "default" is SpectralMonitor() exactly.
+        record: list[tuple[float, dict[str, torch.Tensor]]] | None = [] if replays else None
         for round_index in range(args.rounds):
             for variant in variants:
-                results[variant].append(run_once(variant, args, logdir))
+                results[variant].append(run_once(variant, args, logdir, record))
             line = ", ".join(f"{v} {results[v][-1]['train']:.2f}s" for v in variants)
             print(f"round {round_index + 1}/{args.rounds}: {line}", flush=True)
 
