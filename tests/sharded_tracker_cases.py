@@ -47,6 +47,7 @@ def tracked_training(
     targets = find_targets(model)
     weights = {0: {target.name: full_matrix(target) for target in targets}}
     options = dict(every_n_steps=4, log_spaced_until=3, k=K, figures=False, drain_timeout=20.0)
+    options["max_pending"] = 8  # never a skip under load: the tests check every scheduled step
     with SpectralTracker(model, logdir=logdir, **options) as tracker:
         for step in range(1, STEPS + 1):
             if rank == fail_rank and step == fail_step and fail_in == "training":
@@ -70,6 +71,7 @@ def resumed_training(rank: int, world_size: int, outdir: str) -> dict[str, Any]:
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
     options = dict(every_n_steps=4, log_spaced_until=3, k=K, figures=False, drain_timeout=20.0)
+    options["max_pending"] = 8  # never a skip under load: the tests check every scheduled step
     mesh = init_device_mesh("cpu", (world_size,))
     found: dict[str, Any] = {}
     state: dict[str, Any] | None = None
@@ -154,7 +156,12 @@ def hf_callback_under_fully_shard(rank: int, world_size: int, outdir: str) -> di
     args = TrainingArguments(output_dir=outdir, report_to=[], use_cpu=True)
     state, control = TrainerState(), TrainerControl()
     callback = SpectralTrainerCallback(
-        logdir=f"{outdir}/tb", every_n_steps=4, log_spaced_until=3, k=K, figures=False
+        logdir=f"{outdir}/tb",
+        every_n_steps=4,
+        log_spaced_until=3,
+        k=K,
+        figures=False,
+        max_pending=8,  # never a skip under load: the test checks every scheduled step
     )
     callback.on_train_begin(args, state, control, model=model)
     assert callback.tracker is not None
