@@ -97,6 +97,7 @@ def main() -> None:
         log_spaced_until=LOG_SPACED_UNTIL,
         figures=False,
         k=K,
+        max_pending=8,  # never a skip under load: the tests check every scheduled step
         drain_timeout=20.0,
     )
     strategy = ModelParallelStrategy(
