@@ -1,6 +1,7 @@
 """A short real DDP run (CPU, gloo) with SpectralMonitor, for tests/test_ddp.py.
 
-``python tests/ddp_train.py OUTDIR [--devices N] [--steps S] [--fail-rank R --fail-step F]``
+``python tests/ddp_train.py OUTDIR [--devices N] [--steps S] [--fail-rank R --fail-step F]
+[--max-pending P]``
 
 Lightning's ``strategy="ddp"`` re-runs this script once per extra rank (environment variables
 tell each process its rank), so it must be a file, not a function in the test. Rank 0 saves the
@@ -63,6 +64,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=14)
     parser.add_argument("--fail-rank", type=int, default=None)
     parser.add_argument("--fail-step", type=int, default=None)
+    # The runs that check every scheduled step raise it, so a loaded machine cannot skip one; the
+    # failure run keeps the default, which decides how much rank 0 has gathered when rank 1 fails.
+    parser.add_argument("--max-pending", type=int, default=2)
     args = parser.parse_args()
     # A CI machine may be loaded enough that a (niced) worker misses the 1 s due wait; the test
     # checks exact values at every step, so give each rank more time (the late path has its own
@@ -81,6 +85,7 @@ def main() -> None:
         log_spaced_until=LOG_SPACED_UNTIL,
         figures=False,
         k=8,
+        max_pending=args.max_pending,
         drain_timeout=30.0,
     )
     trainer = Trainer(
