@@ -189,8 +189,6 @@ def _add_compression(rows: Mapping[str, dict[str, float]], references: Mapping[s
     """Each row with a stable rank gets its ``compression``: ``functional.compression`` (the math
     lives there, not here), in one call for the whole snapshot."""
     names = [name for name, row in rows.items() if "stable_rank" in row]
-    if not names:
-        return
     stable_ranks = torch.tensor([rows[name]["stable_rank"] for name in names], dtype=torch.float64)
     reference = torch.tensor(
         [references.get(name, math.nan) for name in names], dtype=torch.float64
