@@ -15,6 +15,11 @@ from spectral_callbacks.targets import find_targets
 
 K = 8
 STEPS = 10
+# The tracked runs' options; max_pending never lets a loaded machine skip a snapshot: the tests
+# check every scheduled step.
+OPTIONS = dict(
+    every_n_steps=4, log_spaced_until=3, k=K, figures=False, drain_timeout=20.0, max_pending=8
+)
 
 
 def tracked_training(
@@ -46,9 +51,7 @@ def tracked_training(
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     targets = find_targets(model)
     weights = {0: {target.name: full_matrix(target) for target in targets}}
-    options = dict(every_n_steps=4, log_spaced_until=3, k=K, figures=False, drain_timeout=20.0)
-    options["max_pending"] = 8  # never a skip under load: the tests check every scheduled step
-    with SpectralTracker(model, logdir=logdir, **options) as tracker:
+    with SpectralTracker(model, logdir=logdir, **OPTIONS) as tracker:
         for step in range(1, STEPS + 1):
             if rank == fail_rank and step == fail_step and fail_in == "training":
                 raise RuntimeError(f"planned failure on rank {rank} at step {step}")
@@ -70,8 +73,6 @@ def resumed_training(rank: int, world_size: int, outdir: str) -> dict[str, Any]:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
-    options = dict(every_n_steps=4, log_spaced_until=3, k=K, figures=False, drain_timeout=20.0)
-    options["max_pending"] = 8  # never a skip under load: the tests check every scheduled step
     mesh = init_device_mesh("cpu", (world_size,))
     found: dict[str, Any] = {}
     state: dict[str, Any] | None = None
@@ -86,7 +87,7 @@ def resumed_training(rank: int, world_size: int, outdir: str) -> dict[str, Any]:
             set_model_state_dict(model, weights)
             found["loaded"] = {t.name: full_matrix(t) for t in find_targets(model)}
         with SpectralTracker(
-            model, logdir=f"{outdir}/tb{run}", state=state, start_step=first - 1, **options
+            model, logdir=f"{outdir}/tb{run}", state=state, start_step=first - 1, **OPTIONS
         ) as tracker:
             for step in range(first, last + 1):
                 loss_of(model, *batch(rank, step, "fsdp")).backward()
