@@ -252,7 +252,8 @@ def sharded_randomized_svd(
         method = "gram" if d <= _GRAM_FACTOR * width and tiles is None else "randomized"
 
     if method == "gram":
-        gram = A.mT.to(torch.float64) @ A.to(torch.float64)  # (..., d, d)
+        A64 = A.to(torch.float64)  # one float64 copy of the shard, read on both sides
+        gram = A64.mT @ A64  # (..., d, d)
         S = gram_singular_values(collective.sum(gram)).to(compute_dtype)
         V = None
     elif tiles is None:
