@@ -133,7 +133,7 @@ def run_once(policy: str, args: argparse.Namespace) -> dict[str, float]:
     }
 
 
-def main(argv: list[str] | None = None) -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--width", type=int, default=128)
@@ -145,15 +145,19 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-pending", type=int, default=2)
     parser.add_argument("--policies", default=",".join(POLICIES))
     args = parser.parse_args(argv)
-    policies = ("none", *args.policies.split(","))
-    unknown = [policy for policy in policies[1:] if policy not in POLICIES]
+    unknown = [policy for policy in args.policies.split(",") if policy not in POLICIES]
     if unknown:
         parser.error(f"--policies: unknown {unknown}; choose from {', '.join(POLICIES)}")
     if not hasattr(os, "sched_setaffinity"):
         parser.error("needs Linux: per-thread priority, scheduling policy and affinity")
     if args.burn_ms <= 0 or args.max_pending < 1 or args.steps < 1 or args.rounds < 1:
         parser.error("--burn-ms must be > 0, and --max-pending, --steps, --rounds >= 1")
+    return args
 
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    policies = ("none", *args.policies.split(","))
     results: dict[str, list[dict[str, float]]] = {policy: [] for policy in policies}
     run_once("none", argparse.Namespace(**{**vars(args), "steps": 20}))  # warm-up
     for round_index in range(args.rounds):
