@@ -323,8 +323,8 @@ def run_model(name: str, args: argparse.Namespace, g: torch.Generator) -> list[s
     rows = [
         f"| {name} | {count} in {len(groups)} | {med['cold']:.2f} | {med['warm']:.2f} | "
         f"{med['exact']:.2f} | {med['lowrank']:.2f} | {ww_cell} | {floors['gemm_s']:.2f} | "
-        f"{floors['bytes_s']:.3f} | {med['exact'] / med['cold']:.1f}x | "
-        f"{med['exact'] / med['warm']:.1f}x | "
+        f"{floors['bytes_s']:.3f} | {med['exact'] / med['cold']:.2f}x | "
+        f"{med['exact'] / med['warm']:.2f}x | "
         f"{worst['cold'][0]:.2f} / {worst['warm'][0]:.2f} | "
         f"{worst['cold'][1]:.3f} / {worst['warm'][1]:.3f} |"
     ]
@@ -332,8 +332,8 @@ def run_model(name: str, args: argparse.Namespace, g: torch.Generator) -> list[s
         ratios_cold = [e / c for e, c in zip(totals["exact"], totals["cold"], strict=True)]
         ratios_warm = [e / w for e, w in zip(totals["exact"], totals["warm"], strict=True)]
         rows.append(
-            f"  {name} spread over {args.repeats} rounds: exact/cold {min(ratios_cold):.1f}-"
-            f"{max(ratios_cold):.1f}x, exact/warm {min(ratios_warm):.1f}-{max(ratios_warm):.1f}x; "
+            f"  {name} spread over {args.repeats} rounds: exact/cold {min(ratios_cold):.2f}-"
+            f"{max(ratios_cold):.2f}x, exact/warm {min(ratios_warm):.2f}-{max(ratios_warm):.2f}x; "
             f"seconds min-max: cold {spread['cold'][0]:.2f}-{spread['cold'][1]:.2f}, warm "
             f"{spread['warm'][0]:.2f}-{spread['warm'][1]:.2f}, exact {spread['exact'][0]:.2f}-"
             f"{spread['exact'][1]:.2f}"
