@@ -168,6 +168,25 @@ def _sync() -> None:
         torch.cuda.current_stream().synchronize()
 
 
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    """The GPT, its tokens per step and the rounds (worker_contention.py measures the same loop)."""
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--width", type=int, default=128)
+    parser.add_argument("--block", type=int, default=64, help="tokens per sequence")
+    # 1,024 tokens per step and 600 steps: the dense early schedule and the every-25-steps grid both
+    # show; a 256-token step (--batch 4) is the worst case, where the SVD rivals a step's cost.
+    parser.add_argument("--batch", type=int, default=16, help="sequences per batch")
+    parser.add_argument("--steps", type=int, default=600)
+    parser.add_argument("--rounds", type=int, default=3)
+
+
+def model_config(args: argparse.Namespace) -> GPTConfig:
+    """The GPT that ``add_model_arguments`` describes: 32-wide heads."""
+    return GPTConfig(
+        n_layer=args.layers, n_head=args.width // 32, n_embd=args.width, block_size=args.block
+    )
+
+
 def run_once(
     variant: str,
     args: argparse.Namespace,
@@ -176,9 +195,7 @@ def run_once(
 ) -> dict[str, float]:
     """One training run; ``record`` is what the default variant records and the replays read."""
     torch.manual_seed(0)
-    config = GPTConfig(
-        n_layer=args.layers, n_head=args.width // 32, n_embd=args.width, block_size=args.block
-    )
+    config = model_config(args)
     tokens = torch.randint(0, 256, (args.steps * args.batch, args.block + 1))
     loader = DataLoader(TensorDataset(tokens[:, :-1], tokens[:, 1:]), batch_size=args.batch)
     timer, health = LoopTimer(), HealthLogger()
@@ -220,14 +237,7 @@ def run_once(
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--width", type=int, default=128)
-    parser.add_argument("--block", type=int, default=64, help="tokens per sequence")
-    # 1,024 tokens per step and 600 steps: the dense early schedule and the every-25-steps grid both
-    # show; a 256-token step (--batch 4) is the worst case, where the SVD rivals a step's cost.
-    parser.add_argument("--batch", type=int, default=16, help="sequences per batch")
-    parser.add_argument("--steps", type=int, default=600)
-    parser.add_argument("--rounds", type=int, default=3)
+    add_model_arguments(parser)
     parser.add_argument("--precision", default="32-true", help="Trainer precision, e.g. bf16-mixed")
     parser.add_argument(
         "--variants",

@@ -37,7 +37,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
-from gpt import GPT, GPTConfig  # noqa: E402
+from gpt import GPT  # noqa: E402
+from overhead import add_model_arguments, model_config  # noqa: E402
 
 from spectral_callbacks.monitor.schedule import SnapshotSchedule  # noqa: E402
 
@@ -89,16 +90,13 @@ class Worker:
 def run_once(policy: str, args: argparse.Namespace) -> dict[str, float]:
     torch.manual_seed(0)
     threads = torch.get_num_threads()
-    config = GPTConfig(
-        n_layer=args.layers, n_head=args.width // 32, n_embd=args.width, block_size=args.block
-    )
-    model = GPT(config)
+    model = GPT(model_config(args))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     tokens = torch.randint(0, 256, (args.batch, args.block + 1))
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
     schedule = SnapshotSchedule()
     worker = Worker(policy, args.burn_ms / 1e3) if policy != "none" else None
-    skipped, dropped = 0, False
+    skipped = 0
     start = time.perf_counter()
     for step in range(args.steps):
         _, loss = model(inputs, targets)
@@ -107,9 +105,8 @@ def run_once(policy: str, args: argparse.Namespace) -> dict[str, float]:
         optimizer.zero_grad(set_to_none=True)
         if worker is None:
             continue
-        if dropped and not worker.busy():
+        if torch.get_num_threads() < threads and not worker.busy():  # "drop": worker done
             torch.set_num_threads(threads)
-            dropped = False
         if schedule.on_grid(step):
             if worker.busy() >= args.max_pending:
                 skipped += 1
@@ -117,7 +114,6 @@ def run_once(policy: str, args: argparse.Namespace) -> dict[str, float]:
             worker.inbox.put(time.perf_counter())
             if policy == "drop" and threads > 1:
                 torch.set_num_threads(threads - 1)
-                dropped = True
     if worker is not None:
         worker.close()
     wall = time.perf_counter() - start
@@ -135,12 +131,7 @@ def run_once(policy: str, args: argparse.Namespace) -> dict[str, float]:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--width", type=int, default=128)
-    parser.add_argument("--block", type=int, default=64, help="tokens per sequence")
-    parser.add_argument("--batch", type=int, default=16, help="sequences per batch")
-    parser.add_argument("--steps", type=int, default=600)
-    parser.add_argument("--rounds", type=int, default=3)
+    add_model_arguments(parser)
     parser.add_argument("--burn-ms", type=float, default=14.0, help="worker CPU ms per snapshot")
     parser.add_argument("--max-pending", type=int, default=2)
     parser.add_argument("--policies", default=",".join(POLICIES))
