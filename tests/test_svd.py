@@ -143,6 +143,44 @@ def test_a_non_finite_matrix_gets_nan_and_leaves_its_batch_alone(bad: float) -> 
         torch.testing.assert_close(top.S[[0, 2]].double(), expected, rtol=1e-3, atol=0)
 
 
+@pytest.mark.parametrize("seed", SEEDS)
+def test_a_batch_computed_in_parts_reads_the_same_values_and_keeps_a_bad_matrix_apart(
+    seed: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Parts of two matrices (k = 10: a 300 x 18 float32 block is 21,600 bytes): 5 matrices in 3.
+    monkeypatch.setattr(svd_module, "_CHUNK_BYTES", 2 * 300 * 18 * 4)
+    parts: list[int] = []
+    randomized = svd_module._randomized
+
+    def counting(A: torch.Tensor, *args: object, **kwargs: object) -> object:
+        parts.append(A.shape[0])
+        return randomized(A, *args, **kwargs)
+
+    monkeypatch.setattr(svd_module, "_randomized", counting)
+    W = decaying((5, 400, 300), 0.5, seed).float()
+    W[3, 7, 9] = float("nan")
+    top = randomized_svd(W, 10, method="randomized", generator=torch.Generator().manual_seed(seed))
+    assert parts == [2, 2, 1]
+    assert top.S.shape == (5, 10) and torch.isnan(top.S[3]).all()
+    good = [0, 1, 2, 4]
+    torch.testing.assert_close(top.S[good].double(), reference(W[good], 10), rtol=1e-3, atol=0)
+    assert top.V is not None and top.V.shape == (5, 300, 18)
+    V = top.V[good]
+    torch.testing.assert_close(V.mT @ V, torch.eye(18).expand(4, 18, 18), atol=1e-4, rtol=0)
+    warm = randomized_svd(W[good], 10, init=V)  # the parts' subspaces warm-start the whole
+    torch.testing.assert_close(warm.S.double(), reference(W[good], 10), rtol=1e-3, atol=0)
+
+
+def test_only_a_cpu_batch_is_split() -> None:
+    assert svd_module._chunks(torch.empty(9, 768, 768), 40) == [
+        slice(0, 4),
+        slice(4, 8),
+        slice(8, 12),
+    ]
+    assert svd_module._chunks(torch.empty(768, 768), 40) == [slice(None)]
+    assert svd_module._chunks(torch.empty(9, 768, 768, device="meta"), 40) == [slice(None)]
+
+
 def test_a_generator_makes_the_result_reproducible() -> None:
     W = torch.randn(200, 150)
     a = randomized_svd(W, 5, generator=torch.Generator().manual_seed(7), method="randomized")
