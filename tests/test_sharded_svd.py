@@ -140,7 +140,8 @@ def test_a_rank_that_never_arrives_is_an_error_within_the_group_timeout(tmp_path
 def test_one_process_without_a_group_is_the_plain_algorithm() -> None:
     W = cases.power_law(120, 80, 1.0, seed=0)
     top = sharded_randomized_svd(W, 8, generator=torch.Generator().manual_seed(0))
-    torch.testing.assert_close(top.S.double(), torch.arange(1, 9.0, dtype=torch.float64) ** -1)
+    exact = torch.arange(1, 9.0, dtype=torch.float64) ** -1
+    torch.testing.assert_close(top.S.double(), exact, rtol=1e-6, atol=0)  # float32: a few ulps
     assert top.sent_bytes == 0 and top.V is not None and top.V.shape == (80, 16)
 
 

@@ -199,23 +199,28 @@ def combine(basis: Basis, coefficients: Tensor) -> Tensor:
     return _accumulate(None, basis, coefficients, 1.0)
 
 
-def _minus_combination(X: Tensor, basis: Basis, coefficients: Tensor) -> Tensor:
-    """``X - basis @ coefficients``, accumulated into one copy of X (no product to subtract)."""
-    return _accumulate(X, basis, coefficients, -1.0)
+def _minus_combination(
+    X: Tensor, basis: Basis, coefficients: Tensor, *, in_place: bool = False
+) -> Tensor:
+    """``X - basis @ coefficients``, accumulated into one copy of X (no product to subtract), or
+    into X itself ``in_place``."""
+    return _accumulate(X, basis, coefficients, -1.0, in_place)
 
 
-def _accumulate(X: Tensor | None, basis: Basis, coefficients: Tensor, alpha: float) -> Tensor:
+def _accumulate(
+    X: Tensor | None, basis: Basis, coefficients: Tensor, alpha: float, in_place: bool = False
+) -> Tensor:
     out, row = X, 0
     for Q in _blocks(basis):
         part = coefficients[..., row : row + Q.shape[-1], :]
         row += Q.shape[-1]
         if out is None:
             out = Q @ part
-        elif out is X:  # the first accumulation copies X
+        elif out is X and not in_place:  # the first accumulation copies X
             out = (torch.addmm if Q.ndim == 2 else torch.baddbmm)(X, Q, part, alpha=alpha)
         else:
             (out.addmm_ if out.ndim == 2 else out.baddbmm_)(Q, part, alpha=alpha)
-    assert out is not None and out is not X, "an empty basis"
+    assert out is not None and row > 0, "an empty basis"
     return out
 
 
@@ -239,10 +244,11 @@ def orthogonalize_against(X: Tensor, basis: Basis, projection: Tensor | None = N
     that are not orthogonal to ``basis`` (sigma_1 read up to 2.4x too large at rank 60 of 768).
     Columns that still leak into ``basis`` after two passes restart from a fixed pseudo-random
     direction; Rayleigh-Ritz holds on any subspace. The leak allowed, 1000 eps, changes no
-    Ritz value by more than that relative amount. The first pass orthonormalizes by Householder
-    QR, not Cholesky: a block that runs out of directions is exactly where Cholesky of its Gram
-    matrix breaks down. ``projection`` is ``basis^T X`` when the caller has it already (a
-    Krylov step's column of the Rayleigh quotient).
+    Ritz value by more than that relative amount. The first pass orthonormalizes by CholeskyQR
+    only when every column keeps a hundredth of its norm beyond the basis and the columns before
+    it (``_FIRST_PASS_LEAST``), else by Householder QR: a block that runs out of directions is
+    exactly where Cholesky of its Gram matrix breaks down. ``projection`` is ``basis^T X`` when
+    the caller has it already (a Krylov step's column of the Rayleigh quotient).
     """
     Q, orthogonal = _project_out_twice(X, basis, projection)
     if orthogonal:
@@ -254,6 +260,14 @@ def orthogonalize_against(X: Tensor, basis: Basis, projection: Tensor | None = N
         fresh = torch.randn(Q.shape, dtype=Q.dtype, device=Q.device, generator=g)
         Q, _ = _project_out_twice(torch.where(lost, fresh, Q), basis)
     return Q
+
+
+# The first pass need not be orthonormal to rounding, only span X's columns accurately: the second
+# pass (CholeskyQR2) restores the orthogonality lost, about eps / least^2. A column that keeps at
+# least a hundredth of its norm beyond the basis and the columns before it is far above rounding
+# noise (eps of it); a block that has run out of directions keeps about eps and goes to
+# Householder, as does a steep power law's second block. [measured below]
+_FIRST_PASS_LEAST = 1e-2
 
 
 def _project_out_twice(
@@ -270,22 +284,30 @@ def _project_out_twice(
     """
     if projection is None:
         projection = project(basis, X)
-    X = orthonormalize(_minus_combination(X, basis, projection))
-    X = _minus_combination(X, basis, project(basis, X))
+    X = _minus_combination(X, basis, projection)
+    Q = cholesky_qr(X, _FIRST_PASS_LEAST, taken=projection)
+    X = orthonormalize(X) if Q is None else Q
+    X = _minus_combination(X, basis, project(basis, X), in_place=True)  # X is ours: no copy
     Q = cholesky_qr(X)
     return (orthonormalize(X), False) if Q is None else (Q, True)
 
 
-def cholesky_qr(X: Tensor) -> Tensor | None:
-    """Orthonormal basis of unit-norm columns that are well conditioned, by CholeskyQR (a Gram
-    matrix and a triangular solve: a third of a Householder QR at 768 x 40); ``None`` if they are
-    not, i.e. unless every column keeps at least half its norm beyond the columns before it (the
-    Cholesky factor's diagonal), or off the CPU, where that check would be a host read.
+def cholesky_qr(X: Tensor, least: float = 0.5, taken: Tensor | None = None) -> Tensor | None:
+    """Orthonormal basis of well-conditioned columns by CholeskyQR (a Gram matrix and a
+    triangular solve: a third of a Householder QR at 768 x 40); ``None`` unless every column keeps
+    at least the fraction ``least`` of its norm beyond the columns before it (the Cholesky
+    factor's diagonal), and off the CPU, where that check would be a host read. The norm is 1
+    (unit-norm columns), or with ``taken`` the norm the column had before a projection with these
+    coefficients (``(..., D, c)`` on an orthonormal basis) was taken out of it.
     """
     if X.device.type != "cpu":
         return None
-    L, info = torch.linalg.cholesky_ex(X.mT @ X)
-    if bool(info.any()) or not bool(L.diagonal(dim1=-2, dim2=-1).amin() >= 0.5):
+    G = X.mT @ X
+    L, info = torch.linalg.cholesky_ex(G)
+    kept = L.diagonal(dim1=-2, dim2=-1)
+    if taken is not None:  # Pythagoras: the norm before = what was taken out + what is left
+        kept = kept / (G.diagonal(dim1=-2, dim2=-1) + taken.square().sum(-2)).sqrt()
+    if bool(info.any()) or not bool(kept.amin() >= least):  # a zero column's NaN fails too
         return None
     return torch.linalg.solve_triangular(L.mT, X, upper=True, left=False)
 
