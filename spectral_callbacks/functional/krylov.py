@@ -265,8 +265,9 @@ def orthogonalize_against(X: Tensor, basis: Basis, projection: Tensor | None = N
 # The first pass need not be orthonormal to rounding, only span X's columns accurately: the second
 # pass (CholeskyQR2) restores the orthogonality lost, about eps / least^2. A column that keeps at
 # least a hundredth of its norm beyond the basis and the columns before it is far above rounding
-# noise (eps of it); a block that has run out of directions keeps about eps and goes to
-# Householder, as does a steep power law's second block. [measured below]
+# noise. Measured (the least kept per block): a cold GPT-2 small snapshot 0.14-0.61, every block
+# CholeskyQR; sigma_i = i^-1 0.002-0.1 (3 of 5 blocks); a rank-60 matrix's blocks past its rank
+# 2-3e-7 and i^-2's 1e-3-1e-5, all Householder as before.
 _FIRST_PASS_LEAST = 1e-2
 
 
