@@ -10,10 +10,12 @@ range finder of Halko, Martinsson & Tropp 2011 (Algorithm 4.4, subspace iteratio
 last block ``(W^T W)^q Omega``; block Krylov keeps every block ``Omega, (W^T W) Omega, ...`` and so
 converges at the square root of the spectral gap. On a flat (freshly initialized) spectrum that
 difference is what brings sigma_1 within 0.5 % at a third of the cost (benchmarks/svd_accuracy.py).
-``W^T W`` is applied either as two skinny products with W or, when the smaller side is short enough
-that forming the Gram matrix once is cheaper, as one product with the explicit Gram matrix. A cold
-start on a CPU with bfloat16 matrix tiles (Intel AMX) may instead multiply by W rounded to
-bfloat16 once, at about three times the float32 rate: those products only steer the subspace.
+On the CPU a batch goes through it a few matrices at a time (``_chunks``), so that the blocks
+stay in cache. ``W^T W`` is applied either as two skinny products with W or, when the smaller
+side is short enough that forming the Gram matrix once is cheaper, as one product with the
+explicit Gram matrix. A cold start on a CPU with bfloat16 matrix tiles (Intel AMX) may instead
+multiply by W rounded to bfloat16 once, at about three times the float32 rate: those products
+only steer the subspace.
 Every way, the singular values are read off ``W V`` in float32 or better (Rayleigh-Ritz on W
 itself, not on the Gram matrix or a rounded W), so they carry W's own rounding, not its square.
 
@@ -104,9 +106,10 @@ _EXPECTED_WARM_DEPTH = 1
 # at most 2.4x that fraction, so tol = 1e-3 keeps stable rank (twice sigma_1's error) within 0.5 %;
 # alpha's error is about half the worst fraction of the rest, so within 0.005.
 DEFAULT_TOL = 1e-3
-# A cold GPT-2 small snapshot (1 thread) took 10-20 % less CPU time in batches of 4 matrices than
-# of 48 (768 x 768; 3 of 24 at 1024, 1 at 2048, where the whole batch was slowest), and a warm one
-# the same: a 768 x 40 float32 block is 120 KiB, so 4 of them stay within a core's 2 MiB L2 cache.
+# How much of a CPU batch the Krylov iteration takes at a time. Cold snapshots (1 thread) took
+# 10-20 % less CPU time in parts of 4 matrices at 768 x 768, 3 at 1024 and 1 at 2048 than as whole
+# batches (GPT-2 small, medium, TinyLlama shapes); warm ones took the same. The likely reason: a
+# 768 x 40 float32 block is 120 KiB, so 4 of them stay within a core's 2 MiB L2 cache.
 _CHUNK_BYTES = 512 * 1024
 
 
