@@ -249,6 +249,9 @@ def main(argv: list[str] | None = None) -> Path:
     callbacks = [] if args.no_spectral else [SpectralMonitor(every_n_steps=args.every_n_steps)]
     trainer = L.Trainer(
         max_steps=args.steps,
+        # The stream of windows is endless, so the run is one epoch that max_steps ends; left
+        # unset, max_epochs becomes -1 and the progress bar reads "Epoch 0/-2".
+        max_epochs=1,
         accelerator=args.accelerator,
         devices=1,
         precision=args.precision,
