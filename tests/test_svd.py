@@ -181,6 +181,41 @@ def test_only_a_cpu_batch_is_split() -> None:
     assert svd_module._chunks(torch.empty(9, 768, 768, device="meta"), 40) == [slice(None)]
 
 
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("exponent", [-70, -40, 40, 70])
+def test_a_matrix_far_from_unit_scale_reads_its_values_cold_and_warm(
+    exponent: int, seed: int
+) -> None:
+    # Scaled by a power of two (exact), so the answer is the unit-scale one times the scale. At
+    # 2^-70 and 2^70 float32 cannot hold W^T W (underflow, overflow): those are done exactly; at
+    # 2^+-40 the Krylov path runs, where float32 squares of its residuals and images once
+    # overflowed (a warm start 16 % short).
+    scale = 2.0**exponent
+    W = decaying((2, 300, 200), 0.5, seed).float()
+    W[1] = torch.randn(300, 200, generator=torch.Generator().manual_seed(seed))  # flat
+    exact = reference(W, 10)
+    cold = randomized_svd(W * scale, 10, method="randomized")
+    torch.testing.assert_close(cold.S.double() / scale, exact, rtol=1e-3, atol=0)
+    assert cold.V is not None
+    torch.testing.assert_close(
+        cold.V.mT @ cold.V, torch.eye(18).expand(2, 18, 18), atol=1e-4, rtol=0
+    )
+    warm = randomized_svd(W * (scale * 1.001), 10, init=cold.V)
+    torch.testing.assert_close(warm.S.double() / scale, exact * 1.001, rtol=1e-3, atol=0)
+
+
+def test_an_overflowing_matrix_is_redone_and_a_nan_one_stays_nan() -> None:
+    W = decaying((3, 120, 100), 1.0, random.randrange(2**31)).float()
+    W[0] *= 2.0**70
+    W[1, 3, 4] = float("nan")
+    top = randomized_svd(W, 8, method="randomized")
+    assert torch.isnan(top.S[1]).all()
+    torch.testing.assert_close(
+        top.S[0].double() / 2.0**70, reference(W[0] / 2.0**70, 8), rtol=1e-4, atol=0
+    )
+    torch.testing.assert_close(top.S[2].double(), reference(W[2], 8), rtol=1e-3, atol=0)
+
+
 def test_a_generator_makes_the_result_reproducible() -> None:
     W = torch.randn(200, 150)
     a = randomized_svd(W, 5, generator=torch.Generator().manual_seed(7), method="randomized")

@@ -145,14 +145,18 @@ def ritz_residuals(
     """
     top = vectors[..., :k]  # (..., D, k)
     residual = combine(images, top) - combine(basis, top) * theta[..., None, :k]  # (..., d, k)
-    r = torch.linalg.vector_norm(residual, dim=-2)  # (..., k)
+    # Squares summed in float64: residuals scale with theta ~ sigma^2, whose float32 squares
+    # overflow for sigma above ~1e9 (the rule then never stopped).
+    r = torch.linalg.vector_norm(residual, dim=-2, dtype=torch.float64)  # (..., k)
     theta_k = theta[..., :k]
     bound = torch.full_like(theta_k, 10 * tol)
     bound[..., 0] = tol
     # A residual at the rounding level of theta_1 cannot shrink further (rank-deficient or zero
     # matrices, steep spectra): that pair is as converged as float arithmetic allows.
     floor = rank_scale * torch.finfo(theta.dtype).eps * theta[..., :1]
-    excess = r.square() / (bound * theta_k.square())
+    # (r / theta)^2, not r^2 / theta^2: theta^2 ~ sigma^4 leaves float32's range for sigma above
+    # ~4e9, where the quotient read 0 and a warm start stopped with sigma_1 16 % short.
+    excess = (r / theta_k).square() / bound
     excess = torch.where(r <= floor, torch.zeros((), dtype=r.dtype, device=r.device), excess)
     return residual, torch.nan_to_num(excess, nan=0.0)
 
@@ -363,6 +367,9 @@ def orthonormalize(X: Tensor) -> Tensor:
 def orthonormal_columns(X: Tensor) -> Tensor:
     """An orthonormal basis of ``X``'s columns, leading first: the columns normalized, then
     CholeskyQR when they are well conditioned, else Householder QR."""
-    X = X / torch.linalg.vector_norm(X, dim=-2, keepdim=True).clamp_min(1e-30)
+    # Squares summed in float64: X may be images ~ sigma^2 v, whose float32 squares overflow
+    # for sigma above ~1e9 (the columns then read inf, and the next warm start began from noise).
+    norms = torch.linalg.vector_norm(X, dim=-2, keepdim=True, dtype=torch.float64)
+    X = X / norms.clamp_min(1e-30).to(X.dtype)
     Q = cholesky_qr(X)  # None off the CPU or when ill conditioned
     return orthonormalize(X) if Q is None else Q

@@ -111,6 +111,9 @@ DEFAULT_TOL = 1e-3
 # batches (GPT-2 small, medium, TinyLlama shapes); warm ones took the same. The likely reason: a
 # 768 x 40 float32 block is 120 KiB, so 4 of them stay within a core's 2 MiB L2 cache.
 _CHUNK_BYTES = 512 * 1024
+# Below this sigma_1 the float32 Krylov products of W^T W (~ sigma_1^2) lose their precision to
+# underflow (seen from 5e-19 on; 5e-17 was still exact): such matrices are redone exactly.
+_SMALLEST_SIGMA = 2.0**-50
 
 
 def default_n_iter(m: int, n: int) -> int:
@@ -198,8 +201,11 @@ def randomized_svd(
             0.005 as measured); smaller is deeper and more accurate. Unused with ``n_iter``.
 
     Returns:
-        ``TopSVD(S, V)``. A matrix with a NaN or Inf entry (or whose float32 products overflow)
-        gets ``S`` all NaN (the rest of the batch is unaffected); a zero matrix gets ``S`` all 0.
+        ``TopSVD(S, V)``. A matrix with a NaN or Inf entry gets ``S`` all NaN (the rest of the
+        batch is unaffected); a zero matrix gets ``S`` all 0. On the randomized path, a matrix
+        whose float32 products with W^T W would underflow or overflow (sigma_1 below about
+        1e-15 or above about 1e19) is computed by the exact float64 Gram path on the CPU; on an
+        accelerator it would read NaN (overflow) or lose precision (underflow).
 
     Raises:
         TypeError: ``W`` or ``init`` is not a floating-point tensor.
@@ -280,6 +286,7 @@ def randomized_svd(
             for rows in _chunks(A, width)
         ]
         S, V, finite = parts[0] if len(parts) == 1 else map(torch.cat, zip(*parts, strict=True))
+        S, V, finite = _exact_where_out_of_range(A, S, V, finite, width)
     elif chosen == "gram":
         # A small matrix's first call may be exact and its later ones warm: then the exact path
         # also hands back the top subspace (eigh, not eigvalsh), so there is something to warm
@@ -303,6 +310,35 @@ def randomized_svd(
         finite[..., None], S, torch.full((), float("nan"), dtype=S.dtype, device=S.device)
     )
     return TopSVD(S, V)
+
+
+def _exact_where_out_of_range(
+    A: Tensor, S: Tensor, V: Tensor, finite: Tensor, width: int
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The matrices whose W^T W float32 cannot hold, done again by the exact float64 Gram path.
+
+    The Krylov products scale as sigma_1^2: below about 1e-19 it falls out of float32's normal
+    range (the values came back up to 47 % off), above about 1e19 it overflows (the matrix read
+    as non-finite). Both are far outside any trained weight's scale, so the check costs a host
+    read of the top values and nothing else; off the CPU that read would be a sync, so there the
+    documented limits stand.
+    """
+    if A.device.type != "cpu":
+        return S, V, finite
+    top = S[..., 0]
+    suspect = ~finite | ((top > 0) & (top < _SMALLEST_SIGMA))
+    if not bool(suspect.any()):
+        return S, V, finite
+    batch, (n, b) = finite.shape, V.shape[-2:]
+    A3 = A.reshape(-1, *A.shape[-2:])
+    S, V, finite = S.reshape(-1, S.shape[-1]).clone(), V.reshape(-1, n, b).clone(), finite.flatten()
+    redo = suspect.flatten().nonzero().flatten()
+    redo = redo[torch.isfinite(A3[redo]).flatten(1).all(-1)]  # a NaN/Inf of W stays NaN
+    if redo.numel():
+        exact, exact_finite, subspace = gram_eigvalsh(A3[redo], width)
+        assert subspace is not None, "gram_eigvalsh hands back a subspace when given a width"
+        S[redo], finite[redo], V[redo] = exact[..., : S.shape[-1]], exact_finite, subspace
+    return S.view(*batch, -1), V.view(*batch, n, b), finite.view(batch)
 
 
 def _chunks(A: Tensor, width: int) -> list[slice]:
