@@ -9,6 +9,7 @@ import torch
 
 import spectral_callbacks.functional.svd as svd_module
 from spectral_callbacks.functional import randomized_svd
+from spectral_callbacks.functional.krylov import column_norms
 from spectral_callbacks.functional.method_choice import choose_method
 
 # A fixed seed and a fresh one per run (its value is in the test id, to reproduce a failure).
@@ -209,6 +210,15 @@ def test_a_matrix_far_from_unit_scale_reads_its_values_cold_and_warm(
     for top, truth in ((cold, exact), (warm, exact * 1.001)):  # DESIGN.md section 6
         torch.testing.assert_close(top.S[..., 0].double() / scale, truth[..., 0], rtol=1e-3, atol=0)
         torch.testing.assert_close(top.S.double() / scale, truth, rtol=1e-2, atol=0)
+
+
+@pytest.mark.parametrize("exponent", [-80, -60, 0, 60, 80])
+def test_column_norms_hold_at_any_scale_float32_holds(exponent: int) -> None:
+    X = torch.randn(3, 500, 7, dtype=torch.float64) * 2.0**exponent
+    X[0, :, 2] = 0  # a zero column
+    norms = column_norms(X.float())
+    assert norms.dtype == torch.float32 and norms.shape == (3, 7)
+    torch.testing.assert_close(norms.double(), X.norm(dim=-2), rtol=1e-5, atol=0)
 
 
 def test_an_overflowing_matrix_is_redone_and_a_nan_one_stays_nan() -> None:

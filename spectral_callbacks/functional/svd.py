@@ -10,8 +10,8 @@ range finder of Halko, Martinsson & Tropp 2011 (Algorithm 4.4, subspace iteratio
 last block ``(W^T W)^q Omega``; block Krylov keeps every block ``Omega, (W^T W) Omega, ...`` and so
 converges at the square root of the spectral gap. On a flat (freshly initialized) spectrum that
 difference is what brings sigma_1 within 0.5 % at a third of the cost (benchmarks/svd_accuracy.py).
-On the CPU a batch goes through it a few matrices at a time (``_chunks``), so that the blocks
-stay in cache. ``W^T W`` is applied either as two skinny products with W or, when the smaller
+On the CPU a cold batch goes through it a few matrices at a time (``_chunks``), so that the
+blocks stay in cache. ``W^T W`` is applied either as two skinny products with W or, when the smaller
 side is short enough that forming the Gram matrix once is cheaper, as one product with the
 explicit Gram matrix. A cold start on a CPU with bfloat16 matrix tiles (Intel AMX) may instead
 multiply by W rounded to bfloat16 once, at about three times the float32 rate: those products
@@ -106,10 +106,10 @@ _EXPECTED_WARM_DEPTH = 1
 # at most 2.4x that fraction, so tol = 1e-3 keeps stable rank (twice sigma_1's error) within 0.5 %;
 # alpha's error is about half the worst fraction of the rest, so within 0.005.
 DEFAULT_TOL = 1e-3
-# How much of a CPU batch the Krylov iteration takes at a time. Cold snapshots (1 thread) took
+# How much of a CPU batch a cold Krylov iteration takes at a time. Cold snapshots (1 thread) took
 # 10-20 % less CPU time in parts of 4 matrices at 768 x 768, 3 at 1024 and 1 at 2048 than as whole
-# batches (GPT-2 small, medium, TinyLlama shapes); warm ones took the same. The likely reason: a
-# 768 x 40 float32 block is 120 KiB, so 4 of them stay within a core's 2 MiB L2 cache.
+# batches (GPT-2 small, medium, TinyLlama shapes). The likely reason: a 768 x 40 float32 block is
+# 120 KiB, so 4 of them stay within a core's 2 MiB L2 cache.
 _CHUNK_BYTES = 512 * 1024
 # Below this sigma_1 the float32 Krylov products of W^T W (~ sigma_1^2) lose their precision to
 # underflow (seen from 5e-19 on; 5e-17 was still exact): such matrices are redone exactly.
@@ -283,7 +283,9 @@ def randomized_svd(
                 rounded=rounded,
                 lead=lead,
             )
-            for rows in _chunks(A, width)
+            # A warm start's one or two blocks gain nothing from parts and pay their overhead
+            # (GPT-2 small warm 0.422 s whole, 0.431 s in parts).
+            for rows in (_chunks(A, width) if init is None else [slice(None)])
         ]
         S, V, finite = parts[0] if len(parts) == 1 else map(torch.cat, zip(*parts, strict=True))
         S, V, finite = _exact_where_out_of_range(A, S, V, finite, width)
