@@ -250,8 +250,9 @@ def orthogonalize_against(X: Tensor, basis: Basis, projection: Tensor | None = N
     Ritz value by more than that relative amount. The first pass of a block of at least 16
     columns orthonormalizes by CholeskyQR when every column keeps a hundredth of its norm beyond
     the basis and the columns before it (``_FIRST_PASS_LEAST``), else by Householder QR: a block
-    that runs out of directions is exactly where Cholesky of its Gram matrix breaks down. ``projection`` is ``basis^T X`` when
-    the caller has it already (a Krylov step's column of the Rayleigh quotient).
+    that runs out of directions is exactly where Cholesky of its Gram matrix breaks down.
+    ``projection`` is ``basis^T X`` when the caller has it already (a Krylov step's column of the
+    Rayleigh quotient).
     """
     Q, orthogonal = _project_out_twice(X, basis, projection)
     if orthogonal:

@@ -111,8 +111,9 @@ DEFAULT_TOL = 1e-3
 # batches (GPT-2 small, medium, TinyLlama shapes). The likely reason: a 768 x 40 float32 block is
 # 120 KiB, so 4 of them stay within a core's 2 MiB L2 cache.
 _CHUNK_BYTES = 512 * 1024
-# Below this sigma_1 the float32 Krylov products of W^T W (~ sigma_1^2) lose their precision to
-# underflow (seen from 5e-19 on; 5e-17 was still exact): such matrices are redone exactly.
+# Below this sigma_1 (about 9e-16) a matrix is redone exactly: the float32 Krylov products of
+# W^T W (~ sigma_1^2) lost their precision to underflow from sigma_1 = 5e-19 on (47 % off), and at
+# 5e-17 were still as accurate as at unit scale; 2^-50 leaves a margin.
 _SMALLEST_SIGMA = 2.0**-50
 
 
@@ -270,6 +271,9 @@ def randomized_svd(
         if n_iter is None and chosen == "randomized":
             first_check = 1 if lead else depth
             depth += _EXTRA_DEPTH
+        # A warm start's one or two blocks gain nothing from parts and pay their overhead
+        # (GPT-2 small warm 0.422 s whole, 0.431 s in parts).
+        rows_of_parts = _chunks(A, width) if init is None else [slice(None)]
         parts = [
             _randomized(
                 A[rows],
@@ -283,9 +287,7 @@ def randomized_svd(
                 rounded=rounded,
                 lead=lead,
             )
-            # A warm start's one or two blocks gain nothing from parts and pay their overhead
-            # (GPT-2 small warm 0.422 s whole, 0.431 s in parts).
-            for rows in (_chunks(A, width) if init is None else [slice(None)])
+            for rows in rows_of_parts
         ]
         S, V, finite = parts[0] if len(parts) == 1 else map(torch.cat, zip(*parts, strict=True))
         S, V, finite = _exact_where_out_of_range(A, S, V, finite, width)
@@ -319,11 +321,11 @@ def _exact_where_out_of_range(
 ) -> tuple[Tensor, Tensor, Tensor]:
     """The matrices whose W^T W float32 cannot hold, done again by the exact float64 Gram path.
 
-    The Krylov products scale as sigma_1^2: below about 1e-19 it falls out of float32's normal
-    range (the values came back up to 47 % off), above about 1e19 it overflows (the matrix read
-    as non-finite). Both are far outside any trained weight's scale, so the check costs a host
-    read of the top values and nothing else; off the CPU that read would be a sync, so there the
-    documented limits stand.
+    The Krylov products scale as sigma_1^2: for sigma_1 below ``_SMALLEST_SIGMA`` they underflow,
+    above about 1e19 they overflow (the matrix read as non-finite). Both are far outside any
+    trained weight's scale, so the check costs a host read of the top values and nothing else;
+    off the CPU that read would be a sync, so there the documented limits stand. ``S``, ``V`` and
+    ``finite`` are the caller's own, updated where redone.
     """
     if A.device.type != "cpu":
         return S, V, finite
@@ -333,7 +335,7 @@ def _exact_where_out_of_range(
         return S, V, finite
     batch, (n, b) = finite.shape, V.shape[-2:]
     A3 = A.reshape(-1, *A.shape[-2:])
-    S, V, finite = S.reshape(-1, S.shape[-1]).clone(), V.reshape(-1, n, b).clone(), finite.flatten()
+    S, V, finite = S.reshape(-1, S.shape[-1]), V.reshape(-1, n, b), finite.flatten()
     redo = suspect.flatten().nonzero().flatten()
     redo = redo[torch.isfinite(A3[redo]).flatten(1).all(-1)]  # a NaN/Inf of W stays NaN
     if redo.numel():
