@@ -11,7 +11,12 @@ The three variants run alternately in one process (round 1: none, default, synch
   other processes on a shared machine;
 * ``main ms``  - main-thread milliseconds per snapshot (copy + hand-over; the SVD too when
   synchronous), from ``spectral_monitor/main_thread_ms``;
-* ``svd ms``   - SVD + metrics milliseconds per snapshot (worker thread or side stream).
+* ``svd ms``   - SVD + metrics milliseconds per snapshot (worker thread or side stream);
+* ``worker cpu s`` - CPU seconds of the worker thread during the training loop (0 when the SVD runs
+  on the main thread), and below the table, for each variant with a worker, the training wall
+  seconds each of them cost: ``(train s - none's train s) / worker cpu s``, same round, median.
+  Where training keeps every core busy (its OpenMP threads spin at their barriers), that is above
+  1: a core the worker takes stalls both training threads.
 
 Two more variants take the default's cost apart (each replays the default run of its round, call by
 call): ``no-svd`` returns the recorded metrics without computing (what the hooks, the copies, the
@@ -34,6 +39,7 @@ import argparse
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -128,17 +134,38 @@ class LoopTimer(Callback):
         self.start: float | None = None
         self.end: float | None = None
         self.cpu_start = self.cpu_end = 0.0
+        self.worker_cpu = 0.0
+        self._worker_cpu_start: dict[int, float] = {}
 
     def on_train_batch_start(self, trainer: Trainer, *args: Any) -> None:
         if self.start is None:
             _sync()
             self.start = time.perf_counter()
             self.cpu_start = time.process_time()
+            # The worker already exists (the step-0 snapshot is taken at train start).
+            self._worker_cpu_start = {ident: _cpu(ident) for ident in _workers()}
 
     def on_train_end(self, trainer: Trainer, *args: Any) -> None:
         _sync()
         self.end = time.perf_counter()
         self.cpu_end = time.process_time()
+        self.worker_cpu = sum(
+            _cpu(ident) - self._worker_cpu_start.get(ident, 0.0) for ident in _workers()
+        )
+
+
+def _workers() -> list[int]:
+    """Thread ids of the live SVD worker threads (the engine names them)."""
+    return [
+        t.ident
+        for t in threading.enumerate()
+        if t.name == "SpectralMonitor-worker" and t.ident is not None and t.is_alive()
+    ]
+
+
+def _cpu(ident: int) -> float:
+    """CPU seconds a live thread has used."""
+    return time.clock_gettime(time.pthread_getcpuclockid(ident))
 
 
 class HealthLogger(Logger):
@@ -227,6 +254,7 @@ def run_once(
     return {
         "train": timer.end - timer.start,
         "cpu": timer.cpu_end - timer.cpu_start,
+        "worker_cpu": timer.worker_cpu,
         "fit": fit,
         "main_ms": statistics.median(health.main_ms) if health.main_ms else float("nan"),
         "svd_ms": statistics.median(health.svd_ms) if health.svd_ms else float("nan"),
@@ -287,9 +315,9 @@ def main(argv: list[str] | None = None) -> None:
     )
     print(
         "| variant | train s | train ratio | cpu ratio | fit s | fit ratio | snapshots | skipped "
-        "| main ms/snapshot | svd ms/snapshot |"
+        "| main ms/snapshot | svd ms/snapshot | worker cpu s |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for variant in variants:
         runs = results[variant]
         print(
@@ -297,8 +325,14 @@ def main(argv: list[str] | None = None) -> None:
             f"{median_ratio(variant, 'train'):.3f} | {median_ratio(variant, 'cpu'):.3f} | "
             f"{statistics.median(r['fit'] for r in runs):.2f} | "
             f"{median_ratio(variant, 'fit'):.3f} | {runs[-1]['snapshots']} | {runs[-1]['skipped']:.0f} | "
-            f"{statistics.median(r['main_ms'] for r in runs):.2f} | {statistics.median(r['svd_ms'] for r in runs):.1f} |"
+            f"{statistics.median(r['main_ms'] for r in runs):.2f} | {statistics.median(r['svd_ms'] for r in runs):.1f} | "
+            f"{statistics.median(r['worker_cpu'] for r in runs):.2f} |"
         )
+    for variant in variants[1:]:
+        pairs = list(zip(results[variant], results["none"], strict=True))
+        if all(r["worker_cpu"] > 0 for r, _ in pairs):
+            cost = statistics.median((r["train"] - n["train"]) / r["worker_cpu"] for r, n in pairs)
+            print(f"{variant}: each worker CPU second cost training {cost:.2f} s of wall time")
 
 
 if __name__ == "__main__":
