@@ -7,6 +7,8 @@ watched matrices are built as one stack per shape group, exactly as the callback
 * ``gpt2-medium``: GPT-2 medium (24 x 1024);
 * ``tinyllama``: TinyLlama-1.1B shapes (22 x 2048, GQA with 4 KV heads of 64, gated MLP of 5632):
   Q, O 2048x2048, K, V 256x2048, gate and up 5632x2048, down 2048x5632;
+* ``gpt-4x128``: the 4 x 128 GPT that benchmarks/overhead.py trains (Q, K, V, O 128x128, MLP_up
+  512x128, MLP_down 128x512): what one snapshot of that run costs the worker;
 * ``toy``: a 2 x 256 GPT-2 for a smoke test in seconds.
 
 Weights start as GPT-2's init (normal, std 0.02; output projections scaled by 1/sqrt(2 L)) and are
@@ -59,7 +61,7 @@ from spectral_callbacks.functional import (
     randomized_svd,
 )
 
-MODELS = ("toy", "gpt2", "gpt2-medium", "tinyllama")
+MODELS = ("toy", "gpt-4x128", "gpt2", "gpt2-medium", "tinyllama")
 
 
 @dataclass
@@ -77,9 +79,10 @@ def model_groups(name: str) -> list[Group]:
     """The watched shape groups of a model, from its transformers config."""
     from transformers import GPT2Config, LlamaConfig
 
-    if name in ("toy", "gpt2", "gpt2-medium"):
+    if name in ("toy", "gpt-4x128", "gpt2", "gpt2-medium"):
         config = {
             "toy": GPT2Config(n_embd=256, n_layer=2, n_head=4),
+            "gpt-4x128": GPT2Config(n_embd=128, n_layer=4, n_head=4),
             "gpt2": GPT2Config(),
             "gpt2-medium": GPT2Config(n_embd=1024, n_layer=24, n_head=16),
         }[name]
@@ -321,8 +324,8 @@ def run_model(name: str, args: argparse.Namespace, g: torch.Generator) -> list[s
     if not args.weightwatcher:
         ww_cell = "not run"
     rows = [
-        f"| {name} | {count} in {len(groups)} | {med['cold']:.2f} | {med['warm']:.2f} | "
-        f"{med['exact']:.2f} | {med['lowrank']:.2f} | {ww_cell} | {floors['gemm_s']:.2f} | "
+        f"| {name} | {count} in {len(groups)} | {med['cold']:.3g} | {med['warm']:.3g} | "
+        f"{med['exact']:.3g} | {med['lowrank']:.3g} | {ww_cell} | {floors['gemm_s']:.3g} | "
         f"{floors['bytes_s']:.3f} | {med['exact'] / med['cold']:.2f}x | "
         f"{med['exact'] / med['warm']:.2f}x | "
         f"{worst['cold'][0]:.2f} / {worst['warm'][0]:.2f} | "
@@ -334,9 +337,9 @@ def run_model(name: str, args: argparse.Namespace, g: torch.Generator) -> list[s
         rows.append(
             f"  {name} spread over {args.repeats} rounds: exact/cold {min(ratios_cold):.2f}-"
             f"{max(ratios_cold):.2f}x, exact/warm {min(ratios_warm):.2f}-{max(ratios_warm):.2f}x; "
-            f"seconds min-max: cold {spread['cold'][0]:.2f}-{spread['cold'][1]:.2f}, warm "
-            f"{spread['warm'][0]:.2f}-{spread['warm'][1]:.2f}, exact {spread['exact'][0]:.2f}-"
-            f"{spread['exact'][1]:.2f}"
+            f"seconds min-max: cold {spread['cold'][0]:.3g}-{spread['cold'][1]:.3g}, warm "
+            f"{spread['warm'][0]:.3g}-{spread['warm'][1]:.3g}, exact {spread['exact'][0]:.3g}-"
+            f"{spread['exact'][1]:.3g}"
         )
     return rows
 

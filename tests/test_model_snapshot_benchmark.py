@@ -28,6 +28,12 @@ def test_quick_run_prints_one_row_per_model_with_ratios_and_accuracy(
 def test_model_shapes_follow_the_configs() -> None:
     llama = {g.roles: (g.shape, g.count) for g in model_snapshot.model_groups("tinyllama")}
     assert llama["K V"] == ((256, 2048), 44) and llama["gate up"] == ((5632, 2048), 44)
+    small = model_snapshot.merged(model_snapshot.model_groups("gpt-4x128"))
+    assert [(g.shape, g.count) for g in small] == [
+        ((128, 128), 16),
+        ((512, 128), 4),
+        ((128, 512), 4),
+    ]
     gpt2 = model_snapshot.merged(model_snapshot.model_groups("gpt2"))
     assert [(g.shape, g.count) for g in gpt2] == [
         ((768, 768), 48),

@@ -25,11 +25,16 @@ _COST_EIGH = 14.0
 # 190 float32 GEMM flops per entry (35 ms for 48 x 768 x 768, page faults included).
 _COST_SKINNY_BF16 = 0.73
 _COST_ROUND = 190.0
+# The exact Gram path in float64, and in float32 (measured 0.52-0.78 of float64's time for batches
+# of 128 to 512 sides: the eigvalsh gains less than the product), against the units above.
+_COST_FLOAT64 = 2.0
+_COST_FLOAT32_GRAM = 1.2
 # Exact is preferred when the block would cover this much of the smaller side anyway.
 _EXACT_FRACTION = 0.5
 # What one call of the randomized path costs beyond the exact one whatever the batch (Python and
 # small kernels, ~1.5 ms on the CPU above): a batch of a few small matrices cannot make it back
-# (measured: 4 x 512x128 warm 3.3 ms against exact 3.1; 16 x 128x128 warm 6.7 against 9.4).
+# (measured, CPU ms: 4 x 512x128 warm 6.2 against exact 2.6 in float32; 16 x 128x128 warm 8.3
+# against 8.6; 16 x 512x128 warm 12.3 against 9.9).
 _COST_CALL = 2.0e8
 
 
@@ -55,8 +60,10 @@ def choose_method(
     if device_type != "cpu":
         return "randomized"
     randomized = min(randomized_costs(m, n, width, n_iter, krylov=True, rounded=rounded).values())
-    # Exact float64 Gram: product and eigvalsh both at float64 cost (2x).
-    gram_exact = 2 * (2 * _COST_GEMM * small * small * large + _COST_EIGH * small**3)
+    # Exact Gram: product and eigvalsh in float64 for float64 input, else (on the CPU, where this
+    # is reached) in float32 with float64 only where that cannot read the top k.
+    precision = _COST_FLOAT64 if dtype == torch.float64 else _COST_FLOAT32_GRAM
+    gram_exact = precision * (2 * _COST_GEMM * small * small * large + _COST_EIGH * small**3)
     return "randomized" if batch * randomized + _COST_CALL <= batch * gram_exact else "gram"
 
 
