@@ -33,9 +33,10 @@ The exact paths are ``eigvalsh`` of the smaller Gram matrix in float64 (exact fo
 singular value above ``sqrt(eps64) * sigma_1``) and ``svdvals`` of the tall orientation (LAPACK is
 several times slower on the wide one). When ``auto`` picks the Gram path for float32 input, the
 Gram matrix is formed and decomposed in float32 (0.5-0.8 of the time), and the matrices whose top
-k reach below 0.01 sigma_1, where squaring W's rounding would show, are redone in float64. Which path runs is decided by shape and device with a
-calibrated flop count (``method_choice.choose_method``), never by timing at run time, so the choice is
-deterministic; on an accelerator the float64 Gram path is never chosen (weak FP64 on many GPUs).
+k reach below 0.01 sigma_1, where squaring W's rounding would show, are redone in float64. Which
+path runs is decided by shape and device with a calibrated flop count
+(``method_choice.choose_method``), never by timing at run time, so the choice is deterministic;
+on an accelerator the float64 Gram path is never chosen (weak FP64 on many GPUs).
 
 Host synchronization (what a CUDA worker waits for): on an accelerator, masks (non-finite
 matrices, the rank tolerance, stale ``init`` columns, Krylov columns that leak into the basis) are
@@ -382,9 +383,10 @@ def _redo_in_float64(
     redo = suspect.flatten().nonzero().flatten()
     redo = redo[torch.isfinite(A3[redo]).flatten(1).all(-1)]
     if redo.numel():
-        exact, exact_finite, subspace = gram_eigvalsh(A3[redo], width if V is not None else None)
+        exact, exact_finite, subspace = gram_eigvalsh(A3[redo], width)
         S[redo], finite[redo] = exact[..., : S.shape[-1]], exact_finite
-        if V is not None and subspace is not None:
+        if V is not None:
+            assert subspace is not None, "a width is given wherever there is a subspace to redo"
             V[redo] = subspace
     V = None if V is None else V.view(*batch, *V.shape[-2:])
     return S.view(*batch, -1), V, finite.view(batch)
