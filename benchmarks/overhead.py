@@ -54,6 +54,7 @@ from gpt import GPT, GPTConfig  # noqa: E402
 
 from spectral_callbacks import SpectralMonitor  # noqa: E402
 from spectral_callbacks.monitor.compute import SpectrumCompute  # noqa: E402
+from spectral_callbacks.monitor.engine import WORKER_THREAD_NAME  # noqa: E402
 from spectral_callbacks.names import monitor_tag  # noqa: E402
 
 # Keyword arguments of SpectralMonitor per variant; "none" runs without the callback. The last two
@@ -159,7 +160,7 @@ def _workers() -> list[int]:
     return [
         t.ident
         for t in threading.enumerate()
-        if t.name == "SpectralMonitor-worker" and t.ident is not None and t.is_alive()
+        if t.name == WORKER_THREAD_NAME and t.ident is not None and t.is_alive()
     ]
 
 

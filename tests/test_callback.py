@@ -24,7 +24,7 @@ from tiny_models import (
 )
 
 from spectral_callbacks.integrations.lightning import SpectralMonitor
-from spectral_callbacks.monitor.engine import SpectralComputeError
+from spectral_callbacks.monitor.engine import WORKER_THREAD_NAME, SpectralComputeError
 from spectral_callbacks.names import NUM_LAYERS_TAG, monitor_tag, scalar_tag
 
 
@@ -113,8 +113,7 @@ def test_worker_error_is_raised_on_the_main_thread_naming_the_matrix() -> None:
 
 def _worker_alive() -> bool:
     return any(
-        thread.name == "SpectralMonitor-worker" and thread.is_alive()
-        for thread in threading.enumerate()
+        thread.name == WORKER_THREAD_NAME and thread.is_alive() for thread in threading.enumerate()
     )
 
 

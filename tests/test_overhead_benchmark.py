@@ -22,7 +22,9 @@ def _toy_args() -> argparse.Namespace:
 
 def test_the_worker_cpu_is_the_worker_threads_own(tmp_path: Path) -> None:
     default = overhead.run_once("default", _toy_args(), str(tmp_path))
-    assert default["snapshots"] == 8  # the default schedule: 0, 1, 2, 4, 8, 16, 25 and the last, 30
+    # The default schedule: 0, 1, 2, 4, 8, 16, 25 and the last, 30; on a loaded machine a snapshot
+    # due while two are still pending is skipped (and counted), not queued.
+    assert default["snapshots"] + default["skipped"] == 8 and default["snapshots"] >= 1
     assert 0 < default["worker_cpu"] < default["cpu"]  # a part of the process's CPU seconds
     synchronous = overhead.run_once("synchronous", _toy_args(), str(tmp_path))
     assert synchronous["snapshots"] == 8 and synchronous["worker_cpu"] == 0  # no worker thread

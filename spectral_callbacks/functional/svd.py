@@ -297,7 +297,7 @@ def randomized_svd(
             for rows in rows_of_parts
         ]
         S, V, finite = parts[0] if len(parts) == 1 else map(torch.cat, zip(*parts, strict=True))
-        S, V, finite = _exact_where_out_of_range(A, S, V, finite, width)
+        S, V, finite = _exact_where_float32_falls_short(A, S, V, finite, width)
     elif chosen == "gram":
         # A small matrix's first call may be exact and its later ones warm: then the exact path
         # also hands back the top subspace (eigh, not eigvalsh), so there is something to warm
@@ -313,7 +313,7 @@ def randomized_svd(
             # A float32 Gram matrix: the product at float32's rate and no float64 copy of W
             # (a 4 x 512 x 128 batch: 2.1 ms against 3.6); what it cannot read is redone.
             S, finite, V = gram_eigvalsh(A, subspace_width, torch.float32)
-            S, V, finite = _exact_where_float32_gram_is_not(A, S, V, finite, k, subspace_width)
+            S, V, finite = _exact_where_float32_falls_short(A, S, V, finite, subspace_width, k)
         else:
             S, finite, V = gram_eigvalsh(A, subspace_width)
     else:
@@ -330,50 +330,28 @@ def randomized_svd(
     return TopSVD(S, V)
 
 
-def _exact_where_out_of_range(
-    A: Tensor, S: Tensor, V: Tensor, finite: Tensor, width: int
-) -> tuple[Tensor, Tensor, Tensor]:
-    """The matrices whose W^T W float32 cannot hold, done again by the exact float64 Gram path.
+def _exact_where_float32_falls_short(
+    A: Tensor, S: Tensor, V: Tensor | None, finite: Tensor, width: int | None, k: int | None = None
+) -> tuple[Tensor, Tensor | None, Tensor]:
+    """The matrices float32 could not read, done again by the exact float64 Gram path.
 
-    The Krylov products scale as sigma_1^2: for sigma_1 below ``_SMALLEST_SIGMA`` they underflow,
+    Products with W^T W scale as sigma_1^2: for sigma_1 below ``_SMALLEST_SIGMA`` they underflow,
     above about 1e19 they overflow (the matrix read as non-finite). Both are far outside any
-    trained weight's scale, so the check costs a host read of the top values and nothing else;
-    off the CPU that read would be a sync, so there the documented limits stand.
+    trained weight's scale. With ``k`` (after the float32 Gram path, which squares W's rounding:
+    see ``gram_eigvalsh``) a top k reaching below ``_FLOAT32_GRAM_LEAST`` sigma_1 is redone too
+    (a rank-deficient matrix, one dominant outlier), so every value is within about 1e-4 of exact
+    and a rank-deficient matrix reads as by the float64 path. A NaN/Inf of W stays NaN.
+
+    The check is a host read of the top values, free on the CPU; off the CPU it would be a sync,
+    so there the documented limits stand. ``S``, ``V`` and ``finite`` are the caller's own,
+    updated in place where redone.
     """
     if A.device.type != "cpu":
         return S, V, finite
-    S, V_redone, finite = _redo_in_float64(A, S, V, finite, width, _out_of_range(S, finite))
-    assert V_redone is not None, "a subspace in, a subspace out"
-    return S, V_redone, finite
-
-
-def _exact_where_float32_gram_is_not(
-    A: Tensor, S: Tensor, V: Tensor | None, finite: Tensor, k: int, width: int | None
-) -> tuple[Tensor, Tensor | None, Tensor]:
-    """After the float32 Gram path, the matrices it cannot read accurately, redone in float64.
-
-    A float32 Gram matrix squares W's rounding (see ``gram_eigvalsh``): a top k reaching below
-    ``_FLOAT32_GRAM_LEAST`` sigma_1 (a rank-deficient matrix, or one dominant outlier) or a
-    sigma_1 out of float32's squared range is redone, so every value it reports is within about
-    1e-4 of exact and a rank-deficient matrix reads the same as by the float64 path.
-    """
-    least = S[..., k - 1] < _FLOAT32_GRAM_LEAST * S[..., 0]
-    return _redo_in_float64(A, S, V, finite, width, _out_of_range(S, finite) | least)
-
-
-def _out_of_range(S: Tensor, finite: Tensor) -> Tensor:
-    """Matrices read as non-finite (maybe a float32 overflow) or with sigma_1 below
-    ``_SMALLEST_SIGMA`` (float32 products of W^T W underflow)."""
     top = S[..., 0]
-    return ~finite | ((top > 0) & (top < _SMALLEST_SIGMA))
-
-
-def _redo_in_float64(
-    A: Tensor, S: Tensor, V: Tensor | None, finite: Tensor, width: int | None, suspect: Tensor
-) -> tuple[Tensor, Tensor | None, Tensor]:
-    """``S``, ``V`` and ``finite`` (the caller's own, updated in place) with the ``suspect``
-    matrices of finite W done again by the exact float64 Gram path; a NaN/Inf of W stays NaN.
-    The check is a host read, free on the CPU (the only device that calls this)."""
+    suspect = ~finite | ((top > 0) & (top < _SMALLEST_SIGMA))
+    if k is not None:
+        suspect |= S[..., k - 1] < _FLOAT32_GRAM_LEAST * top
     if not bool(suspect.any()):
         return S, V, finite
     batch = finite.shape

@@ -74,6 +74,8 @@ from spectral_callbacks.monitor.snapshot import ShapeGroup, Snapshot, take_snaps
 Compute = Callable[[ShapeGroup, torch.Tensor], dict[str, torch.Tensor]]
 
 _POLL_SECONDS = 0.005
+#: The name of the engine's worker thread (tests and benchmarks find the thread by it).
+WORKER_THREAD_NAME = "SpectralMonitor-worker"
 
 
 class SpectralComputeError(RuntimeError):
@@ -321,7 +323,7 @@ class SnapshotEngine:
         if self._worker is None:
             self._closing.clear()
             self._worker = background.start_daemon(
-                self._loop, "SpectralMonitor-worker", stop=self._stop_at_exit
+                self._loop, WORKER_THREAD_NAME, stop=self._stop_at_exit
             )
 
     def _stop_at_exit(self) -> str | None:
