@@ -342,7 +342,7 @@ def run_figures(budget: float, device: str = "cuda") -> list[Row]:
     import torch
 
     from spectral_callbacks.monitor.dashboards import FigureWriter
-    from spectral_callbacks.monitor.figure_process import render
+    from spectral_callbacks.monitor.figures import render
 
     rows = figure_rows()
     x = torch.zeros(1, device=device)

@@ -40,8 +40,9 @@ import train_gpt
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from matplotlib.figure import Figure
 
+from spectral_callbacks import charts
 from spectral_callbacks.cli import main as cli
-from spectral_callbacks.offline import charts, differences
+from spectral_callbacks.offline import differences
 from spectral_callbacks.offline.events import read_runs
 
 FIGURES = ("lifecycle", "alpha-depth", "init-ablation")

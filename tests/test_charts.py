@@ -6,8 +6,9 @@ import numpy as np
 import pandas as pd
 import pytest
 
+from spectral_callbacks import charts
 from spectral_callbacks.names import TIDY_COLUMNS, relative_depth
-from spectral_callbacks.offline import charts, differences
+from spectral_callbacks.offline import differences
 
 ROLES = ["Q", "K", "V", "O", "MLP_up", "MLP_down"]
 

@@ -13,8 +13,8 @@ from cli_runs import TinyTransformer, run_cli, training_runs
 from safetensors.torch import save_file
 from transformers import BertConfig, BertModel, GPT2Config, GPT2LMHeadModel
 
+from spectral_callbacks import charts
 from spectral_callbacks.cli.main import main
-from spectral_callbacks.offline import charts
 from spectral_callbacks.offline.events import read_runs
 from spectral_callbacks.targets import find_targets
 

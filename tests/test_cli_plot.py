@@ -9,8 +9,9 @@ import pandas as pd
 import pytest
 from cli_runs import NUM_LAYERS, STEPS, run_cli, training_runs
 
+from spectral_callbacks import charts
 from spectral_callbacks.cli.main import main
-from spectral_callbacks.offline import charts, differences
+from spectral_callbacks.offline import differences
 from spectral_callbacks.offline.events import read_runs
 
 ROLES = ["Q", "K", "V", "O", "MLP_up", "MLP_down"]

@@ -18,7 +18,7 @@ from torch.utils.tensorboard import SummaryWriter
 
 from spectral_callbacks import tensorboard_adapter
 from spectral_callbacks.integrations.lightning import DEFAULT_METRICS
-from spectral_callbacks.monitor import dashboards
+from spectral_callbacks.monitor import dashboards, figures
 from spectral_callbacks.monitor.compute import SpectrumCompute
 from spectral_callbacks.names import scalar_tag
 
@@ -195,10 +195,10 @@ def test_figures_leave_out_a_metric_that_is_all_nan() -> None:
         ],
         columns=["run", "step", "metric", "layer", "depth", "role", "value", "wall_time"],
     )
-    figures = dashboards.draw_figures(rows)
-    assert set(figures) == {"spectral_figures/stable_rank_vs_steps/L00"}
+    drawn = figures.draw_figures(rows)
+    assert set(drawn) == {"spectral_figures/stable_rank_vs_steps/L00"}
     rows.loc[(rows["metric"] == "alpha") & (rows["layer"] == 1), "value"] = 0.4
-    assert "spectral_figures/alpha_vs_depth/Q" in dashboards.draw_figures(rows)
+    assert "spectral_figures/alpha_vs_depth/Q" in figures.draw_figures(rows)
 
 
 def test_every_default_metric_is_defined_on_default_settings() -> None:

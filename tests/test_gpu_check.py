@@ -77,7 +77,7 @@ def test_without_cuda_it_measures_nothing_and_exits_zero() -> None:
 
 
 def test_the_figure_rows_draw_every_figure() -> None:
-    from spectral_callbacks.monitor.dashboards import draw_figures
+    from spectral_callbacks.monitor.figures import draw_figures
 
     figures = draw_figures(gpu_check.figure_rows(), roles=("Q",))
     assert {"spectral_figures/alpha_vs_depth/Q", "spectral_figures/compression_by_layer"} <= set(

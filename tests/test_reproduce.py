@@ -12,7 +12,7 @@ import reproduce
 import train_gpt
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
-from spectral_callbacks.offline import charts
+from spectral_callbacks import charts
 from spectral_callbacks.offline.events import read_runs
 
 GLYPHS = ["Q", "K", "V", "O", "MLP↑", "MLP↓"]

@@ -136,7 +136,7 @@ def print_table(rows: pd.DataFrame, title: str) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    from spectral_callbacks.offline.charts import role_glyph
+    from spectral_callbacks.charts import role_glyph
     from spectral_callbacks.targets.target import role_sort_key
 
     roles = sorted(rows["role"].unique(), key=role_sort_key)

@@ -108,7 +108,8 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
 
 def draw(rows: pd.DataFrame, args: argparse.Namespace) -> Figure:
     """The figure of ``args.kind`` from ``rows``; chart errors become CommandErrors."""
-    from spectral_callbacks.offline import charts, differences
+    from spectral_callbacks import charts
+    from spectral_callbacks.offline import differences
 
     try:
         if args.kind == "alpha-depth":
@@ -156,7 +157,7 @@ def draw(rows: pd.DataFrame, args: argparse.Namespace) -> Figure:
 
 
 def run(args: argparse.Namespace) -> int:
-    from spectral_callbacks.offline.charts import FIGURE_FORMATS, save_figure
+    from spectral_callbacks.charts import FIGURE_FORMATS, save_figure
 
     if not args.output.lower().endswith(FIGURE_FORMATS):
         raise CommandError(

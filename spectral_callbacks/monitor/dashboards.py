@@ -16,9 +16,9 @@ shows them in its Custom Scalars tab. What TensorBoard's custom-scalars frontend
 * the y-range cannot be set from a layout: "Ignore outliers in chart scaling" is a sidebar toggle
   of the frontend (on by default), which clips the step-0 values (docs/callback.md).
 
-Figures are drawn with ``spectral_callbacks.offline.charts`` (object-oriented matplotlib on the Agg
-canvas, no pyplot state) in a child process (``figure_process.py``), so matplotlib never holds the
-training process's GIL, and written as PNG image summaries.
+Figures are drawn by ``figures.py`` (``spectral_callbacks.charts``: object-oriented matplotlib on
+the Agg canvas, no pyplot state) in a child process (``figure_process.py``), so matplotlib never
+holds the training process's GIL, and written here as PNG image summaries.
 
 Example::
 
@@ -51,7 +51,6 @@ from spectral_callbacks.monitor.figure_process import FigureProcess, png_size
 from spectral_callbacks.names import layer_label, scalar_tag
 from spectral_callbacks.tensorboard_adapter import add_layout, flush, write_summary
 
-FIGURE_SECTION = "spectral_figures"
 #: The run name of the tidy rows the live figures are drawn from (their legend).
 FIGURE_RUN = "this run"
 #: Lines per custom-scalars chart: TensorBoard has five symbols to tell one run's lines apart.
@@ -181,40 +180,6 @@ class LayoutWriter:
         self.finite |= new
         add_layout(experiments, custom_scalars_layout(self.targets, self.metrics, self.finite))
         return True
-
-
-def draw_figures(rows: pd.DataFrame, roles: Sequence[str] | None = ("Q",)) -> dict[str, Any]:
-    """Figures for the rows seen so far: tag -> ``matplotlib.figure.Figure``.
-
-    α vs relative depth and the compression heatmap (layer x step) for each of ``roles`` (``None``:
-    every role), stable rank of the first layer vs steps, and final compression by layer x role.
-    A chart whose metric has no finite value in ``rows`` is left out (never a chart of NaN). Each
-    figure costs ~0.1-1 s of CPU to draw and render, hence few roles by default.
-    """
-    from spectral_callbacks.offline import charts
-
-    figures: dict[str, Any] = {}
-    finite = rows["value"].map(math.isfinite).astype(bool) if len(rows) else []
-    metrics = set(rows.loc[finite, "metric"]) if len(rows) else set()
-    present = list(dict.fromkeys(rows["role"])) if len(rows) else []
-    chosen = present if roles is None else [role for role in roles if role in present]
-    if "alpha" in metrics:
-        for role in chosen:
-            figures[f"{FIGURE_SECTION}/alpha_vs_depth/{role}"] = charts.alpha_vs_depth(
-                rows, role=role
-            )
-    if "stable_rank" in metrics:
-        first_layer = int(rows["layer"].min())
-        figures[f"{FIGURE_SECTION}/stable_rank_vs_steps/L{first_layer:02d}"] = charts.rank_vs_steps(
-            rows, layer=first_layer, metric="stable_rank"
-        )
-    if "compression" in metrics:
-        figures[f"{FIGURE_SECTION}/compression_by_layer"] = charts.compression_by_layer(rows)
-        for role in chosen:
-            figures[f"{FIGURE_SECTION}/compression_wave/{role}"] = charts.compression_wave(
-                rows, role=role
-            )
-    return figures
 
 
 class FigureWriter:

@@ -18,7 +18,6 @@ drawing; its error is re-raised on the main thread like any drawing error.
 
 from __future__ import annotations
 
-import io
 import os
 import pickle
 import struct
@@ -27,18 +26,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-
-def render(rows: Any, roles: Sequence[str] | None) -> dict[str, bytes]:
-    """Every figure of ``dashboards.draw_figures(rows, roles)`` as PNG bytes, by tag."""
-    from spectral_callbacks.monitor.dashboards import draw_figures
-
-    pngs = {}
-    for tag, figure in draw_figures(rows, roles).items():
-        buffer = io.BytesIO()
-        figure.savefig(buffer, format="png")
-        figure.clear()
-        pngs[tag] = buffer.getvalue()
-    return pngs
+from spectral_callbacks.monitor.figures import render
 
 
 def png_size(png: bytes) -> tuple[int, int]:

@@ -17,7 +17,7 @@ import pandas as pd
 from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 
-from spectral_callbacks.offline.charts import (
+from spectral_callbacks.charts import (
     _axes,
     _final,
     _legend,

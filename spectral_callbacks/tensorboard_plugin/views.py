@@ -5,7 +5,7 @@ step, metric, layer, depth, role, value, wall_time``) and returns plain lists an
 as float or ``None`` for NaN (JSON has no NaN). Lines are downsampled with
 :func:`~spectral_callbacks.tensorboard_plugin.downsample.keep_extremes`; with ``max_points`` at
 least the series' length every row is returned as exported. Charts that the command line also
-draws reuse its definitions (``spectral_callbacks.offline.charts``): compression computed from
+draws reuse its definitions (``spectral_callbacks.charts``): compression computed from
 ``stable_rank`` when not logged, the last write at a step, metric-diff's alignment.
 
 Example::
@@ -26,8 +26,8 @@ from collections.abc import Iterable, Mapping, Sequence
 import numpy as np
 import pandas as pd
 
+from spectral_callbacks.charts import _final, _ordered_roles, compression_rows
 from spectral_callbacks.names import parse_tag
-from spectral_callbacks.offline.charts import _final, _ordered_roles, compression_rows
 from spectral_callbacks.offline.differences import diff_curves
 from spectral_callbacks.tensorboard_plugin.downsample import keep_extremes
 

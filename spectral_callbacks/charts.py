@@ -1,5 +1,8 @@
 """The standard charts of the field, drawn from tidy rows (see ``spectral_callbacks.offline.events``).
 
+Below both the callback (its live figures, ``monitor/figures.py``) and the command line and
+offline analysis (``plot``, ``offline/differences.py``), so neither reaches into the other.
+
 Every function takes the tidy-row DataFrame (columns ``run, step, metric, layer, depth, role, value,
 wall_time``) and returns a :class:`matplotlib.figure.Figure` built with the object-oriented API: no
 ``pyplot`` global state, so the callback can draw figures from any thread and tests can inspect the
@@ -9,9 +12,9 @@ axes. ``save_figure`` writes one to ``.png``, ``.svg`` or ``.pdf``.
 * :func:`rank_vs_steps` - a metric of one layer against steps, one line per role (a line style per run).
 * :func:`compression_by_layer` - final compression % by layer, grouped bars per role (a panel per run).
 * :func:`compression_wave` - heatmap layer x step of one role's compression (a panel per run).
-* :func:`~spectral_callbacks.offline.differences.metric_diff` (in ``differences.py``) - any scalar
-  of each run minus a baseline run (or its partner by a name pattern), against steps or another
-  scalar, optionally EMA-smoothed.
+* :func:`~spectral_callbacks.offline.differences.metric_diff` (in ``offline/differences.py``, built
+  on this module) - any scalar of each run minus a baseline run (or its partner by a name
+  pattern), against steps or another scalar, optionally EMA-smoothed.
 
 Runs a chart cannot draw (a single snapshot where a curve or a reference is needed) are left out
 with the reason written under the figure and kept in ``fig.left_out`` (run -> reason), so a caller

@@ -1,0 +1,62 @@
+"""The callback's figures: which charts a run's tidy rows get, drawn and rendered to PNG bytes.
+
+Below both the parent's writer (``dashboards.py``, which writes the PNGs to TensorBoard) and the
+child process that draws them (``figure_process.py``), so neither imports the other. The charts
+themselves are ``spectral_callbacks.charts`` (object-oriented matplotlib, no pyplot state).
+"""
+
+from __future__ import annotations
+
+import io
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import pandas as pd
+
+FIGURE_SECTION = "spectral_figures"
+
+
+def draw_figures(rows: pd.DataFrame, roles: Sequence[str] | None = ("Q",)) -> dict[str, Any]:
+    """Figures for the rows seen so far: tag -> ``matplotlib.figure.Figure``.
+
+    α vs relative depth and the compression heatmap (layer x step) for each of ``roles`` (``None``:
+    every role), stable rank of the first layer vs steps, and final compression by layer x role.
+    A chart whose metric has no finite value in ``rows`` is left out (never a chart of NaN). Each
+    figure costs ~0.1-1 s of CPU to draw and render, hence few roles by default.
+    """
+    from spectral_callbacks import charts  # matplotlib: imported where figures are drawn
+
+    figures: dict[str, Any] = {}
+    finite = rows["value"].map(math.isfinite).astype(bool) if len(rows) else []
+    metrics = set(rows.loc[finite, "metric"]) if len(rows) else set()
+    present = list(dict.fromkeys(rows["role"])) if len(rows) else []
+    chosen = present if roles is None else [role for role in roles if role in present]
+    if "alpha" in metrics:
+        for role in chosen:
+            figures[f"{FIGURE_SECTION}/alpha_vs_depth/{role}"] = charts.alpha_vs_depth(
+                rows, role=role
+            )
+    if "stable_rank" in metrics:
+        first_layer = int(rows["layer"].min())
+        figures[f"{FIGURE_SECTION}/stable_rank_vs_steps/L{first_layer:02d}"] = charts.rank_vs_steps(
+            rows, layer=first_layer, metric="stable_rank"
+        )
+    if "compression" in metrics:
+        figures[f"{FIGURE_SECTION}/compression_by_layer"] = charts.compression_by_layer(rows)
+        for role in chosen:
+            figures[f"{FIGURE_SECTION}/compression_wave/{role}"] = charts.compression_wave(
+                rows, role=role
+            )
+    return figures
+
+
+def render(rows: Any, roles: Sequence[str] | None) -> dict[str, bytes]:
+    """Every figure of :func:`draw_figures` as PNG bytes, by tag."""
+    pngs = {}
+    for tag, figure in draw_figures(rows, roles).items():
+        buffer = io.BytesIO()
+        figure.savefig(buffer, format="png")
+        figure.clear()
+        pngs[tag] = buffer.getvalue()
+    return pngs
