@@ -211,3 +211,14 @@ def test_bad_input_one_line_each_and_partial_export(runs: Path, tmp_path: Path) 
     done = run_cli("export", corrupt, "-o", out)
     line = _one_error_line(done.stderr)
     assert done.returncode == 1 and "damaged event file (checksum mismatch)" in line
+
+
+def test_missing_parent_directories_of_the_output_are_created(runs: Path, tmp_path: Path) -> None:
+    # docs/cli.md: a missing parent is created (as `analyze --logdir` creates its directory);
+    # a path whose parent is a file is still a one-line error
+    out = tmp_path / "new" / "deeper" / "rows.csv"
+    assert main(["export", str(runs / "tb" / "a"), "-o", str(out)]) == 0
+    assert len(pd.read_csv(out)) > 0
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    assert main(["export", str(runs / "tb" / "a"), "-o", str(blocker / "rows.csv")]) == 1

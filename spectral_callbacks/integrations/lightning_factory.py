@@ -2,8 +2,8 @@
 
 The callback only translates Lightning's hooks and loggers into :class:`SpectralTracker` calls; the
 class body is written once, in :func:`monitor_class`, and built against either package's
-``Callback`` (``pytorch_lightning.Trainer`` rejects a ``lightning.pytorch.Callback`` and the other
-way round). This module imports neither package: ``integrations/lightning.py`` and
+``Callback``, so each package sees a callback of its own type and gets its own
+``MisconfigurationException`` (with 2.6.6 of both, either Trainer also runs the other's callback). This module imports neither package: ``integrations/lightning.py`` and
 ``integrations/pytorch_lightning.py`` each build the class for theirs.
 
 Which hooks, and why (steps are ``trainer.global_step``: optimizer steps, 0 = before any update):

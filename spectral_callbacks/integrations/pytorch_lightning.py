@@ -1,7 +1,8 @@
 """SpectralMonitor for the ``pytorch_lightning`` package (``import pytorch_lightning as pl``).
 
 The same class body as :class:`spectral_callbacks.SpectralMonitor`, built on
-``pytorch_lightning.Callback``, whose ``Trainer`` rejects callbacks of ``lightning.pytorch``.
+``pytorch_lightning.Callback``, so that package's type checks see its own callback and its errors
+are its own ``MisconfigurationException``.
 
 Example::
 
