@@ -1,8 +1,15 @@
-"""Training overhead of SpectralMonitor: the same small GPT without it, with it, and synchronous.
+"""Training overhead of SpectralMonitor: the same small GPT without it and with it, by placement.
 
-The three variants run alternately in one process (round 1: none, default, synchronous; round 2:
-...), so a machine shared with other work slows them alike; the table gives medians over rounds:
+The variants run alternately in one process (round 1: none, default, worker, inline; round 2: ...),
+so a machine shared with other work slows them alike; the table gives medians over rounds. The
+placement variants: ``default`` chooses from the machine (``monitor/placement.py``: the worker
+where a core is spare beside training's threads, inline where none is), ``worker`` forces the
+worker thread (``synchronous=False``), ``inline`` the training thread (``synchronous=True``); each
+has a ``-no-figures`` twin (``figures=False``). ``--train-threads N`` gives training N intra-op
+threads (``torch.set_num_threads``) instead of one per core, so both cases of the choice are
+measured on one machine:
 
+* ``placed``   - where the run's snapshots went (``spectral_monitor/inline``): inline or worker;
 * ``train s``  - wall time of the training loop (first batch start to ``on_train_end``);
 * ``fit s``    - the whole ``trainer.fit`` (including the final snapshot, drain and end figures);
 * ``ratio``    - each against the run without the callback, same round, then the median;
@@ -10,7 +17,7 @@ The three variants run alternately in one process (round 1: none, default, synch
   training loop: what the callback's work costs in core time, far less sensitive than wall time to
   other processes on a shared machine;
 * ``main ms``  - main-thread milliseconds per snapshot (copy + hand-over; the SVD too when
-  synchronous), from ``spectral_monitor/main_thread_ms``;
+  inline), from ``spectral_monitor/main_thread_ms``;
 * ``svd ms``   - SVD + metrics milliseconds per snapshot (worker thread or side stream);
 * ``worker cpu s`` - CPU seconds of the worker thread during the training loop (0 when the SVD runs
   on the main thread), and below the table, for each variant with a worker, the training wall
@@ -30,6 +37,7 @@ The device is chosen automatically (CUDA when available), so the same command pr
 table on a GPU::
 
     python benchmarks/overhead.py                 # 4 layers x 128 wide, 16 x 64 tokens, 600 steps, 3 rounds
+    python benchmarks/overhead.py --rounds 5 --train-threads 1   # training leaves a core spare
     python benchmarks/overhead.py --width 768 --layers 8 --block 256 --steps 500   # a GPU-sized run
 """
 
@@ -55,15 +63,20 @@ from gpt import GPT, GPTConfig  # noqa: E402
 from spectral_callbacks import SpectralMonitor  # noqa: E402
 from spectral_callbacks.monitor.compute import SpectrumCompute  # noqa: E402
 from spectral_callbacks.monitor.engine import WORKER_THREAD_NAME  # noqa: E402
+from spectral_callbacks.monitor.placement import available_cores  # noqa: E402
 from spectral_callbacks.names import monitor_tag  # noqa: E402
 
 # Keyword arguments of SpectralMonitor per variant; "none" runs without the callback. The last two
 # take the default run of the same round apart (see ReplayCompute): they need "default" before them.
 VARIANTS: dict[str, dict[str, Any]] = {
     "none": {},
-    "default": {},
-    "synchronous": {"synchronous": True},
-    "nice": {"worker_nice": 10},  # the worker thread at lower priority
+    "default": {},  # placement chosen from the machine
+    "worker": {"synchronous": False},
+    "inline": {"synchronous": True},
+    "default-no-figures": {"figures": False},
+    "worker-no-figures": {"synchronous": False, "figures": False},
+    "inline-no-figures": {"synchronous": True, "figures": False},
+    "nice": {"synchronous": False, "worker_nice": 10},  # the worker thread at lower priority
     "budget-1%": {"max_overhead": 0.01},
     "no-svd": {},  # the default's results replayed: hooks, copies, hand-over and logging only
     "same-cpu-gemm": {},  # ... after the default's CPU seconds per call, spent in large GEMMs
@@ -177,11 +190,13 @@ class HealthLogger(Logger):
         self.main_ms: list[float] = []
         self.svd_ms: list[float] = []
         self.skipped = 0.0
+        self.inline: float | None = None
 
     name = "health"  # type: ignore[assignment]
     version = 0  # type: ignore[assignment]
 
     def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+        self.inline = metrics.get(monitor_tag("inline"), self.inline)
         if monitor_tag("main_thread_ms") in metrics:
             self.main_ms.append(metrics[monitor_tag("main_thread_ms")])
             self.svd_ms.append(metrics[monitor_tag("svd_ms")])
@@ -261,6 +276,7 @@ def run_once(
         "svd_ms": statistics.median(health.svd_ms) if health.svd_ms else float("nan"),
         "snapshots": len(health.main_ms),
         "skipped": health.skipped,
+        "inline": health.inline,
     }
 
 
@@ -269,8 +285,14 @@ def main(argv: list[str] | None = None) -> None:
     add_model_arguments(parser)
     parser.add_argument("--precision", default="32-true", help="Trainer precision, e.g. bf16-mixed")
     parser.add_argument(
+        "--train-threads",
+        type=int,
+        default=None,
+        help="training's intra-op threads (torch.set_num_threads); default: torch's, one per core",
+    )
+    parser.add_argument(
         "--variants",
-        default="default,synchronous",
+        default="default,worker,inline",
         help=f"comma-separated, from {', '.join(list(VARIANTS)[1:])}".replace("%", "%%"),
     )
     args = parser.parse_args(argv)
@@ -279,11 +301,15 @@ def main(argv: list[str] | None = None) -> None:
     import warnings
 
     logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
+    if args.train_threads is not None:
+        if args.train_threads < 1:
+            parser.error(f"--train-threads must be a positive int, got {args.train_threads!r}")
+        torch.set_num_threads(args.train_threads)
     warnings.filterwarnings("ignore", ".*does not have many workers.*")
     device = (
         torch.cuda.get_device_name()
         if torch.cuda.is_available()
-        else f"CPU, {torch.get_num_threads()} threads"
+        else f"CPU, training on {torch.get_num_threads()} threads of {available_cores():g} cores"
     )
     variants = ("none", *args.variants.split(","))
     unknown = [variant for variant in variants if variant not in VARIANTS]
@@ -315,14 +341,16 @@ def main(argv: list[str] | None = None) -> None:
         f"{args.steps} steps, {args.rounds} alternating rounds, {device}\n"
     )
     print(
-        "| variant | train s | train ratio | cpu ratio | fit s | fit ratio | snapshots | skipped "
-        "| main ms/snapshot | svd ms/snapshot | worker cpu s |"
+        "| variant | placed | train s | train ratio | cpu ratio | fit s | fit ratio | snapshots "
+        "| skipped | main ms/snapshot | svd ms/snapshot | worker cpu s |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for variant in variants:
         runs = results[variant]
+        placed = {_placed(r["inline"]) for r in runs}
         print(
-            f"| {variant} | {statistics.median(r['train'] for r in runs):.2f} | "
+            f"| {variant} | {'/'.join(sorted(placed))} | "
+            f"{statistics.median(r['train'] for r in runs):.2f} | "
             f"{median_ratio(variant, 'train'):.3f} | {median_ratio(variant, 'cpu'):.3f} | "
             f"{statistics.median(r['fit'] for r in runs):.2f} | "
             f"{median_ratio(variant, 'fit'):.3f} | {runs[-1]['snapshots']} | {runs[-1]['skipped']:.0f} | "
@@ -334,6 +362,11 @@ def main(argv: list[str] | None = None) -> None:
         if all(r["worker_cpu"] > 0 for r, _ in pairs):
             cost = statistics.median((r["train"] - n["train"]) / r["worker_cpu"] for r, n in pairs)
             print(f"{variant}: each worker CPU second cost training {cost:.2f} s of wall time")
+
+
+def _placed(inline: float | None) -> str:
+    """The ``placed`` column: where the run's snapshots were computed."""
+    return "-" if inline is None else "inline" if inline else "worker"
 
 
 if __name__ == "__main__":

@@ -24,7 +24,8 @@
   the caching allocator from reusing it before the compute stream is done with it); a snapshot's
   results travel in one pinned host buffer per device, reused from a pool of at most
   ``max_pending`` per device.
-* ``synchronous=True`` runs the compute inline and waits for it: the naive baseline.
+* ``synchronous=True`` runs the compute inline and waits for it: on a CPU with no core spare for
+  the worker that costs training less than a worker would (``placement.py`` chooses).
 
 Errors raised by the compute function are re-raised on the main thread by :meth:`collect`, as a
 :class:`SpectralComputeError` naming the matrix, with the frames' locals cleared (a kept traceback
@@ -139,7 +140,8 @@ class SnapshotEngine:
             example :class:`spectral_callbacks.monitor.compute.SpectrumCompute`.
         groups: the shape groups the snapshots hold, from ``group_by_shape``.
         max_pending: how many snapshots may be submitted and not yet collected. Default ``2``.
-        synchronous: compute inline in :meth:`submit` and wait for it. Default ``False``.
+        synchronous: compute inline in :meth:`submit` and wait for it (``placement.py`` says
+            when). Default ``False``.
         worker_threads: intra-op threads of the worker thread (``torch.set_num_threads``, undone
             for every other thread: see :func:`_limit_this_thread`), so a CPU SVD does not claim
             every core training uses. ``None`` leaves torch's default. Default ``1``.

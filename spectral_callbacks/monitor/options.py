@@ -122,8 +122,11 @@ class MonitorOptions:
         figure_roles: roles that get an α-vs-depth and a compression-wave figure (``None``: every
             role); other than the default, checked against the roles found when the model is
             known. Default ``("Q",)``.
-        synchronous: compute each snapshot inline and wait for it (the naive baseline of
-            benchmarks/overhead.py). Default ``False``.
+        synchronous: where a snapshot's CPU work runs: ``True`` inline on the training thread at
+            its step, ``False`` on the worker thread (on CUDA: the side stream), ``None`` chosen
+            at the start of training: on the CPU the worker where a core is spare beside
+            training's intra-op threads, inline where none is (``monitor/placement.py``); on CUDA
+            the side stream. Default ``None``.
         drain_timeout: seconds to wait for in-flight snapshots at the end of training or after an
             exception. Default ``60.0``.
         worker_threads: intra-op threads of the worker; ``None`` keeps torch's default. Default ``1``.
@@ -154,7 +157,7 @@ class MonitorOptions:
     figure_every_n_steps: int | None = 1000
     figures: bool = True
     figure_roles: Sequence[str] | None = DEFAULT_FIGURE_ROLES
-    synchronous: bool = False
+    synchronous: bool | None = None
     drain_timeout: float = 60.0
     worker_threads: int | None = 1
     worker_nice: int | None = None
@@ -202,10 +205,13 @@ class MonitorOptions:
             every is None or is_int(every, 1),
             "a positive int or None",
         )
-        for name in ("figures", "synchronous"):
-            require(
-                name, getattr(self, name), isinstance(getattr(self, name), bool), "True or False"
-            )
+        require("figures", self.figures, isinstance(self.figures, bool), "True or False")
+        require(
+            "synchronous",
+            self.synchronous,
+            self.synchronous is None or isinstance(self.synchronous, bool),
+            "None (chosen from the machine's cores), True (inline) or False (worker thread)",
+        )
         require(
             "figure_roles",
             self.figure_roles,

@@ -41,6 +41,7 @@ from spectral_callbacks.monitor.options import (
     require,
 )
 from spectral_callbacks.monitor.partitioned import refuse_partitioned
+from spectral_callbacks.monitor.placement import Placement, machine_placement
 from spectral_callbacks.monitor.protocol import Engine, make_engine
 from spectral_callbacks.monitor.reporting import Reporter, health_scalars, num_layers_scalar
 from spectral_callbacks.monitor.schedule import SnapshotSchedule
@@ -155,6 +156,8 @@ class SpectralTracker:
         self._figures = dashboards.LiveFigures(figure_roles, options.figure_every_n_steps)
         self._layout = dashboards.LayoutWriter(self.targets, options.metrics)
         self._engine: Engine | None = None
+        #: Where the CPU work of each snapshot runs, chosen in :meth:`begin`.
+        self.placement: Placement | None = None
         self._restored_skipped = 0
         self._previous_step = -1
         self._previous_time: float | None = None
@@ -182,18 +185,29 @@ class SpectralTracker:
         if self._closed:
             raise RuntimeError(f"{self.caller} is closed: construct a new one for a new run")
         options = self.options
+        # Read now, not at construction: a loop may set training's threads in between.
+        self.placement = machine_placement(
+            options.synchronous,
+            [target.parameter.device.type for target in self.targets],
+            options.worker_threads,
+        )
+        rank_zero_info(f"{self.caller}: {self.placement.describe()}")
         self._engine = make_engine(
             self.compute,
             self.targets,
             options.metrics,
             max_pending=options.max_pending,
-            synchronous=options.synchronous,
+            synchronous=self.placement.inline,
             worker_threads=options.worker_threads,
             worker_nice=options.worker_nice,
             drain_timeout=options.drain_timeout,
             skipped=self._restored_skipped,
         )
-        tb.log_scalars(self.writers, num_layers_scalar(self._reporter.num_layers), step)
+        once = {
+            **num_layers_scalar(self._reporter.num_layers),
+            **health_scalars(inline=self.placement.inline),
+        }
+        tb.log_scalars(self.writers, once, step)
         self._previous_step, self._previous_time = step, time.perf_counter()
         if self.schedule.last_snapshot_step is None:
             if step != 0:
