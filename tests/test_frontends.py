@@ -278,10 +278,12 @@ def test_each_lightning_class_is_a_callback_of_its_own_package_and_pickles() -> 
 
 def test_the_core_imports_no_framework_and_each_frontend_only_its_own() -> None:
     # (`lightning.pytorch` itself imports transformers when it is installed, through torchmetrics'
-    # BERTScore, so only the core can promise it; SpectralMonitor needs Lightning anyway.)
+    # BERTScore, and transformers imports peft when that is installed, so only the core can
+    # promise it; SpectralMonitor needs Lightning anyway.)
     code = (
         "import sys, spectral_callbacks; spectral_callbacks.SpectralTracker; "
-        "found = [m for m in ('transformers', 'lightning', 'pytorch_lightning') if m in sys.modules]; "
+        "found = [m for m in ('transformers', 'lightning', 'pytorch_lightning', 'peft') "
+        "if m in sys.modules]; "
         "assert not found, found; "
         "import spectral_callbacks.pl; assert 'lightning' not in sys.modules, 'lightning'; "
         "import spectral_callbacks.hf; assert 'transformers' in sys.modules"

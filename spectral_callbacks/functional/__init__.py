@@ -12,9 +12,11 @@ Example::
 """
 
 from spectral_callbacks.functional.exact import gram_singular_values
+from spectral_callbacks.functional.lowrank import AdaptedMatrices, low_rank_singular_values
 from spectral_callbacks.functional.metrics import (
     ESD_MIN_TAIL,
     MIN_FIT_POINTS,
+    UPDATE_METRICS,
     compression,
     energy_rank,
     energy_rank_key,
@@ -24,6 +26,7 @@ from spectral_callbacks.functional.metrics import (
     powerlaw_alpha,
     spectral_metrics,
     stable_rank,
+    update_metrics,
 )
 from spectral_callbacks.functional.svd import (
     DEFAULT_K,
@@ -36,6 +39,10 @@ from spectral_callbacks.functional.svd import (
 )
 
 __all__ = [
+    "AdaptedMatrices",
+    "UPDATE_METRICS",
+    "low_rank_singular_values",
+    "update_metrics",
     "DEFAULT_K",
     "DEFAULT_N_ITER",
     "DEFAULT_TOL",

@@ -15,6 +15,7 @@ import math
 import torch
 from torch import Tensor
 
+from spectral_callbacks.functional.lowrank import AdaptedMatrices
 from spectral_callbacks.functional.svd import DEFAULT_K, randomized_svd
 
 __all__ = [
@@ -29,6 +30,9 @@ __all__ = [
     "powerlaw_alpha",
     "spectral_metrics",
     "stable_rank",
+    "update_metrics",
+    "UPDATE_METRICS",
+    "UPDATE_TOP",
 ]
 
 # A line through two points always has R^2 = 1; three is the least that can show a poor fit.
@@ -36,6 +40,22 @@ MIN_FIT_POINTS = 3
 # The smallest eigenvalue tail the ESD fit may choose; shorter tails give a spuriously small KS
 # distance and a meaningless exponent.
 ESD_MIN_TAIL = 5
+
+
+#: How many of the update's top singular values are logged (``update_sv_1`` ...): r = 8 .. 64
+#: adapters have a few dominant directions; the whole spectrum feeds the stable and energy ranks.
+UPDATE_TOP = 4
+#: The update family of an adapted layer or a fine-tune, logged as ``spectral_update_<...>``
+#: (DESIGN.md section 5; docs/logged-names.md).
+UPDATE_METRICS: tuple[str, ...] = (
+    "update_stable_rank",
+    "update_spectral_norm",
+    "update_frobenius_norm",
+    "update_energy_rank_90",
+    "update_relative_size",
+    "update_rank",
+    *(f"update_sv_{i}" for i in range(1, UPDATE_TOP + 1)),
+)
 
 
 def stable_rank(S: Tensor, frobenius_sq: Tensor) -> Tensor:
@@ -315,7 +335,7 @@ def spectral_metrics(
     return metrics_from_spectrum(top.S, frobenius_sq, fit_window=fit_window, energy=energy, esd=esd)
 
 
-def frobenius_norm_sq(W: Tensor) -> Tensor:
+def frobenius_norm_sq(W: Tensor | AdaptedMatrices) -> Tensor:
     r"""Exact squared Frobenius norm of each matrix, accumulated in float64.
 
     .. math:: \lVert W \rVert_F^2 = \sum_{i,j} W_{ij}^2
@@ -323,7 +343,7 @@ def frobenius_norm_sq(W: Tensor) -> Tensor:
     Computed from W itself, never from a truncated spectrum (which would miss the tail's energy).
 
     Args:
-        W: ``(m, n)`` or ``(B, m, n)`` float tensor.
+        W: ``(m, n)`` or ``(B, m, n)`` float tensor, or an ``AdaptedMatrices`` batch.
 
     Returns:
         ``(...)`` float64; NaN where W has a NaN or Inf entry.
@@ -333,6 +353,8 @@ def frobenius_norm_sq(W: Tensor) -> Tensor:
         >>> frobenius_norm_sq(torch.tensor([[3.0, 0.0], [0.0, 4.0]]))
         tensor(25., dtype=torch.float64)
     """
+    if isinstance(W, AdaptedMatrices):  # held as factors: exact from r-sized products
+        return W.frobenius_norm_sq()
     # Row norms in (at least) float32, then their squares summed in float64: relative error ~1e-8,
     # and 20x faster on a 4096x4096 than upcasting every entry (a full float64 copy of W).
     row_dtype = torch.float64 if W.dtype == torch.float64 else torch.float32
@@ -345,6 +367,57 @@ def frobenius_norm_sq(W: Tensor) -> Tensor:
         exact = torch.linalg.vector_norm(W, dim=(-2, -1), dtype=torch.float64).square()
         frobenius_sq = torch.where(overflowed, exact, frobenius_sq)
     return torch.where(torch.isfinite(frobenius_sq), frobenius_sq, float("nan"))
+
+
+def update_metrics(
+    S: Tensor,
+    base_frobenius: Tensor,
+    rank: Tensor,
+    frobenius_sq: Tensor | None = None,
+    energy: float = 0.9,
+) -> dict[str, Tensor]:
+    r"""The update family from the spectrum of each update :math:`\Delta W`.
+
+    .. math::
+
+        \mathrm{sr}(\Delta W) = \frac{\sum_i \sigma_i^2}{\sigma_1^2}, \qquad
+        \text{relative size} = \frac{\lVert \Delta W \rVert_F}{\lVert W_0 \rVert_F}
+
+    Args:
+        S: ``(B, r)`` singular values of each update, descending: every nonzero one for a low-rank
+            update (zero-padded), the top k of a dense one.
+        base_frobenius: ``(B,)`` :math:`\lVert W_0 \rVert_F`.
+        rank: ``(B,)`` the adapter's rank r (NaN where there is no adapter, a dense fine-tune).
+        frobenius_sq: ``(B,)`` exact :math:`\lVert \Delta W \rVert_F^2` when ``S`` is only a top-k
+            (a dense update); default ``None``: ``S`` is the whole spectrum, summed.
+        energy: the energy fraction of ``update_energy_rank_90``.
+
+    Returns:
+        The ``UPDATE_METRICS``, float32 ``(B,)`` each; the stable and energy ranks are NaN for a
+        zero update (a LoRA before its first step: B = 0), ``update_sv_i`` NaN beyond the spectrum.
+
+    Example::
+
+        >>> out = update_metrics(torch.tensor([[2.0, 1.0]]), torch.tensor([10.0]), torch.tensor([8.0]))
+        >>> out["update_stable_rank"], out["update_relative_size"], out["update_sv_2"]
+        (tensor([1.2500]), tensor([0.2236]), tensor([1.]))
+    """
+    S = S.to(torch.float64)
+    if frobenius_sq is None:
+        frobenius_sq = S.square().sum(-1)  # exact: S is the whole spectrum of the update
+    frobenius_sq = frobenius_sq.to(torch.float64)
+    nan = torch.full_like(frobenius_sq, float("nan"))
+    out = {
+        "update_stable_rank": stable_rank(S, frobenius_sq),
+        "update_spectral_norm": S[..., 0],
+        "update_frobenius_norm": frobenius_sq.sqrt(),
+        "update_energy_rank_90": energy_rank(S, frobenius_sq, energy),
+        "update_relative_size": frobenius_sq.sqrt() / base_frobenius.to(torch.float64),
+        "update_rank": rank.to(torch.float64),
+    }
+    for i in range(1, UPDATE_TOP + 1):
+        out[f"update_sv_{i}"] = S[..., i - 1] if S.shape[-1] >= i else nan
+    return {name: value.float() for name, value in out.items()}
 
 
 def _window(fit_window: tuple[int, int] | None, k: int) -> tuple[int, int]:

@@ -70,6 +70,7 @@ from spectral_callbacks.functional.krylov import (
     start_block,
     subspace_iteration,
 )
+from spectral_callbacks.functional.lowrank import AdaptedMatrices
 from spectral_callbacks.functional.method_choice import bf16_tiles, choose_method, randomized_costs
 
 __all__ = [
@@ -156,7 +157,7 @@ class TopSVD(NamedTuple):
 
 
 def randomized_svd(
-    W: Tensor,
+    W: Tensor | AdaptedMatrices,
     k: int = DEFAULT_K,
     *,
     n_oversamples: int = DEFAULT_N_OVERSAMPLES,
@@ -188,6 +189,7 @@ def randomized_svd(
 
     Args:
         W: ``(m, n)`` or ``(B, m, n)`` matrix of any float dtype; views (``W.T``, slices) are fine.
+            Or an ``AdaptedMatrices`` batch (base + low-rank factors), multiplied as factors.
         k: how many singular values to return (default 32); clamped to ``min(m, n)``.
         n_oversamples: extra block columns ``p`` (default 8); the block size is ``b = k + p``.
             More columns cost linearly more and converge faster on flat spectra.
@@ -230,6 +232,8 @@ def randomized_svd(
         tensor([[4.],
                 [8.]])
     """
+    if isinstance(W, AdaptedMatrices):
+        return _adapted_svd(W, k, n_oversamples, n_iter, generator, init, method, tol)
     _check_matrix(W, "W")
     _check_int(k, "k", minimum=1)
     _check_int(n_oversamples, "n_oversamples", minimum=0)
@@ -318,16 +322,101 @@ def randomized_svd(
             S, finite, V = gram_eigvalsh(A, subspace_width)
     else:
         (S, finite), V = svdvals_tall(A), None
-    S = S[..., :k]
+    return TopSVD(_tidy(S[..., :k], finite, max(m, n), compute_dtype), V)
 
+
+def _tidy(S: Tensor, finite: Tensor, side: int, compute_dtype: torch.dtype) -> Tensor:
+    """``S`` with values below the rank tolerance as 0 and non-finite matrices as NaN."""
     # Values below the rank tolerance are rounding noise whose size depends on the method; report
     # them as 0 so every method gives the same answer for a rank-deficient matrix.
-    rank_tol = max(m, n) * torch.finfo(compute_dtype).eps * S[..., :1]
+    rank_tol = side * torch.finfo(compute_dtype).eps * S[..., :1]
     S = torch.where(rank_tol < S, S, torch.zeros((), dtype=S.dtype, device=S.device))
-    S = torch.where(
+    return torch.where(
         finite[..., None], S, torch.full((), float("nan"), dtype=S.dtype, device=S.device)
     )
-    return TopSVD(S, V)
+
+
+def _adapted_svd(
+    W: AdaptedMatrices,
+    k: int,
+    n_oversamples: int,
+    n_iter: int | None,
+    generator: torch.Generator | None,
+    init: Tensor | None,
+    method: str,
+    tol: float,
+) -> TopSVD:
+    """``randomized_svd`` of a batch held as base + low-rank factors (``lowrank.AdaptedMatrices``).
+
+    The Krylov products are ``W X = D (W_0 X + U (V X))`` and ``W^T Y``, on the live base: no
+    ``m x n`` matrix is formed. Where the method choice prefers an exact path (small matrices, for
+    which a block would cover most of the space anyway), the effective weights are formed here in
+    the worker, one batch at a time, and decomposed exactly.
+    """
+    _check_int(k, "k", minimum=1)
+    _check_int(n_oversamples, "n_oversamples", minimum=0)
+    if n_iter is not None:
+        _check_int(n_iter, "n_iter", minimum=0)
+    if method not in METHODS:
+        raise ValueError(f"`method` must be one of {METHODS}, got {method!r}")
+    batch, m, n = W.shape
+    compute_dtype = torch.float64 if W.dtype == torch.float64 else torch.float32
+    W = W.to(compute_dtype)
+    k = min(k, m, n)
+    width = min(k + n_oversamples, m, n)
+    expected = n_iter
+    if expected is None:
+        expected = _EXPECTED_WARM_DEPTH if init is not None else default_n_iter(m, n)
+    chosen = method
+    if method == "auto":
+        chosen = choose_method(m, n, width, expected, compute_dtype, W.device.type, False, batch)
+    if chosen not in ("randomized", "subspace"):
+        dense = W.dense(compute_dtype)
+        return randomized_svd(
+            dense,
+            k,
+            n_oversamples=n_oversamples,
+            n_iter=n_iter,
+            generator=generator,
+            init=init,
+            method=method,
+            tol=tol,
+        )
+    if init is not None:
+        _check_init(init, torch.empty((), device="meta").expand(batch, m, n))
+    if generator is None:
+        generator = torch.Generator(W.device).manual_seed(0)
+    probe = torch.empty((), dtype=compute_dtype, device=W.device).expand(batch, m, n)
+    start = start_block(probe, width, generator, init)
+    depth = default_n_iter(m, n) if n_iter is None else n_iter
+    lead = n_iter is None and chosen == "randomized" and init is not None
+    first_check = None
+    if n_iter is None and chosen == "randomized":
+        first_check = 1 if lead else depth
+        depth += _EXTRA_DEPTH
+
+    def apply(X: Tensor) -> tuple[Tensor, Tensor | None]:
+        Y = W.matmul(X, _matmul)  # (B, m, b)
+        return W.rmatmul(Y, _matmul), Y
+
+    if chosen == "randomized":
+        basis, images, lefts, finite = block_krylov(
+            apply,
+            start,
+            k,
+            depth,
+            tol,
+            first_check=first_check,
+            finite=None,
+            rank_scale=max(m, n),
+            lead=lead,
+        )
+    else:
+        basis, images, lefts, finite = subspace_iteration(apply, start, depth, None)
+    BV = keep_finite(lefts if lefts is not None else W.matmul(basis, _matmul), finite)
+    S = _singular_values(BV)
+    past = torch.where(finite[..., None, None], images, basis)
+    return TopSVD(_tidy(S[..., :k], finite, max(m, n), compute_dtype), orthonormal_columns(past))
 
 
 def _exact_where_float32_falls_short(

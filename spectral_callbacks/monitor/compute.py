@@ -2,7 +2,8 @@
 
 It turns a ``(B, m, n)`` stack of snapshots into metric tensors: a batched randomized top-k SVD,
 warm-started from the previous snapshot's subspace, the exact ‖W‖_F², and the metrics of
-``spectral_callbacks.functional``. It holds no Lightning or engine logic.
+``spectral_callbacks.functional``; for a batch that carries an update (``update_spectrum()``: an
+adapted layer's factors) also the ``update_*`` family. It holds no Lightning or engine logic.
 
 Observing must not change the run: the Gaussian start blocks come from generators the compute owns
 (one per device, seeded deterministically), never from torch's default generator, whose draws would
@@ -15,7 +16,12 @@ from typing import Any
 
 import torch
 
-from spectral_callbacks.functional import frobenius_norm_sq, metrics_from_spectrum, randomized_svd
+from spectral_callbacks.functional import (
+    frobenius_norm_sq,
+    metrics_from_spectrum,
+    randomized_svd,
+    update_metrics,
+)
 from spectral_callbacks.monitor.snapshot import ShapeGroup
 
 
@@ -86,7 +92,12 @@ class SpectrumCompute:
         )
         if self.warm_start and top.V is not None:
             self._subspaces[group.key] = top.V
-        return metrics_from_spectrum(top.S, frobenius_sq, **self.metric_options)
+        metrics = metrics_from_spectrum(top.S, frobenius_sq, **self.metric_options)
+        # A batch that carries an update (an adapted layer's s B A) adds its spectrum: exact.
+        update = getattr(batch, "update_spectrum", None)
+        if update is not None:
+            metrics.update(update_metrics(*update()))
+        return metrics
 
     def state_dict(self) -> dict[str, Any]:
         """The generators' states (device -> ByteTensor), so a resumed run continues their streams.

@@ -24,9 +24,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from spectral_callbacks.functional.metrics import UPDATE_METRICS
 from spectral_callbacks.functional.svd import METHODS
 
-#: Metrics the SVD path produces, plus ``compression`` derived from ``stable_rank``.
+#: Metrics the SVD path produces, plus ``compression`` derived from ``stable_rank``, and the
+#: update family of adapted layers (logged for them by default: see ``tracker.py``).
 KNOWN_METRICS: tuple[str, ...] = (
     "stable_rank",
     "alpha",
@@ -36,13 +38,16 @@ KNOWN_METRICS: tuple[str, ...] = (
     "energy_rank_90",
     "esd_alpha",
     "compression",
+    *UPDATE_METRICS,
 )
 
 # Every metric defined on the default settings: not esd_alpha (valid only when the eigenvalue tail
 # lies inside the top-k), nor energy_rank_90 (NaN whenever 90 % of ||W||_F^2 lies beyond the top
 # k=32: 95 % of the demo's values).
 DEFAULT_METRICS: tuple[str, ...] = tuple(
-    name for name in KNOWN_METRICS if name not in ("esd_alpha", "energy_rank_90")
+    name
+    for name in KNOWN_METRICS
+    if name not in ("esd_alpha", "energy_rank_90") and name not in UPDATE_METRICS
 )
 
 # The default asks for the Q figures where there is a Q (a model without one, e.g. MLA's Q_down /

@@ -48,7 +48,10 @@ class MatrixSource(Protocol):
     """What a snapshot needs of a target (``spectral_callbacks.targets.Target`` is one).
 
     A target may also offer ``copy_into(out)`` (one copy into a slot of the stack); without it the
-    snapshot copies ``matrix()``.
+    snapshot copies ``matrix()``. A target that is not copied as a dense matrix (an adapted layer:
+    ``targets.adapted.AdaptedTarget``) offers ``batch_key()`` (its group key and device) and
+    ``stack_batch(targets)``, which copies what it needs and returns the batch the compute
+    function gets in place of a ``(B, m, n)`` stack.
     """
 
     name: str
@@ -91,11 +94,16 @@ def group_by_shape(targets: Sequence[MatrixSource]) -> list[ShapeGroup]:
     groups: dict[str, list[MatrixSource]] = {}
     devices: dict[str, str] = {}
     for target in targets:
-        weight = target.matrix()
-        dtype = str(weight.dtype).removeprefix("torch.")
-        key = f"{weight.shape[0]}x{weight.shape[1]}/{dtype}/{weight.device}"
+        batch_key = getattr(target, "batch_key", None)
+        if batch_key is not None:
+            key, device = batch_key()
+        else:
+            weight = target.matrix()
+            dtype = str(weight.dtype).removeprefix("torch.")
+            key = f"{weight.shape[0]}x{weight.shape[1]}/{dtype}/{weight.device}"
+            device = str(weight.device)
         groups.setdefault(key, []).append(target)
-        devices[key] = str(weight.device)
+        devices[key] = device
     return [ShapeGroup(key, tuple(members), devices[key]) for key, members in groups.items()]
 
 
@@ -127,8 +135,12 @@ def _record(device: str) -> torch.cuda.Event:
     return event
 
 
-def _stack(group: ShapeGroup) -> torch.Tensor:
-    """One fresh ``(B, m, n)`` tensor holding the group's matrices: later updates cannot reach it."""
+def _stack(group: ShapeGroup) -> Any:
+    """One fresh ``(B, m, n)`` tensor holding the group's matrices: later updates cannot reach it
+    (or the batch a target kind copies for itself: ``stack_batch``)."""
+    stack_batch = getattr(group.targets[0], "stack_batch", None)
+    if stack_batch is not None:
+        return stack_batch(group.targets)
     first = group.targets[0].matrix()
     # Allocated on the device's current stream, the training stream: its memory returns to
     # training's pool when the engine frees it (after `record_stream` on the compute stream).

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from spectral_callbacks import tensorboard_adapter as tb
+from spectral_callbacks.functional.metrics import UPDATE_METRICS
 from spectral_callbacks.messages import rank_zero_info, rank_zero_warn
 from spectral_callbacks.monitor import dashboards
 from spectral_callbacks.monitor.compute import SpectrumCompute
@@ -152,9 +153,16 @@ class SpectralTracker:
         if logdir is not None and self.rank == 0:
             self._own_logger = tb.LogdirWriter(str(logdir))
             self.writers.append(self._own_logger)
-        self._reporter = Reporter(self.targets, options.metrics, options.history_size)
+        # Adapted layers (targets/adapted.py) also log their update's spectrum by default; a
+        # user who lists `metrics` gets exactly those (update_* names included).
+        self.metrics: tuple[str, ...] = tuple(options.metrics)
+        if self.metrics == DEFAULT_METRICS and any(
+            getattr(target, "has_update", False) for target in self.targets
+        ):
+            self.metrics += UPDATE_METRICS
+        self._reporter = Reporter(self.targets, self.metrics, options.history_size)
         self._figures = dashboards.LiveFigures(figure_roles, options.figure_every_n_steps)
-        self._layout = dashboards.LayoutWriter(self.targets, options.metrics)
+        self._layout = dashboards.LayoutWriter(self.targets, self.metrics)
         self._engine: Engine | None = None
         #: Where the CPU work of each snapshot runs, chosen in :meth:`begin`.
         self.placement: Placement | None = None
@@ -195,7 +203,7 @@ class SpectralTracker:
         self._engine = make_engine(
             self.compute,
             self.targets,
-            options.metrics,
+            self.metrics,
             max_pending=options.max_pending,
             synchronous=self.placement.inline,
             worker_threads=options.worker_threads,

@@ -25,6 +25,7 @@ from collections.abc import Iterable, Mapping
 from torch import nn
 
 from spectral_callbacks.messages import rank_zero_warn
+from spectral_callbacks.targets.adapted import adapt
 from spectral_callbacks.targets.errors import (
     AmbiguousTargetWarning,
     PartialTargetWarning,
@@ -177,7 +178,8 @@ def find_targets(
             category=PartialTargetWarning,
             stacklevel=2,
         )
-    kept = _number_layers(candidates, chosen)
+    # A tuner layer's base weight becomes an adapted target (its effective weight, its update).
+    kept = [adapt(target, modules) for target in _number_layers(candidates, chosen)]
 
     skipped.sort(key=lambda s: position[s.parameter_name])
     _warn_missing_roles(kept)

@@ -33,9 +33,16 @@ MappingValue = UserDecision | Callable[[str, torch.Tensor], UserDecision]
 UserMapping = Mapping[Pattern, MappingValue] | Callable[[str, torch.Tensor], UserDecision]
 Patterns = Pattern | Iterable[Pattern] | None
 
-# Module names that wrappers insert into parameter names; the rules never see them.
+# Module names that wrappers insert into parameter names; the rules never see them. A PEFT tuner
+# layer's ``base_layer`` is one: ``q_proj.base_layer.weight`` maps like ``q_proj.weight``.
 _WRAPPER_SEGMENTS = frozenset(
-    {"_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_forward_module"}
+    {
+        "_orig_mod",
+        "_fsdp_wrapped_module",
+        "_checkpoint_wrapped_module",
+        "_forward_module",
+        "base_layer",
+    }
 )
 _LIST_TYPES = (nn.ModuleList, nn.Sequential)
 _HEAD_NAMES = frozenset({"lm_head", "head", "classifier", "score", "embed_out", "output"})

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from spectral_callbacks.targets.adapted import is_tuner_layer, unsupported_reason
 from spectral_callbacks.targets.target import Rows, check_role
 
 
@@ -263,12 +264,32 @@ def _kv_b_group(ctx: Context) -> Decision | None:
     return _kv_b(ctx, suffix=f"_g{group}") if group.isdigit() else None
 
 
+def _adapter_part(ctx: Context) -> Skip | None:
+    """The built-in rule for the parameters of a tuner layer other than its base weight.
+
+    Adapter factors (``lora_A``, ``lora_B``, DoRA's magnitude) are watched through the adapted
+    target; an adapted layer that cannot be read as base + factors is refused here, on its base
+    weight, with the reason (warned about, since it looks like a target).
+    """
+    for position, module in enumerate(ctx.modules[1:], start=1):
+        if not is_tuner_layer(module):
+            continue
+        child = ctx.modules[position - 1]
+        if child is getattr(module, "base_layer", None):
+            reason = unsupported_reason(module)
+            return None if reason is None else Skip(reason, warn=True)
+        return Skip(f"adapter of the PEFT layer {type(module).__name__}: watched through its base")
+    return None
+
+
 _CROSS = Skip("cross-attention: not watched by default; use mapping= to give it roles")
 _EXPERT = Skip("MoE expert (many per layer): not watched by default; use mapping= to watch")
 _ROUTER = Skip("MoE router")
 
 # (pattern, rule), first match wins. Shared leaf names (c_proj, dense, proj) carry their parent.
 BUILTIN_RULES: tuple[tuple[str, Rule], ...] = (
+    # PEFT tuner layers (targets/adapted.py): their adapter factors are watched through the base.
+    ("*", _adapter_part),
     # Left out on purpose: listed in the summary, not warned about.
     ("experts.*", _EXPERT),
     ("crossattention.*", _CROSS),

@@ -261,6 +261,12 @@ def format_targets(targets: Iterable[Target]) -> str:
     if targets:
         rows: list[tuple[str, ...]] = [("layer", "role", "parameter", "shape")]
         rows += [(str(t.layer), t.role, t.name, _shape_text(t.shape)) for t in targets]
+        # An adapted layer says what adapts it (``lora r=8 (default)``): targets/adapted.py.
+        described = [getattr(t, "description", "") for t in targets]
+        if any(described):
+            rows = [(*rows[0], "adapter")] + [
+                (*row, text) for row, text in zip(rows[1:], described, strict=True)
+            ]
         lines += _table(rows, right_align=(0,))
         roles = sorted({t.role for t in targets}, key=role_sort_key)
         num_layers = max(t.num_layers for t in targets)

@@ -1,0 +1,294 @@
+"""PEFT adapters (LoRA, DoRA, rsLoRA) as targets: found, copied as factors, measured exactly.
+
+References are float64: the effective weight is compared with ``merge_and_unload()``'s weights
+of a copy of the model, the update with PEFT's own ``get_delta_weight``.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+
+peft = pytest.importorskip("peft")
+transformers = pytest.importorskip("transformers")
+
+from lightning.pytorch import Callback, LightningModule, Trainer  # noqa: E402
+from tiny_models import RecordingLogger, quiet_trainer  # noqa: E402
+
+from spectral_callbacks.functional import low_rank_singular_values, powerlaw_alpha  # noqa: E402
+from spectral_callbacks.integrations.lightning import SpectralMonitor  # noqa: E402
+from spectral_callbacks.monitor.snapshot import group_by_shape, take_snapshot  # noqa: E402
+from spectral_callbacks.names import scalar_tag  # noqa: E402
+from spectral_callbacks.targets import find_targets  # noqa: E402
+from spectral_callbacks.targets.adapted import AdaptedTarget  # noqa: E402
+
+LLAMA_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+GPT2_MODULES = ["c_attn", "c_proj", "c_fc"]
+K = 32
+
+
+def tiny_llama(width: int = 64, layers: int = 2) -> Any:
+    config = transformers.LlamaConfig(
+        vocab_size=64,
+        hidden_size=width,
+        intermediate_size=2 * width,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
+    return transformers.LlamaForCausalLM(config)
+
+
+def tiny_gpt2(width: int = 64, layers: int = 2) -> Any:
+    config = transformers.GPT2Config(
+        vocab_size=64, n_embd=width, n_layer=layers, n_head=4, n_positions=16,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
+    )  # fmt: skip
+    return transformers.GPT2LMHeadModel(config)
+
+
+def adapted(arch: str, *, width: int = 64, random_b: bool = True, **lora: Any) -> Any:
+    """A tiny model wrapped with LoRA r=8 on q, k, v, o, gate, up, down (GPT-2: c_attn, c_proj,
+    c_fc with fan_in_fan_out); ``random_b`` starts B away from zero so the update is nonzero."""
+    torch.manual_seed(0)
+    if arch == "llama":
+        model, modules, extra = tiny_llama(width), LLAMA_MODULES, {}
+    else:
+        model, modules, extra = tiny_gpt2(width), GPT2_MODULES, {"fan_in_fan_out": True}
+    config = peft.LoraConfig(
+        r=8,
+        lora_alpha=16,
+        target_modules=modules,
+        lora_dropout=0.0,
+        init_lora_weights=not random_b,
+        **extra,
+        **lora,
+    )
+    return peft.get_peft_model(model, config)
+
+
+def merged_matrices(model: Any) -> dict[tuple[int, str], torch.Tensor]:
+    """(layer, role) -> float64 weight of ``merge_and_unload()`` of a copy: the reference."""
+    merged = copy.deepcopy(model).merge_and_unload()
+    return {(t.layer, t.role): t.matrix().double() for t in find_targets(merged)}
+
+
+def deltas(model: Any) -> dict[str, torch.Tensor]:
+    """Target name -> float64 ``get_delta_weight`` rows of that target, as (out, in)."""
+    out = {}
+    for target in find_targets(model):
+        layer = target.layer_module
+        delta = layer.get_delta_weight("default").detach().double()
+        stored = delta  # in the base weight's stored layout (Conv1D: (in, out))
+        out[target.name] = target.rows.take(stored)
+    return out
+
+
+VARIANTS = {
+    "lora": {},
+    "rslora": {"use_rslora": True},
+    "dora": {"use_dora": True},
+}
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_adapted_layers_are_targets_with_their_roles_layers_and_rank(arch: str) -> None:
+    model = adapted(arch, random_b=False)
+    targets = find_targets(model)
+    assert all(isinstance(t, AdaptedTarget) and t.rank == 8 for t in targets)
+    assert all(t.adapters == ("default",) for t in targets)
+    roles = ["Q", "K", "V", "O", "MLP_up", "MLP_down"]
+    if arch == "llama":
+        roles.insert(4, "MLP_gate")
+    assert [(t.layer, t.role) for t in targets] == [(i, r) for i in range(2) for r in roles]
+    # The same roles and shapes as the bare model's.
+    bare = find_targets(model.get_base_model().__class__(model.get_base_model().config))
+    assert [(t.layer, t.role, t.shape) for t in bare] == [
+        (t.layer, t.role, t.shape) for t in targets
+    ]
+    skipped = {s.parameter_name for s in targets.skipped}
+    assert any(".lora_A." in name for name in skipped)
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_effective_weight_equals_merge_and_unload(arch: str, variant: str) -> None:
+    model = adapted(arch, **VARIANTS[variant])
+    reference = merged_matrices(model)
+    for target in find_targets(model):
+        expected = reference[(target.layer, target.role)]
+        batch = target.stack_batch([target])
+        assert torch.allclose(batch.dense(torch.float64)[0], expected, atol=1e-5, rtol=0)
+        exact = expected.square().sum()
+        assert float(batch.frobenius_norm_sq()[0]) == pytest.approx(float(exact), rel=1e-5)
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_update_singular_values_equal_svd_of_get_delta_weight(arch: str, variant: str) -> None:
+    model = adapted(arch, **VARIANTS[variant])
+    expected = deltas(model)
+    for target in find_targets(model):
+        batch = target.stack_batch([target])
+        found = low_rank_singular_values(batch.ups, batch.downs)[0]
+        exact = torch.linalg.svdvals(expected[target.name])[: found.shape[-1]]
+        assert torch.allclose(found, exact, rtol=1e-5, atol=1e-5 * float(exact[0]))
+
+
+def test_snapshot_copies_the_adapters_only_and_never_the_base() -> None:
+    model = adapted("llama", use_dora=True)
+    targets = find_targets(model)
+    snapshot = take_snapshot(group_by_shape(targets), step=0)
+    copied = sum(batch.nbytes for batch in snapshot.tensors.values())
+    adapters = sum(
+        p.numel() * p.element_size()
+        for name, p in model.named_parameters()
+        if "lora_" in name  # lora_A, lora_B, lora_magnitude_vector
+    )
+    assert copied == adapters
+    bases = {t.parameter.data_ptr() for t in targets}
+    for batch in snapshot.tensors.values():
+        # Each base is the live frozen parameter itself; each owned tensor is a fresh copy.
+        assert {b.data_ptr() for b in batch.bases} <= bases
+        assert not {o.data_ptr() for o in batch.owned} & bases
+        live = {p.data_ptr() for p in model.parameters()}
+        assert not {o.data_ptr() for o in batch.owned} & live
+    dense = sum(t.parameter.numel() * t.parameter.element_size() for t in targets)
+    assert copied < dense / 3
+
+
+def test_gpt2_fused_adapter_factor_is_copied_once() -> None:
+    model = adapted("gpt2")
+    targets = find_targets(model)
+    snapshot = take_snapshot(group_by_shape(targets), step=0)
+    copied = sum(batch.nbytes for batch in snapshot.tensors.values())
+    adapters = sum(
+        p.numel() * p.element_size() for n, p in model.named_parameters() if "lora_" in n
+    )
+    assert copied == adapters
+
+
+def test_a_merged_layer_is_not_added_twice() -> None:
+    model = adapted("llama")
+    reference = merged_matrices(model)
+    model.base_model.model.model.layers[0].self_attn.q_proj.merge()
+    for target in find_targets(model):
+        batch = target.stack_batch([target])
+        expected = reference[(target.layer, target.role)]
+        assert torch.allclose(batch.dense(torch.float64)[0], expected, atol=1e-5, rtol=0)
+
+
+def test_an_unsupported_tuner_layer_is_refused_in_one_line_naming_its_type() -> None:
+    torch.manual_seed(0)
+    model = peft.get_peft_model(tiny_llama(), peft.LoHaConfig(r=4, target_modules=["q_proj"]))
+    with pytest.warns(UserWarning, match=r"PEFT layer loha\.Linear: only LoRA-style adapters"):
+        targets = find_targets(model)
+    assert "Q" not in {t.role for t in targets}
+    assert {t.role for t in targets} >= {"K", "V", "O"}
+
+
+# --- along real fits --------------------------------------------------------------------------
+
+
+class PeftModule(LightningModule):
+    def __init__(self, model: Any, lr: float = 1e-2) -> None:
+        super().__init__()
+        self.model, self.lr = model, lr
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        (tokens,) = batch
+        return self.model(input_ids=tokens, labels=tokens).loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        trainable = [p for p in self.parameters() if p.requires_grad]
+        return torch.optim.AdamW(trainable, lr=self.lr)
+
+
+class MergedRecorder(Callback):
+    """The merged weights and the updates at the points SpectralMonitor snapshots."""
+
+    def __init__(self) -> None:
+        self.merged: dict[int, dict[tuple[int, str], torch.Tensor]] = {}
+        self.deltas: dict[int, dict[str, torch.Tensor]] = {}
+
+    def _record(self, trainer: Trainer, pl_module: Any) -> None:
+        step = trainer.global_step
+        if step not in self.merged:
+            self.merged[step] = merged_matrices(pl_module.model)
+            self.deltas[step] = deltas(pl_module.model)
+
+    def on_train_start(self, trainer: Trainer, pl_module: Any) -> None:
+        self._record(trainer, pl_module)
+
+    def on_train_batch_end(self, trainer: Trainer, pl_module: Any, *args: Any) -> None:
+        self._record(trainer, pl_module)
+
+
+def _exact(matrix: torch.Tensor) -> tuple[float, float]:
+    singular = torch.linalg.svdvals(matrix)
+    return float((singular**2).sum() / singular[0] ** 2), float(powerlaw_alpha(singular[:K])[0])
+
+
+def check_against_merged(
+    logged: Any,
+    merged: dict[int, Any],
+    updates: dict[int, Any],
+    targets: list[Any],
+    steps: list[int],
+) -> int:
+    """Every logged effective-weight and update value against the float64 references."""
+    checked = 0
+    for target in targets:
+
+        def tag(metric: str, t: Any = target) -> str:
+            return scalar_tag(metric, t.layer, t.role, t.num_layers)
+
+        stable_ranks = logged(tag("stable_rank"))
+        assert sorted(stable_ranks) == steps, target.name
+        alphas, top = logged(tag("alpha")), logged(tag("update_sv_1"))
+        update_ranks = logged(tag("update_stable_rank"))
+        for step, value in stable_ranks.items():
+            exact_sr, exact_alpha = _exact(merged[step][(target.layer, target.role)])
+            assert value == pytest.approx(exact_sr, rel=0.01), (target.name, step)
+            assert alphas[step] == pytest.approx(exact_alpha, abs=0.02), (target.name, step)
+            singular = torch.linalg.svdvals(updates[step][target.name])
+            assert top[step] == pytest.approx(float(singular[0]), rel=1e-5, abs=1e-12)
+            if singular[0] > 0:
+                exact_update_sr = float((singular**2).sum() / singular[0] ** 2)
+                assert update_ranks[step] == pytest.approx(exact_update_sr, rel=1e-4)
+            checked += 1
+    return checked
+
+
+FIT_CASES = {
+    "llama-lora": ("llama", {}),
+    "gpt2-lora": ("gpt2", {}),
+    "llama-dora-rslora": ("llama", {"use_dora": True, "use_rslora": True}),
+}
+
+
+@pytest.mark.parametrize("case", sorted(FIT_CASES))
+def test_lightning_fit_matches_merged_weights_at_every_scheduled_step(case: str) -> None:
+    arch, lora = FIT_CASES[case]
+    # Width 256 and the randomized path: the Krylov products run on base + factors.
+    model = adapted(arch, width=256, random_b=False, **lora)
+    logger, recorder = RecordingLogger(), MergedRecorder()
+    monitor = SpectralMonitor(
+        every_n_steps=10,
+        log_spaced_until=0,
+        svd_method="randomized",
+        figures=False,
+        synchronous=True,
+    )
+    tokens = torch.randint(0, 64, (40 * 2, 16), generator=torch.Generator().manual_seed(0))
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(tokens), batch_size=2)
+    trainer = quiet_trainer(max_steps=40, logger=logger, callbacks=[monitor, recorder])
+    trainer.fit(PeftModule(model), loader)
+    targets = find_targets(model)
+    checked = check_against_merged(
+        logger.series, recorder.merged, recorder.deltas, targets, [0, 10, 20, 30, 40]
+    )
+    assert checked == len(targets) * 5
