@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import sharded_svd_cases as cases
 import torch
+from device_checks import factories_elsewhere
 from spawn_ranks import run_ranks
 
 from spectral_callbacks.functional import metrics_from_spectrum, randomized_svd
@@ -171,3 +172,28 @@ def test_krylov_blocks_in_bfloat16_keep_the_accuracy_at_half_the_bytes(ranks, na
     b = K + 8
     gram = b * (b + 1) // 2 * 8
     assert float32 - bf16 == (float32 - 3 * 8 - gram) // 2  # the Krylov blocks halve
+
+
+@pytest.mark.parametrize(
+    ("split", "method"),
+    [("rows", "randomized"), ("rows", "gram"), ("columns", "randomized"), ("tiles", "randomized")],
+)
+def test_every_tensor_it_makes_lives_on_the_input_device(split: str, method: str) -> None:
+    # On CUDA a tensor made without device= is a CPU tensor beside CUDA ones: the first sharded
+    # snapshot failed. Here such a tensor would land on the meta device (factories_elsewhere).
+    W = torch.stack([cases.power_law(60, 40, 1.0, seed=i) for i in range(3)])
+    W[1, 2, 3] = float("nan")  # the masks of a non-finite matrix run too
+    local = W.mT if split == "columns" else W
+    tiles = {}
+    if split == "tiles":
+        tiles = {"shape": (60, 40), "row_index": torch.arange(60), "col_index": torch.arange(40)}
+    options = dict(split=split, method=method, generator=torch.Generator().manual_seed(0), **tiles)
+    cold = sharded_randomized_svd(local, 4, **options)  # the reference, default device the CPU
+    with factories_elsewhere():
+        top = sharded_randomized_svd(local, 4, **options)
+        if cold.V is not None:
+            warm = sharded_randomized_svd(local, 4, **options | {"init": cold.V})
+    torch.testing.assert_close(top.S, cold.S, equal_nan=True)
+    assert torch.isnan(top.S[1]).all() and torch.isfinite(top.S[[0, 2]]).all()
+    if cold.V is not None:
+        assert warm.S.device.type == "cpu"

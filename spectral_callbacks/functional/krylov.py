@@ -349,7 +349,7 @@ def start_block(
     stale = ~torch.isfinite(start.sum(-2, keepdim=True))  # (..., 1, b)
     if start.device.type == "cpu" and not bool(stale.any()):
         # The previous call's V is orthonormal already: a Gram check costs a third of its QR.
-        defect = start.mT @ start - torch.eye(start.shape[-1], dtype=A.dtype)
+        defect = start.mT @ start - torch.eye(start.shape[-1], dtype=A.dtype, device=A.device)
         if missing <= 0 and bool(defect.abs().amax() <= _rounding(A.dtype)):
             return start
         return orthonormalize(start)

@@ -220,7 +220,7 @@ def sharded_randomized_svd(
     scalars = torch.stack(
         [
             torch.nan_to_num(frobenius_norm_sq(A), nan=0.0),
-            torch.full(A.shape[:-2], float(A.shape[-2]), dtype=torch.float64),
+            torch.full(A.shape[:-2], float(A.shape[-2]), dtype=torch.float64, device=A.device),
             (~finite_rows).sum(-1).to(torch.float64),
         ],
         dim=-1,
@@ -303,8 +303,10 @@ def sharded_randomized_svd(
     S = S[..., :k]
     # As randomized_svd: values below the rank tolerance are rounding noise, reported as 0.
     tol = max(m, d) * torch.finfo(compute_dtype).eps * S[..., :1]
-    S = torch.where(tol < S, S, torch.zeros((), dtype=S.dtype))
-    S = torch.where(finite[..., None], S, torch.full((), float("nan"), dtype=S.dtype))
+    S = torch.where(tol < S, S, torch.zeros((), dtype=S.dtype, device=S.device))
+    S = torch.where(
+        finite[..., None], S, torch.full((), float("nan"), dtype=S.dtype, device=S.device)
+    )
     return ShardedTopSVD(S, V, frobenius_sq, collective.sent_bytes)
 
 
