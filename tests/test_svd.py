@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -593,3 +594,60 @@ def test_a_start_block_is_orthonormal_whatever_init_it_gets(seed: int) -> None:
     # A skewed one keeps its span.
     start = start_block(W, 20, g, skewed)
     torch.testing.assert_close(start @ (start.mT @ orthonormal), orthonormal, atol=1e-4, rtol=0)
+
+
+@pytest.fixture
+def restored_fp32_precision() -> Iterator[None]:
+    """Put torch's float32 precision settings back as they were (they are process-global)."""
+    saved = [
+        (torch.backends, torch.backends.fp32_precision),
+        (torch.backends.cuda.matmul, torch.backends.cuda.matmul.fp32_precision),
+        (torch.backends.cudnn, torch.backends.cudnn.fp32_precision),
+    ]
+    yield
+    for backend, value in saved:  # the generic one first: setting it resets the others
+        backend.fp32_precision = value
+    # Both APIs agree again: the legacy reads other libraries make work again.
+    assert torch.get_float32_matmul_precision() in ("highest", "high", "medium")
+
+
+@pytest.mark.skipif(
+    not hasattr(torch.backends, "fp32_precision"), reason="torch < 2.9 has only the legacy API"
+)
+@pytest.mark.parametrize(
+    ("backend", "value", "enabled"),
+    [
+        ("backends", "tf32", True),  # transformers.TrainingArguments(tf32=True) sets this
+        ("cuda.matmul", "tf32", True),
+        ("cuda.matmul", "ieee", False),
+        ("cudnn", "tf32", None),  # what it implies for matmuls is torch's to say (below)
+    ],
+)
+def test_tf32_set_through_the_new_precision_api_is_read_without_an_error(
+    backend: str, value: str, enabled: bool | None, restored_fp32_precision: None
+) -> None:
+    # Reading the legacy flags after the new API was used raises RuntimeError: on a GPU every
+    # float32 product of every snapshot failed.
+    target = torch.backends if backend == "backends" else torch.backends.cudnn
+    if backend == "cuda.matmul":
+        target = torch.backends.cuda.matmul
+    target.fp32_precision = value
+    expected = torch.backends.cuda.matmul.fp32_precision == "tf32" if enabled is None else enabled
+    assert svd_module._tf32_enabled() is expected
+
+
+@pytest.mark.parametrize("legacy", ["allow_tf32", "set_float32_matmul_precision"])
+def test_tf32_set_through_the_legacy_api_is_read(
+    legacy: str, restored_fp32_precision: None
+) -> None:
+    assert svd_module._tf32_enabled() is False
+    previous = torch.get_float32_matmul_precision()
+    try:
+        if legacy == "allow_tf32":
+            torch.backends.cuda.matmul.allow_tf32 = True
+        else:
+            torch.set_float32_matmul_precision("high")
+        assert svd_module._tf32_enabled() is True
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.set_float32_matmul_precision(previous)

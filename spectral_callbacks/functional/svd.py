@@ -605,6 +605,18 @@ def _matmul(A: Tensor, B: Tensor) -> Tensor:
 
 
 def _tf32_enabled() -> bool:
+    """Whether float32 CUDA matmuls may run in a reduced precision (TF32), by the user's setting.
+
+    torch >= 2.9 resolves every way of setting it (``torch.backends.fp32_precision``,
+    ``torch.backends.cuda.matmul.fp32_precision``, and the legacy ``allow_tf32`` and
+    ``set_float32_matmul_precision``) into ``torch.backends.cuda.matmul.fp32_precision``; once
+    the new API has been used (as ``transformers.TrainingArguments(tf32=True)`` does), reading
+    the legacy flags raises ``RuntimeError``. The legacy flags are read only where the new API
+    does not exist.
+    """
+    precision = getattr(torch.backends.cuda.matmul, "fp32_precision", None)
+    if precision is not None:
+        return precision not in ("ieee", "none")
     return (
         torch.backends.cuda.matmul.allow_tf32 or torch.get_float32_matmul_precision() != "highest"
     )
