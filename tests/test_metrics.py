@@ -4,15 +4,19 @@ from __future__ import annotations
 
 import math
 import random
+from typing import Any
 
 import pytest
 import torch
+from torch.profiler import ProfilerActivity, profile
 
+import spectral_callbacks.functional.metrics as metrics_module
 from spectral_callbacks.functional import (
     compression,
     energy_rank,
     energy_rank_key,
     esd_alpha,
+    frobenius_norm_sq,
     metrics_from_spectrum,
     powerlaw_alpha,
     spectral_metrics,
@@ -216,3 +220,32 @@ def test_stable_rank_and_spectrum_functions_on_known_values() -> None:
     torch.testing.assert_close(
         stable_rank(S, torch.tensor([8.0, 0.0])), torch.tensor([2.0, float("nan")]), equal_nan=True
     )
+
+
+def _largest_allocation(fn: Any) -> int:
+    """The most bytes any one torch op allocated on the CPU while ``fn`` ran (torch profiler)."""
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    return max((event.cpu_memory_usage for event in prof.events()), default=0)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "scale"),
+    [(torch.float32, 1e20), (torch.bfloat16, 1.0), (torch.float16, 1.0), (torch.float64, 1.0)],
+    ids=["float32-overflowing-rows", "bfloat16", "float16", "float64"],
+)
+def test_exact_frobenius_norm_makes_no_float64_copy_of_w(
+    dtype: torch.dtype, scale: float, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # vector_norm(W, dtype=float64) converts all of W first: 8 bytes per entry, ~23 GB for a 7B
+    # model's gate+up group (and on an accelerator it ran at every snapshot). Float32 rows that
+    # overflow take the exact path on the CPU too.
+    monkeypatch.setattr(metrics_module, "_FLOAT64_CHUNK_ELEMENTS", 1 << 14)
+    generator = torch.Generator().manual_seed(random.randrange(2**31))
+    W64 = torch.randn(3, 512, 256, dtype=torch.float64, generator=generator)
+    W = (W64 * scale).to(dtype)
+    expected = W.double().square().sum((-2, -1))
+    got = frobenius_norm_sq(W)
+    torch.testing.assert_close(got, expected, rtol=1e-12, atol=0)
+    full_copy = 8 * W.numel()
+    assert _largest_allocation(lambda: frobenius_norm_sq(W)) < full_copy / 8
