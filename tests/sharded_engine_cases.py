@@ -244,3 +244,47 @@ def fsdp_over_tp(rank: int, world_size: int) -> dict[str, Any]:
         "results": [(r.step, r.metrics) for r in results],
         "weights": weights if rank == 0 else None,
     }
+
+
+class _Moves(torch.overrides.TorchFunctionMode):
+    """Records every call that moves a tensor between devices (``to``, ``cpu``, ``cuda``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[str] = []
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if getattr(func, "__name__", "") in ("to", "cpu", "cuda", "_to_copy", "copy_"):
+            self.calls.append(func.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+def indices_on_the_device(rank: int, world_size: int) -> dict[str, Any]:
+    """A per-head fused split (rows not contiguous): where its indices live, and what a block
+    costs the training thread beyond the gather."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from spectral_callbacks.monitor.shards import local_piece
+    from spectral_callbacks.targets import Rows, Target
+
+    full = torch.randn(150, 96, generator=torch.Generator().manual_seed(0))
+    fused = torch.nn.Parameter(
+        distribute_tensor(full, init_device_mesh("cpu", (world_size,)), [Shard(0)])
+    )
+    rows = Rows(start=10, stop=20, groups=5)  # K of 5 heads of (Q, K, V) x 10 rows
+    piece = local_piece(
+        Target.from_parameter("fused", fused, role="K", rows=rows, fused=True), rank
+    )
+    moves = _Moves()
+    with moves:
+        block = piece.block()
+    select = piece._select
+    return {
+        "is_tensor": isinstance(select, torch.Tensor),
+        "same_device": isinstance(select, torch.Tensor)
+        and select.device == fused.to_local().device,
+        "moves": moves.calls,
+        "block": block,
+        "local": fused.to_local().detach(),
+        "select": select,
+    }

@@ -223,3 +223,13 @@ def test_bad_arguments_are_refused_before_any_work(tmp_path) -> None:
         engine.close()
     finally:
         dist.destroy_process_group()
+
+
+def test_scattered_rows_are_gathered_with_indices_already_on_the_device(tmp_path) -> None:
+    # Moving a CPU index tensor to the device inside offer() was a host-to-device copy (a sync)
+    # on the training thread at every snapshot of a GPT-NeoX query_key_value or an MLA split.
+    for outcome in run_ranks(cases.indices_on_the_device, 2, tmp_path):
+        assert outcome["is_tensor"] and outcome["same_device"]
+        assert outcome["moves"] == []  # block() moves nothing between devices
+        expected = outcome["local"].index_select(0, outcome["select"])
+        assert torch.equal(outcome["block"], expected) and len(expected) == 25

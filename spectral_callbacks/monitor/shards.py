@@ -66,13 +66,16 @@ class LocalPiece:
         rows: how many rows of the split orientation this rank holds (0 for an empty block).
         row_index, col_index: for ``"tiles"``, the positions in the matrix of the tile's rows and
             columns (``None`` otherwise).
+
+    Index tensors live on the local block's device, put there once when the piece is built:
+    moving them at each snapshot would be a host-to-device copy (a sync) on the training thread.
     """
 
     target: Target
     split: str
     shape: tuple[int, int]
     rows: int
-    _select: slice | torch.Tensor  # positions along the local output dimension
+    _select: slice | torch.Tensor  # positions along the local output dimension, on its device
     row_index: torch.Tensor | None = None
     col_index: torch.Tensor | None = None
 
@@ -88,8 +91,8 @@ class LocalPiece:
         matrix = local.t() if self.target.rows.transposed else local  # (local out, local in)
         if isinstance(self._select, slice):
             own = matrix[self._select]
-        else:
-            own = matrix.index_select(0, self._select.to(matrix.device))  # (role rows, local in)
+        else:  # the indices live on the block's device already: no copy, no sync here
+            own = matrix.index_select(0, self._select)  # (role rows, local in)
         return own.t() if self.split == "columns" else own
 
 
@@ -179,7 +182,12 @@ def mesh_ranks(targets: list[Target]) -> list[int]:
 def _piece(target: Target, split: str, select: Any, rows: int, **indices: Any) -> LocalPiece:
     m, n = target.shape
     shape = (n, m) if split == "columns" else (m, n)
-    return LocalPiece(target, split, shape, rows, select, **indices)
+    parameter = target.parameter
+    device = (parameter.to_local() if isinstance(parameter, DTensor) else parameter).device
+    if isinstance(select, torch.Tensor):
+        select = select.to(device)
+    moved = {name: index.to(device) for name, index in indices.items()}
+    return LocalPiece(target, split, shape, rows, select, **moved)
 
 
 def _shard_dim(placement: Any) -> int | None:
