@@ -422,7 +422,6 @@ def update_metrics(
     return {name: value.float() for name, value in out.items()}
 
 
-
 # Rows converted to float64 at a time: a bounded transient (32 MiB) whatever the size of W, where
 # ``vector_norm(W, dtype=torch.float64)`` converts all of W first (8 bytes per entry: 23 GB for
 # a 7B model's gate+up group).
