@@ -19,7 +19,7 @@ import torch
 from sharded_models import exact_metrics
 from spawn_ranks import run_ranks
 from test_ddp import run_script
-from tiny_models import read_scalars
+from tiny_models import RecordingLogger, read_scalars
 
 from spectral_callbacks.names import monitor_tag, scalar_tag
 from spectral_callbacks.offline.events import read_event_file
@@ -241,8 +241,12 @@ def test_make_engine_picks_the_sharded_engine_for_dtensors_and_refuses_a_custom_
         model, _ = build("gpt2", d=64)
         shard(model, "fsdp", init_device_mesh("cpu", (1,)))  # a one-rank mesh: still DTensors
         with pytest.raises(ConfigurationError, match="`compute` cannot replace the SVD of sharded"):
-            SpectralTracker(model, compute=exact_compute, figures=False)
-        with SpectralTracker(model, k=4, figures=False, synchronous=True) as tracker:
+            SpectralTracker(
+                model, writers=[RecordingLogger()], compute=exact_compute, figures=False
+            )
+        with SpectralTracker(
+            model, writers=[RecordingLogger()], k=4, figures=False, synchronous=True
+        ) as tracker:
             engine = tracker._engine
             assert isinstance(engine, ShardedEngine) and isinstance(engine, Engine)
             assert engine.awaiting_results and engine.pending == 1 and engine.skipped == 0

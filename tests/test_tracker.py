@@ -41,7 +41,24 @@ Q0 = scalar_tag("stable_rank", 0, "Q")
             r"`worker_nice` must be None or a nice increment from 0 to 19, got 100",
         ),
         ({"max_overhead": "x"}, r"`max_overhead` must be a fraction in \(0, 1\).*got 'x'"),
-        ({"drain_timeout": "5"}, r"`drain_timeout` must be >= 0 seconds, got '5'"),
+        (
+            {"drain_timeout": "5"},
+            r"`drain_timeout` must be a finite number of seconds >= 0.*got '5'",
+        ),
+        (
+            {"drain_timeout": float("inf")},
+            r"`drain_timeout` must be a finite number of seconds >= 0.*got inf",
+        ),
+        (
+            {"k": 1},
+            r"`k` must be at least 3 to fit `alpha` \(or leave alpha and alpha_r2 out of `metrics`\), got 1",
+        ),
+        ({"k": 2, "metrics": ("alpha_r2",)}, r"`k` must be at least 3 to fit `alpha`.*got 2"),
+        (
+            {"fit_window": (4, 5)},
+            r"`fit_window` must be ranks spanning at least 3 to fit `alpha`.*got \(4, 5\)",
+        ),
+        ({"k": 4, "metrics": ("esd_alpha",)}, r"`k` must be at least 5 to fit `esd_alpha`.*got 4"),
         ({"roles": "Q"}, r"`roles` must be None or a list of role names, got 'Q'"),
         ({"k": True}, r"`k` must be a positive int, got True"),
     ],
@@ -71,6 +88,50 @@ def test_a_writer_without_log_metrics_is_named_before_anything_runs() -> None:
         ConfigurationError, match=r"`writers` must be a list of loggers.*got \[<object"
     ):
         SpectralTracker(TinyGPT(), writers=[object()])
+
+
+def test_k_below_the_fit_is_fine_without_the_fitted_metrics() -> None:
+    assert MonitorOptions(k=1, metrics=("stable_rank", "spectral_norm")).k == 1
+
+
+def test_a_tracker_with_nowhere_to_write_is_refused() -> None:
+    # before: it computed every snapshot and wrote nothing, silently
+    with pytest.raises(
+        ConfigurationError,
+        match=r"SpectralTracker has nowhere to write: pass `logdir=\"runs/exp\"` .*or `writers=",
+    ):
+        SpectralTracker(TinyGPT(), figures=False)
+
+
+def test_a_model_that_is_not_a_module_is_named() -> None:
+    with pytest.raises(ConfigurationError, match=r"`model` must be a torch.nn.Module.*got None"):
+        SpectralTracker(None, writers=[RecordingLogger()])  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("bad", "match"),
+    [
+        (5.5, r"`step` must be a non-negative int \(the optimizer step\), got 5.5"),
+        ("7", r"`step` must be a non-negative int \(the optimizer step\), got '7'"),
+        (-1, r"`step` must be a non-negative int \(the optimizer step\), got -1"),
+        (True, r"`step` must be a non-negative int \(the optimizer step\), got True"),
+        (3, r"`step` must not go back: got 3 after 5; pass each optimizer step in order"),
+    ],
+)
+def test_step_is_checked_where_it_enters_and_the_run_goes_on(bad: Any, match: str) -> None:
+    writer = RecordingLogger()
+    options = dict(every_n_steps=5, log_spaced_until=0, figures=False, metrics=("stable_rank",))
+    with SpectralTracker(TinyGPT(), writers=[writer], **options) as tracker:
+        tracker.step(5)  # a snapshot in flight
+        with pytest.raises(ConfigurationError, match=match):
+            tracker.step(bad)
+        tracker.step(10)
+    assert sorted(writer.series(Q0)) == [0, 5, 10]  # nothing in flight was abandoned
+
+
+def test_a_bad_start_step_is_named() -> None:
+    with pytest.raises(ConfigurationError, match=r"`start_step` must be None or a non-negative"):
+        SpectralTracker(TinyGPT(), writers=[RecordingLogger()], start_step=-3)
 
 
 def test_an_unknown_argument_lists_the_options() -> None:
@@ -148,7 +209,13 @@ def test_an_all_zero_matrix_is_not_reported_as_non_finite() -> None:
         model.model.transformer.h[0].attn.c_proj.weight.zero_()  # zero-initialised output layers
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        SpectralTracker(model, metrics=("stable_rank",), figures=False, synchronous=True).close()
+        SpectralTracker(
+            model,
+            writers=[RecordingLogger()],
+            metrics=("stable_rank",),
+            figures=False,
+            synchronous=True,
+        ).close()
     assert not [w for w in caught if "NaN or Inf" in str(w.message)]
 
 

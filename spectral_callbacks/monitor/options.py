@@ -19,12 +19,13 @@ Example::
 from __future__ import annotations
 
 import dataclasses
+import math
 import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from spectral_callbacks.functional.metrics import UPDATE_METRICS
+from spectral_callbacks.functional.metrics import ESD_MIN_TAIL, MIN_FIT_POINTS, UPDATE_METRICS
 from spectral_callbacks.functional.svd import METHODS
 
 #: Metrics the SVD path produces, plus ``compression`` derived from ``stable_rank``, and the
@@ -56,6 +57,10 @@ DEFAULT_FIGURE_ROLES: tuple[str, ...] = ("Q",)
 
 # Nice increments a process may add to lower a thread's priority (Linux: 0 .. 19).
 _MAX_NICE = 19
+
+# The fewest ranks each fitted metric needs (functional/metrics.py): below that the metric is NaN
+# at every step, which should be said at construction, not discovered in the charts.
+_FIT_RANKS = {"alpha": MIN_FIT_POINTS, "alpha_r2": MIN_FIT_POINTS, "esd_alpha": ESD_MIN_TAIL}
 
 
 class ConfigurationError(ValueError):
@@ -203,6 +208,7 @@ class MonitorOptions:
             and window[0] <= window[1],
             "None or 1-based ranks (first, last) with 1 <= first <= last, e.g. (1, 32)",
         )
+        self._check_fit_ranks()
         every = self.figure_every_n_steps
         require(
             "figure_every_n_steps",
@@ -224,7 +230,12 @@ class MonitorOptions:
             "None or a list of role names such as ('Q', 'K')",
         )
         timeout = self.drain_timeout
-        require("drain_timeout", timeout, is_real(timeout) and timeout >= 0, ">= 0 seconds")
+        require(
+            "drain_timeout",
+            timeout,
+            is_real(timeout) and math.isfinite(timeout) and timeout >= 0,
+            "a finite number of seconds >= 0 (for a long wait, a large one such as 3600)",
+        )
         threads = self.worker_threads
         require(
             "worker_threads",
@@ -245,6 +256,28 @@ class MonitorOptions:
             self.compute is None or callable(self.compute),
             "None or a function (group, batch) -> {metric: (B,) tensor}",
         )
+
+    def _check_fit_ranks(self) -> None:
+        """``k`` (and ``fit_window``) leave each fitted metric asked for enough ranks to fit."""
+        for metric, least in _FIT_RANKS.items():
+            if metric not in self.metrics:
+                continue
+            fit = "alpha" if metric == "alpha_r2" else metric
+            leave = "alpha and alpha_r2" if fit == "alpha" else fit
+            require(
+                "k",
+                self.k,
+                self.k >= least,
+                f"at least {least} to fit `{fit}` (or leave {leave} out of `metrics`)",
+            )
+            window = self.fit_window
+            if fit == "alpha" and window is not None:
+                require(
+                    "fit_window",
+                    window,
+                    window[1] - window[0] + 1 >= least,
+                    f"ranks spanning at least {least} to fit `alpha`, e.g. (1, 32)",
+                )
 
     @classmethod
     def from_kwargs(cls, caller: str, **kwargs: Any) -> MonitorOptions:

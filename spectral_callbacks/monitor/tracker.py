@@ -38,7 +38,9 @@ from spectral_callbacks.monitor.engine import SnapshotResult
 from spectral_callbacks.monitor.options import (
     DEFAULT_FIGURE_ROLES,
     DEFAULT_METRICS,
+    ConfigurationError,
     MonitorOptions,
+    is_int,
     require,
 )
 from spectral_callbacks.monitor.partitioned import refuse_partitioned
@@ -51,6 +53,10 @@ from spectral_callbacks.monitor.schedule import SnapshotSchedule
 # files every few seconds) still shows each point within seconds, and a burst of snapshots (the
 # dense early schedule) costs one flush, not one each (a flush waits for the writer thread).
 FLUSH_INTERVAL_SECONDS = 1.0
+
+
+def _check_step(step: Any) -> None:
+    require("step", step, is_int(step, 0), "a non-negative int (the optimizer step)")
 
 
 class SpectralTracker:
@@ -73,19 +79,23 @@ class SpectralTracker:
         \*\*kwargs: every other option of :class:`MonitorOptions` (``every_n_steps``, ``k``, ...).
 
     Raises:
-        ConfigurationError: an option out of range, no matrix to watch, a bad mapping,
+        ConfigurationError: ``model`` not a module, neither ``logdir`` nor ``writers`` (nowhere
+            to write), an option out of range, no matrix to watch, a bad mapping,
             ``figure_roles`` naming a role the model does not have, ``max_overhead`` with
             several processes, ``compute`` with sharded (DTensor) weights, or parameters
             flattened and partitioned by FSDP1 (``FullyShardedDataParallel``) or DeepSpeed
             ZeRO-3 (shard with FSDP2 ``fully_shard`` instead).
+        ConfigurationError: from :meth:`step`, a step that is not a non-negative int or that
+            goes back (checked before any work: the tracker stays usable).
         ShardedEngineError: with sharded weights, from :meth:`step` or :meth:`close`, if the
             sharded computation failed or fell behind on a rank (the run cannot go on).
 
     Example::
 
-        >>> import torch
+        >>> import tempfile, torch
         >>> model = torch.nn.TransformerEncoderLayer(16, 2, dim_feedforward=32)
-        >>> with SpectralTracker(model, metrics=["stable_rank"], figures=False) as tracker:
+        >>> logdir = tempfile.mkdtemp()
+        >>> with SpectralTracker(model, ["stable_rank"], logdir=logdir, figures=False) as tracker:
         ...     for step in range(1, 3):
         ...         tracker.step(step)
         >>> sorted(tracker.state_dict()["references"])[:1]
@@ -105,6 +115,18 @@ class SpectralTracker:
         caller: str = "SpectralTracker",
         **kwargs: Any,
     ) -> None:
+        require(
+            "model",
+            model,
+            isinstance(model, torch.nn.Module),
+            "a torch.nn.Module (the network whose weights are watched)",
+        )
+        require(
+            "start_step",
+            start_step,
+            start_step is None or is_int(start_step, 0),
+            "None or a non-negative int (the optimizer step the weights are at now)",
+        )
         if options is None:
             options = MonitorOptions.from_kwargs(caller, metrics=metrics, **kwargs)
         elif kwargs:
@@ -129,6 +151,11 @@ class SpectralTracker:
             all(callable(getattr(writer, "log_metrics", None)) for writer in writers),
             "a list of loggers, objects with log_metrics(metrics: dict, step: int)",
         )
+        if not writers and logdir is None:  # it would compute every snapshot and keep nothing
+            raise ConfigurationError(
+                f'{caller} has nowhere to write: pass `logdir="runs/exp"` (TensorBoard event '
+                "files) or `writers=[...]` (loggers with log_metrics, e.g. Fabric's fabric.loggers)"
+            )
         self.compute: Any = options.compute or SpectrumCompute(
             options.k,
             n_oversamples=options.n_oversamples,
@@ -192,6 +219,7 @@ class SpectralTracker:
             return
         if self._closed:
             raise RuntimeError(f"{self.caller} is closed: construct a new one for a new run")
+        _check_step(step)
         options = self.options
         # Read now, not at construction: a loop may set training's threads in between.
         self.placement = machine_placement(
@@ -235,6 +263,12 @@ class SpectralTracker:
         """
         if self._closed:
             raise RuntimeError(f"{self.caller} is closed: construct a new one for a new run")
+        _check_step(step)
+        if step < self._previous_step:  # checked before any work, so the run can go on
+            raise ConfigurationError(
+                f"`step` must not go back: got {step} after {self._previous_step}; pass each "
+                "optimizer step in order (a new run needs a new tracker)"
+            )
         if self._engine is None:
             self.begin(step)
             return
@@ -271,6 +305,8 @@ class SpectralTracker:
         """
         if self._closed:
             return
+        if step is not None:
+            _check_step(step)
         try:
             if self._engine is not None and error is None:
                 self._finish(self._previous_step if step is None else step)
@@ -325,7 +361,6 @@ class SpectralTracker:
     # --- the work ------------------------------------------------------------------------------
 
     def _find_targets(self, model: torch.nn.Module) -> list[Any]:
-        from spectral_callbacks.monitor.options import ConfigurationError
         from spectral_callbacks.targets import find_targets
         from spectral_callbacks.targets.find import TargetError
 
