@@ -157,7 +157,7 @@ def test_synchronous_false_keeps_the_worker_where_no_core_is_spare(
     monkeypatch.setattr(placement, "available_cores", lambda: 1.0)
     model = torch.nn.TransformerEncoderLayer(16, 2, dim_feedforward=32)
     with SpectralTracker(
-        model, metrics=["stable_rank"], figures=False, synchronous=False
+        model, writers=[Scalars()], metrics=["stable_rank"], figures=False, synchronous=False
     ) as tracker:
         assert tracker.placement is not None and tracker.placement.inline is False
 
