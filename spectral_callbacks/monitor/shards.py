@@ -186,7 +186,7 @@ def _piece(target: Target, split: str, select: Any, rows: int, **indices: Any) -
     device = (parameter.to_local() if isinstance(parameter, DTensor) else parameter).device
     if isinstance(select, torch.Tensor):
         select = select.to(device)
-    moved = {name: index.to(device) for name, index in indices.items()}
+    moved = {name: None if index is None else index.to(device) for name, index in indices.items()}
     return LocalPiece(target, split, shape, rows, select, **moved)
 
 
