@@ -27,7 +27,7 @@ from spectral_callbacks.monitor.reporting import num_layers_scalar
 from spectral_callbacks.names import ROLES, monitor_tag, scalar_tag
 from spectral_callbacks.tensorboard_adapter import log_scalars
 
-METRICS = tuple(metric for metric in KNOWN_METRICS if metric != "esd_alpha")  # all but esd_alpha
+METRICS = tuple(metric for metric in KNOWN_METRICS if not metric.startswith("esd_"))  # no ESD
 # Final compression per role, as in the study: Q/K strongest, MLP least.
 FINAL_COMPRESSION = {"Q": 0.88, "K": 0.86, "V": 0.78, "O": 0.74, "MLP_up": 0.55, "MLP_down": 0.62}
 

@@ -68,6 +68,9 @@ METRIC_LABELS: dict[str, str] = {
     "frobenius_norm": r"Frobenius norm $\|W\|_F$",
     "energy_rank_90": r"rank holding 90 % of $\|W\|_F^2$",
     "esd_alpha": "ESD tail exponent",
+    "esd_ks_distance": "ESD fit KS distance",
+    "esd_xmin": "ESD x_min",
+    "esd_tail_size": "ESD tail size",
 }
 # Per-run line styles so runs stay apart when colour already encodes the role.
 _LINE_STYLES = ("-", "--", ":", "-.", (0, (5, 1)), (0, (3, 1, 1, 1, 1, 1)))

@@ -58,7 +58,7 @@ Q0 = scalar_tag("stable_rank", 0, "Q")
             {"fit_window": (4, 5)},
             r"`fit_window` must be ranks spanning at least 3 to fit `alpha`.*got \(4, 5\)",
         ),
-        ({"k": 4, "metrics": ("esd_alpha",)}, r"`k` must be at least 5 to fit `esd_alpha`.*got 4"),
+        ({"esd_every_n_snapshots": 0}, r"`esd_every_n_snapshots` must be a positive int, got 0"),
         ({"roles": "Q"}, r"`roles` must be None or a list of role names, got 'Q'"),
         ({"k": True}, r"`k` must be a positive int, got True"),
     ],

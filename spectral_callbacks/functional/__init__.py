@@ -2,6 +2,7 @@
 
 ``randomized_svd`` computes a top-k spectrum; the metric functions turn a spectrum (and the exact
 squared Frobenius norm) into the numbers of DESIGN.md section 2; ``spectral_metrics`` does both.
+``esd`` fits the power-law tail of the full eigenvalue spectrum as WeightWatcher does.
 
 Example::
 
@@ -11,16 +12,22 @@ Example::
     (tensor(4.), tensor(1.))
 """
 
+from spectral_callbacks.functional.esd import (
+    ESD_METRICS,
+    EVALS_THRESHOLD,
+    EsdFit,
+    esd_eigenvalues,
+    esd_fit,
+    esd_metrics,
+)
 from spectral_callbacks.functional.exact import gram_singular_values
 from spectral_callbacks.functional.lowrank import AdaptedMatrices, low_rank_singular_values
 from spectral_callbacks.functional.metrics import (
-    ESD_MIN_TAIL,
     MIN_FIT_POINTS,
     UPDATE_METRICS,
     compression,
     energy_rank,
     energy_rank_key,
-    esd_alpha,
     frobenius_norm_sq,
     metrics_from_spectrum,
     powerlaw_alpha,
@@ -47,14 +54,18 @@ __all__ = [
     "DEFAULT_N_ITER",
     "DEFAULT_TOL",
     "DEFAULT_N_OVERSAMPLES",
-    "ESD_MIN_TAIL",
+    "ESD_METRICS",
+    "EVALS_THRESHOLD",
     "METHODS",
     "MIN_FIT_POINTS",
+    "EsdFit",
     "TopSVD",
     "compression",
     "energy_rank",
     "energy_rank_key",
-    "esd_alpha",
+    "esd_eigenvalues",
+    "esd_fit",
+    "esd_metrics",
     "frobenius_norm_sq",
     "gram_singular_values",
     "metrics_from_spectrum",

@@ -15,16 +15,15 @@ import math
 import torch
 from torch import Tensor
 
+from spectral_callbacks.functional.esd import esd_metrics
 from spectral_callbacks.functional.lowrank import AdaptedMatrices
 from spectral_callbacks.functional.svd import DEFAULT_K, randomized_svd
 
 __all__ = [
-    "ESD_MIN_TAIL",
     "MIN_FIT_POINTS",
     "compression",
     "energy_rank",
     "energy_rank_key",
-    "esd_alpha",
     "frobenius_norm_sq",
     "metrics_from_spectrum",
     "powerlaw_alpha",
@@ -37,9 +36,6 @@ __all__ = [
 
 # A line through two points always has R^2 = 1; three is the least that can show a poor fit.
 MIN_FIT_POINTS = 3
-# The smallest eigenvalue tail the ESD fit may choose; shorter tails give a spuriously small KS
-# distance and a meaningless exponent.
-ESD_MIN_TAIL = 5
 
 
 #: How many of the update's top singular values are logged (``update_sv_1`` ...): r = 8 .. 64
@@ -192,55 +188,6 @@ def energy_rank(S: Tensor, frobenius_sq: Tensor, energy: float = 0.9) -> Tensor:
     return torch.where(defined, rank, torch.full_like(rank, float("nan")))
 
 
-def esd_alpha(S: Tensor, min_tail: int = ESD_MIN_TAIL) -> Tensor:
-    r"""WeightWatcher-style power-law exponent of the eigenvalue tail, :math:`\lambda_i = \sigma_i^2`.
-
-    For each candidate :math:`x_{\min}` among the top-k eigenvalues, the Clauset-Shalizi-Newman
-    (2009) maximum-likelihood exponent of the tail :math:`\lambda \ge x_{\min}` (``t`` values) is
-
-    .. math:: \hat\alpha = 1 + t \Big/ \sum_{\lambda_i \ge x_{\min}} \log(\lambda_i / x_{\min}),
-
-    and the chosen :math:`x_{\min}` minimizes the Kolmogorov-Smirnov distance between the tail's
-    empirical CDF and :math:`1 - (\lambda / x_{\min})^{1 - \hat\alpha}`. Only the computed top-k
-    is seen, so the result is meaningful when the heavy tail lies inside it.
-
-    Args:
-        S: ``(..., k)`` singular values, descending.
-        min_tail: fewest eigenvalues a tail may have (default 5).
-
-    Returns:
-        ``(...)`` exponent; NaN when fewer than ``min_tail`` eigenvalues are positive or every
-        candidate tail is flat.
-
-    Example::
-
-        >>> esd_alpha(torch.ones(8))  # a flat spectrum has no tail
-        tensor(nan)
-    """
-    lam = S.to(torch.float64).square().flip(-1)  # (..., k) ascending
-    k = lam.shape[-1]
-    xmin = lam[..., :, None]  # (..., k candidates, 1)
-    idx = torch.arange(k, device=S.device)
-    in_tail = idx[None, :] >= idx[:, None]  # (k candidates, k values): value j in tail of i
-    tail_size = (k - idx).to(torch.float64)  # (k,)
-    ratio = torch.where(in_tail & (xmin > 0), lam[..., None, :] / xmin.clamp_min(1e-300), 1.0)
-    log_sum = ratio.log().sum(-1)  # (..., k)
-    alpha = 1 + tail_size / log_sum
-    # KS distance at the tail's data points, both sides of each step of the empirical CDF.
-    position = (idx[None, :] - idx[:, None]).to(torch.float64)  # rank of value j inside tail i
-    fitted = 1 - ratio.pow(1 - alpha[..., None])  # (..., k, k)
-    upper = (position + 1) / tail_size[:, None]
-    lower = position / tail_size[:, None]
-    gap = torch.maximum((fitted - upper).abs(), (fitted - lower).abs())
-    ks = torch.where(in_tail, gap, 0.0).amax(-1)  # (..., k)
-    usable = (xmin[..., 0] > 0) & (tail_size >= min_tail) & (log_sum > 0) & torch.isfinite(ks)
-    ks = torch.where(usable, ks, float("inf"))
-    best = ks.argmin(-1, keepdim=True)
-    chosen = alpha.gather(-1, best)[..., 0]
-    found = usable.any(-1)
-    return torch.where(found, chosen, float("nan")).float()
-
-
 def energy_rank_key(energy: float) -> str:
     """Metric name of an energy fraction: 0.9 -> ``energy_rank_90``, 0.999 -> ``energy_rank_99_9``.
 
@@ -259,20 +206,18 @@ def metrics_from_spectrum(
     *,
     fit_window: tuple[int, int] | None = None,
     energy: float = 0.9,
-    esd: bool = False,
 ) -> dict[str, Tensor]:
-    r"""Every metric of DESIGN.md section 2 (except ``compression``) from a top-k spectrum.
+    r"""Every top-k metric of DESIGN.md section 2 (not ``compression``, not the ESD family).
 
     Args:
         S: ``(..., k)`` singular values, descending.
         frobenius_sq: ``(...)`` exact :math:`\lVert W \rVert_F^2`.
         fit_window: ranks of the power-law fit (default ``None`` = ``1..k``, see ``powerlaw_alpha``).
         energy: energy fraction of ``energy_rank`` (default 0.9 -> key ``energy_rank_90``).
-        esd: also compute ``esd_alpha`` (default False).
 
     Returns:
         ``{"stable_rank", "alpha", "alpha_r2", "spectral_norm", "frobenius_norm",
-        "energy_rank_90", ["esd_alpha"]}``, each float32 of shape ``(...)``.
+        "energy_rank_90"}``, each float32 of shape ``(...)``.
 
     Example::
 
@@ -292,8 +237,6 @@ def metrics_from_spectrum(
         "frobenius_norm": frobenius_sq.sqrt().float(),
         energy_rank_key(energy): energy_rank(S, frobenius_sq, energy),
     }
-    if esd:
-        out["esd_alpha"] = esd_alpha(S)
     return out
 
 
@@ -311,7 +254,10 @@ def spectral_metrics(
     Args:
         W: ``(m, n)`` or ``(B, m, n)`` float matrix (any float dtype; computed in float32 or better).
         k: ranks computed (default 32); also the default fit window ``1..k``.
-        fit_window, energy, esd: as in ``metrics_from_spectrum``.
+        fit_window, energy: as in ``metrics_from_spectrum``.
+        esd: also the ESD family of the full spectrum (``esd_alpha``, ``esd_ks_distance``,
+            ``esd_xmin``, ``esd_tail_size``; see :func:`~spectral_callbacks.functional.esd_metrics`).
+            Default False.
         **svd_options: passed to ``randomized_svd`` (``n_oversamples``, ``n_iter``, ``generator``,
             ``init``, ``method``).
 
@@ -332,7 +278,10 @@ def spectral_metrics(
     """
     top = randomized_svd(W, k, **svd_options)  # type: ignore[arg-type]
     frobenius_sq = frobenius_norm_sq(W)
-    return metrics_from_spectrum(top.S, frobenius_sq, fit_window=fit_window, energy=energy, esd=esd)
+    out = metrics_from_spectrum(top.S, frobenius_sq, fit_window=fit_window, energy=energy)
+    if esd:
+        out.update(esd_metrics(W))
+    return out
 
 
 def frobenius_norm_sq(W: Tensor | AdaptedMatrices) -> Tensor:

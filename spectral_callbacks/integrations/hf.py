@@ -48,7 +48,7 @@ class SpectralTrainerCallback(TrainerCallback):
     r"""Log the spectra of a transformer's matrices while ``transformers.Trainer`` trains it.
 
     Args:
-        metrics: which metrics to log. Default: all but ``esd_alpha``.
+        metrics: which metrics to log. Default: all but ``energy_rank_90`` and the ESD family.
         logdir: where to write TensorBoard event files. Default ``None``: where the Trainer's
             TensorBoard callback writes (see the module docstring).
         \*\*options: every option of :class:`~spectral_callbacks.monitor.options.MonitorOptions`.

@@ -84,7 +84,7 @@ def monitor_class(package: str) -> type:
         docs/logged-names.md for every name.
 
         Args:
-            metrics: which metrics to log. Default: all but ``esd_alpha``.
+            metrics: which metrics to log. Default: all but ``energy_rank_90`` and the ESD family.
             \*\*options: every option of :class:`~spectral_callbacks.monitor.options.MonitorOptions`
                 (``roles``, ``every_n_steps``, ``k``, ``figures``, ``drain_timeout``, ...), with
                 the defaults documented there.

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from spectral_callbacks.functional import (
+    esd_metrics,
     frobenius_norm_sq,
     metrics_from_spectrum,
     randomized_svd,
@@ -37,7 +38,10 @@ class SpectrumCompute:
         n_oversamples, n_iter, method: passed to ``randomized_svd``; ``None`` keeps its defaults.
         fit_window: passed to ``metrics_from_spectrum`` (ranks the α fit uses); ``None`` keeps its
             default.
-        esd: also compute ``esd_alpha``. Default ``False``.
+        esd: also fit the full eigenvalue spectrum (``esd_alpha``, ``esd_ks_distance``,
+            ``esd_xmin``, ``esd_tail_size``). Default ``False``.
+        esd_every_n_snapshots: with ``esd``, on the first snapshot and every this many after it;
+            the other snapshots carry no ESD metric (so nothing is logged for them). Default ``10``.
         warm_start: reuse the previous snapshot's subspace. Default ``True``.
         seed: seed of the compute's own random generators (one per device, created at first use).
             Default ``0``.
@@ -62,6 +66,7 @@ class SpectrumCompute:
         method: str = "auto",
         fit_window: Any = None,
         esd: bool = False,
+        esd_every_n_snapshots: int = 10,
         warm_start: bool = True,
         seed: int = 0,
     ) -> None:
@@ -71,9 +76,14 @@ class SpectrumCompute:
             self.svd_options["n_oversamples"] = n_oversamples
         if n_iter is not None:
             self.svd_options["n_iter"] = n_iter
-        self.metric_options: dict[str, Any] = {"esd": esd}
+        self.metric_options: dict[str, Any] = {}
         if fit_window is not None:
             self.metric_options["fit_window"] = fit_window
+        self.esd = esd
+        self.esd_every_n_snapshots = esd_every_n_snapshots
+        # Snapshots seen per shape group: every group is in every snapshot, so the counts agree
+        # and the ESD lands on the same snapshots for all of them.
+        self._seen: dict[str, int] = {}
         self.warm_start = warm_start
         self._subspaces: dict[str, torch.Tensor] = {}
         self.seed = seed
@@ -97,6 +107,12 @@ class SpectrumCompute:
         update = getattr(batch, "update_spectrum", None)
         if update is not None:
             metrics.update(update_metrics(*update()))
+        seen = self._seen.get(group.key, 0)
+        self._seen[group.key] = seen + 1
+        if self.esd and seen % self.esd_every_n_snapshots == 0:
+            # The ESD needs every eigenvalue: an adapted layer's effective W0 + s B A is formed.
+            dense = batch.dense() if callable(getattr(batch, "dense", None)) else batch
+            metrics.update(esd_metrics(dense))
         return metrics
 
     def state_dict(self) -> dict[str, Any]:

@@ -25,11 +25,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from spectral_callbacks.functional.metrics import ESD_MIN_TAIL, MIN_FIT_POINTS, UPDATE_METRICS
+from spectral_callbacks.functional.esd import ESD_METRICS
+from spectral_callbacks.functional.metrics import MIN_FIT_POINTS, UPDATE_METRICS
 from spectral_callbacks.functional.svd import METHODS
 
-#: Metrics the SVD path produces, plus ``compression`` derived from ``stable_rank``, and the
-#: update family of adapted layers (logged for them by default: see ``tracker.py``).
+#: Metrics the SVD path produces, ``compression`` derived from ``stable_rank``, the update family
+#: of adapted layers (logged for them by default: see ``tracker.py``) and the ESD family of the
+#: full eigenvalue spectrum (computed on every ``esd_every_n_snapshots``-th snapshot).
 KNOWN_METRICS: tuple[str, ...] = (
     "stable_rank",
     "alpha",
@@ -37,18 +39,19 @@ KNOWN_METRICS: tuple[str, ...] = (
     "spectral_norm",
     "frobenius_norm",
     "energy_rank_90",
-    "esd_alpha",
     "compression",
     *UPDATE_METRICS,
+    *ESD_METRICS,
 )
 
-# Every metric defined on the default settings: not esd_alpha (valid only when the eigenvalue tail
-# lies inside the top-k), nor energy_rank_90 (NaN whenever 90 % of ||W||_F^2 lies beyond the top
-# k=32: 95 % of the demo's values).
+# Every metric defined on the default settings and cheap at every snapshot: not the ESD family
+# (an exact eigendecomposition of each matrix, several times the cost of its top-k SVD), nor
+# energy_rank_90 (NaN whenever 90 % of ||W||_F^2 lies beyond the top k=32: 95 % of the demo's
+# values).
 DEFAULT_METRICS: tuple[str, ...] = tuple(
     name
     for name in KNOWN_METRICS
-    if name not in ("esd_alpha", "energy_rank_90") and name not in UPDATE_METRICS
+    if name not in (*ESD_METRICS, "energy_rank_90") and name not in UPDATE_METRICS
 )
 
 # The default asks for the Q figures where there is a Q (a model without one, e.g. MLA's Q_down /
@@ -60,7 +63,8 @@ _MAX_NICE = 19
 
 # The fewest ranks each fitted metric needs (functional/metrics.py): below that the metric is NaN
 # at every step, which should be said at construction, not discovered in the charts.
-_FIT_RANKS = {"alpha": MIN_FIT_POINTS, "alpha_r2": MIN_FIT_POINTS, "esd_alpha": ESD_MIN_TAIL}
+# (The ESD family fits the full spectrum, whatever k.)
+_FIT_RANKS = {"alpha": MIN_FIT_POINTS, "alpha_r2": MIN_FIT_POINTS}
 
 
 class ConfigurationError(ValueError):
@@ -110,7 +114,9 @@ class MonitorOptions:
 
     Args:
         metrics: which metrics to log, from ``stable_rank, alpha, alpha_r2, spectral_norm,
-            frobenius_norm, energy_rank_90, esd_alpha, compression``. Default: all but ``esd_alpha``.
+            frobenius_norm, energy_rank_90, compression, esd_alpha, esd_ks_distance, esd_xmin,
+            esd_tail_size``; ``esd_alpha`` brings the rest of its family (its fit's D, x_min and
+            tail size). Default: all but ``energy_rank_90`` and the ESD family.
         roles, include, exclude, mapping: which matrices to watch; passed to
             :func:`spectral_callbacks.targets.find_targets` (which checks them). Default ``None``
             watches every Q, K, V, O, MLP_up and MLP_down matrix found.
@@ -123,6 +129,9 @@ class MonitorOptions:
         n_oversamples, n_iter, svd_method: randomized-SVD options; ``None`` keeps the defaults of
             :func:`spectral_callbacks.functional.randomized_svd`. Default ``None, None, "auto"``.
         fit_window: 1-based ranks ``(first, last)`` of the α fit; ``None`` fits ranks 1..k.
+        esd_every_n_snapshots: with an ESD metric in ``metrics``, fit the full eigenvalue spectrum
+            on the first snapshot and every this many after it (an exact eigendecomposition costs
+            several top-k SVDs, see benchmarks/esd_snapshot.py). Default ``10``.
         max_pending: snapshots that may be in flight; when the bound is hit a snapshot is skipped and
             counted in ``spectral_monitor/skipped``, never queued. Default ``2``.
         figure_every_n_steps: draw figures every this many optimizer steps (on the first snapshot
@@ -163,6 +172,7 @@ class MonitorOptions:
     n_iter: int | None = None
     svd_method: str = "auto"
     fit_window: tuple[int, int] | None = None
+    esd_every_n_snapshots: int = 10
     max_pending: int = 2
     figure_every_n_steps: int | None = 1000
     figures: bool = True
@@ -182,6 +192,8 @@ class MonitorOptions:
             is_names(metrics) and bool(metrics) and all(m in KNOWN_METRICS for m in metrics),
             f"a non-empty list of {', '.join(KNOWN_METRICS)}",
         )
+        if "esd_alpha" in metrics:  # the exponent comes with its fit's D, x_min and tail size
+            metrics = (*metrics, *(name for name in ESD_METRICS if name not in metrics))
         object.__setattr__(self, "metrics", tuple(metrics))
         require(
             "roles",
@@ -190,7 +202,7 @@ class MonitorOptions:
             "None or a list of role names",
         )
         check_schedule(self.every_n_steps, self.log_spaced_until, self.max_overhead)
-        for name in ("k", "max_pending", "history_size"):
+        for name in ("k", "max_pending", "history_size", "esd_every_n_snapshots"):
             value = getattr(self, name)
             require(name, value, is_int(value, 1), "a positive int")
         for name in ("n_oversamples", "n_iter"):

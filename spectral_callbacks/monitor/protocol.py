@@ -125,7 +125,7 @@ def make_engine(
 
     Raises:
         ConfigurationError: sharded weights with a custom ``compute`` (the sharded SVD runs the
-            default metrics only).
+            default metrics only) or with the ESD metrics (they need whole matrices).
     """
     from spectral_callbacks.monitor import distributed
     from spectral_callbacks.monitor.engine import SnapshotEngine
@@ -164,6 +164,12 @@ def _sharded_engine(
         raise ConfigurationError(
             "`compute` cannot replace the SVD of sharded (DTensor) weights: the ranks decompose "
             "each matrix together with the built-in distributed SVD; pass `compute=None`"
+        )
+    if compute.esd:
+        raise ConfigurationError(
+            "the ESD metrics (esd_alpha, ...) need every eigenvalue of each matrix, and sharded "
+            "(DTensor) weights are never gathered: drop them from `metrics`, or analyze a saved "
+            "checkpoint with `spectral-callbacks rank-layers`"
         )
     svd = compute.svd_options
     return ShardedEngine(

@@ -159,7 +159,7 @@ class ShardedEngine:
             ``torch.bfloat16``: half the bytes of float32, with the same stable rank and alpha
             along the tested training runs (the Rayleigh-Ritz step always sums in float64).
             ``None`` sends float32.
-        metric_options: passed to ``metrics_from_spectrum`` (``fit_window``, ``esd``, ...).
+        metric_options: passed to ``metrics_from_spectrum`` (``fit_window``, ...).
         max_pending: snapshots that may be queued or computing. Default ``4``: the copies are
             local shards, a fraction of the weights.
         behind_timeout: seconds :meth:`offer` waits for room when ``max_pending`` are in flight

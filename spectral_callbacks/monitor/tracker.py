@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from spectral_callbacks import tensorboard_adapter as tb
+from spectral_callbacks.functional import ESD_METRICS
 from spectral_callbacks.functional.metrics import UPDATE_METRICS
 from spectral_callbacks.messages import rank_zero_info, rank_zero_warn
 from spectral_callbacks.monitor import dashboards
@@ -162,7 +163,8 @@ class SpectralTracker:
             n_iter=options.n_iter,
             method=options.svd_method,
             fit_window=options.fit_window,
-            esd="esd_alpha" in options.metrics,
+            esd=any(name in ESD_METRICS for name in options.metrics),
+            esd_every_n_snapshots=options.esd_every_n_snapshots,
         )
         self.schedule = SnapshotSchedule(
             options.every_n_steps, options.log_spaced_until, options.max_overhead
