@@ -228,3 +228,15 @@ def test_logged_esd_alpha_equals_weightwatcher_along_a_trained_gpt(tmp_path: Pat
     logged = logged_esd_alpha(tracker, tmp_path, steps)
     reference = weightwatcher_alphas(as_linear_layers(tracker))
     assert_within(logged, reference, {t.name: f"m{i}" for i, t in enumerate(tracker.targets)})
+
+
+def test_the_compute_fits_the_esd_on_the_first_snapshot_and_every_nth_after() -> None:
+    from spectral_callbacks.monitor.compute import SpectrumCompute
+    from spectral_callbacks.monitor.snapshot import ShapeGroup
+
+    compute = SpectrumCompute(k=4, esd=True, esd_every_n_snapshots=3)
+    group = ShapeGroup("30x20/float32/cpu", ())
+    batch = spectra(1, 2, 30, 20).float()
+    results = [compute(group, batch) for _ in range(7)]
+    assert ["esd_alpha" in out for out in results] == [True, False, False, True, False, False, True]
+    assert torch.equal(results[3]["esd_alpha"], esd_metrics(batch)["esd_alpha"])
