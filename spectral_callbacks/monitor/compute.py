@@ -111,8 +111,8 @@ class SpectrumCompute:
         self._seen[group.key] = seen + 1
         if self.esd and seen % self.esd_every_n_snapshots == 0:
             # The ESD needs every eigenvalue: an adapted layer's effective W0 + s B A is formed.
-            dense = batch.dense() if callable(getattr(batch, "dense", None)) else batch
-            metrics.update(esd_metrics(dense))
+            dense = getattr(batch, "dense", None)
+            metrics.update(esd_metrics(dense() if callable(dense) else batch))
         return metrics
 
     def state_dict(self) -> dict[str, Any]:
