@@ -12,6 +12,10 @@ axes. ``save_figure`` writes one to ``.png``, ``.svg`` or ``.pdf``.
 * :func:`rank_vs_steps` - a metric of one layer against steps, one line per role (a line style per run).
 * :func:`compression_by_layer` - final compression % by layer, grouped bars per role (a panel per run).
 * :func:`compression_wave` - heatmap layer x step of one role's compression (a panel per run).
+* :func:`update_rank_vs_r` - per layer and role, the rank holding 90 % of an adapter's update
+  ``||ΔW||_F²`` beside the adapter's r (is r = 8 enough?), at each matrix's last step.
+* :func:`metric_vs_steps_by_layer` - a metric of one role against steps, one line per layer
+  (e.g. ``update_stable_rank``).
 * :func:`~spectral_callbacks.offline.differences.metric_diff` (in ``offline/differences.py``, built
   on this module) - any scalar of each run minus a baseline run (or its partner by a name
   pattern), against steps or another scalar, optionally EMA-smoothed.
@@ -71,6 +75,10 @@ METRIC_LABELS: dict[str, str] = {
     "esd_ks_distance": "ESD fit KS distance",
     "esd_xmin": "ESD x_min",
     "esd_tail_size": "ESD tail size",
+    "update_stable_rank": r"update stable rank $\|\Delta W\|_F^2 / \sigma_1^2$",
+    "update_energy_rank_90": r"update rank holding 90 % of $\|\Delta W\|_F^2$",
+    "update_relative_size": r"update size $\|\Delta W\|_F / \|W_0\|_F$",
+    "update_spectral_norm": r"update spectral norm $\sigma_1(\Delta W)$",
 }
 # Per-run line styles so runs stay apart when colour already encodes the role.
 _LINE_STYLES = ("-", "--", ":", "-.", (0, (5, 1)), (0, (3, 1, 1, 1, 1, 1)))
@@ -296,6 +304,113 @@ def rank_vs_steps(
     ax.set_title(f"{metric_label(metric).split(' $')[0]} of layer {layer} vs steps")
     ax.grid(alpha=0.3)
     _legend(ax, "role" if len(runs) == 1 else "run · role")
+    return fig
+
+
+def update_rank_vs_r(
+    rows: pd.DataFrame, *, run: str | None = None, ax: Axes | None = None
+) -> Figure:
+    """The update's energy rank at 90 % beside the adapter's r, per layer and role (last step).
+
+    Bars: ``update_energy_rank_90`` of each (layer, role), grouped by layer, one color per role; a
+    black tick on each bar marks that adapter's r (``update_rank``). A bar far below its tick says
+    the update uses fewer directions than r allows; one at its tick, that r may be too small.
+
+    Args:
+        rows: tidy rows with ``update_energy_rank_90`` (and ``update_rank``) per layer.
+        run: which run to draw (default None: the first).
+        ax: draw into this panel (default None: a new figure).
+
+    Raises:
+        ValueError: no per-layer ``update_energy_rank_90`` rows (not an adapted model's run).
+    """
+    chosen = _select(rows, metric="update_energy_rank_90", what="update-rank", run=run)
+    run = run if run is not None else _runs(chosen)[0]
+    chosen = chosen[chosen["run"] == run]
+    energy = _final(chosen, ["layer", "role"])
+    ranks = rows[(rows["metric"] == "update_rank") & (rows["run"] == run) & rows["layer"].notna()]
+    r_of = {
+        (int(r.layer), r.role): float(r.value)
+        for r in _final(ranks, ["layer", "role"]).itertuples()
+    }
+    roles = _ordered_roles(list(energy["role"].unique()))
+    colors = _role_colors(roles)
+    layers = sorted(int(layer) for layer in energy["layer"].unique())
+    fig, ax = _axes(ax, (max(6.5, 0.45 * len(layers) * len(roles)), 4.0))
+    width = 0.8 / len(roles)
+    for j, role in enumerate(roles):
+        of_role = energy[energy["role"] == role]
+        xs = (
+            np.array([layers.index(int(layer)) for layer in of_role["layer"]])
+            + (j - (len(roles) - 1) / 2) * width
+        )
+        ax.bar(
+            xs,
+            of_role["value"].to_numpy(dtype=float),
+            width=width,
+            color=colors[role],
+            label=role_glyph(role),
+        )
+        r_values = [r_of.get((int(layer), role), np.nan) for layer in of_role["layer"]]
+        ax.scatter(xs, r_values, marker="_", s=120, color="black", zorder=3, linewidths=1.5)
+    ax.scatter([], [], marker="_", color="black", label="adapter r")
+    # Room above the ticks for a one-row legend, so it hides no bar.
+    top = np.nanmax([*energy["value"].to_numpy(dtype=float), *r_of.values(), 1.0])
+    ax.set_ylim(0, 1.3 * top)
+    ax.set_xticks(range(len(layers)), [str(layer) for layer in layers])
+    ax.set_xlabel("layer")
+    ax.set_ylabel("rank")
+    step = int(energy["step"].max())
+    ax.set_title(f"update rank (90 % of ‖ΔW‖²) vs adapter r, step {step}")
+    ax.yaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.grid(alpha=0.3, axis="y")
+    ax.legend(loc="upper center", ncol=len(roles) + 1, fontsize="small", frameon=False)
+    return fig
+
+
+def metric_vs_steps_by_layer(
+    rows: pd.DataFrame,
+    role: str = "Q",
+    metric: str = "update_stable_rank",
+    *,
+    run: str | None = None,
+    ax: Axes | None = None,
+) -> Figure:
+    """``metric`` of one role against steps, one line per layer (darker = deeper).
+
+    Args:
+        rows: tidy rows.
+        role: the role to draw (default ``"Q"``).
+        metric: the metric (default ``"update_stable_rank"``).
+        run: which run to draw (default None: the first).
+        ax: draw into this panel (default None: a new figure).
+
+    Raises:
+        ValueError: no per-layer rows of ``metric`` for ``role``.
+    """
+    chosen = _select(rows, metric=metric, what="layer-steps", role=role, run=run)
+    run = run if run is not None else _runs(chosen)[0]
+    chosen = chosen[chosen["run"] == run]
+    layers = sorted(int(layer) for layer in chosen["layer"].unique())
+    fig, ax = _axes(ax, (6.5, 4.0))
+    import matplotlib
+
+    cmap = matplotlib.colormaps["viridis"]
+    for i, layer in enumerate(layers):
+        line = _final(chosen[chosen["layer"] == layer], ["step"])
+        shade = cmap(0.9 * i / max(1, len(layers) - 1))
+        ax.plot(
+            line["step"].to_numpy(),
+            line["value"].to_numpy(),
+            color=shade,
+            label=f"L{layer}",
+            marker="o" if len(line) == 1 else None,
+        )
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel(metric_label(metric))
+    ax.set_title(f"{metric_label(metric).split(' $')[0]} of {role_glyph(role)} vs steps")
+    ax.grid(alpha=0.3)
+    _legend(ax, "layer")
     return fig
 
 

@@ -16,7 +16,7 @@ peft = pytest.importorskip("peft")
 transformers = pytest.importorskip("transformers")
 
 from lightning.pytorch import Callback, LightningModule, Trainer  # noqa: E402
-from tiny_models import RecordingLogger, quiet_trainer  # noqa: E402
+from tiny_models import RecordingLogger, quiet_trainer, read_scalars  # noqa: E402
 
 from spectral_callbacks.functional import low_rank_singular_values, powerlaw_alpha  # noqa: E402
 from spectral_callbacks.integrations.lightning import SpectralMonitor  # noqa: E402
@@ -292,3 +292,135 @@ def test_lightning_fit_matches_merged_weights_at_every_scheduled_step(case: str)
         logger.series, recorder.merged, recorder.deltas, targets, [0, 10, 20, 30, 40]
     )
     assert checked == len(targets) * 5
+
+
+def test_hf_trainer_on_a_peft_model_matches_merged_weights_at_every_scheduled_step(
+    tmp_path: Any,
+) -> None:
+    from transformers import Trainer as HFTrainer
+    from transformers import TrainerCallback, TrainingArguments
+
+    from spectral_callbacks.hf import SpectralTrainerCallback
+
+    model = adapted("gpt2", width=256, random_b=False)
+
+    class Recorder(TrainerCallback):
+        def __init__(self) -> None:
+            self.merged: dict[int, Any] = {}
+            self.deltas: dict[int, Any] = {}
+
+        def _record(self, step: int, model: Any) -> None:
+            self.merged[step], self.deltas[step] = merged_matrices(model), deltas(model)
+
+        def on_train_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+            self._record(state.global_step, kw["model"])
+
+        def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+            self._record(state.global_step, kw["model"])
+
+    recorder = Recorder()
+    callback = SpectralTrainerCallback(
+        logdir=tmp_path / "runs",
+        every_n_steps=10,
+        log_spaced_until=0,
+        svd_method="randomized",
+        figures=False,
+        synchronous=True,
+    )
+    tokens = torch.randint(0, 64, (80, 16), generator=torch.Generator().manual_seed(0))
+    args = TrainingArguments(
+        output_dir=str(tmp_path),
+        max_steps=40,
+        per_device_train_batch_size=2,
+        learning_rate=1e-2,
+        lr_scheduler_type="constant",
+        save_strategy="no",
+        report_to=[],
+        use_cpu=True,
+        disable_tqdm=True,
+    )
+    trainer = HFTrainer(
+        model=model,
+        args=args,
+        train_dataset=[{"input_ids": row, "labels": row} for row in tokens],
+        callbacks=[callback, recorder],
+    )
+    trainer.train()
+    scalars = read_scalars(tmp_path / "runs")
+    targets = find_targets(model)
+    checked = check_against_merged(
+        lambda tag: scalars.get(tag, {}),
+        recorder.merged,
+        recorder.deltas,
+        targets,
+        [0, 10, 20, 30, 40],
+    )
+    assert checked == len(targets) * 5
+
+
+def _rows(values: dict[tuple[str, int, str, int], float]) -> Any:
+    import pandas as pd
+
+    records = [
+        ("run", step, metric, layer, layer / 1.0, role, value, 0.0)
+        for (metric, layer, role, step), value in values.items()
+    ]
+    columns = ["run", "step", "metric", "layer", "depth", "role", "value", "wall_time"]
+    return pd.DataFrame.from_records(records, columns=columns)
+
+
+def test_update_rank_chart_draws_the_last_energy_rank_beside_r() -> None:
+    from spectral_callbacks.charts import update_rank_vs_r
+
+    values = {}
+    for layer in range(2):
+        for j, role in enumerate(["Q", "V"]):
+            values[("update_energy_rank_90", layer, role, 0)] = 1.0
+            values[("update_energy_rank_90", layer, role, 40)] = 2.0 + layer + j
+            values[("update_rank", layer, role, 40)] = 8.0
+    fig = update_rank_vs_r(_rows(values))
+    ax = fig.axes[0]
+    heights = sorted(round(patch.get_height(), 6) for patch in ax.patches)
+    assert heights == [2.0, 3.0, 3.0, 4.0]  # the last step's values, not step 0's
+    ticks = [offsets[:, 1].tolist() for offsets in (c.get_offsets() for c in ax.collections)]
+    assert [value for tick in ticks for value in tick] == [8.0] * 4
+    assert "step 40" in ax.get_title()
+
+
+def test_layer_steps_chart_draws_one_line_per_layer() -> None:
+    from spectral_callbacks.charts import metric_vs_steps_by_layer
+
+    values = {
+        ("update_stable_rank", layer, "Q", step): float(layer + step)
+        for layer in range(3)
+        for step in (0, 10, 20)
+    }
+    fig = metric_vs_steps_by_layer(_rows(values), role="Q")
+    lines = fig.axes[0].get_lines()
+    assert [line.get_label() for line in lines] == ["L0", "L1", "L2"]
+    assert lines[2].get_ydata().tolist() == [2.0, 12.0, 22.0]
+    with pytest.raises(ValueError, match="per-layer `update_stable_rank` rows with role='K'"):
+        metric_vs_steps_by_layer(_rows(values), role="K")
+
+
+def test_the_lora_example_logs_both_spectra_and_draws_the_update_rank(tmp_path: Any) -> None:
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    logdir = tmp_path / "lora"
+    command = [sys.executable, str(root / "examples" / "lora_finetune.py"), "--logdir", str(logdir)]
+    command += ["--steps", "12", "--base-steps", "2", "--width", "64", "--layers", "2"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=root)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "lora r=8 (default)" in done.stdout
+    scalars = read_scalars(logdir)
+    assert sorted(scalars["spectral_update_energy_rank_90/L01/MLP_down"]) == [0, 1, 2, 4, 8, 10, 12]
+    assert set(scalars["spectral_update_rank/L00/Q"].values()) == {8.0}
+    assert "spectral_stable_rank/L01/V" in scalars
+    from spectral_callbacks.cli import main
+
+    out = tmp_path / "update_rank.png"
+    assert main(["plot", str(logdir), "--kind", "update-rank", "-o", str(out)]) == 0
+    assert out.stat().st_size > 0

@@ -35,6 +35,9 @@ KINDS = {
     "rank-steps": "--metric (default stable_rank) of --layer (default 0) vs step, one line per role",
     "compression": "final compression % by layer, grouped bars per role, a panel per run",
     "compression-wave": "heatmap layer x step of --role's (default Q) compression, a panel per run",
+    "update-rank": "an adapter's update: rank holding 90 % of ||dW||_F^2 beside r, per layer and role",
+    "layer-steps": "--metric (default update_stable_rank) of --role (default Q) vs step, one line "
+    "per layer",
     "metric-diff": "--metric of each run minus the --baseline run (or minus its --pair partner), "
     "vs step or --x",
 }
@@ -124,6 +127,12 @@ def draw(rows: pd.DataFrame, args: argparse.Namespace) -> Figure:
             return charts.compression_by_layer(rows)
         if args.kind == "compression-wave":
             return charts.compression_wave(rows, role=args.role or "Q")
+        if args.kind == "update-rank":
+            return charts.update_rank_vs_r(rows)
+        if args.kind == "layer-steps":
+            return charts.metric_vs_steps_by_layer(
+                rows, role=args.role or "Q", metric=args.metric or "update_stable_rank"
+            )
         missing = [
             what
             for what, absent in (
