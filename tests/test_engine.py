@@ -146,3 +146,21 @@ def test_synchronous_mode_has_the_result_at_once_on_the_calling_thread() -> None
 def test_max_pending_is_checked() -> None:
     with pytest.raises(ValueError, match="`max_pending` must be a positive int, got 0"):
         SnapshotEngine(exact_stable_rank, [], max_pending=0)
+
+
+def test_synchronous_compute_inside_a_callers_autocast_runs_in_float32() -> None:
+    # synchronous=True computes on the calling thread, inside whatever autocast region it is in
+    # (a plain loop, Fabric): the SVD's products then ran in bfloat16.
+    from spectral_callbacks.monitor.compute import SpectrumCompute
+
+    generator = torch.Generator().manual_seed(0)
+    weights = {f"w{i}": torch.randn(96, 64, generator=generator) for i in range(2)}
+    groups = _groups(weights)
+    engine = SnapshotEngine(SpectrumCompute(k=8, method="randomized"), groups, synchronous=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        engine.submit(take_snapshot(groups, step=0))
+    (result,) = engine.collect()
+    for name, weight in weights.items():
+        singular = torch.linalg.svdvals(weight.double())
+        exact = float((singular**2).sum() / singular[0] ** 2)
+        assert result.metrics[name]["stable_rank"] == pytest.approx(exact, rel=1e-5), name

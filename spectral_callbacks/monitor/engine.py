@@ -69,6 +69,7 @@ import torch
 from spectral_callbacks.messages import rank_zero_warn
 from spectral_callbacks.monitor import background
 from spectral_callbacks.monitor.snapshot import ShapeGroup, Snapshot, take_snapshot
+from spectral_callbacks.monitor.streams import ComputeStreams
 
 #: ``compute(group, batch)``: ``batch`` is a float ``(B, m, n)`` stack of the group's matrices;
 #: returns metric name -> ``(B,)`` tensor. On CUDA it runs with the compute stream current.
@@ -187,7 +188,7 @@ class SnapshotEngine:
         self._queue: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self._worker: threading.Thread | None = None
         self._closing = threading.Event()
-        self._streams: dict[str, torch.cuda.Stream] = {}
+        self._streams = ComputeStreams()
         # device -> pinned result buffers free for reuse; at most max_pending exist per device.
         self._pinned: dict[str, collections.deque[torch.Tensor]] = {}
 
@@ -411,14 +412,8 @@ class SnapshotEngine:
             if not device.startswith("cuda"):
                 on_host[key] = self._compute_group(key, batch, snapshot.step)
                 continue
-            stream = self._stream(device)
-            with torch.cuda.device(batch.device), torch.cuda.stream(stream):
-                # The compute stream, not training, waits for the copy on the training stream.
-                stream.wait_event(snapshot.copied[device])
-                # The stack was allocated on the training stream: tell the caching allocator it is
-                # in use here too, so freeing it below cannot hand its memory to training before
-                # these kernels have read it.
-                batch.record_stream(stream)
+            # On the compute stream, after the copy, the stack recorded there (streams.py).
+            with self._streams.after_copy(batch, snapshot.copied) as stream:
                 first = torch.cuda.Event(enable_timing=True)
                 last = torch.cuda.Event(enable_timing=True)
                 first.record(stream)
@@ -432,7 +427,7 @@ class SnapshotEngine:
         if on_host:
             layouts["cpu"], host["cpu"] = _pack(on_host)
         for device, values in per_device.items():
-            stream = self._streams[device]
+            stream = self._streams.get(device)
             with torch.cuda.device(torch.device(device)), torch.cuda.stream(stream):
                 layout, flat = _pack(values)
                 pinned = self._pinned_buffer(device, layout.size)
@@ -448,12 +443,6 @@ class SnapshotEngine:
         if self._closing.is_set():
             raise _Abandoned("the engine was closed while this snapshot was computed")
 
-    def _stream(self, device: str) -> torch.cuda.Stream:
-        stream = self._streams.get(device)
-        if stream is None:
-            stream = self._streams[device] = torch.cuda.Stream(torch.device(device))
-        return stream
-
     def _pinned_buffer(self, device: str, size: int) -> torch.Tensor:
         free = self._pinned.setdefault(device, collections.deque())
         while free:
@@ -467,7 +456,10 @@ class SnapshotEngine:
         group = self.groups[key]
         work = batch if batch.dtype in (torch.float32, torch.float64) else batch.float()
         try:
-            metrics = self.compute(group, work)
+            # A caller's autocast region (synchronous=True inside a plain loop's autocast) must
+            # not run the SVD's products in bf16; on CUDA after_copy has turned it off already.
+            with torch.autocast(work.device.type, enabled=False):
+                metrics = self.compute(group, work)
             for name, value in metrics.items():
                 if value.shape != (len(group.targets),):
                     raise ValueError(

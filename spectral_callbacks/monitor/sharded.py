@@ -13,6 +13,11 @@ SVD of ``functional/sharded_svd.py`` on a process group of its own:
       them for the worker (FIFO)                      b x b Gram all-reduce -> the same S on all ranks
     collect(): results whose worker job is done ◄──   metrics; every rank has every matrix's values
 
+On CUDA the copies are queued on the training stream with an event after them, and the worker
+runs each group on its device's compute stream once that event is reached (``streams.py``): neither
+the SVD nor gloo's host staging of its CUDA all-reduces queues behind training's kernels, and
+training never waits for them.
+
 Agreement, by construction: every rank computes every snapshot it is handed, groups and matrices in
 one fixed order (target order), and the caller hands snapshots over at the steps of the shared
 schedule (a function of the optimizer step alone). Nothing depends on local timing, so the
@@ -69,6 +74,7 @@ from spectral_callbacks.monitor.engine import SnapshotResult
 from spectral_callbacks.monitor.reporting import health_scalars
 from spectral_callbacks.monitor.shards import LocalPiece, local_piece, mesh_ranks
 from spectral_callbacks.monitor.snapshot import Snapshot
+from spectral_callbacks.monitor.streams import ComputeStreams, record_event
 from spectral_callbacks.targets.target import Target
 
 __all__ = ["ShardGroup", "ShardedEngine", "ShardedEngineError", "ShardedResult", "svd_group"]
@@ -226,6 +232,7 @@ class ShardedEngine:
         self.worker_threads = worker_threads
         self.groups = _group(local_piece(target, group_rank) for target in targets)
         self._subspaces: dict[str, torch.Tensor] = {}
+        self._streams = ComputeStreams()
         self._jobs: collections.deque[_Job] = collections.deque()
         self._queue: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self._worker: threading.Thread | None = None
@@ -254,7 +261,8 @@ class ShardedEngine:
 
         Call it after optimizer step ``step`` on every rank. On the CPU the copy is complete when
         this returns, so the next update (on the same thread) cannot touch it; on CUDA it is
-        queued on the current stream, before any later update. No communication.
+        queued on the current stream, before any later update, and the worker's compute stream
+        waits for it by an event. No communication, no host-device synchronization.
 
         Raises:
             ShardedEngineError: an earlier snapshot failed (on this rank, or a peer stopped
@@ -266,7 +274,11 @@ class ShardedEngine:
         start = time.perf_counter()
         with torch.no_grad():
             tensors = {key: group.stack() for key, group in self.groups.items()}
-        job = _Job(Snapshot(step, tensors, time.perf_counter() - start), Future())
+        # On CUDA the copies are queued on the training stream; the worker's compute stream waits
+        # on this event (one per device) before it reads them (streams.py).
+        devices = dict.fromkeys(str(t.device) for t in tensors.values() if t.is_cuda)
+        copied = {device: record_event(device) for device in devices}
+        job = _Job(Snapshot(step, tensors, time.perf_counter() - start, copied), Future())
         self._jobs.append(job)
         if self.synchronous:
             self._run(job)
@@ -383,32 +395,36 @@ class ShardedEngine:
         metrics: dict[str, dict[str, float]] = {}
         sent = 0
         for index, (key, group) in enumerate(self.groups.items()):
-            batch = snapshot.tensors[key]
-            if batch.dtype not in (torch.float32, torch.float64):
-                batch = batch.float()
-            init = self._subspaces.get(key) if self.warm_start else None
+            stack = snapshot.tensors.pop(key)  # freed once decomposed
             piece = group.pieces[0]
-            # The same seed on every rank (a function of the step and the group only).
-            generator = torch.Generator(device=batch.device)
-            generator.manual_seed(self.seed + 1_000_003 * snapshot.step + index)
-            top = sharded_randomized_svd(
-                batch,
-                self.k,
-                group=self.group,
-                shape=piece.shape,
-                generator=generator,
-                init=init,
-                # The stacks hold rows of the split orientation (columns were transposed).
-                split="tiles" if piece.split == "tiles" else "rows",
-                row_index=piece.row_index,
-                col_index=piece.col_index,
-                **self.svd_options,
-            )
+            # On the compute stream after the copy, autocast off (streams.py): the SVD and gloo's
+            # host staging of its CUDA all-reduces do not queue behind training's kernels.
+            with self._streams.after_copy(stack, snapshot.copied):
+                batch = stack if stack.dtype in (torch.float32, torch.float64) else stack.float()
+                init = self._subspaces.get(key) if self.warm_start else None
+                # The same seed on every rank (a function of the step and the group only).
+                generator = torch.Generator(device=batch.device)
+                generator.manual_seed(self.seed + 1_000_003 * snapshot.step + index)
+                top = sharded_randomized_svd(
+                    batch,
+                    self.k,
+                    group=self.group,
+                    shape=piece.shape,
+                    generator=generator,
+                    init=init,
+                    # The stacks hold rows of the split orientation (columns were transposed).
+                    split="tiles" if piece.split == "tiles" else "rows",
+                    row_index=piece.row_index,
+                    col_index=piece.col_index,
+                    **self.svd_options,
+                )
+                if self.warm_start and top.V is not None:
+                    self._subspaces[key] = top.V
+                values = metrics_from_spectrum(top.S, top.frobenius_sq, **self.metric_options)
+                # A host read on the worker: it waits for this compute stream only.
+                columns = {name: value.tolist() for name, value in values.items()}
+            del stack, batch
             sent += top.sent_bytes
-            if self.warm_start and top.V is not None:
-                self._subspaces[key] = top.V
-            values = metrics_from_spectrum(top.S, top.frobenius_sq, **self.metric_options)
-            columns = {name: value.tolist() for name, value in values.items()}
             for row, name in enumerate(group.names):
                 metrics[name] = {metric: float(column[row]) for metric, column in columns.items()}
         seconds = time.perf_counter() - start

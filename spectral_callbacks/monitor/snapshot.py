@@ -43,6 +43,8 @@ from typing import Any, Protocol
 
 import torch
 
+from spectral_callbacks.monitor.streams import record_event
+
 
 class MatrixSource(Protocol):
     """What a snapshot needs of a target (``spectral_callbacks.targets.Target`` is one).
@@ -119,20 +121,13 @@ def take_snapshot(groups: Sequence[ShapeGroup], step: int) -> Snapshot:
     """
     start = time.perf_counter()
     cuda = list(dict.fromkeys(group.device for group in groups if group.device.startswith("cuda")))
-    copy_started = {device: _record(device) for device in cuda}
+    copy_started = {device: record_event(device) for device in cuda}
     with torch.no_grad():
         tensors = {group.key: _stack(group) for group in groups}
     # The compute stream waits on this event before it reads the stacks (engine.py); the training
     # stream itself waits for nothing: the copies are simply the next work in its order.
-    copied = {device: _record(device) for device in cuda}
+    copied = {device: record_event(device) for device in cuda}
     return Snapshot(step, tensors, time.perf_counter() - start, copied, copy_started)
-
-
-def _record(device: str) -> torch.cuda.Event:
-    """A timing event recorded now on ``device``'s current (training) stream."""
-    event = torch.cuda.Event(enable_timing=True)
-    event.record(torch.cuda.current_stream(torch.device(device)))
-    return event
 
 
 def _stack(group: ShapeGroup) -> Any:
