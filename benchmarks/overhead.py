@@ -301,6 +301,7 @@ def main(argv: list[str] | None = None) -> None:
     import warnings
 
     logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
+    logging.getLogger("spectral_callbacks").setLevel(logging.WARNING)  # the table says the placement
     if args.train_threads is not None:
         if args.train_threads < 1:
             parser.error(f"--train-threads must be a positive int, got {args.train_threads!r}")

@@ -110,6 +110,33 @@ def write_summary(writer: Any, summary: Any, step: int | None = None) -> bool:
     return True
 
 
+def logdir_of(writer: Any) -> str | None:
+    """The directory a ``SummaryWriter`` writes its event files to (torch's ``get_logdir()``,
+    tensorboardX's ``logdir``), or ``None`` for a writer that does not say."""
+    get_logdir = getattr(writer, "get_logdir", None)
+    logdir = get_logdir() if callable(get_logdir) else getattr(writer, "logdir", None)
+    return logdir if isinstance(logdir, str) else None
+
+
+def write_event_file(logdir: str, summaries: Sequence[Any], step: int, suffix: str) -> None:
+    """Write ``summaries`` at ``step`` into a new event file of its own in ``logdir``, and close it.
+
+    TensorBoard reads every event file of a directory as one run, so these events join the run's
+    others. A process other than the run's (the figure process) writes this way.
+    """
+    import time
+
+    from tensorboard.compat.proto.event_pb2 import Event
+    from tensorboard.summary.writer.event_file_writer import EventFileWriter
+
+    writer = EventFileWriter(logdir, filename_suffix=suffix)
+    try:
+        for summary in summaries:
+            writer.add_event(Event(wall_time=time.time(), step=step, summary=summary))
+    finally:
+        writer.close()
+
+
 def add_layout(writers: Sequence[Any], layout: Any) -> None:
     """Write the custom-scalars ``layout`` (a ``layout_pb2.Layout``) to every ``SummaryWriter``.
 

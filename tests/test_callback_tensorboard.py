@@ -13,6 +13,7 @@ from tensorboard.plugins.custom_scalar import layout_pb2
 from tiny_models import TinyGPT, WeightRecorder, exact_stable_rank, quiet_trainer, token_loader
 
 from spectral_callbacks.integrations.lightning import SpectralMonitor
+from spectral_callbacks.monitor import dashboards
 from spectral_callbacks.monitor.dashboards import tag_pattern
 from spectral_callbacks.names import NUM_LAYERS_TAG, ROLES, monitor_tag, scalar_tag
 from spectral_callbacks.targets import find_targets
@@ -33,6 +34,7 @@ def run(
     )
     trainer = quiet_trainer(max_steps=30, logger=logger, callbacks=[monitor, recorder])
     trainer.fit(model, token_loader())
+    assert dashboards.wait_for_figures(timeout=120)  # fit() does not wait for the final figures
     reader = event_accumulator.EventAccumulator(
         str(Path(logger.log_dir)),
         size_guidance={

@@ -1,16 +1,25 @@
-"""Figures rendered in a child process: PNGs back, errors re-raised, a dead child restarted."""
+"""Figures rendered in a child process: PNGs back, errors re-raised, a dead child restarted; the
+final figures written by the child, not waited for, and waited for at exit only so long."""
 
 from __future__ import annotations
 
 import io
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
 from typing import Any
 
 import pandas as pd
 import pytest
 from matplotlib.image import imread
+from tensorboard.backend.event_processing import event_accumulator
 
+from spectral_callbacks.monitor import dashboards
 from spectral_callbacks.monitor.dashboards import add_pngs
-from spectral_callbacks.monitor.figure_process import FigureProcess, png_size
+from spectral_callbacks.monitor.figure_process import EVENT_FILE_SUFFIX, FigureProcess
+from spectral_callbacks.monitor.figures import png_size
 
 
 def _rows() -> pd.DataFrame:
@@ -73,3 +82,87 @@ def test_a_writer_without_an_event_file_writer_gets_add_image() -> None:
     tag, shape, step, layout = writer.images[0]
     width, height = png_size(pngs[tag])
     assert shape[:2] == (height, width) and step == 20 and layout == "HWC"
+
+
+def test_the_child_writes_the_figures_into_each_run_directory(tmp_path: Path) -> None:
+    process = FigureProcess()
+    runs = [tmp_path / "a", tmp_path / "b"]
+    try:
+        tags = process.write(_rows(), ("Q",), [str(run) for run in runs], step=20)
+    finally:
+        process.close()
+    assert "spectral_figures/compression_wave/Q" in tags
+    for run in runs:
+        (events,) = run.glob(f"events.out.tfevents.*{EVENT_FILE_SUFFIX}")
+        reader = event_accumulator.EventAccumulator(str(run))
+        reader.Reload()
+        assert sorted(reader.Tags()["images"]) == tags
+        (image,) = reader.Images("spectral_figures/compression_wave/Q")
+        assert image.step == 20 and image.width > 100
+
+
+def test_the_child_runs_at_the_lowest_priority() -> None:
+    script = (
+        "import os; from spectral_callbacks.monitor.figure_process import lowest_priority; "
+        "print(lowest_priority(), '|', os.sched_getscheduler(0) == os.SCHED_IDLE, os.nice(0))"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, check=True, timeout=60
+    )
+    got, seen = done.stdout.strip().splitlines()[-1].split(" | ")
+    idle, nice = seen.split()
+    assert got in ("SCHED_IDLE", "nice 19")  # SCHED_IDLE, or nice 19 where it is refused
+    assert idle == "True" if got == "SCHED_IDLE" else nice == "19"
+
+
+class _HeldProcess:
+    """Stands in for the figure process: ``write`` blocks until released or killed."""
+
+    def __init__(self) -> None:
+        self.release = threading.Event()
+        self.killed = False
+        self.closed = False
+
+    def write(self, rows: Any, roles: Any, logdirs: Any, step: int) -> list[str]:
+        self.release.wait(30)
+        if self.killed:
+            raise RuntimeError("the figure process stopped: EOFError")
+        return ["tag"]
+
+    def kill(self) -> None:
+        self.killed = True
+        self.release.set()
+
+    def close(self, timeout: float = 5.0) -> None:
+        self.closed = True
+
+
+def test_the_final_figures_are_not_waited_for_and_the_exit_wait_is_bounded() -> None:
+    writer = dashboards.FigureWriter(exit_timeout=0.2)
+    held = writer._process = _HeldProcess()  # type: ignore[assignment]
+    start = time.monotonic()
+    writer.submit_final(["unused"], _rows(), step=20)
+    writer.close(timeout=5)  # returns at once: the final figures' thread stops the process
+    assert time.monotonic() - start < 1 and not held.closed
+    assert not dashboards.wait_for_figures(timeout=0.1)  # still drawing
+    with pytest.warns(RuntimeWarning, match=r"could not write its final figures \(step 20\)"):
+        writer._stop_at_exit()  # what interpreter exit calls: the child gets 0.2 s more
+        assert dashboards.wait_for_figures(timeout=10)
+    assert held.killed and held.closed
+
+
+def test_a_tracker_returns_before_its_final_figures_are_written(tmp_path: Path) -> None:
+    import torch
+
+    from spectral_callbacks import SpectralTracker
+
+    model = torch.nn.TransformerEncoderLayer(16, 2, dim_feedforward=32)
+    tracker = SpectralTracker(model, logdir=tmp_path, figure_every_n_steps=None, k=4)
+    held = tracker._figures._writer._process = _HeldProcess()  # type: ignore[assignment]
+    for step in (1, 2):
+        tracker.step(step)
+    start = time.monotonic()
+    tracker.close()
+    assert time.monotonic() - start < 10 and not held.closed  # not waiting for the figures
+    held.release.set()
+    assert dashboards.wait_for_figures(timeout=10) and held.closed

@@ -16,6 +16,7 @@ from tensorboard.backend.event_processing import event_accumulator, event_file_l
 from tiny_models import RecordingLogger, TinyGPT, exact_compute, quiet_trainer, token_loader
 
 from spectral_callbacks import SpectralMonitor, SpectralTracker, tensorboard_adapter
+from spectral_callbacks.monitor import dashboards
 from spectral_callbacks.monitor.options import ConfigurationError, MonitorOptions
 from spectral_callbacks.names import scalar_tag
 from spectral_callbacks.offline.events import read_event_file
@@ -243,6 +244,7 @@ def test_final_figures_are_drawn_after_an_exception_or_ctrl_c(tmp_path: Path, fa
             trainer.fit(model, token_loader())
     finally:
         signal.signal(signal.SIGINT, previous)
+    assert dashboards.wait_for_figures(timeout=120)  # written by the figure process, not waited
     images = _images(tmp_path / "run")
     assert any("alpha_vs_depth/Q" in tag for tag in images), images
 

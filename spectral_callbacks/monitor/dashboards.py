@@ -40,16 +40,19 @@ import math
 import re
 import threading
 import time
+import weakref
 from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
 import pandas as pd
 from tensorboard.plugins.custom_scalar import layout_pb2
 
+from spectral_callbacks.messages import rank_zero_warn
 from spectral_callbacks.monitor import background
-from spectral_callbacks.monitor.figure_process import FigureProcess, png_size
+from spectral_callbacks.monitor.figure_process import FigureProcess
+from spectral_callbacks.monitor.figures import image_summary
 from spectral_callbacks.names import layer_label, scalar_tag
-from spectral_callbacks.tensorboard_adapter import add_layout, flush, write_summary
+from spectral_callbacks.tensorboard_adapter import add_layout, flush, logdir_of, write_summary
 
 #: The run name of the tidy rows the live figures are drawn from (their legend).
 FIGURE_RUN = "this run"
@@ -193,13 +196,20 @@ class FigureWriter:
     queued). An error while drawing is re-raised on the main thread by the next :meth:`submit` or
     :meth:`wait`. :meth:`close` stops the process.
 
+    The final figures go another way (:meth:`submit_final`): the child writes them into the run
+    directories itself, and nothing in the training process waits for them; at interpreter exit
+    the wait for them is bounded by ``exit_timeout`` (then the child is stopped, and that is said).
+
     Args:
         roles: roles that get an α-vs-depth and a compression-wave figure (``None``: all).
+        exit_timeout: seconds the interpreter's exit waits for the final figures. Default ``60``.
     """
 
-    def __init__(self, roles: Sequence[str] | None = ("Q",)) -> None:
+    def __init__(self, roles: Sequence[str] | None = ("Q",), exit_timeout: float = 60.0) -> None:
         self.roles = roles
+        self.exit_timeout = exit_timeout
         self._thread: threading.Thread | None = None
+        self._final: threading.Thread | None = None
         self._error: BaseException | None = None
         self._process = FigureProcess()
 
@@ -210,7 +220,7 @@ class FigureWriter:
     def submit(self, experiments: Sequence[Any], rows: pd.DataFrame, step: int) -> bool:
         """Start drawing ``rows`` at ``step``; ``False`` if a drawing is still running."""
         self._raise_error()
-        if self.busy:
+        if self.busy or self._final is not None:
             return False
         # Through background.start_daemon: a drawing still running at exit is waited for, not
         # killed inside matplotlib's C++ (which would abort the process).
@@ -218,6 +228,39 @@ class FigureWriter:
             lambda: self._draw(list(experiments), rows, step), "SpectralMonitor-figures"
         )
         return True
+
+    def submit_final(self, logdirs: Sequence[str], rows: pd.DataFrame, step: int) -> None:
+        """Have the child draw ``rows`` and write them at ``step`` into ``logdirs``, then stop it.
+
+        Returns at once: after a drawing still running, the child draws these at its lowest
+        priority while the caller goes on. Errors are warned about (the run has ended).
+        """
+        self._raise_error()
+        previous = self._thread
+
+        def draw() -> None:
+            if previous is not None:
+                previous.join()
+            try:
+                self._process.write(rows, self.roles, logdirs, step)
+            except Exception as error:  # noqa: BLE001 - the caller has gone on: said, not raised
+                rank_zero_warn(
+                    f"SpectralMonitor could not write its final figures (step {step}) to "
+                    f"{', '.join(logdirs)}: {error}",
+                    category=RuntimeWarning,
+                )
+            finally:
+                self._process.close(timeout=0)
+
+        self._final = background.start_daemon(draw, FINAL_FIGURES_THREAD, stop=self._stop_at_exit)
+        _FINAL.add(self._final)
+
+    def _stop_at_exit(self) -> str | None:
+        """At exit: the final figures get ``exit_timeout`` seconds more, then the child is stopped."""
+        timer = threading.Timer(self.exit_timeout, self._process.kill)
+        timer.daemon = True
+        timer.start()
+        return None
 
     def wait(self, timeout: float) -> bool:
         """Wait up to ``timeout`` seconds for the running drawing; ``False`` if it is still running."""
@@ -227,7 +270,10 @@ class FigureWriter:
         return not self.busy
 
     def close(self, timeout: float = 5.0) -> None:
-        """Wait up to ``timeout`` for a running drawing, then stop the figure process."""
+        """Wait up to ``timeout`` for a running drawing, then stop the figure process (unless the
+        final figures are being drawn: their thread stops it when they are written)."""
+        if self._final is not None:
+            return
         if self._thread is not None:
             self._thread.join(timeout)
         if not self.busy:
@@ -246,18 +292,32 @@ class FigureWriter:
             raise RuntimeError(f"SpectralMonitor could not draw its figures: {error}") from error
 
 
+#: The name of the threads that wait for the final figures (:func:`wait_for_figures` joins them).
+FINAL_FIGURES_THREAD = "SpectralMonitor-final-figures"
+_FINAL: weakref.WeakSet[threading.Thread] = weakref.WeakSet()
+
+
+def wait_for_figures(timeout: float | None = None) -> bool:
+    """Wait for the final figures of every run of this process to be written; ``False`` if some
+    are still being drawn after ``timeout`` seconds (``None``: no limit).
+
+    ``fit()`` returns without waiting for them; call this before reading them back in the same
+    process (a notebook, a test).
+    """
+    deadline = None if timeout is None else time.monotonic() + timeout
+    for thread in list(_FINAL):
+        thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+    return not any(thread.is_alive() for thread in list(_FINAL))
+
+
 def add_pngs(experiments: Sequence[Any], pngs: dict[str, bytes], step: int) -> None:
     """Write PNG-encoded figures to every TensorBoard writer at ``step`` as image summaries.
 
     The bytes are written as they are (no decode and re-encode on this process's GIL) through the
     writer's event-file writer; a writer without one gets ``add_image`` of the decoded pixels.
     """
-    from tensorboard.compat.proto.summary_pb2 import Summary
-
     for tag, png in pngs.items():
-        width, height = png_size(png)
-        image = Summary.Image(height=height, width=width, colorspace=4, encoded_image_string=png)
-        summary = Summary(value=[Summary.Value(tag=tag, image=image)])
+        summary = image_summary(tag, png)
         for experiment in experiments:
             if not write_summary(experiment, summary, step):
                 import io
@@ -275,12 +335,15 @@ class LiveFigures:
     Args:
         roles: roles that get an α-vs-depth and a compression-wave figure (``None``: all).
         every_n_steps: the cadence; ``None`` draws only at the end.
+        exit_timeout: seconds the interpreter's exit waits for the final figures. Default ``60``.
     """
 
-    def __init__(self, roles: Sequence[str] | None, every_n_steps: int | None) -> None:
+    def __init__(
+        self, roles: Sequence[str] | None, every_n_steps: int | None, exit_timeout: float = 60.0
+    ) -> None:
         self.every_n_steps = every_n_steps
         self.last_step: int | None = None
-        self._writer = FigureWriter(roles)
+        self._writer = FigureWriter(roles, exit_timeout)
 
     @property
     def busy(self) -> bool:
@@ -306,7 +369,19 @@ class LiveFigures:
         step: int,
         deadline: float,
     ) -> bool:
-        """The figures of the last snapshot ``step`` unless drawn; ``False`` if not done by ``deadline``."""
+        """The figures of the last snapshot ``step`` unless drawn; ``False`` if not done by ``deadline``.
+
+        Where every writer says its run directory, the figure process writes them there itself
+        and nothing waits (``True`` at once); otherwise they are drawn and written as during the
+        run, waited for until ``deadline``.
+        """
+        logdirs = [logdir_of(experiment) for experiment in experiments]
+        if self.last_step != step and all(logdirs):
+            final = rows()
+            if len(final):
+                self._writer.submit_final([logdir for logdir in logdirs if logdir], final, step)
+                self.last_step = step
+            return True
         if self.last_step != step and self._writer.wait(max(0.0, deadline - time.monotonic())):
             self.draw(experiments, rows(), step)
         return self._writer.wait(max(0.0, deadline - time.monotonic()))

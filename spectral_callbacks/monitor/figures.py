@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import io
 import math
+import struct
 from collections.abc import Sequence
 from typing import Any
 
@@ -60,3 +61,22 @@ def render(rows: Any, roles: Sequence[str] | None) -> dict[str, bytes]:
         figure.clear()
         pngs[tag] = buffer.getvalue()
     return pngs
+
+
+def png_size(png: bytes) -> tuple[int, int]:
+    """``(width, height)`` from a PNG's header.
+
+    >>> png_size(b"\\x89PNG\\r\\n\\x1a\\n" + bytes(8) + (640).to_bytes(4, "big") + (480).to_bytes(4, "big"))
+    (640, 480)
+    """
+    width, height = struct.unpack(">II", png[16:24])
+    return width, height
+
+
+def image_summary(tag: str, png: bytes) -> Any:
+    """A TensorBoard ``Summary`` holding ``png`` as it is (no decode and re-encode) under ``tag``."""
+    from tensorboard.compat.proto.summary_pb2 import Summary
+
+    width, height = png_size(png)
+    image = Summary.Image(height=height, width=width, colorspace=4, encoded_image_string=png)
+    return Summary(value=[Summary.Value(tag=tag, image=image)])

@@ -190,7 +190,9 @@ class SpectralTracker:
         ):
             self.metrics += UPDATE_METRICS
         self._reporter = Reporter(self.targets, self.metrics, options.history_size)
-        self._figures = dashboards.LiveFigures(figure_roles, options.figure_every_n_steps)
+        self._figures = dashboards.LiveFigures(
+            figure_roles, options.figure_every_n_steps, exit_timeout=options.drain_timeout
+        )
         self._layout = dashboards.LayoutWriter(self.targets, self.metrics)
         self._engine: Engine | None = None
         #: Where the CPU work of each snapshot runs, chosen in :meth:`begin`.
@@ -468,7 +470,7 @@ class SpectralTracker:
         if not offered:
             self.schedule.record_snapshot(step)
         self._draining = True
-        self._announce_wait(deadline, final_snapshot=not offered, final_figures=True)
+        self._announce_wait(deadline, final_snapshot=not offered)
         self._engine.finish(step, offered=offered, deadline=deadline)
         self._collect_and_log(wait_seconds=max(0.0, deadline - time.monotonic()))
         self._warn_if_left()
@@ -492,19 +494,15 @@ class SpectralTracker:
                 category=RuntimeWarning,
             )
 
-    def _announce_wait(
-        self, deadline: float, final_snapshot: bool = False, final_figures: bool = False
-    ) -> None:
+    def _announce_wait(self, deadline: float, final_snapshot: bool = False) -> None:
         """Say what the end of training waits for, and for how long at most, before it waits."""
         assert self._engine is not None
         pending = self._engine.pending
-        figures = self.options.figures and bool(tb.summary_writers(self.writers))
-        drawing = figures and (final_figures or self._figures.busy)
         seconds = max(0.0, deadline - time.monotonic())
-        if seconds > 0 and (pending or final_snapshot or drawing):
+        # Not the final figures: the figure process writes them while the program goes on.
+        if seconds > 0 and (pending or final_snapshot):
             what = [f"{pending} snapshot(s) in flight"] if pending else []
             what += ["the final step's snapshot"] if final_snapshot else []
-            what += ["the final figures"] if drawing else []
             rank_zero_info(
                 f"{self.caller}: waiting up to {seconds:.0f} s (drain_timeout) for "
                 f"{' and '.join(what)}; Ctrl-C drops them"
