@@ -8,6 +8,9 @@ from torch import Tensor
 
 from spectral_callbacks.functional.krylov import keep_finite, orthonormal_columns
 
+#: Rows of W converted at a time where the Gram matrix is formed in a wider dtype than W's.
+GRAM_CHUNK_ROWS = 256
+
 
 def gram_singular_values(G: Tensor) -> Tensor:
     r"""Singular values of X, descending, from its Gram matrix :math:`G = X^\top X` (or :math:`X X^\top`).
@@ -54,9 +57,8 @@ def gram_eigvalsh(
     768), and values below about ``5e-4 sigma_1`` are noise; ``randomized_svd`` uses it only where
     its top k are above 0.01 sigma_1.
     """
-    X = A.to(dtype)
     m, n = A.shape[-2:]
-    G = X.mT @ X if n <= m else X @ X.mT  # (..., min, min)
+    G = _gram(A, dtype)  # (..., min, min)
     finite = torch.isfinite(G.diagonal(dim1=-2, dim2=-1)).all(-1)
     G = keep_finite(G, finite)
     if width is None:
@@ -66,8 +68,23 @@ def gram_eigvalsh(
     S = from_gram_eigenvalues(values).to(A.dtype)
     top = vectors.flip(-1)[..., :width]
     if n > m:  # left singular vectors: the right ones are A^T u_i / sigma_i
-        top = orthonormal_columns(keep_finite(X.mT @ top, finite))
+        top = orthonormal_columns(keep_finite(A.mT @ top.to(A.dtype), finite))
     return S, finite, top.to(A.dtype)
+
+
+def _gram(A: Tensor, dtype: torch.dtype) -> Tensor:
+    """The smaller Gram matrix of ``A`` in ``dtype``; a wider ``dtype`` converts ``A`` by chunks of
+    ``GRAM_CHUNK_ROWS`` along its longer side, so no converted copy of the whole of ``A`` exists
+    (the snapshot budget counts ``functional/memory.py``'s bound, not a float64 copy of W)."""
+    tall = A.shape[-2] >= A.shape[-1]
+    X = A if tall else A.mT  # (..., long, short): G = X^T X
+    if dtype == A.dtype:
+        return X.mT @ X
+    G = torch.zeros((*X.shape[:-2], X.shape[-1], X.shape[-1]), dtype=dtype, device=A.device)
+    for start in range(0, X.shape[-2], GRAM_CHUNK_ROWS):
+        rows = X[..., start : start + GRAM_CHUNK_ROWS, :].to(dtype)  # (..., chunk, short)
+        G += rows.mT @ rows
+    return G
 
 
 def svdvals_tall(A: Tensor) -> tuple[Tensor, Tensor]:

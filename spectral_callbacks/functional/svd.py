@@ -449,12 +449,15 @@ def _exact_where_float32_falls_short(
     V = None if V is None else V.reshape(-1, *V.shape[-2:])
     redo = suspect.flatten().nonzero().flatten()
     redo = redo[torch.isfinite(A3[redo]).flatten(1).all(-1)]
-    if redo.numel():
-        exact, exact_finite, subspace = gram_eigvalsh(A3[redo], width)
-        S[redo], finite[redo] = exact[..., : S.shape[-1]], exact_finite
+    # One matrix at a time, so the float64 work is one matrix's (the snapshot budget counts that:
+    # functional/memory.py), not the batch's.
+    for index in redo.tolist():
+        one = slice(index, index + 1)
+        exact, exact_finite, subspace = gram_eigvalsh(A3[one], width)
+        S[one], finite[one] = exact[..., : S.shape[-1]], exact_finite
         if V is not None:
             assert subspace is not None, "a width is given wherever there is a subspace to redo"
-            V[redo] = subspace
+            V[one] = subspace
     V = None if V is None else V.view(*batch, *V.shape[-2:])
     return S.view(*batch, -1), V, finite.view(batch)
 

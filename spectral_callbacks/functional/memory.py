@@ -1,0 +1,101 @@
+"""How many bytes ``randomized_svd`` and the metrics allocate on a batch: an upper bound from shapes.
+
+The snapshot budget (``monitor/budget.py``) is kept from this count, never by asking the device or
+the allocator, so it must bound what every path of ``randomized_svd`` can allocate at once, the
+rare ones included. Per matrix of the batch, with ``s = min(m, n)``, ``L = max(m, n)``, ``e`` the
+bytes of the compute dtype (4, or 8 for float64 input), ``w = k + n_oversamples`` (capped at ``s``)
+and ``D`` the deepest Krylov depth (the cold depth plus the stopping rule's extra blocks)::
+
+    randomized    e·3L·w·(D + 2)     the basis, its images and the left images, every block kept
+                  + 2·m·n            W rounded to bfloat16 (a cold start on a CPU with AMX tiles)
+                  + e·s²             the explicit Gram matrix, where it is cheaper than products
+    exact Gram    e·5·s²             G, eigh's copy of it, its workspace (2 s²) and the vectors
+                                     (float32 for float32 input; float64 otherwise, formed by
+                                     chunks so W is never converted whole)
+    svdvals       2·e·m·n + e·s²     the finite-masked copy, LAPACK's own copy, its workspace
+    ‖W‖_F²        8·m·n              a float64 copy where the exact norm runs (on an accelerator
+                                     always; on the CPU after a float32 overflow)
+
+Every path the method choice can take for the batch counts (``auto``: the cold and the warm
+choice), all matrices of the batch at once. Beyond them, the float64 redo of a matrix float32
+could not read (``_exact_where_float32_falls_short``) runs one matrix at a time after the batch's
+temporaries are freed: ``8·5·s² + 8·GRAM_CHUNK_ROWS·L`` once, not per matrix.
+
+Example::
+
+    >>> import torch
+    >>> svd_working_bytes(5632, 2048, 1, torch.float32) / 2**20  # the float64 redo bounds one matrix
+    171.0
+    >>> svd_working_bytes(5632, 2048, 4, torch.float32) / 2**20  # four: their float64 norms
+    352.0
+"""
+
+from __future__ import annotations
+
+import torch
+
+from spectral_callbacks.functional.exact import GRAM_CHUNK_ROWS
+from spectral_callbacks.functional.method_choice import choose_method
+from spectral_callbacks.functional.svd import (
+    _EXPECTED_WARM_DEPTH,
+    _EXTRA_DEPTH,
+    DEFAULT_K,
+    DEFAULT_N_OVERSAMPLES,
+    default_n_iter,
+)
+
+
+
+def svd_working_bytes(
+    m: int,
+    n: int,
+    batch: int,
+    dtype: torch.dtype,
+    *,
+    k: int = DEFAULT_K,
+    n_oversamples: int = DEFAULT_N_OVERSAMPLES,
+    n_iter: int | None = None,
+    method: str = "auto",
+    device_type: str = "cpu",
+) -> int:
+    """Upper bound of the bytes ``randomized_svd`` plus the metrics allocate on a ``(batch, m, n)``
+    input of ``dtype`` (already float32 or float64: the conversion is the caller's).
+
+    Args:
+        m, n: the matrices' shape.
+        batch: matrices decomposed together.
+        dtype: the input's dtype (float64 computes in float64, anything else in float32).
+        k, n_oversamples, n_iter, method: as passed to ``randomized_svd``.
+        device_type: ``"cpu"`` or an accelerator's type (the method choice and ‖W‖_F differ).
+    """
+    e = 8 if dtype == torch.float64 else 4
+    compute_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+    s, large = min(m, n), max(m, n)
+    width = min(k + n_oversamples, s)
+    cold = default_n_iter(m, n) if n_iter is None else n_iter
+    depth = cold + _EXTRA_DEPTH
+    if method == "auto":
+        methods = {
+            choose_method(m, n, width, cold, compute_dtype, device_type, True, batch),
+            choose_method(m, n, width, _EXPECTED_WARM_DEPTH, compute_dtype, device_type, False, batch),
+        }
+    else:
+        methods = {method}
+    per_matrix = {
+        "randomized": e * 3 * large * width * (depth + 2) + 2 * m * n + e * s * s,
+        "gram": e * 5 * s * s,
+        "svdvals": 2 * e * m * n + e * s * s,
+    }
+    per_matrix["subspace"] = per_matrix["randomized"]
+    paths = max(per_matrix[name] for name in methods)
+    # ‖W‖_F² runs (and frees its temporaries) before the SVD; counted everywhere, since on the CPU
+    # it is the rare overflow's float64 norm.
+    frobenius = 8 * m * n
+    redo = 8 * 5 * s * s + 8 * GRAM_CHUNK_ROWS * large  # one matrix at a time, afterwards
+    return max(batch * max(paths, frobenius), redo)
+
+
+def subspace_bytes(m: int, n: int, batch: int, dtype: torch.dtype, *, width: int) -> int:
+    """Bytes of the right subspaces a warm start keeps between snapshots: ``(batch, n, width)``."""
+    e = 8 if dtype == torch.float64 else 4
+    return e * batch * n * min(width, m, n)
