@@ -142,11 +142,42 @@ def _final(rows: pd.DataFrame, keys: list[str]) -> pd.DataFrame:
     return finite.groupby(keys, as_index=False, sort=True).tail(1).sort_values(keys)
 
 
+def layer_step_grid(rows: pd.DataFrame) -> pd.DataFrame:
+    """Layer x step values of one run and role (the last finite write per cell), as a heatmap
+    draws them.
+
+    A snapshot taken in parts over consecutive steps (the snapshot budget) logs each layer at the
+    step of its copy, a few steps apart: those steps become one column, at the first of them. A
+    column closes where a layer comes again, so a snapshot of every layer at one step keeps its
+    own column.
+
+    >>> rows = pd.DataFrame({"layer": [0, 1, 0, 1], "step": [0, 1, 25, 27], "value": [1.0, 2, 3, 4],
+    ...                      "wall_time": [0.0] * 4})
+    >>> layer_step_grid(rows).to_dict()
+    {0: {0: 1.0, 1: 2.0}, 25: {0: 3.0, 1: 4.0}}
+    """
+    last = _final(rows, ["layer", "step"])
+    column: dict[int, int] = {}
+    start: int | None = None
+    seen: set[int] = set()
+    for step, layers in last.groupby("step", sort=True)["layer"]:
+        if start is None or seen & set(layers):
+            start, seen = int(step), set()
+        seen |= set(layers)
+        column[int(step)] = start
+    last = last.assign(step=last["step"].map(column))
+    return last.pivot_table(index="layer", columns="step", values="value", aggfunc="last")
+
+
 def _fallbacks(rows: pd.DataFrame, final: pd.DataFrame) -> dict[str, str]:
-    """Per run, a note when ``final`` (from :func:`_final`) is older than the run's newest step."""
+    """Per run, a note when ``final`` (from :func:`_final`) is older than its series' newest
+    step (a NaN since); a layer logged a few steps before another (a staggered snapshot) is not."""
     notes = {}
+    keys = [key for key in ("run", "layer", "role") if key in final.columns and key in rows.columns]
+    newest_of = rows.groupby(keys, sort=False)["step"].max().rename("newest").reset_index()
+    final = final.merge(newest_of, on=keys, how="left")
     for run, newest in rows.groupby("run", sort=False)["step"].max().items():
-        older = final[(final["run"] == run) & (final["step"] < newest)]
+        older = final[(final["run"] == run) & (final["step"] < final["newest"])]
         if not older.empty:
             notes[str(run)] = (
                 f"NaN at step {newest} for {len(older)} series: drawn at their last finite step "
@@ -520,8 +551,7 @@ def compression_wave(rows: pd.DataFrame, role: str = "Q") -> Figure:
     fig = Figure(figsize=(7.0, 3.0 * len(runs)), layout="constrained")
     axes = fig.subplots(len(runs), 1, squeeze=False)[:, 0]
     for ax, run in zip(axes, runs, strict=True):
-        last = _final(chosen[chosen["run"] == run], ["layer", "step"])
-        grid = last.pivot(index="layer", columns="step", values="value").sort_index()
+        grid = layer_step_grid(chosen[chosen["run"] == run]).sort_index()
         steps = grid.columns.to_numpy(dtype=float)
         layers = grid.index.to_numpy(dtype=float)
         # Cell edges halfway between snapshots: the schedule is dense early, sparse late.

@@ -13,8 +13,10 @@ and ``D`` the deepest Krylov depth (the cold depth plus the stopping rule's extr
                                      (float32 for float32 input; float64 otherwise, formed by
                                      chunks so W is never converted whole)
     svdvals       2·e·m·n + e·s²     the finite-masked copy, LAPACK's own copy, its workspace
-    ‖W‖_F²        8·m·n              a float64 copy where the exact norm runs (on an accelerator
-                                     always; on the CPU after a float32 overflow)
+    ‖W‖_F²        8·m·n, or up to    one matrix in float64 (an adapted layer's base row norms),
+                  32 MiB for a batch  or a dense batch's float64 slices of rows
+    ESD (when on) 8·m·n + 8·4·s²     W in float64, its Gram matrix, the masked copy, eigvalsh;
+                  + 96 MiB once      and the KS-distance tables, three chunks of 2^22 float64
 
 Every path the method choice can take for the batch counts (``auto``: the cold and the warm
 choice), all matrices of the batch at once. Beyond them, the float64 redo of a matrix float32
@@ -26,8 +28,8 @@ Example::
     >>> import torch
     >>> svd_working_bytes(5632, 2048, 1, torch.float32) / 2**20  # the float64 redo bounds one matrix
     171.0
-    >>> svd_working_bytes(5632, 2048, 4, torch.float32) / 2**20  # four: their float64 norms
-    352.0
+    >>> svd_working_bytes(5632, 2048, 4, torch.float32) / 2**20  # four: their Krylov blocks
+    275.75
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ import torch
 
 from spectral_callbacks.functional.exact import GRAM_CHUNK_ROWS
 from spectral_callbacks.functional.method_choice import choose_method
+from spectral_callbacks.functional.metrics import _FLOAT64_CHUNK_ELEMENTS as FLOAT64_CHUNK_ELEMENTS
 from spectral_callbacks.functional.svd import (
     _EXPECTED_WARM_DEPTH,
     _EXTRA_DEPTH,
@@ -43,7 +46,6 @@ from spectral_callbacks.functional.svd import (
     DEFAULT_N_OVERSAMPLES,
     default_n_iter,
 )
-
 
 
 def svd_working_bytes(
@@ -57,6 +59,7 @@ def svd_working_bytes(
     n_iter: int | None = None,
     method: str = "auto",
     device_type: str = "cpu",
+    esd: bool = False,
 ) -> int:
     """Upper bound of the bytes ``randomized_svd`` plus the metrics allocate on a ``(batch, m, n)``
     input of ``dtype`` (already float32 or float64: the conversion is the caller's).
@@ -67,6 +70,7 @@ def svd_working_bytes(
         dtype: the input's dtype (float64 computes in float64, anything else in float32).
         k, n_oversamples, n_iter, method: as passed to ``randomized_svd``.
         device_type: ``"cpu"`` or an accelerator's type (the method choice and ‖W‖_F differ).
+        esd: the ESD family is computed too (``esd_metrics``: every eigenvalue, in float64).
     """
     e = 8 if dtype == torch.float64 else 4
     compute_dtype = torch.float64 if dtype == torch.float64 else torch.float32
@@ -77,7 +81,9 @@ def svd_working_bytes(
     if method == "auto":
         methods = {
             choose_method(m, n, width, cold, compute_dtype, device_type, True, batch),
-            choose_method(m, n, width, _EXPECTED_WARM_DEPTH, compute_dtype, device_type, False, batch),
+            choose_method(
+                m, n, width, _EXPECTED_WARM_DEPTH, compute_dtype, device_type, False, batch
+            ),
         }
     else:
         methods = {method}
@@ -89,10 +95,13 @@ def svd_working_bytes(
     per_matrix["subspace"] = per_matrix["randomized"]
     paths = max(per_matrix[name] for name in methods)
     # ‖W‖_F² runs (and frees its temporaries) before the SVD; counted everywhere, since on the CPU
-    # it is the rare overflow's float64 norm.
-    frobenius = 8 * m * n
+    # it is the rare overflow's float64 pass.
+    frobenius = max(8 * m * n, min(8 * batch * m * n, 8 * FLOAT64_CHUNK_ELEMENTS))
     redo = 8 * 5 * s * s + 8 * GRAM_CHUNK_ROWS * large  # one matrix at a time, afterwards
-    return max(batch * max(paths, frobenius), redo)
+    steps = max(batch * paths, frobenius, redo)
+    if esd:  # after the SVD's temporaries are freed
+        steps = max(steps, batch * (8 * m * n + 8 * 4 * s * s) + 3 * 8 * FLOAT64_CHUNK_ELEMENTS)
+    return steps
 
 
 def subspace_bytes(m: int, n: int, batch: int, dtype: torch.dtype, *, width: int) -> int:

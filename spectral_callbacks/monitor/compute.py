@@ -17,12 +17,14 @@ from typing import Any
 import torch
 
 from spectral_callbacks.functional import (
+    DEFAULT_N_OVERSAMPLES,
     esd_metrics,
     frobenius_norm_sq,
     metrics_from_spectrum,
     randomized_svd,
     update_metrics,
 )
+from spectral_callbacks.functional.memory import subspace_bytes, svd_working_bytes
 from spectral_callbacks.monitor.snapshot import ShapeGroup
 
 
@@ -114,6 +116,38 @@ class SpectrumCompute:
             dense = getattr(batch, "dense", None)
             metrics.update(esd_metrics(dense() if callable(dense) else batch))
         return metrics
+
+    def working_bytes(self, group: ShapeGroup, batch: int) -> int:
+        """Upper bound of the bytes one call allocates on ``batch`` matrices of ``group`` (given in
+        float32, or float64): ``functional.memory.svd_working_bytes`` with these SVD options."""
+        m, n = group.shape
+        dtype = torch.float64 if group.dtype == torch.float64 else torch.float32
+        return svd_working_bytes(
+            m,
+            n,
+            batch,
+            dtype,
+            k=self.k,
+            device_type=group.device.split(":")[0],
+            esd=self.esd,
+            **self._sizes(),
+        )
+
+    def kept_bytes(self, group: ShapeGroup) -> int:
+        """The bytes of the warm-start subspace kept for ``group`` between snapshots."""
+        if not self.warm_start:
+            return 0
+        m, n = group.shape
+        dtype = torch.float64 if group.dtype == torch.float64 else torch.float32
+        width = self.k + self.svd_options.get("n_oversamples", DEFAULT_N_OVERSAMPLES)
+        return subspace_bytes(m, n, len(group.targets), dtype, width=width)
+
+    def _sizes(self) -> dict[str, Any]:
+        return {
+            "n_oversamples": self.svd_options.get("n_oversamples", DEFAULT_N_OVERSAMPLES),
+            "n_iter": self.svd_options.get("n_iter"),
+            "method": self.svd_options["method"],
+        }
 
     def state_dict(self) -> dict[str, Any]:
         """The generators' states (device -> ByteTensor), so a resumed run continues their streams.

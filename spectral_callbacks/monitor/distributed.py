@@ -252,6 +252,18 @@ class DistributedEngine:
             max_pending=max_pending,
             **engine_options,
         )
+        if self._local.plan.staggered:
+            from spectral_callbacks.monitor.budget import mib
+            from spectral_callbacks.monitor.options import ConfigurationError
+
+            plan = self._local.plan
+            need = sum(plan.copies.values()) + max(plan.working.values()) + plan.kept
+            raise ConfigurationError(
+                f"`max_snapshot_bytes` ({plan.budget} bytes = {mib(plan.budget or 0)}) cannot hold "
+                f"rank {rank}'s share of a snapshot at once ({need} bytes = {mib(need)}); under "
+                "several processes every snapshot is taken at one step on every rank, so raise "
+                "`max_snapshot_bytes` to at least that, or watch fewer matrices (`roles=`, `exclude=`)"
+            )
         self.groups = self._local.groups
         self.max_pending = max_pending
         self.lag = max(1, max_pending - 1)
@@ -278,9 +290,17 @@ class DistributedEngine:
         return self._local.skipped + self.missed
 
     @property
+    def skipped_matrices(self) -> int:
+        """Always 0: under several processes a snapshot is never staggered (refused instead)."""
+        return 0
+
+    @property
     def awaiting_results(self) -> bool:
         """Whether :meth:`collect` may still return a result here: rank 0, with reduces issued."""
         return self.rank == 0 and bool(self._in_flight)
+
+    def advance(self, step: int) -> None:
+        """Nothing: snapshots are never staggered here."""
 
     def offer(self, step: int) -> bool:
         """A scheduled point: send the result now due, then snapshot this rank's share of ``step``."""

@@ -68,6 +68,7 @@ import torch
 
 from spectral_callbacks.messages import rank_zero_warn
 from spectral_callbacks.monitor import background
+from spectral_callbacks.monitor.budget import Ledger, plan_snapshot
 from spectral_callbacks.monitor.snapshot import ShapeGroup, Snapshot, take_snapshot
 from spectral_callbacks.monitor.streams import ComputeStreams
 
@@ -98,7 +99,9 @@ class SnapshotResult:
     training's running alongside still do). ``copy_seconds`` is the copy's time on the training
     stream (CUDA; 0 on the CPU, where the copy is in ``main_thread_seconds``). ``rank_scalars``
     holds health scalars an engine adds to the log (under DDP: each rank's health and the total of
-    skipped snapshots over ranks); empty for one process.
+    skipped snapshots over ranks); empty for one process. ``due_step`` is the scheduled step of the
+    snapshot these copies belong to (``step`` itself unless the snapshot was staggered over several
+    steps by the budget); ``held_bytes`` what the engine's ledger held right after the copy.
     """
 
     step: int
@@ -107,6 +110,8 @@ class SnapshotResult:
     main_thread_seconds: float
     copy_seconds: float = 0.0
     rank_scalars: dict[str, float] = field(default_factory=dict)
+    due_step: int | None = None
+    held_bytes: int = 0
 
 
 @dataclass
@@ -131,6 +136,17 @@ class _DeviceWork:
 class _Job:
     snapshot: Snapshot
     future: Future
+    due_step: int = 0  # the scheduled step of the snapshot these parts belong to
+    held_bytes: int = 0  # what the ledger held right after the copy
+    token: int = -1  # the ledger holds this job's parts under (token, part key)
+
+
+@dataclass
+class _Round:
+    """A scheduled snapshot whose parts are still being copied, one step after another."""
+
+    due_step: int
+    parts: collections.deque[ShapeGroup]  # not yet copied, in order
 
 
 class SnapshotEngine:
@@ -150,12 +166,20 @@ class SnapshotEngine:
             busy cores the scheduler runs training first and the SVD in what is left. ``None``
             leaves it; ignored on CUDA, where the worker only enqueues kernels. Default ``None``.
         skipped: snapshots skipped before a resume, so ``skipped`` keeps counting. Default ``0``.
+        max_snapshot_bytes: the bytes the copies and working set may hold (``monitor/budget.py``);
+            a snapshot that does not fit at once is copied in parts over consecutive steps
+            (:meth:`advance`). ``None``: no bound. Default ``None``.
+        max_delay_steps: a staggered snapshot copies its parts within
+            ``max(max_delay_steps, 2 * parts)`` steps of its scheduled step; the matrices of
+            parts still waiting then are skipped and counted in :attr:`skipped_matrices`.
+            Default ``25``.
 
     It implements :class:`spectral_callbacks.monitor.protocol.Engine`; :meth:`submit` is the
     lower-level hand-over of a snapshot taken elsewhere.
 
     Raises:
         ValueError: if ``max_pending`` is not a positive int.
+        ConfigurationError: one matrix does not fit ``max_snapshot_bytes`` alone.
     """
 
     def __init__(
@@ -168,11 +192,19 @@ class SnapshotEngine:
         worker_threads: int | None = 1,
         worker_nice: int | None = None,
         skipped: int = 0,
+        max_snapshot_bytes: int | None = None,
+        max_delay_steps: int = 25,
     ) -> None:
         if not isinstance(max_pending, int) or max_pending < 1:
             raise ValueError(f"`max_pending` must be a positive int, got {max_pending!r}")
         self.compute = compute
-        self.groups = {group.key: group for group in groups}
+        self.plan = plan_snapshot(groups, compute, max_snapshot_bytes)
+        self.groups = {part.key: part for part in self.plan.parts}
+        self.ledger = Ledger(max_snapshot_bytes, self.plan.kept)
+        self.max_delay_steps = max(max_delay_steps, 2 * len(self.plan.parts))
+        self._round: _Round | None = None
+        self._skipped_matrices = 0
+        self._tokens = 0  # ledger tokens handed out, one per copy
         self.max_pending = max_pending
         self.synchronous = synchronous
         self.worker_threads = worker_threads
@@ -203,6 +235,11 @@ class SnapshotEngine:
         return self._skipped
 
     @property
+    def skipped_matrices(self) -> int:
+        """Matrices of staggered snapshots not copied within the delay bound (``max_delay_steps``)."""
+        return self._skipped_matrices
+
+    @property
     def awaiting_results(self) -> bool:
         """Whether :meth:`collect` may still return a result here."""
         return self.pending > 0
@@ -210,12 +247,23 @@ class SnapshotEngine:
     def offer(self, step: int) -> bool:
         """A scheduled point: snapshot the weights of ``step`` and hand them over, or skip.
 
-        The bound is checked before the copy, so a skipped snapshot costs nothing.
+        The bound is checked before the copy, so a skipped snapshot costs nothing. The snapshot
+        is skipped too while an earlier one is still being copied in parts (staggered by the
+        budget): its parts are taken at the steps that follow, by :meth:`advance`.
         """
-        if self.pending >= self.max_pending:
+        if self._round is not None or self._rounds(uncollected=True) >= self.max_pending:
             self._skip(step)
             return False
-        return self.submit(self._take(step))
+        self._last_accepted = step
+        self._round = _Round(step, collections.deque(self.plan.parts))
+        self._copy_what_fits(step)
+        return True
+
+    def advance(self, step: int) -> None:
+        """After the update of ``step`` (every step): copy the parts of a staggered snapshot that
+        fit the budget now; past the delay bound the parts left are skipped and counted."""
+        if self._round is not None and step > self._round.due_step:
+            self._copy_what_fits(step)
 
     def finish(self, step: int, *, offered: bool, deadline: float) -> None:
         """End of training at ``step``: measure it unless it already was, waiting for room.
@@ -224,16 +272,20 @@ class SnapshotEngine:
         until ``deadline`` for a snapshot in flight to finish computing, then takes it, and a skip
         of it counted earlier is taken back.
         """
+        if self._round is not None:  # a staggered snapshot's last parts: copied at the last step
+            self._copy_until(step, deadline)
         if offered and self._last_accepted == step:
             return
-        while self._computing() >= self.max_pending and time.monotonic() < deadline:
+        while self._rounds() >= self.max_pending and time.monotonic() < deadline:
             time.sleep(_POLL_SECONDS)
-        if self._computing() >= self.max_pending:
+        if self._rounds() >= self.max_pending:
             if self._last_skipped != step:
                 self._skip(step)
             return
         retaken = self._last_skipped == step
-        self._hand_over(self._take(step))
+        self._last_accepted = step
+        self._round = _Round(step, collections.deque(self.plan.parts))
+        self._copy_until(step, deadline)
         if retaken:
             self._skipped -= 1
 
@@ -245,24 +297,84 @@ class SnapshotEngine:
         if self.pending >= self.max_pending:
             self._skip(snapshot.step)
             return False
+        self._last_accepted = snapshot.step
         self._hand_over(snapshot)
         return True
 
-    def _take(self, step: int) -> Snapshot:
-        with torch.no_grad():
-            return take_snapshot(list(self.groups.values()), step)
+    def _copy_what_fits(self, step: int, *, final: bool = False) -> bool:
+        """Copy, at ``step``, the open round's next parts that fit the budget now (in order).
+
+        Returns whether the round is closed (every part copied, or, unless ``final``, the delay
+        bound reached: the parts left are counted as skipped matrices).
+        """
+        round_ = self._round
+        assert round_ is not None
+        self._release_complete()
+        chosen: list[ShapeGroup] = []
+        copies = working = 0
+        while round_.parts:
+            part = round_.parts[0]
+            more_copies = copies + self.plan.copies[part.key]
+            more_working = max(working, self.plan.working[part.key])
+            if not self.ledger.fits(more_copies, more_working):
+                break
+            chosen.append(round_.parts.popleft())
+            copies, working = more_copies, more_working
+        if chosen:
+            with torch.no_grad():
+                snapshot = take_snapshot(chosen, step)
+            self._tokens += 1
+            for part in chosen:  # released one by one as the worker finishes each part
+                self.ledger.reserve(
+                    (self._tokens, part.key),
+                    self.plan.copies[part.key],
+                    self.plan.working[part.key],
+                )
+            self._hand_over(snapshot, round_.due_step, self._tokens)
+        if not round_.parts:
+            self._round = None
+        elif not final and step - round_.due_step >= self.max_delay_steps:
+            self._skipped_matrices += sum(len(part.targets) for part in round_.parts)
+            self._round = None
+        return self._round is None
+
+    def _copy_until(self, step: int, deadline: float) -> None:
+        """End of training: copy the open round's parts at ``step``, waiting for room until
+        ``deadline``; the parts left then are counted as skipped matrices."""
+        while not self._copy_what_fits(step, final=True):
+            if time.monotonic() >= deadline:
+                assert self._round is not None
+                self._skipped_matrices += sum(len(part.targets) for part in self._round.parts)
+                self._round = None
+                return
+            time.sleep(_POLL_SECONDS)
 
     def _skip(self, step: int) -> None:
         self._skipped += 1
         self._last_skipped = step
 
-    def _computing(self) -> int:
-        """Snapshots still holding their copies (not yet decomposed)."""
-        return sum(not self._complete(job) for job in self._jobs)
+    def _rounds(self, uncollected: bool = False) -> int:
+        """Snapshots (rounds of parts) in flight: one being copied, or holding copies (with
+        ``uncollected``: or with results not yet collected)."""
+        computing = {job.due_step for job in self._jobs if uncollected or not self._complete(job)}
+        if self._round is not None:
+            computing.add(self._round.due_step)
+        return len(computing)
 
-    def _hand_over(self, snapshot: Snapshot) -> None:
-        self._last_accepted = snapshot.step
-        job = _Job(snapshot, Future())
+    def _release_complete(self) -> None:
+        """Give the ledger back the parts of snapshots that are decomposed (on CUDA: once their
+        ``done`` events are reached, so the compute stream has read the stacks)."""
+        for job in self._jobs:
+            if self._complete(job):
+                self._release(job)
+
+    def _release(self, job: _Job, keys: Sequence[str] | None = None) -> None:
+        for key in self.groups if keys is None else keys:
+            self.ledger.release((job.token, key))
+
+    def _hand_over(self, snapshot: Snapshot, due_step: int | None = None, token: int = -1) -> None:
+        due = snapshot.step if due_step is None else due_step
+        job = _Job(snapshot, Future(), due, self.ledger.held, token)
         self._jobs.append(job)
         if self.synchronous:
             self._run(job)
@@ -288,6 +400,7 @@ class SnapshotEngine:
             if not self._complete(job) and not self._wait(job, deadline):
                 break
             self._jobs.popleft()
+            self._release(job)
             if job.future.cancelled():
                 continue
             error = job.future.exception()
@@ -318,7 +431,10 @@ class SnapshotEngine:
                     "running as a daemon thread and its snapshot is dropped",
                     category=RuntimeWarning,
                 )
+        for job in self._jobs:
+            self._release(job)
         self._jobs.clear()
+        self._round = None
 
     # --- worker side ------------------------------------------------------------------------
 
@@ -377,7 +493,7 @@ class SnapshotEngine:
         if not job.future.set_running_or_notify_cancel():
             return
         try:
-            job.future.set_result(self._compute_snapshot(job.snapshot))
+            job.future.set_result(self._compute_snapshot(job))
         except BaseException as error:  # noqa: BLE001 - re-raised on the main thread by collect()
             # The traceback's frames hold the batch (GPU memory, on CUDA) until the error is
             # dropped: clear their locals, keep the lines.
@@ -389,13 +505,15 @@ class SnapshotEngine:
         finally:
             job.snapshot.tensors = {}  # free the copies as soon as they are decomposed
 
-    def _compute_snapshot(self, snapshot: Snapshot) -> dict[str, Any] | _DeviceWork:
+    def _compute_snapshot(self, job: _Job) -> dict[str, Any] | _DeviceWork:
+        snapshot = job.snapshot
         if not snapshot.copied:
             start = time.perf_counter()
             values = {}
             for key in list(snapshot.tensors):
                 self._raise_if_closing()
                 values[key] = self._compute_group(key, snapshot.tensors.pop(key), snapshot.step)
+                self._release(job, [key])  # its copy and working set are freed
             layout, flat = _pack(values)
             return {
                 "values": flat.tolist(),
@@ -526,7 +644,13 @@ class SnapshotEngine:
             for index, name in enumerate(self.groups[key].names):
                 metrics[name] = {metric: float(column[index]) for metric, column in values.items()}
         return SnapshotResult(
-            snapshot.step, metrics, seconds, snapshot.main_thread_seconds, copy_seconds
+            snapshot.step,
+            metrics,
+            seconds,
+            snapshot.main_thread_seconds,
+            copy_seconds,
+            due_step=job.due_step,
+            held_bytes=job.held_bytes,
         )
 
 

@@ -134,6 +134,12 @@ class MonitorOptions:
             several top-k SVDs, see benchmarks/esd_snapshot.py). Default ``10``.
         max_pending: snapshots that may be in flight; when the bound is hit a snapshot is skipped and
             counted in ``spectral_monitor/skipped``, never queued. Default ``2``.
+        max_snapshot_bytes: bytes the snapshot copies and the SVD's working set may hold at once
+            (per process, counted by the engine from shapes, never asked of the device). A snapshot
+            that does not fit is copied in parts over consecutive optimizer steps, each matrix
+            logged at the step of its copy. ``"auto"``: 5 % of the total memory of the device the
+            watched matrices live on (the GPU's, or the host's); ``None``: no bound.
+            Default ``"auto"``.
         figure_every_n_steps: draw figures every this many optimizer steps (on the first snapshot
             logged at or after each multiple), and always at the end; ``None`` draws them only at
             the end. Default ``1000``.
@@ -174,6 +180,7 @@ class MonitorOptions:
     fit_window: tuple[int, int] | None = None
     esd_every_n_snapshots: int = 10
     max_pending: int = 2
+    max_snapshot_bytes: int | str | None = "auto"
     figure_every_n_steps: int | None = 1000
     figures: bool = True
     figure_roles: Sequence[str] | None = DEFAULT_FIGURE_ROLES
@@ -205,6 +212,13 @@ class MonitorOptions:
         for name in ("k", "max_pending", "history_size", "esd_every_n_snapshots"):
             value = getattr(self, name)
             require(name, value, is_int(value, 1), "a positive int")
+        budget = self.max_snapshot_bytes
+        require(
+            "max_snapshot_bytes",
+            budget,
+            budget is None or budget == "auto" or is_int(budget, 1),
+            "a positive int (bytes, e.g. 256 * 2**20), 'auto' or None",
+        )
         for name in ("n_oversamples", "n_iter"):
             value = getattr(self, name)
             require(name, value, value is None or is_int(value, 0), "None or a non-negative int")

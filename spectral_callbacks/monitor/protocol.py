@@ -5,11 +5,12 @@ The tracker drives every engine through these calls and never asks which one it 
 ::
 
     each scheduled step      offer(step)                  snapshot now, or skip and count
+    every other step         advance(step)                copy the next parts of a staggered snapshot
     every call of step()     collect(wait_seconds=0)      finished results, in step order
     end of training          finish(step, offered=, deadline=)   measure the last step, send what is due
     after an exception       abort()                      issue no further collective
     shutdown                 close(timeout)               stop the worker (idempotent)
-    health                   pending, skipped, awaiting_results
+    health                   pending, skipped, skipped_matrices, awaiting_results
 
 Implementations: :class:`~spectral_callbacks.monitor.engine.SnapshotEngine` (one process: a worker
 thread, a CUDA side stream), :class:`~spectral_callbacks.monitor.distributed.DistributedEngine`
@@ -57,8 +58,19 @@ class Engine(Protocol):
         ...
 
     @property
+    def skipped_matrices(self) -> int:
+        """Matrices of snapshots staggered by the budget that were not copied within the delay
+        bound, in total (``0`` where snapshots are never staggered)."""
+        ...
+
+    @property
     def awaiting_results(self) -> bool:
         """Whether waiting in :meth:`collect` can still bring a result to this process."""
+        ...
+
+    def advance(self, step: int) -> None:
+        """After the update of ``step``, when no snapshot is due: copy the parts of a snapshot
+        staggered by the budget that fit now (nothing to do for engines that never stagger)."""
         ...
 
     def offer(self, step: int) -> bool:
@@ -108,6 +120,8 @@ def make_engine(
     worker_nice: int | None,
     drain_timeout: float,
     skipped: int = 0,
+    max_snapshot_bytes: int | None = None,
+    max_delay_steps: int = 25,
 ) -> Engine:
     """The engine for this process: a ``ShardedEngine`` if a watched parameter is a DTensor, else a
     :class:`SnapshotEngine`, or under DDP a ``DistributedEngine``.
@@ -122,6 +136,9 @@ def make_engine(
         max_pending, synchronous, worker_threads, worker_nice: see ``MonitorOptions``.
         drain_timeout: seconds of the bounded waits; under DDP it sizes the results group timeout.
         skipped: skips counted before a resume.
+        max_snapshot_bytes, max_delay_steps: the snapshot budget in bytes (``None``: none) and the
+            delay bound of a staggered snapshot (``SnapshotEngine``). Under several processes each
+            rank's share must fit at once; sharded (DTensor) weights are not counted.
 
     Raises:
         ConfigurationError: sharded weights with a custom ``compute`` (the sharded SVD runs the
@@ -140,9 +157,12 @@ def make_engine(
     }
     if any(isinstance(target.parameter, DTensor) for target in targets):
         return _sharded_engine(compute, targets, options, drain_timeout)
+    options["max_snapshot_bytes"] = max_snapshot_bytes
     rank, world_size = distributed.world()
     if world_size == 1:
-        return SnapshotEngine(compute, group_by_shape(targets), **options)
+        return SnapshotEngine(
+            compute, group_by_shape(targets), max_delay_steps=max_delay_steps, **options
+        )
     return distributed.DistributedEngine(
         compute,
         targets,

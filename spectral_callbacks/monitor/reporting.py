@@ -86,12 +86,20 @@ class Reporter:
         )
         # (matrix name, step) of the first snapshot whose weights were not finite, once found.
         self.first_non_finite: tuple[str, int] | None = None
+        # Each matrix's latest logged values: the means per role are over these, so a snapshot
+        # staggered over several steps (the budget) still gets means over every layer.
+        self.latest: dict[str, dict[str, float]] = {}
+        self._role_size = collections.Counter(target.role for target in targets)
 
     def scalars(self, step: int, values: Mapping[str, Mapping[str, float]]) -> dict[str, float]:
         """The tagged scalars of one snapshot (``values``: target name -> metric -> value).
 
         A matrix whose reference is set by this snapshot also gets its
         ``spectral_monitor/reference_step/L<layer>/<role>`` scalar (the value is ``step``).
+
+        The mean of a role is logged where ``values`` hold some of its matrices, over every
+        matrix's latest value (so over the steps of a snapshot taken in parts, at most the
+        coverage delay apart), once each of them has one.
         """
         per_target: dict[str, dict[str, float]] = {}
         new_references: list[str] = []
@@ -107,7 +115,6 @@ class Reporter:
             per_target[name] = row
         _add_compression(per_target, self.references)
         scalars: dict[str, float] = {}
-        by_role: dict[tuple[str, str], list[float]] = collections.defaultdict(list)
         for name, row in per_target.items():
             target = self.targets[name]
             for metric in self.metrics:
@@ -115,8 +122,18 @@ class Reporter:
                     continue
                 value = float(row[metric])
                 scalars[scalar_tag(metric, target.layer, target.role, self.num_layers)] = value
-                by_role[(metric, target.role)].append(value)
+            self.latest[name] = row
+        by_role: dict[tuple[str, str], list[float]] = collections.defaultdict(list)
+        roles = {self.targets[name].role for name in per_target}
+        for name, row in self.latest.items():
+            role = self.targets[name].role
+            if role in roles:
+                for metric in self.metrics:
+                    if metric in row:
+                        by_role[(metric, role)].append(float(row[metric]))
         for (metric, role), layer_values in by_role.items():
+            if len(layer_values) < self._role_size[role]:
+                continue  # a part of a staggered snapshot: the mean waits for every matrix
             finite = [value for value in layer_values if not math.isnan(value)]
             scalars[scalar_tag(metric, None, role)] = (
                 sum(finite) / len(finite) if finite else math.nan

@@ -256,6 +256,14 @@ class ShardedEngine:
         """Whether :meth:`collect` may still return a result (the same answer on every rank)."""
         return bool(self._jobs)
 
+    @property
+    def skipped_matrices(self) -> int:
+        """Always 0: sharded snapshots are never staggered."""
+        return 0
+
+    def advance(self, step: int) -> None:
+        """Nothing: sharded snapshots are never staggered."""
+
     def offer(self, step: int) -> bool:
         """Snapshot this rank's blocks of ``step`` and queue them for the worker; returns ``True``.
 

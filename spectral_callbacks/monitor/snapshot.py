@@ -68,6 +68,8 @@ class ShapeGroup:
     key: str
     targets: tuple[Any, ...]
     device: str = "cpu"
+    shape: tuple[int, int] = (0, 0)  # (m, n) of each matrix
+    dtype: torch.dtype = torch.float32  # the stored (copied) dtype
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -94,19 +96,24 @@ class Snapshot:
 def group_by_shape(targets: Sequence[MatrixSource]) -> list[ShapeGroup]:
     """Group targets whose matrices share shape, dtype and device, in first-seen order."""
     groups: dict[str, list[MatrixSource]] = {}
-    devices: dict[str, str] = {}
+    first: dict[str, tuple[tuple[int, int], torch.dtype, str]] = {}  # shape, dtype, device
     for target in targets:
         batch_key = getattr(target, "batch_key", None)
         if batch_key is not None:
             key, device = batch_key()
+            shape, dtype_of = tuple(target.shape), target.parameter.dtype
         else:
             weight = target.matrix()
             dtype = str(weight.dtype).removeprefix("torch.")
             key = f"{weight.shape[0]}x{weight.shape[1]}/{dtype}/{weight.device}"
             device = str(weight.device)
+            shape, dtype_of = (weight.shape[0], weight.shape[1]), weight.dtype
         groups.setdefault(key, []).append(target)
-        devices[key] = device
-    return [ShapeGroup(key, tuple(members), devices[key]) for key, members in groups.items()]
+        first.setdefault(key, (shape, dtype_of, device))
+    return [
+        ShapeGroup(key, tuple(members), first[key][2], first[key][0], first[key][1])
+        for key, members in groups.items()
+    ]
 
 
 def take_snapshot(groups: Sequence[ShapeGroup], step: int) -> Snapshot:

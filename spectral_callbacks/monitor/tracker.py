@@ -27,12 +27,14 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from spectral_callbacks import tensorboard_adapter as tb
 from spectral_callbacks.functional import ESD_METRICS
 from spectral_callbacks.functional.metrics import UPDATE_METRICS
 from spectral_callbacks.messages import rank_zero_info, rank_zero_warn
 from spectral_callbacks.monitor import dashboards
+from spectral_callbacks.monitor.budget import plan_snapshot, resolve_budget
 from spectral_callbacks.monitor.compute import SpectrumCompute
 from spectral_callbacks.monitor.distributed import world
 from spectral_callbacks.monitor.engine import SnapshotResult
@@ -49,6 +51,7 @@ from spectral_callbacks.monitor.placement import Placement, machine_placement
 from spectral_callbacks.monitor.protocol import Engine, make_engine
 from spectral_callbacks.monitor.reporting import Reporter, health_scalars, num_layers_scalar
 from spectral_callbacks.monitor.schedule import SnapshotSchedule
+from spectral_callbacks.monitor.snapshot import group_by_shape
 
 # The TensorBoard writers are flushed at most this often: a running TensorBoard (which rereads its
 # files every few seconds) still shows each point within seconds, and a burst of snapshots (the
@@ -166,6 +169,12 @@ class SpectralTracker:
             esd=any(name in ESD_METRICS for name in options.metrics),
             esd_every_n_snapshots=options.esd_every_n_snapshots,
         )
+        self.max_snapshot_bytes = resolve_budget(options.max_snapshot_bytes, self.targets)
+        if not any(isinstance(target.parameter, DTensor) for target in self.targets):
+            # Refused here, with the numbers, when one matrix cannot fit (the engine plans alike).
+            plan_snapshot(
+                group_by_shape(self.targets), self.compute, self.max_snapshot_bytes, caller
+            )
         self.schedule = SnapshotSchedule(
             options.every_n_steps, options.log_spaced_until, options.max_overhead
         )
@@ -242,6 +251,8 @@ class SpectralTracker:
             worker_nice=options.worker_nice,
             drain_timeout=options.drain_timeout,
             skipped=self._restored_skipped,
+            max_snapshot_bytes=self.max_snapshot_bytes,
+            max_delay_steps=options.every_n_steps,
         )
         once = {
             **num_layers_scalar(self._reporter.num_layers),
@@ -294,6 +305,8 @@ class SpectralTracker:
             cost_unknown and self._engine.pending
         ):
             self._offer(step)
+        else:  # the next parts of a snapshot staggered by the budget, if one is being taken
+            self._engine.advance(step)
         self._previous_step, self._previous_time = step, now
 
     def close(self, step: int | None = None, *, error: BaseException | None = None) -> None:
@@ -411,8 +424,13 @@ class SpectralTracker:
                 svd_ms=1000 * result.svd_seconds,
                 pending=self._engine.pending,
                 skipped=self._engine.skipped,
+                skipped_matrices=self._engine.skipped_matrices,
+                coverage_delay=result.step
+                - (result.step if result.due_step is None else result.due_step),
             )
         )
+        if result.held_bytes:  # the engine's ledger, right after this copy
+            scalars.update(health_scalars(snapshot_bytes=result.held_bytes))
         scalars.update(result.rank_scalars)  # per-rank health under DDP
         tb.log_scalars(self.writers, scalars, result.step)
         self.schedule.record_snapshot_cost(

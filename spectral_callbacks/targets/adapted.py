@@ -153,6 +153,21 @@ class AdaptedTarget(Target):
             tuple(bases), tuple(ups), tuple(downs), tuple(magnitudes), tuple(adds), tuple(owned)
         )
 
+    def snapshot_bytes(self) -> int:
+        """The bytes :meth:`stack_batch` copies for this target: its adapter factors (and the base
+        only where it changes), counted by the same walk without copying (a factor shared by
+        several targets is counted for each: an upper bound)."""
+        counted = 0
+
+        def count(tensor: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+            nonlocal counted
+            counted += tensor.numel() * tensor.element_size()
+            return tensor.detach()
+
+        with torch.no_grad():
+            self._snapshot(count, count)
+        return counted
+
     def _snapshot(self, copy: Any, copy_shared: Any) -> tuple[Any, ...]:
         lora: Any = self.layer_module
         rows = replace(self.rows, transposed=False)  # rows of the (out, ...) factors

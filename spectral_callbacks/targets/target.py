@@ -175,6 +175,10 @@ class Target:
         """
         return self.rows.take(self.parameter.detach())
 
+    def snapshot_bytes(self) -> int:
+        """The bytes a snapshot copies for this target: its ``shape`` in the parameter's dtype."""
+        return self.shape[0] * self.shape[1] * self.parameter.element_size()
+
     def copy_into(self, out: torch.Tensor) -> torch.Tensor:
         """Copy the current values into ``out`` (a ``shape`` tensor, e.g. one slot of a stack).
 

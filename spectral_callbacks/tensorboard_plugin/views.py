@@ -26,7 +26,7 @@ from collections.abc import Iterable, Mapping, Sequence
 import numpy as np
 import pandas as pd
 
-from spectral_callbacks.charts import _final, _ordered_roles, compression_rows
+from spectral_callbacks.charts import _final, _ordered_roles, compression_rows, layer_step_grid
 from spectral_callbacks.names import parse_tag
 from spectral_callbacks.offline.differences import diff_curves
 from spectral_callbacks.tensorboard_plugin.downsample import keep_extremes
@@ -96,8 +96,7 @@ def compression_wave(
     chosen = chosen[(chosen["run"] == run) & (chosen["role"] == role)]
     if chosen.empty:
         return {"run": run, "metric": metric, "role": role, "layers": [], "steps": [], "values": []}
-    grid = _final(chosen, ["layer", "step"]).pivot(index="layer", columns="step", values="value")
-    grid = grid.sort_index()
+    grid = layer_step_grid(chosen).sort_index()
     values = grid.to_numpy(dtype=float)
     steps = grid.columns.to_numpy()
     count = len(steps)

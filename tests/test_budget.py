@@ -1,0 +1,230 @@
+"""The snapshot budget: parts over consecutive steps, the ledger, the refusal, the bound itself."""
+
+from __future__ import annotations
+
+import collections
+import math
+import random
+
+import pytest
+import torch
+import transformers
+from torch.profiler import ProfilerActivity, profile
+
+from spectral_callbacks import SpectralTracker
+from spectral_callbacks.monitor.budget import DEFAULT_FRACTION, device_memory, plan_snapshot
+from spectral_callbacks.monitor.compute import SpectrumCompute
+from spectral_callbacks.monitor.options import ConfigurationError, MonitorOptions
+from spectral_callbacks.monitor.snapshot import ShapeGroup, group_by_shape
+from spectral_callbacks.names import scalar_tag
+
+
+class Recorder:
+    """A writer that keeps every logged scalar: tag -> step -> value."""
+
+    def __init__(self) -> None:
+        self.scalars: dict[str, dict[int, float]] = {}
+        self.writes: collections.Counter[str] = collections.Counter()
+
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        for tag, value in metrics.items():
+            self.scalars.setdefault(tag, {})[step] = value
+            self.writes[tag] += 1
+
+
+def tiny_llama(seed: int) -> torch.nn.Module:
+    """A 4-layer Llama with grouped K/V (GQA), from a config."""
+    torch.manual_seed(seed)
+    config = transformers.LlamaConfig(
+        hidden_size=64,
+        intermediate_size=172,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=50,
+    )
+    return transformers.LlamaForCausalLM(config)
+
+
+def _whole(plan) -> int:  # type: ignore[no-untyped-def]
+    return sum(plan.copies.values()) + max(plan.working.values()) + plan.kept
+
+
+def test_max_snapshot_bytes_is_checked_where_it_enters() -> None:
+    for bad in (0, -5, 1.5, "256MiB", True):
+        with pytest.raises(ConfigurationError, match="`max_snapshot_bytes` must be a positive int"):
+            MonitorOptions(max_snapshot_bytes=bad)
+    assert MonitorOptions().max_snapshot_bytes == "auto"
+
+
+def test_auto_is_five_percent_of_the_host_memory_on_the_cpu() -> None:
+    model = torch.nn.TransformerEncoderLayer(16, 2, dim_feedforward=32)
+    tracker = SpectralTracker(model, figures=False, start_step=None)
+    assert tracker.max_snapshot_bytes == int(DEFAULT_FRACTION * device_memory("cpu"))
+    tracker.close()
+
+
+def test_one_matrix_too_big_is_refused_at_construction_with_the_numbers() -> None:
+    model = tiny_llama(0)
+    with pytest.raises(ConfigurationError, match=r"cannot hold one matrix: .*mlp.*172 x 64.*bytes"):
+        SpectralTracker(model, figures=False, max_snapshot_bytes=100_000, start_step=None)
+
+
+def test_a_budget_that_holds_the_snapshot_changes_nothing() -> None:
+    targets = SpectralTracker(tiny_llama(0), figures=False, start_step=None).targets
+    groups = group_by_shape(targets)
+    plan = plan_snapshot(groups, SpectrumCompute(), 10**9)
+    assert [part.key for part in plan.parts] == [group.key for group in groups]
+    assert not plan.staggered
+
+
+def test_a_staggered_snapshot_logs_every_matrix_at_its_copy_step_within_the_budget() -> None:
+    seed = random.randrange(2**31)
+    model = tiny_llama(seed)
+    probe = SpectralTracker(model, figures=False, start_step=None)
+    groups = group_by_shape(probe.targets)
+    probe.close()
+    roomy = plan_snapshot(groups, SpectrumCompute(), None)
+    # Between what the largest single matrix needs and what the whole snapshot needs.
+    compute = SpectrumCompute()
+    one = max(
+        group.shape[0] * group.shape[1] * 4 + compute.working_bytes(group, 1) for group in groups
+    ) + sum(compute.kept_bytes(group) for group in groups)
+    budget = (one + _whole(plan_snapshot(groups, compute, 10**9))) // 2
+    writer = Recorder()
+    # Weights of every step, to check each value against the step it is logged at.
+    history: dict[int, dict[str, torch.Tensor]] = {}
+
+    def keep(step: int) -> None:
+        history[step] = {t.name: t.matrix().detach().double().clone() for t in tracker.targets}
+
+    tracker = SpectralTracker(
+        model,
+        metrics=["stable_rank", "spectral_norm", "alpha"],
+        writers=[writer],
+        figures=False,
+        every_n_steps=10,
+        log_spaced_until=0,
+        max_snapshot_bytes=budget,
+        synchronous=True,  # each part is decomposed by the next step: the steps are deterministic
+        start_step=None,
+    )
+    engine_plan = None
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    tokens = torch.randint(0, 50, (2, 16), generator=torch.Generator().manual_seed(seed))
+    keep(0)
+    tracker.begin(0)
+    engine = tracker._engine
+    engine_plan = engine.plan
+    assert engine_plan.staggered and len(engine_plan.parts) > len(roomy.parts)
+    for step in range(1, 30):
+        model(tokens, labels=tokens).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        keep(step)
+        tracker.step(step)
+        assert engine.ledger.held <= budget
+    tracker.close()
+    assert engine.ledger.peak <= budget
+    held = writer.scalars["spectral_monitor/snapshot_bytes"]
+    assert max(held.values()) <= budget
+    assert writer.scalars["spectral_monitor/skipped_matrices"][max(held)] == 0
+
+    # Every matrix, in each of the snapshots due at 0, 10, 20 and the last step 29, is logged at
+    # exactly one step before the next is due, and its values are those of the weights there.
+    num_layers = tracker.targets[0].num_layers
+    delays = writer.scalars["spectral_monitor/coverage_delay"]
+    for due, until in ((0, 10), (10, 20), (20, 29), (29, 30)):
+        window = range(due, until)
+        for target in tracker.targets:
+            tag = scalar_tag("stable_rank", target.layer, target.role, num_layers)
+            steps = [step for step in writer.scalars[tag] if step in window]
+            assert len(steps) == 1, (target.name, due, sorted(writer.scalars[tag]))
+            step = steps[0]
+            assert delays[step] == step - due
+            exact = torch.linalg.svdvals(history[step][target.name])
+            frobenius_sq = history[step][target.name].square().sum()
+            stable_rank = float(frobenius_sq / exact[0] ** 2)
+            assert math.isclose(writer.scalars[tag][step], stable_rank, rel_tol=0.01)
+            spectral = writer.scalars[
+                scalar_tag("spectral_norm", target.layer, target.role, num_layers)
+            ]
+            assert math.isclose(spectral[step], float(exact[0]), rel_tol=0.005)
+    assert 0 < max(delays.values()) <= engine.max_delay_steps  # staggered, within the bound
+    # The means per role are over every layer, logged once each layer has a value.
+    mean_q = writer.scalars[scalar_tag("stable_rank", None, "Q")]
+    assert mean_q  # logged
+
+
+@pytest.mark.parametrize(
+    ("shape", "batch", "scale"),
+    [((172, 64), 8, 1.0), ((64, 64), 8, 1.0), ((512, 512), 4, 1.0), ((600, 200), 3, 2.0**-60)],
+)
+def test_the_working_set_bound_holds_what_the_compute_allocates(
+    shape: tuple[int, int], batch: int, scale: float
+) -> None:
+    # The allocations of the compute (cold, then warm) measured by the profiler's memory events.
+    m, n = shape
+    compute = SpectrumCompute(32)
+    group = ShapeGroup("g", tuple(range(batch)), "cpu", shape, torch.float32)
+    generator = torch.Generator().manual_seed(random.randrange(2**31))
+    cold = torch.randn(batch, m, n, generator=generator) * scale  # 2^-60: the float64 redo path
+    warm = cold + 1e-3 * scale * torch.randn(batch, m, n, generator=generator)
+    peaks = [_allocated_peak(lambda batch=b: compute(group, batch)) for b in (cold, warm)]
+    assert 0 < max(peaks) <= compute.working_bytes(group, batch)
+
+
+def _allocated_peak(run) -> int:  # type: ignore[no-untyped-def]
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        run()
+    events = sorted(
+        (event.start_ns(), event.nbytes())
+        for event in prof.profiler.kineto_results.events()
+        if event.name() == "[memory]"
+    )
+    held = peak = 0
+    for _, size in events:
+        held += size
+        peak = max(peak, held)
+    return peak
+
+
+def test_with_the_worker_the_counts_add_up_and_the_budget_holds() -> None:
+    # On a worker thread the parts wait for the bytes earlier ones free: each scheduled matrix is
+    # either logged once or counted as skipped (a whole snapshot in `skipped`, parts of one in
+    # `skipped_matrices`), and the ledger stays within the budget at every step.
+    model = tiny_llama(random.randrange(2**31))
+    targets = SpectralTracker(model, figures=False, start_step=None).targets
+    groups = group_by_shape(targets)
+    compute = SpectrumCompute()
+    budget = _whole(plan_snapshot(groups, compute, 10**9)) * 2 // 3
+    writer = Recorder()
+    tracker = SpectralTracker(
+        model,
+        metrics=["stable_rank"],
+        writers=[writer],
+        figures=False,
+        every_n_steps=6,
+        log_spaced_until=0,
+        max_snapshot_bytes=budget,
+    )
+    engine = tracker._engine
+    assert engine.plan.staggered
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    tokens = torch.randint(0, 50, (2, 16))
+    for step in range(1, 25):
+        model(tokens, labels=tokens).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        tracker.step(step)
+        assert engine.ledger.held <= budget
+    tracker.close()
+    assert engine.ledger.peak <= budget
+    num_layers = targets[0].num_layers
+    logged = sum(
+        writer.writes[scalar_tag("stable_rank", t.layer, t.role, num_layers)] for t in targets
+    )
+    due = [0, 6, 12, 18, 24]
+    assert logged + engine.skipped_matrices + engine.skipped * len(targets) == len(due) * len(
+        targets
+    )
