@@ -59,7 +59,7 @@ def test_max_snapshot_bytes_is_checked_where_it_enters() -> None:
 
 def test_auto_is_five_percent_of_the_host_memory_on_the_cpu() -> None:
     model = torch.nn.TransformerEncoderLayer(16, 2, dim_feedforward=32)
-    tracker = SpectralTracker(model, figures=False, start_step=None)
+    tracker = SpectralTracker(model, writers=[Recorder()], figures=False, start_step=None)
     assert tracker.max_snapshot_bytes == int(DEFAULT_FRACTION * device_memory("cpu"))
     tracker.close()
 
@@ -67,11 +67,11 @@ def test_auto_is_five_percent_of_the_host_memory_on_the_cpu() -> None:
 def test_one_matrix_too_big_is_refused_at_construction_with_the_numbers() -> None:
     model = tiny_llama(0)
     with pytest.raises(ConfigurationError, match=r"cannot hold one matrix: .*mlp.*172 x 64.*bytes"):
-        SpectralTracker(model, figures=False, max_snapshot_bytes=100_000, start_step=None)
+        SpectralTracker(model, writers=[Recorder()], figures=False, max_snapshot_bytes=100_000, start_step=None)
 
 
 def test_a_budget_that_holds_the_snapshot_changes_nothing() -> None:
-    targets = SpectralTracker(tiny_llama(0), figures=False, start_step=None).targets
+    targets = SpectralTracker(tiny_llama(0), writers=[Recorder()], figures=False, start_step=None).targets
     groups = group_by_shape(targets)
     plan = plan_snapshot(groups, SpectrumCompute(), 10**9)
     assert [part.key for part in plan.parts] == [group.key for group in groups]
@@ -81,7 +81,7 @@ def test_a_budget_that_holds_the_snapshot_changes_nothing() -> None:
 def test_a_staggered_snapshot_logs_every_matrix_at_its_copy_step_within_the_budget() -> None:
     seed = random.randrange(2**31)
     model = tiny_llama(seed)
-    probe = SpectralTracker(model, figures=False, start_step=None)
+    probe = SpectralTracker(model, writers=[Recorder()], figures=False, start_step=None)
     groups = group_by_shape(probe.targets)
     probe.close()
     roomy = plan_snapshot(groups, SpectrumCompute(), None)
@@ -194,7 +194,7 @@ def test_with_the_worker_the_counts_add_up_and_the_budget_holds() -> None:
     # either logged once or counted as skipped (a whole snapshot in `skipped`, parts of one in
     # `skipped_matrices`), and the ledger stays within the budget at every step.
     model = tiny_llama(random.randrange(2**31))
-    targets = SpectralTracker(model, figures=False, start_step=None).targets
+    targets = SpectralTracker(model, writers=[Recorder()], figures=False, start_step=None).targets
     groups = group_by_shape(targets)
     compute = SpectrumCompute()
     budget = _whole(plan_snapshot(groups, compute, 10**9)) * 2 // 3
@@ -228,3 +228,23 @@ def test_with_the_worker_the_counts_add_up_and_the_budget_holds() -> None:
     assert logged + engine.skipped_matrices + engine.skipped * len(targets) == len(due) * len(
         targets
     )
+
+
+def test_an_adapted_layer_is_counted_by_what_it_copies_not_by_its_shape() -> None:
+    peft = pytest.importorskip("peft")
+    from spectral_callbacks.monitor.budget import copy_bytes
+    from spectral_callbacks.monitor.snapshot import take_snapshot
+    from spectral_callbacks.targets import find_targets
+
+    config = peft.LoraConfig(
+        r=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                             "down_proj"], init_lora_weights=False,
+    )  # fmt: skip
+    model = peft.get_peft_model(tiny_llama(0), config)
+    targets = find_targets(model)
+    groups = group_by_shape(targets)
+    plan = plan_snapshot(groups, SpectrumCompute(), 10**9)
+    copied = {key: batch.nbytes for key, batch in take_snapshot(groups, step=0).tensors.items()}
+    assert plan.copies == copied  # the ledger's count is what the snapshot holds: the adapters
+    dense = sum(t.shape[0] * t.shape[1] * t.parameter.element_size() for t in targets)
+    assert sum(copy_bytes(t) for t in targets) < dense / 3

@@ -101,7 +101,7 @@ def group_by_shape(targets: Sequence[MatrixSource]) -> list[ShapeGroup]:
         batch_key = getattr(target, "batch_key", None)
         if batch_key is not None:
             key, device = batch_key()
-            shape, dtype_of = tuple(target.shape), target.parameter.dtype
+            shape, dtype_of = tuple(getattr(target, "shape")), getattr(target, "parameter").dtype
         else:
             weight = target.matrix()
             dtype = str(weight.dtype).removeprefix("torch.")
