@@ -101,7 +101,8 @@ def group_by_shape(targets: Sequence[MatrixSource]) -> list[ShapeGroup]:
         batch_key = getattr(target, "batch_key", None)
         if batch_key is not None:
             key, device = batch_key()
-            shape, dtype_of = tuple(getattr(target, "shape")), getattr(target, "parameter").dtype
+            kind: Any = target  # a target kind that batches itself: its shape and parameter
+            shape, dtype_of = tuple(kind.shape), kind.parameter.dtype
         else:
             weight = target.matrix()
             dtype = str(weight.dtype).removeprefix("torch.")
