@@ -67,11 +67,15 @@ def test_auto_is_five_percent_of_the_host_memory_on_the_cpu() -> None:
 def test_one_matrix_too_big_is_refused_at_construction_with_the_numbers() -> None:
     model = tiny_llama(0)
     with pytest.raises(ConfigurationError, match=r"cannot hold one matrix: .*mlp.*172 x 64.*bytes"):
-        SpectralTracker(model, writers=[Recorder()], figures=False, max_snapshot_bytes=100_000, start_step=None)
+        SpectralTracker(
+            model, writers=[Recorder()], figures=False, max_snapshot_bytes=100_000, start_step=None
+        )
 
 
 def test_a_budget_that_holds_the_snapshot_changes_nothing() -> None:
-    targets = SpectralTracker(tiny_llama(0), writers=[Recorder()], figures=False, start_step=None).targets
+    targets = SpectralTracker(
+        tiny_llama(0), writers=[Recorder()], figures=False, start_step=None
+    ).targets
     groups = group_by_shape(targets)
     plan = plan_snapshot(groups, SpectrumCompute(), 10**9)
     assert [part.key for part in plan.parts] == [group.key for group in groups]
