@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import sharded_svd_cases as cases
 import torch
-from device_checks import factories_elsewhere
+from device_checks import factories_elsewhere, tf32_matmuls
 from spawn_ranks import run_ranks
 
 from spectral_callbacks.functional import metrics_from_spectrum, randomized_svd
@@ -197,3 +197,24 @@ def test_every_tensor_it_makes_lives_on_the_input_device(split: str, method: str
     assert torch.isnan(top.S[1]).all() and torch.isfinite(top.S[[0, 2]]).all()
     if cold.V is not None:
         assert warm.S.device.type == "cpu"
+
+
+@pytest.mark.parametrize("split", ["rows", "tiles"])
+def test_with_tf32_products_it_keeps_float32_accuracy(
+    split: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # TF32 emulated on the CPU (device_checks.tf32_matmuls): its products with W and its own
+    # (Ritz pairs, the Rayleigh-Ritz basis) all go through precision.matmul's 3xTF32 split.
+    W = cases.power_law(600, 400, 0.5, seed=3)
+    exact = torch.linalg.svdvals(W.double())[:16]
+    tiles = {}
+    if split == "tiles":
+        tiles = {
+            "shape": (600, 400),
+            "row_index": torch.arange(600),
+            "col_index": torch.arange(400),
+        }
+    with tf32_matmuls(monkeypatch):
+        top = sharded_randomized_svd(W, 16, split=split, method="randomized", n_iter=6, **tiles)
+    relative = ((top.S.double() - exact) / exact).abs().max().item()
+    assert relative < 1e-5, relative

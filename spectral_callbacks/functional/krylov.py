@@ -15,6 +15,8 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import Tensor
 
+import spectral_callbacks.functional.precision as precision
+
 __all__ = [
     "Basis",
     "block_krylov",
@@ -68,7 +70,8 @@ def block_krylov(
         image, left = apply(block)
         image = image.to(start.dtype)  # apply may compute in a lower precision
         if finite is None:  # a NaN/Inf of W (or a float32 overflow) shows in its first image
-            finite = torch.isfinite((block.mT @ image).diagonal(dim1=-2, dim2=-1)).all(-1)
+            finite = torch.isfinite(precision.matmul(block.mT, image).diagonal(dim1=-2, dim2=-1))
+            finite = finite.all(-1)
         blocks.append(block)
         images.append(keep_finite(image, finite))
         if left is not None:
@@ -178,9 +181,10 @@ def subspace_iteration(
     if finite is None:
         finite = torch.isfinite(image).flatten(-2).all(-1)
     image = keep_finite(image.to(start.dtype), finite)
-    vectors = torch.linalg.eigh(V.mT @ image).eigenvectors.flip(-1)  # descending Ritz values
-    left = None if left is None else keep_finite(left, finite) @ vectors
-    return V @ vectors, image @ vectors, left, finite
+    mm = precision.matmul
+    vectors = torch.linalg.eigh(mm(V.mT, image)).eigenvectors.flip(-1)  # descending Ritz values
+    left = None if left is None else mm(keep_finite(left, finite), vectors)
+    return mm(V, vectors), mm(image, vectors), left, finite
 
 
 Basis = Tensor | Sequence[Tensor]
@@ -193,7 +197,7 @@ def _blocks(basis: Basis) -> Sequence[Tensor]:
 
 def project(basis: Basis, X: Tensor) -> Tensor:
     """``basis^T X`` (..., D, c), block by block."""
-    parts = [Q.mT @ X for Q in _blocks(basis)]
+    parts = [precision.matmul(Q.mT, X) for Q in _blocks(basis)]
     return parts[0] if len(parts) == 1 else torch.cat(parts, -2)
 
 
@@ -218,11 +222,9 @@ def _accumulate(
         part = coefficients[..., row : row + Q.shape[-1], :]
         row += Q.shape[-1]
         if out is None:
-            out = Q @ part
-        elif out is X and not in_place:  # the first accumulation copies X
-            out = (torch.addmm if Q.ndim == 2 else torch.baddbmm)(X, Q, part, alpha=alpha)
-        else:
-            (out.addmm_ if out.ndim == 2 else out.baddbmm_)(Q, part, alpha=alpha)
+            out = precision.matmul(Q, part)
+        else:  # the first accumulation into X copies it, unless in_place
+            out = precision.accumulate(out, Q, part, alpha, in_place=out is not X or in_place)
     assert out is not None and row > 0, "an empty basis"
     return out
 
@@ -311,7 +313,7 @@ def cholesky_qr(X: Tensor, least: float = 0.5, taken: Tensor | None = None) -> T
     """
     if X.device.type != "cpu":
         return None
-    G = X.mT @ X
+    G = precision.matmul(X.mT, X)
     L, info = torch.linalg.cholesky_ex(G)
     kept = L.diagonal(dim1=-2, dim2=-1)
     if taken is not None:  # Pythagoras: the norm before = what was taken out + what is left
@@ -349,7 +351,9 @@ def start_block(
     stale = ~torch.isfinite(start.sum(-2, keepdim=True))  # (..., 1, b)
     if start.device.type == "cpu" and not bool(stale.any()):
         # The previous call's V is orthonormal already: a Gram check costs a third of its QR.
-        defect = start.mT @ start - torch.eye(start.shape[-1], dtype=A.dtype, device=A.device)
+        defect = precision.matmul(start.mT, start) - torch.eye(
+            start.shape[-1], dtype=A.dtype, device=A.device
+        )
         if missing <= 0 and bool(defect.abs().amax() <= _rounding(A.dtype)):
             return start
         return orthonormalize(start)

@@ -63,6 +63,7 @@ from spectral_callbacks.functional.krylov import (
     start_block,
 )
 from spectral_callbacks.functional.metrics import frobenius_norm_sq
+from spectral_callbacks.functional.precision import matmul as _mm
 from spectral_callbacks.functional.svd import (
     DEFAULT_K,
     DEFAULT_N_OVERSAMPLES,
@@ -259,7 +260,7 @@ def sharded_randomized_svd(
     elif tiles is None:
 
         def apply(X: Tensor) -> Tensor:  # (W^T W) X = sum_r W_r^T (W_r X), one all-reduce
-            return collective.sum(A.mT @ (A @ X), comm_dtype)
+            return collective.sum(_mm(A.mT, _mm(A, X)), comm_dtype)
 
         start = start_block(A, width, generator, init, n=d)  # (..., d, b)
         blocks, images, ritz = _krylov_blocks(apply, start, n_iter, converged)
@@ -275,17 +276,18 @@ def sharded_randomized_svd(
             # 3b. One more block gives the Rayleigh quotient of W^T W, whose top-b Ritz vectors
             #     V are kept; Rayleigh-Ritz on W then needs only the b x b Gram of W V.
             basis = _top_ritz_vectors(blocks, [*images, apply(blocks[-1])], width)
-        image = (A @ basis).to(torch.float64)  # (..., r, columns of basis)
+        image = _mm(A, basis).to(torch.float64)  # (..., r, columns of basis)
         gram = collective.sum_symmetric(image.mT @ image)
     else:
 
         def product(X: Tensor, dtype: torch.dtype | None) -> Tensor:  # W X, (..., m, b)
             # Each tile adds W[R, C] X[C] into rows R.
-            return collective.sum(_spread(A @ X.index_select(-2, cols_held), rows_held, m), dtype)
+            local = _mm(A, X.index_select(-2, cols_held))
+            return collective.sum(_spread(local, rows_held, m), dtype)
 
         def apply(X: Tensor) -> Tensor:  # W^T (W X): each tile adds W[R, C]^T (W X)[R]
             image = product(X, comm_dtype).index_select(-2, rows_held)
-            return collective.sum(_spread(A.mT @ image, cols_held, d), comm_dtype)
+            return collective.sum(_spread(_mm(A.mT, image), cols_held, d), comm_dtype)
 
         start = start_block(A, width, generator, init, n=d)
         blocks, images, ritz = _krylov_blocks(apply, start, n_iter, converged)
@@ -293,13 +295,13 @@ def sharded_randomized_svd(
             ritz = _top_ritz_vectors(blocks, [*images, apply(blocks[-1])], width)
         basis = ritz
         # (..., m, b): the whole W V on every rank, summed in float64 (the values come from it).
-        local_image = (A @ basis.index_select(-2, cols_held)).to(torch.float64)
+        local_image = _mm(A, basis.index_select(-2, cols_held)).to(torch.float64)
         image = collective.sum(_spread(local_image, rows_held, m))
         gram = image.mT @ image
     if method != "gram":  # Ritz values and the top-b Ritz vectors of the Gram of W basis
         values, vectors = torch.linalg.eigh((gram + gram.mT) / 2)  # ascending
         S = from_gram_eigenvalues(values).to(compute_dtype)
-        V = basis @ vectors.flip(-1)[..., :width].to(compute_dtype)
+        V = _mm(basis, vectors.flip(-1)[..., :width].to(compute_dtype))
     S = S[..., :k]
     # As randomized_svd: values below the rank tolerance are rounding noise, reported as 0.
     tol = max(m, d) * torch.finfo(compute_dtype).eps * S[..., :1]
@@ -352,7 +354,7 @@ def _agreed_stopping_rule(collective: _Collective, k: int, b: int, *, rank_scale
         _, excess = ritz_residuals(blocks, images, vectors, theta, k, DEFAULT_TOL, rank_scale)
         done = (excess <= 1).all(-1)
         pending = collective.sum((~done).sum().to(torch.float64).reshape(1))
-        return basis @ vectors if pending.item() == 0 else None
+        return _mm(basis, vectors) if pending.item() == 0 else None
 
     return converged
 
@@ -363,7 +365,7 @@ def _ritz_pairs(
     """The basis and the top-b Ritz values and vectors (in the basis, descending) of the Rayleigh
     quotient of ``apply`` on it, given ``apply`` of every block."""
     basis = torch.cat(blocks, -1)  # (..., d, b (depth + 1))
-    T = basis.mT @ torch.cat(images, -1)
+    T = _mm(basis.mT, torch.cat(images, -1))
     theta, vectors = torch.linalg.eigh((T + T.mT) / 2)  # ascending
     return basis, theta[..., -b:].flip(-1), vectors[..., -b:].flip(-1)
 
@@ -371,7 +373,7 @@ def _ritz_pairs(
 def _top_ritz_vectors(blocks: list[Tensor], images: list[Tensor], b: int) -> Tensor:
     """The top-b Ritz vectors of the Rayleigh quotient of ``apply`` on the Krylov basis."""
     basis, _, vectors = _ritz_pairs(blocks, images, b)
-    return basis @ vectors
+    return _mm(basis, vectors)
 
 
 def _spread(local: Tensor, index: Tensor, size: int) -> Tensor:

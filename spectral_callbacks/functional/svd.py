@@ -45,8 +45,9 @@ the usual case skips them. Warm or cold is decided from whether ``init`` was giv
 one host read per Krylov step of the stopping rule (none with an explicit ``n_iter``), and the
 error checks inside ``torch.linalg.eigh``/``svd``/``svdvals``/``eigvalsh`` (torch has no
 non-checking variants of these).
-Float32 products stay float32 even where the user enabled TF32 (``_matmul``), without touching
-that process-global setting, which training shares.
+Float32 products stay float32 even where the user enabled TF32 (``precision.matmul``, also for
+the Krylov iteration's own products), without touching that process-global setting, which
+training shares.
 
 Every path returns the same top-k: an exact path truncates its full spectrum to k, and singular
 values below ``max(m, n) * eps * sigma_1`` (``eps`` of the compute dtype, the rank tolerance of
@@ -72,6 +73,7 @@ from spectral_callbacks.functional.krylov import (
 )
 from spectral_callbacks.functional.lowrank import AdaptedMatrices
 from spectral_callbacks.functional.method_choice import bf16_tiles, choose_method, randomized_costs
+from spectral_callbacks.functional.precision import matmul as _matmul
 
 __all__ = [
     "DEFAULT_K",
@@ -590,45 +592,6 @@ def _times(B: Tensor, X: Tensor) -> Tensor:
     """``B @ X``; one column (a partial block) as ``(X^T B^T)^T``: MKL's batched GEMM with one
     column reads B at under half the speed of the GEMV this becomes."""
     return _matmul(B, X) if X.shape[-1] > 1 else _matmul(X.mT, B.mT).mT
-
-
-def _matmul(A: Tensor, B: Tensor) -> Tensor:
-    """``A @ B`` at full float32 precision even where TF32 is enabled for float32 matmuls.
-
-    ``torch.set_float32_matmul_precision("high")`` (TF32) is process-global and the SVD runs on a
-    worker thread beside training, so it cannot be switched off around the SVD without changing
-    training's matmuls. Instead each float32 CUDA operand is split into a TF32-exact head and a
-    tail, and three TF32 products recover float32 accuracy (the 3xTF32 scheme of NVIDIA's CUTLASS).
-    """
-    if A.is_cuda and A.dtype == torch.float32 and _tf32_enabled():
-        A_hi, A_lo = _split_tf32(A)
-        B_hi, B_lo = _split_tf32(B)
-        return A_hi @ B_hi + (A_hi @ B_lo + A_lo @ B_hi)
-    return A @ B
-
-
-def _tf32_enabled() -> bool:
-    """Whether float32 CUDA matmuls may run in a reduced precision (TF32), by the user's setting.
-
-    torch >= 2.9 resolves every way of setting it (``torch.backends.fp32_precision``,
-    ``torch.backends.cuda.matmul.fp32_precision``, and the legacy ``allow_tf32`` and
-    ``set_float32_matmul_precision``) into ``torch.backends.cuda.matmul.fp32_precision``; once
-    the new API has been used (as ``transformers.TrainingArguments(tf32=True)`` does), reading
-    the legacy flags raises ``RuntimeError``. The legacy flags are read only where the new API
-    does not exist.
-    """
-    precision = getattr(torch.backends.cuda.matmul, "fp32_precision", None)
-    if precision is not None:
-        return precision not in ("ieee", "none")
-    return (
-        torch.backends.cuda.matmul.allow_tf32 or torch.get_float32_matmul_precision() != "highest"
-    )
-
-
-def _split_tf32(X: Tensor) -> tuple[Tensor, Tensor]:
-    """``X = head + tail`` with ``head`` exact in TF32 (10 mantissa bits): the low 13 bits cleared."""
-    head = (X.contiguous().view(torch.int32) & -8192).view(torch.float32)  # -8192 = ~0x1FFF
-    return head, X - head
 
 
 def _check_matrix(W: object, name: str) -> None:

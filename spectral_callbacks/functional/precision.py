@@ -1,0 +1,80 @@
+"""Float32 matrix products at float32 precision, whatever the process's TF32 setting.
+
+TF32 (float32 matmuls on tensor cores with 10 mantissa bits, ``torch.backends.cuda.matmul.
+fp32_precision = "tf32"`` or its legacy forms) is process-global: training shares the setting,
+and the SVD runs on a worker thread beside it, so it cannot be switched off around the SVD. Instead
+:func:`matmul` splits each float32 CUDA operand into a head exact in TF32 and a tail, and three
+TF32 products recover float32 accuracy (the 3xTF32 scheme of NVIDIA's CUTLASS). Every float32
+product of the SVD goes through it, the products with W and the small bookkeeping products of
+the Krylov iteration (projections, combinations, Rayleigh quotients) alike: a bookkeeping product
+left in TF32 costs as much accuracy as no split at all (emulated on 1024 x 768 with
+sigma_i = i^-0.5, top 32: 1.5e-4 relative against 4e-7 with every product split). Products in
+float64 (the final Gram matrices) and decompositions (QR, eigh: cuSOLVER) are not TF32.
+
+Cost while TF32 is on: three products instead of one, and the head and tail of each operand, two
+float32 copies (8 bytes per entry of W) alive during a product with W.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+__all__ = ["accumulate", "matmul", "split_tf32", "tf32_enabled", "tf32_in_use"]
+
+
+def tf32_enabled() -> bool:
+    """Whether float32 CUDA matmuls may run in a reduced precision (TF32), by the user's setting.
+
+    torch >= 2.9 resolves every way of setting it (``torch.backends.fp32_precision``,
+    ``torch.backends.cuda.matmul.fp32_precision``, and the legacy ``allow_tf32`` and
+    ``set_float32_matmul_precision``) into ``torch.backends.cuda.matmul.fp32_precision``; once
+    the new API has been used (as ``transformers.TrainingArguments(tf32=True)`` does), reading
+    the legacy flags raises ``RuntimeError``. The legacy flags are read only where the new API
+    does not exist.
+
+    >>> tf32_enabled()
+    False
+    """
+    precision = getattr(torch.backends.cuda.matmul, "fp32_precision", None)
+    if precision is not None:
+        return precision not in ("ieee", "none")
+    return (
+        torch.backends.cuda.matmul.allow_tf32 or torch.get_float32_matmul_precision() != "highest"
+    )
+
+
+def tf32_in_use(X: Tensor) -> bool:
+    """Whether a product with the float32 operand ``X`` would run in TF32."""
+    return X.is_cuda and X.dtype == torch.float32 and tf32_enabled()
+
+
+def split_tf32(X: Tensor) -> tuple[Tensor, Tensor]:
+    """``X = head + tail`` with ``head`` exact in TF32 (10 mantissa bits): the low 13 bits cleared.
+
+    >>> head, tail = split_tf32(torch.tensor([1.0 + 2.0**-12]))
+    >>> head.item(), tail.item() == 2.0**-12
+    (1.0, True)
+    """
+    head = (X.contiguous().view(torch.int32) & -8192).view(torch.float32)  # -8192 = ~0x1FFF
+    return head, X - head
+
+
+def matmul(A: Tensor, B: Tensor) -> Tensor:
+    """``A @ B`` at full float32 precision even where TF32 is enabled for float32 matmuls."""
+    if tf32_in_use(A):
+        A_hi, A_lo = split_tf32(A)
+        B_hi, B_lo = split_tf32(B)
+        return A_hi @ B_hi + (A_hi @ B_lo + A_lo @ B_hi)
+    return A @ B
+
+
+def accumulate(out: Tensor, A: Tensor, B: Tensor, alpha: float, *, in_place: bool) -> Tensor:
+    """``out + alpha * (A @ B)`` at full float32 precision: ``addmm``/``baddbmm`` (into ``out``
+    itself ``in_place``, else into a new tensor) where the product is exact anyway."""
+    if tf32_in_use(A):
+        product = matmul(A, B)
+        return out.add_(product, alpha=alpha) if in_place else out.add(product, alpha=alpha)
+    if in_place:
+        return (out.addmm_ if out.ndim == 2 else out.baddbmm_)(A, B, alpha=alpha)
+    return (torch.addmm if A.ndim == 2 else torch.baddbmm)(out, A, B, alpha=alpha)
