@@ -3,7 +3,12 @@ after an exception, resume of a compute's state, and the TensorBoard adapter's f
 
 from __future__ import annotations
 
+import os
+import re
 import signal
+import subprocess
+import sys
+import time
 import warnings
 from pathlib import Path
 from typing import Any
@@ -247,6 +252,40 @@ def test_final_figures_are_drawn_after_an_exception_or_ctrl_c(tmp_path: Path, fa
     assert dashboards.wait_for_figures(timeout=120)  # written by the figure process, not waited
     images = _images(tmp_path / "run")
     assert any("alpha_vs_depth/Q" in tag for tag in images), images
+
+
+def test_ctrl_c_in_the_end_of_training_wait_drops_the_snapshots_at_once_in_one_line(
+    tmp_path: Path,
+) -> None:
+    # before: a KeyboardInterrupt traceback through tracker.py and engine.py, after waiting up to
+    # 5 s for the worker and warning that it did not stop
+    script = Path(__file__).with_name("interrupted_drain.py")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(script.parent), *sys.path])}
+    process = subprocess.Popen(
+        [sys.executable, str(script), str(tmp_path / "run")],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    assert process.stderr is not None and process.stdout is not None
+    lines = []
+    for line in process.stderr:
+        lines.append(line)
+        if "waiting up to" in line:
+            break
+    time.sleep(0.5)  # inside the wait
+    interrupted_at = time.monotonic()
+    process.send_signal(signal.SIGINT)
+    after = process.stdout.readline()  # the user's next line runs once close() returned
+    seconds = time.monotonic() - interrupted_at  # not counting the interpreter's own teardown
+    rest = process.stderr.read().splitlines()
+    assert process.wait(timeout=60) == 0 and after.strip() == "after the with block"
+    assert "waiting up to" in lines[-1] and "Ctrl-C drops them" in lines[-1], lines
+    assert len(rest) == 1 and re.search(
+        r"Ctrl-C: stopped waiting; [1-4] snapshot\(s\) dropped", rest[0]
+    ), rest
+    assert seconds < 2.0, seconds  # one shape group's 0.3 s at most, not a 5 s join
 
 
 class _CountingCompute:

@@ -425,7 +425,7 @@ class SnapshotEngine:
         if worker is not None:
             self._queue.put(None)
             worker.join(timeout)
-            if worker.is_alive():
+            if worker.is_alive() and timeout > 0:  # 0: the caller chose not to wait
                 rank_zero_warn(
                     f"SpectralMonitor's worker thread did not stop within {timeout} s; it is left "
                     "running as a daemon thread and its snapshot is dropped",

@@ -105,7 +105,11 @@ class Engine(Protocol):
         ...
 
     def close(self, timeout: float = 5.0) -> None:
-        """Stop the background work; queued snapshots are dropped. Idempotent."""
+        """Stop the background work; queued snapshots are dropped. Idempotent.
+
+        A computation still running after ``timeout`` seconds is left to a daemon thread, with a
+        warning unless ``timeout`` is 0 (the caller chose not to wait).
+        """
         ...
 
 

@@ -211,7 +211,6 @@ class SpectralTracker:
         self._previous_time: float | None = None
         self._warned_non_finite = False
         self._closed = False
-        self._draining = False  # in the end-of-training wait (a Ctrl-C there must not wait again)
         self._unflushed = False
         self._flushed_at = -float("inf")
         if state is not None:
@@ -318,19 +317,26 @@ class SpectralTracker:
                 what finishes within ``drain_timeout`` is logged with the final figures, and an
                 error of the spectral work is only warned about, so it never hides ``error``.
 
-        Idempotent; also called by ``with SpectralTracker(...)`` on exit.
+        A Ctrl-C during the wait drops what is in flight, says so in one line and returns (the
+        worker finishes at most the shape group it is in). Idempotent; also called by
+        ``with SpectralTracker(...)`` on exit.
         """
         if self._closed:
             return
         if step is not None:
             _check_step(step)
+        wait = True
         try:
-            if self._engine is not None and error is None:
-                self._finish(self._previous_step if step is None else step)
-            elif self._engine is not None:
-                self._finish_after_exception()
+            try:
+                if self._engine is not None and error is None:
+                    self._finish(self._previous_step if step is None else step)
+                elif self._engine is not None:
+                    self._finish_after_exception()
+            except KeyboardInterrupt:  # the wait said "Ctrl-C drops them": so it does, and returns
+                wait = False
+                self._interrupted()
         finally:
-            self._shutdown()
+            self._shutdown(wait=wait)
 
     def __enter__(self) -> SpectralTracker:
         return self
@@ -487,7 +493,6 @@ class SpectralTracker:
         offered = self.schedule.last_snapshot_step == step
         if not offered:
             self.schedule.record_snapshot(step)
-        self._draining = True
         self._announce_wait(deadline, final_snapshot=not offered)
         self._engine.finish(step, offered=offered, deadline=deadline)
         self._collect_and_log(wait_seconds=max(0.0, deadline - time.monotonic()))
@@ -497,13 +502,12 @@ class SpectralTracker:
     def _finish_after_exception(self) -> None:
         assert self._engine is not None
         self._engine.abort()  # peers may never reach another collective
-        # Interrupted during the end-of-training wait (a Ctrl-C while it waited): do not wait again.
-        wait = 0.0 if self._draining else self.options.drain_timeout
+        wait = self.options.drain_timeout
         try:
             if self.rank == 0:
                 self._announce_wait(time.monotonic() + wait)
                 self._collect_and_log(wait_seconds=wait)
-                self._warn_if_left(interrupted=self._draining)
+                self._warn_if_left()
                 # Bounded more tightly: the user is waiting for their exception (or Ctrl-C).
                 self._draw_final(time.monotonic() + min(wait, 10.0))
         except Exception as error:  # noqa: BLE001 - reported, the original exception propagates
@@ -526,24 +530,34 @@ class SpectralTracker:
                 f"{' and '.join(what)}; Ctrl-C drops them"
             )
 
-    def _warn_if_left(self, interrupted: bool = False) -> None:
+    def _warn_if_left(self) -> None:
         if self._engine is not None and self._engine.pending:
-            why = (
-                "were still in flight when the end-of-training wait was interrupted"
-                if interrupted
-                else f"did not finish within drain_timeout={self.options.drain_timeout} s"
-            )
-            advice = "" if interrupted else "; raise `drain_timeout` or lower `k`"
             rank_zero_warn(
-                f"{self.caller}: {self._engine.pending} snapshot(s) {why} and are dropped{advice}",
+                f"{self.caller}: {self._engine.pending} snapshot(s) did not finish within "
+                f"drain_timeout={self.options.drain_timeout} s and are dropped; raise "
+                "`drain_timeout` or lower `k`",
                 category=RuntimeWarning,
             )
 
-    def _shutdown(self) -> None:
+    def _interrupted(self) -> None:
+        """Ctrl-C in the end-of-training wait: what the announcement promised, said in one line."""
+        pending = self._engine.pending if self._engine is not None else 0
+        rank_zero_info(f"{self.caller}: Ctrl-C: stopped waiting; {pending} snapshot(s) dropped")
+
+    def _shutdown(self, wait: bool = True) -> None:
         self._closed = True
-        if self._engine is not None:
-            self._engine.close(timeout=min(5.0, self.options.drain_timeout))
-        self._figures.close(timeout=min(5.0, self.options.drain_timeout))
+        # The worker finishes at most the shape group it is in (a daemon thread; the exit hook
+        # waits for it to leave torch); timeout 0 is not waiting, which needs no warning.
+        timeout = min(5.0, self.options.drain_timeout) if wait else 0.0
+        try:
+            if self._engine is not None:
+                self._engine.close(timeout=timeout)
+            self._figures.close(timeout=timeout)
+        except KeyboardInterrupt:  # Ctrl-C while the worker or a drawing finishes: stop waiting
+            self._interrupted()
+            if self._engine is not None:
+                self._engine.close(timeout=0.0)
+            self._figures.close(timeout=0.0)
         self._flush(now=True)
         if self._own_logger is not None:
             self._own_logger.finalize("success")

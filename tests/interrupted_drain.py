@@ -1,0 +1,31 @@
+"""A plain loop whose end-of-training wait the parent interrupts with SIGINT (Ctrl-C).
+
+Run by tests/test_tracker.py: ``python interrupted_drain.py LOGDIR``. Each shape group's compute
+takes 0.3 s, so at the end four snapshots are still in flight when the wait begins.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import Any
+
+import torch
+from tiny_models import GPT, GPTConfig, exact_compute
+
+from spectral_callbacks import SpectralTracker
+
+
+def slow(group: Any, batch: torch.Tensor) -> dict[str, torch.Tensor]:
+    time.sleep(0.3)  # one shape group's SVD
+    return exact_compute(group, batch)
+
+
+model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16))
+options: dict[str, Any] = dict(
+    compute=slow, metrics=("stable_rank",), figures=False, every_n_steps=1, log_spaced_until=0
+)
+with SpectralTracker(model, logdir=sys.argv[1], max_pending=4, synchronous=False, **options) as t:
+    for step in range(1, 4):
+        t.step(step)
+print("after the with block", flush=True)
