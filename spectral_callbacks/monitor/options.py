@@ -21,7 +21,8 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
-from collections.abc import Sequence
+import os
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -160,6 +161,11 @@ class MonitorOptions:
         history_size: snapshots kept in memory for the figures. Default ``256``.
         compute: replace the SVD + metrics function (``(group, batch) -> {metric: (B,) tensor}``).
             Default ``None`` (:class:`~spectral_callbacks.monitor.compute.SpectrumCompute`).
+        delta: also log the update family (``spectral_update_*``) of each dense watched matrix
+            against a reference: ``"first"`` (its weights when the tracker starts) or a base
+            model's ``state_dict`` or the path of one (``.safetensors``, ``.pt``, a model
+            directory). Keeps one copy of every watched matrix on its device for the whole run,
+            refused at construction when it does not fit (docs/fine-tuning.md). Default ``None``.
 
     Raises:
         ConfigurationError: an argument out of range or of the wrong type, named in the message.
@@ -190,6 +196,7 @@ class MonitorOptions:
     worker_nice: int | None = None
     history_size: int = 256
     compute: Any = None
+    delta: Any = None
 
     def __post_init__(self) -> None:
         metrics = self.metrics
@@ -281,6 +288,16 @@ class MonitorOptions:
             self.compute,
             self.compute is None or callable(self.compute),
             "None or a function (group, batch) -> {metric: (B,) tensor}",
+        )
+        delta = self.delta
+        require(
+            "delta",
+            delta,
+            delta is None
+            or isinstance(delta, Mapping)
+            or isinstance(delta, str | os.PathLike)
+            and bool(str(delta)),
+            "None, 'first', a state_dict of the base weights or the path of one",
         )
 
     def _check_fit_ranks(self) -> None:

@@ -138,6 +138,8 @@ class SpectralTracker:
         self.options = options
         self.caller = caller
         self.targets = self._find_targets(model)
+        if options.delta is not None:
+            self.targets = self._with_references(self.targets, options.delta)
         found = list(dict.fromkeys(target.role for target in self.targets))
         figure_roles = options.figure_roles
         require(
@@ -403,6 +405,17 @@ class SpectralTracker:
                 "`spectral_callbacks.format_targets(find_targets(model))`, then pass `mapping=`"
             )
         return targets
+
+    def _with_references(self, targets: list[Any], delta: Any) -> list[Any]:
+        """The dense targets as ``DeltaTarget``s keeping their reference (``delta=``)."""
+        from spectral_callbacks.monitor.options import ConfigurationError
+        from spectral_callbacks.targets.delta import with_references
+        from spectral_callbacks.targets.errors import TargetError
+
+        try:
+            return with_references(targets, delta, self.caller)
+        except TargetError as error:
+            raise ConfigurationError(str(error)) from error
 
     def _offer(self, step: int) -> None:
         assert self._engine is not None
