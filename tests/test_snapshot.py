@@ -42,6 +42,37 @@ def test_snapshot_is_an_exact_copy_untouched_by_the_next_update() -> None:
     assert snapshot.main_thread_seconds >= 0 and snapshot.copied == {}
 
 
+def test_a_one_matrix_group_and_interleaved_rows_are_copies_untouched_by_the_next_update() -> None:
+    from spectral_callbacks.targets.target import Rows, Target
+
+    torch.manual_seed(0)
+    alone = torch.nn.Parameter(torch.randn(7, 5))  # the only 7x5 matrix: a group of one
+    fused = torch.nn.Parameter(torch.randn(12, 5))  # 2 heads x (Q, K, V) x 2 rows, per head
+    targets = [Target.from_parameter("alone", alone, role="Q")] + [
+        Target.from_parameter(
+            "fused", fused, role=role, rows=Rows(2 * part, 2 * part + 2, groups=2), fused=True
+        )
+        for part, role in enumerate(("Q", "K", "V"))
+    ]
+    # Independent reference: the rows of each part picked by hand, head by head.
+    heads = fused.detach().clone().reshape(2, 6, 5)
+    expected = [alone.detach().clone()] + [
+        heads[:, 2 * part : 2 * part + 2].reshape(4, 5) for part in range(3)
+    ]
+    groups = group_by_shape(targets)
+    assert [group.names for group in groups] == [
+        ("alone",),
+        ("fused[Q]", "fused[K]", "fused[V]"),
+    ]
+    snapshot = take_snapshot(groups, step=1)
+    with torch.no_grad():
+        alone.mul_(-2.0)  # the next update, in place
+        fused.add_(1.0)
+    stacks = [snapshot.tensors["7x5/float32/cpu"][0]] + list(snapshot.tensors["4x5/float32/cpu"])
+    for stacked, reference in zip(stacks, expected, strict=True):
+        assert torch.equal(stacked, reference)
+
+
 def test_snapshot_keeps_the_parameter_dtype() -> None:
     weights = {"w": torch.randn(4, 4).to(torch.float16)}
     snapshot = take_snapshot(group_by_shape(_targets(weights)), step=0)
