@@ -23,7 +23,7 @@ from tiny_models import RecordingLogger, TinyGPT, exact_compute, quiet_trainer, 
 from spectral_callbacks import SpectralMonitor, SpectralTracker, tensorboard_adapter
 from spectral_callbacks.monitor import dashboards
 from spectral_callbacks.monitor.options import ConfigurationError, MonitorOptions
-from spectral_callbacks.names import scalar_tag
+from spectral_callbacks.names import monitor_tag, scalar_tag
 from spectral_callbacks.offline.events import read_event_file
 
 Q0 = scalar_tag("stable_rank", 0, "Q")
@@ -445,3 +445,50 @@ def test_the_writers_are_flushed_at_most_once_an_interval_and_at_close(
     points, problem = read_event_file(path)
     assert problem is None
     assert sorted({step for tag, step, _, _ in points if tag == Q0}) == list(range(7))
+
+
+def test_health_scalars_are_the_measured_costs_and_pending_reaches_its_bound(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from spectral_callbacks.monitor import snapshot as snapshot_module
+
+    copy_sleep, svd_sleep, max_pending = 0.02, 0.1, 3
+    stack = snapshot_module._stack
+
+    def slow_stack(group: Any) -> torch.Tensor:  # a copy that costs a known time per group
+        time.sleep(copy_sleep)
+        return stack(group)
+
+    def slow_compute(group: Any, batch: torch.Tensor) -> dict[str, torch.Tensor]:
+        time.sleep(svd_sleep)
+        return exact_compute(group, batch)
+
+    monkeypatch.setattr(snapshot_module, "_stack", slow_stack)
+    model = torch.nn.TransformerEncoderLayer(16, 2, dim_feedforward=32)
+    logger = RecordingLogger()
+    with SpectralTracker(
+        model,
+        ["stable_rank"],
+        writers=[logger],
+        compute=slow_compute,
+        every_n_steps=1,
+        log_spaced_until=0,
+        max_pending=max_pending,
+        figures=False,
+    ) as tracker:
+        groups = len(snapshot_module.group_by_shape(tracker.targets))
+        for step in range(1, 41):
+            time.sleep(0.02)  # a training step, shorter than a snapshot's SVDs
+            tracker.step(step)
+    main_ms = logger.series(monitor_tag("main_thread_ms"))
+    svd_ms = logger.series(monitor_tag("svd_ms"))
+    pending = logger.series(monitor_tag("pending"))
+    assert (
+        groups == 3 and len(main_ms) >= 3 and sorted(main_ms) == sorted(svd_ms) == sorted(pending)
+    )
+    assert all(
+        1000 * groups * copy_sleep <= ms < 1000 * groups * svd_sleep for ms in main_ms.values()
+    )
+    assert all(ms >= 1000 * groups * svd_sleep for ms in svd_ms.values())
+    # Logged once its own result is collected: the others still in flight, max_pending - 1 at most.
+    assert max(pending.values()) == max_pending - 1
