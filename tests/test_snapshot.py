@@ -132,3 +132,26 @@ def test_the_compute_stream_reads_the_stack_only_after_the_copy() -> None:
     engine.close()
     assert result.metrics["w"]["sum"] == pytest.approx(expected, rel=1e-9)
     assert result.copy_seconds >= 0 and result.svd_seconds >= 0
+
+
+def test_a_snapshot_of_targets_that_copy_themselves_never_builds_their_matrix() -> None:
+    # matrix() of an interleaved per-head split is a whole copy; the stack's shape, dtype and
+    # device come from the group, so a snapshot makes only the copy_into copies.
+    weights = [torch.randn(6, 4), torch.randn(6, 4)]
+    built: list[int] = []
+
+    def target(index: int) -> SimpleNamespace:
+        def matrix() -> torch.Tensor:
+            built.append(index)
+            return weights[index].clone()
+
+        def copy_into(out: torch.Tensor) -> None:
+            out.copy_(weights[index])
+
+        return SimpleNamespace(name=f"w{index}", matrix=matrix, copy_into=copy_into)
+
+    groups = group_by_shape([target(0), target(1)])
+    built.clear()  # grouping reads each shape once, at construction
+    snapshot = take_snapshot(groups, step=3)
+    assert built == []
+    assert torch.equal(snapshot.tensors[groups[0].key], torch.stack(weights))

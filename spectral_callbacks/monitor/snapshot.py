@@ -144,10 +144,12 @@ def _stack(group: ShapeGroup) -> Any:
     stack_batch = getattr(group.targets[0], "stack_batch", None)
     if stack_batch is not None:
         return stack_batch(group.targets)
-    first = group.targets[0].matrix()
-    # Allocated on the device's current stream, the training stream: its memory returns to
-    # training's pool when the engine frees it (after `record_stream` on the compute stream).
-    stack = torch.empty((len(group.targets), *first.shape), dtype=first.dtype, device=first.device)
+    # Shape, dtype and device from the group, not from a target's matrix(): for an interleaved
+    # per-head split that is a whole copy. Allocated on the device's current stream, the training
+    # stream: its memory returns to training's pool when the engine frees it (after
+    # `record_stream` on the compute stream).
+    shape = (len(group.targets), *group.shape)
+    stack = torch.empty(shape, dtype=group.dtype, device=torch.device(group.device))
     for slot, target in zip(stack, group.targets, strict=True):
         copy_into = getattr(target, "copy_into", None)
         if copy_into is not None:

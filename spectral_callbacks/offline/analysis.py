@@ -9,6 +9,7 @@ custom run.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 from pathlib import Path
@@ -45,14 +46,16 @@ def analyze_model(
         layers L of the model.
     """
     from spectral_callbacks.functional import spectral_metrics
-    from spectral_callbacks.monitor.snapshot import ShapeGroup, group_by_shape, take_snapshot
+    from spectral_callbacks.monitor.snapshot import group_by_shape, take_snapshot
     from spectral_callbacks.targets import find_targets
 
     targets = find_targets(model)
     results: dict[str, dict[str, float]] = {}
     for group in group_by_shape(targets):
         for start in range(0, len(group.targets), BATCH_MATRICES):
-            chunk = ShapeGroup(group.key, group.targets[start : start + BATCH_MATRICES])
+            chunk = dataclasses.replace(
+                group, targets=group.targets[start : start + BATCH_MATRICES]
+            )
             snapshot = take_snapshot([chunk], step=0)
             metrics = spectral_metrics(snapshot.tensors[chunk.key].float(), **options)  # (B,) each
             for position, name in enumerate(chunk.names):
