@@ -3,13 +3,14 @@
 Runs on the device machine as it is (its system ``python3`` with torch, lightning, tensorboard,
 transformers, pandas, matplotlib, pytest; no venv, no network), from the repository root with
 ``PYTHONPATH=.``, in at most ~8 minutes on an H200: every part has its own time budget and reports
-"over budget" instead of running late. Rows:
+"over budget" instead of running late; the table is printed row by row as results come. Rows:
 
-* GPU tests: ``pytest -m gpu`` in a subprocess (JUnit XML parsed): passed / failed, and each
-  failure's first line;
+* GPU tests: ``pytest -m gpu``, one subprocess per test file (its ``-v`` lines parsed, so a
+  file stopped at the budget keeps what it finished): passed / failed, and each failure's reason;
 * training overhead at defaults for a GPU-sized GPT (12 x 768, ``bf16-mixed``, >= 300 steps),
   with and without the callback alternating in one process (``benchmarks/overhead.py``'s code);
-* main-thread ms per snapshot beside one device-to-device copy of the watched weights;
+* main-thread ms per snapshot beside the host time of launching the same copies in a bare loop
+  (like with like: both are launches), with the copy kernels' own device time;
 * side-stream SVD ms per snapshot (busy time, from the callback's health scalars);
 * randomized SVD (the defaults) against the best exact CUDA method (``svdvals`` of either
   orientation, ``eigvalsh`` of the smaller Gram matrix) on benchmarks/svd_accuracy.py's shapes:
@@ -34,7 +35,6 @@ import sys
 import tempfile
 import threading
 import time
-import xml.etree.ElementTree as ET
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -99,75 +99,93 @@ def format_table(rows: Sequence[Row], title: str) -> str:
     return "\n".join(lines)
 
 
-def junit_rows(xml_text: str) -> list[Row]:
-    """Rows from pytest's JUnit XML: one for the totals, one per failed or erroring test.
+def gpu_test_files() -> list[Path]:
+    """The test files that hold GPU tests (``@pytest.mark.gpu``), in name order."""
+    return [
+        path
+        for path in sorted((ROOT / "tests").glob("test_*.py"))
+        if "mark.gpu" in path.read_text(encoding="utf-8")
+    ]
 
-    >>> xml = ('<testsuites><testsuite><testcase classname="t" name="ok"/>'
-    ...        '<testcase classname="t" name="bad"><failure message="assert 1 == 2&#10;more"/>'
-    ...        '</testcase><testcase classname="t" name="s"><skipped message="no"/></testcase>'
-    ...        '</testsuite></testsuites>')
-    >>> [(row.check, row.result, row.note) for row in junit_rows(xml)]
-    [('GPU tests', '1 passed, 1 failed, 1 skipped', ''), ('  t::bad', 'failed', 'assert 1 == 2')]
+
+def verbose_rows(output: str) -> list[Row]:
+    """Rows from ``pytest -v -rfE`` output: the totals, then one per failed or erroring test.
+
+    Read line by line, so the output of a run stopped at its budget still counts every test that
+    finished before it (a JUnit report is written only at the end).
+
+    >>> out = ("tests/t.py::ok PASSED  [ 33%]\\ntests/t.py::bad FAILED  [ 66%]\\n"
+    ...        "tests/t.py::s SKIPPED (no)  [100%]\\nFAILED tests/t.py::bad - assert 1 == 2\\n")
+    >>> [(row.check, row.result, row.note) for row in verbose_rows(out)]
+    [('GPU tests', '1 passed, 1 failed, 1 skipped', ''), ('  tests/t.py::bad', 'failed', 'assert 1 == 2')]
     """
+    outcomes: dict[str, str] = {}
+    reasons: dict[str, str] = {}
+    for line in output.splitlines():
+        parts = line.split()
+        if len(parts) >= 2 and "::" in parts[0] and parts[1] in _OUTCOMES:
+            outcomes[parts[0]] = _OUTCOMES[parts[1]]
+        elif len(parts) >= 2 and parts[0] in ("FAILED", "ERROR") and "::" in parts[1]:
+            reasons[parts[1]] = line.partition(" - ")[2]
     counts = {"passed": 0, "failed": 0, "skipped": 0}
-    failures = []
-    for case in ET.fromstring(xml_text).iter("testcase"):
-        problem = case.find("failure")
-        if problem is None:
-            problem = case.find("error")
-        if problem is not None:
-            counts["failed"] += 1
-            text = problem.get("message") or problem.text or ""
-            first = next((line for line in text.splitlines() if line.strip()), "")
-            failures.append(
-                Row(f"  {case.get('classname')}::{case.get('name')}", "failed", "", first[:160])
-            )
-        elif case.find("skipped") is not None:
-            counts["skipped"] += 1
-        else:
-            counts["passed"] += 1
+    for outcome in outcomes.values():
+        counts[outcome] += 1
     summary = ", ".join(
         f"{count} {name}" for name, count in counts.items() if count or name != "skipped"
     )
+    failures = [
+        Row(f"  {test}", "failed", "", reasons.get(test, "")[:160])
+        for test, outcome in outcomes.items()
+        if outcome == "failed"
+    ]
     return [Row("GPU tests", summary, "", ""), *failures]
 
 
-def run_gpu_tests(budget: float) -> list[Row]:
-    """``pytest -m gpu`` in a subprocess, within ``budget`` seconds."""
-    with tempfile.TemporaryDirectory() as tmp:
-        report = Path(tmp) / "gpu.xml"
+_OUTCOMES = {
+    "PASSED": "passed",
+    "XPASS": "passed",
+    "FAILED": "failed",
+    "ERROR": "failed",
+    "SKIPPED": "skipped",
+    "XFAIL": "skipped",
+}
+
+
+def run_gpu_tests(budget: float, emit: Callable[[Row], None]) -> list[Row]:
+    """``pytest -m gpu``, one run per test file, within ``budget`` seconds in all.
+
+    Each file's rows are emitted as soon as it is done; a file stopped at the budget keeps the
+    tests it finished, and the files after it are reported as not run.
+    """
+    deadline = time.monotonic() + budget
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    rows: list[Row] = []
+    for path in gpu_test_files():
+        name = path.relative_to(ROOT).as_posix()
+        left = deadline - time.monotonic()
+        if left < 5:
+            rows.append(Row(f"GPU tests {name}", "not run: over budget", "all green"))
+            emit(rows[-1])
+            continue
         command = [
-            sys.executable,
-            "-m",
-            "pytest",
-            "-m",
-            "gpu",
-            "-q",
-            "-p",
-            "no:cacheprovider",
-            f"--junitxml={report}",
-            "tests",
-        ]
-        env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+            sys.executable, "-m", "pytest", "-m", "gpu", "-v", "-rfE", "-p", "no:cacheprovider",
+            name,
+        ]  # fmt: skip
         try:
             done = subprocess.run(
-                command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=budget
+                command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=left
             )
-        except subprocess.TimeoutExpired:
-            return [Row("GPU tests", f"over budget: stopped after {budget:.0f} s", "all green")]
-        if not report.exists():
-            tail = (done.stdout + done.stderr).strip().splitlines()[-1:] or [""]
-            return [
-                Row(
-                    "GPU tests",
-                    f"pytest exit {done.returncode}, no report",
-                    "all green",
-                    tail[0][:160],
-                )
-            ]
-        rows = junit_rows(report.read_text())
-        rows[0].target = "all green"
-        return rows
+            output, stopped = done.stdout, ""
+        except subprocess.TimeoutExpired as timeout:
+            out = timeout.stdout or b""
+            output = out.decode(errors="replace") if isinstance(out, bytes) else out
+            stopped = f"; stopped at the budget ({budget:.0f} s in all)"
+        file_rows = verbose_rows(output)
+        file_rows[0] = Row(f"GPU tests {name}", file_rows[0].result + stopped, "all green")
+        for row in file_rows:
+            emit(row)
+        rows += file_rows
+    return rows
 
 
 def timed_cuda(fn: Callable[[], object], repeats: int) -> float:
@@ -186,8 +204,9 @@ def timed_cuda(fn: Callable[[], object], repeats: int) -> float:
     return statistics.median(times)
 
 
-def copy_of_watched_weights_ms(args: argparse.Namespace) -> float:
-    """One device-to-device copy of every matrix the callback watches in the overhead model."""
+def copy_of_watched_weights_ms(args: argparse.Namespace) -> tuple[float, float]:
+    """The copies a snapshot makes of the overhead model's watched matrices, one per matrix:
+    (host ms to launch them all, in a bare loop; device ms the copy kernels take)."""
     import torch
 
     sys.path.insert(0, str(ROOT / "examples"))
@@ -206,7 +225,15 @@ def copy_of_watched_weights_ms(args: argparse.Namespace) -> float:
         for out, source in zip(copies, sources, strict=True):
             out.copy_(source)
 
-    return timed_cuda(copy_all, repeats=10)
+    device_ms = timed_cuda(copy_all, repeats=10)
+    launches = []
+    for _ in range(10):
+        torch.cuda.synchronize()  # an empty queue: the launches never wait for room
+        start = time.perf_counter()
+        copy_all()
+        launches.append(1000 * (time.perf_counter() - start))
+    torch.cuda.synchronize()
+    return statistics.median(launches), device_ms
 
 
 def run_overhead(args: argparse.Namespace, budget: float) -> list[Row]:
@@ -241,7 +268,7 @@ def run_overhead(args: argparse.Namespace, budget: float) -> list[Row]:
     )
     step_ms = 1000 * statistics.median(n["train"] for n in results["none"]) / args.steps
     default = results["default"][-1]
-    copy_ms = copy_of_watched_weights_ms(args)
+    launch_ms, copy_ms = copy_of_watched_weights_ms(args)
     main_ms = statistics.median(r["main_ms"] for r in results["default"])
     return [
         Row(
@@ -253,8 +280,9 @@ def run_overhead(args: argparse.Namespace, budget: float) -> list[Row]:
         Row(
             "main-thread ms per snapshot",
             f"{main_ms:.2f}",
-            f"<= 2 x copy = {2 * copy_ms:.2f}",
-            f"one D2D copy of the watched weights: {copy_ms:.2f} ms",
+            f"<= 2 x launches = {2 * launch_ms:.2f}",
+            f"host time of the same copy launches in a bare loop: {launch_ms:.2f} ms; "
+            f"the copy kernels take {copy_ms:.2f} ms on the device",
         ),
         Row(
             "side-stream SVD ms per snapshot",
@@ -277,10 +305,15 @@ def run_svd(budget: float) -> list[Row]:
     deadline = time.monotonic() + budget
     generator = torch.Generator(device="cuda").manual_seed(0)
     rows = []
+    previous: tuple[float, float] | None = None  # (seconds, m n min(m, n)) of the last shape
     for m, n in SHAPES:
-        if time.monotonic() > deadline:
-            rows.append(Row(f"SVD {m}x{n}", "over budget", ""))
+        # The exact contenders cost ~ m n min(m, n): a shape that would end past the budget, by
+        # the last one's rate, is not started (4096 x 4096 costs ~ 20x 1024 x 4096).
+        expected = 0.0 if previous is None else previous[0] * m * n * min(m, n) / previous[1]
+        if time.monotonic() + expected > deadline:
+            rows.append(Row(f"SVD {m}x{n}", f"not run: would pass the {budget:.0f} s budget", ""))
             continue
+        began = time.monotonic()
         W = torch.randn(m, n, device="cuda", generator=generator) / n**0.5
         small = W.T if m >= n else W  # (min, max)
         # Float64 truth from the smaller Gram matrix: exact for sigma_1 and ||W||_F, and fast.
@@ -304,6 +337,7 @@ def run_svd(budget: float) -> list[Row]:
                 f"stable rank error {100 * (ours / truth - 1):+.3f} % (target 1 %)",
             )
         )
+        previous = (time.monotonic() - began, m * n * min(m, n))
     return rows
 
 
@@ -410,28 +444,34 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
     warnings.filterwarnings("ignore")
-    rows: list[Row] = []
     started = time.monotonic()
+    title = f"gpu-check on {torch.cuda.get_device_name()}, torch {torch.__version__}"
+    # The table is written row by row as each result comes: a run stopped at any point keeps
+    # every row measured before it.
+    print(format_table([], title), flush=True)
+
+    def emit(row: Row) -> None:
+        print(format_table([row], "").splitlines()[-1], flush=True)
+
     for part in args.parts:
         budget = BUDGETS[part]
         try:
             if part == "tests":
-                rows += run_gpu_tests(budget)
-            elif part == "overhead":
-                rows += run_overhead(args, budget)
-            elif part == "svd":
-                rows += run_svd(budget)
+                run_gpu_tests(budget, emit)  # emits each file's rows itself
             else:
-                rows += run_figures(budget)
+                if part == "overhead":
+                    part_rows = run_overhead(args, budget)
+                elif part == "svd":
+                    part_rows = run_svd(budget)
+                else:
+                    part_rows = run_figures(budget)
+                for row in part_rows:
+                    emit(row)
         except Exception as error:  # noqa: BLE001 - one broken part must not hide the others
             first = str(error).strip().splitlines()[:1] or [""]
-            rows.append(Row(part, f"error: {type(error).__name__}", "", first[0][:160]))
+            emit(Row(part, f"error: {type(error).__name__}", "", first[0][:160]))
         print(f"[{part} done at {time.monotonic() - started:.0f} s]", file=sys.stderr, flush=True)
-    title = (
-        f"gpu-check on {torch.cuda.get_device_name()}, torch {torch.__version__}, "
-        f"{time.monotonic() - started:.0f} s"
-    )
-    print(format_table(rows, title))
+    print(f"\n{time.monotonic() - started:.0f} s in all", flush=True)
     return 0
 
 

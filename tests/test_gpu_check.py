@@ -50,16 +50,44 @@ def test_the_table_has_one_row_per_result_and_escapes_cells() -> None:
     assert table[5] == "| c | ok |  |  |" and len(table) == 6
 
 
-def test_junit_failures_keep_their_first_line() -> None:
-    xml = (
-        '<testsuites><testsuite><testcase classname="tests.test_cuda" name="test_a"/>'
-        '<testcase classname="tests.test_cuda" name="test_b"><error message="">'
-        "\\nRuntimeError: CUDA error: out of memory\\nmore</error></testcase></testsuite></testsuites>"
-    ).replace("\\n", "\n")
-    summary, failure = gpu_check.junit_rows(xml)
+def test_a_stopped_test_run_keeps_what_it_finished_and_each_failure_reason() -> None:
+    output = (
+        "tests/test_cuda.py::test_a PASSED   [ 50%]\n"
+        "tests/test_cuda.py::test_b FAILED   [100%]\n"
+        "tests/test_cuda.py::test_c "  # killed at the budget while test_c ran
+    )
+    summary, failure = gpu_check.verbose_rows(
+        output + "\nFAILED tests/test_cuda.py::test_b - RuntimeError: CUDA error: out of memory\n"
+    )
     assert summary.result == "1 passed, 1 failed"
-    assert failure.check.strip() == "tests.test_cuda::test_b"
+    assert failure.check.strip() == "tests/test_cuda.py::test_b"
     assert failure.note == "RuntimeError: CUDA error: out of memory"
+    (only,) = gpu_check.verbose_rows(output.replace("FAILED", "PASSED"))
+    assert only.result == "2 passed, 0 failed"
+
+
+def test_the_gpu_test_files_are_the_ones_with_gpu_tests() -> None:
+    names = {path.name for path in gpu_check.gpu_test_files()}
+    assert {"test_cuda.py", "test_svd.py", "test_snapshot.py"} <= names
+    assert "test_metrics.py" not in names
+
+
+def test_the_table_is_written_row_by_row(monkeypatch: pytest.MonkeyPatch, capsys) -> None:
+    # Parts emit rows as they finish: what a part printed survives a later part that is killed.
+    printed: list[str] = []
+    gpu_check_rows = [gpu_check.Row("first", "1"), gpu_check.Row("second", "2")]
+
+    def emit_two(budget: float, emit) -> list:
+        for row in gpu_check_rows:
+            emit(row)
+            printed.append(capsys.readouterr().out)
+        return gpu_check_rows
+
+    monkeypatch.setattr(gpu_check, "run_gpu_tests", emit_two)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda: "fake")
+    assert gpu_check.main(["--parts", "tests"]) == 0
+    assert "| first | 1 |" in printed[0] and "| second | 2 |" in printed[1]
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the machine without CUDA")
