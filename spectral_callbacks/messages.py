@@ -1,18 +1,23 @@
 """Warnings and notes from global rank 0 only: under DDP every rank would print each one.
 
-The functions are ``lightning_utilities``' (what Lightning's own callbacks use), without importing
-Lightning itself. Lightning sets the rank when it starts its processes; before that (a plain loop,
+They follow ``lightning_utilities``' rank-zero functions (what Lightning's own callbacks use),
+without importing Lightning itself. Lightning sets the rank when it starts its processes; before that (a plain loop,
 ``torchrun``, the Hugging Face Trainer) it is read from the launcher's environment, as Lightning
 reads it.
 """
 
 from __future__ import annotations
 
+import concurrent.futures.thread
+import contextlib
+import importlib.util
 import logging
 import os
+import sys
+import threading
+import warnings
 
 from lightning_utilities.core.rank_zero import rank_zero_only
-from lightning_utilities.core.rank_zero import rank_zero_warn as _rank_zero_warn
 
 __all__ = ["rank_zero_info", "rank_zero_warn"]
 
@@ -25,15 +30,59 @@ if not logging.getLogger().hasHandlers():
     _log.propagate = False
 
 
-def rank_zero_warn(
-    message: str, category: type[Warning] = UserWarning, stacklevel: int = 1
-) -> None:
-    """``warnings.warn`` on global rank 0 only; ``stacklevel`` counts as ``warnings.warn``'s does.
+def rank_zero_warn(message: str, category: type[Warning] = UserWarning) -> None:
+    """``warnings.warn`` on global rank 0 only, located at the user's line or at none.
 
-    lightning_utilities' function adds three frames of its own (and this one a fourth): they are
-    added here once, so a caller writes the stacklevel it would give ``warnings.warn``.
+    The location is the innermost frame outside this package and the frameworks that call it
+    (Lightning, Hugging Face, torch, the threading machinery): the user's ``trainer.fit(...)``,
+    ``tracker.step(step)`` or ``find_targets(model)``. Where there is none (a background thread),
+    the warning names no file, rather than the library's own source line.
     """
-    _rank_zero_warn(message, category=category, stacklevel=stacklevel + 4)
+    if getattr(rank_zero_only, "rank", 0) != 0:
+        return
+    frame = sys._getframe(1)
+    while frame is not None and frame.f_code.co_filename.startswith(_NOT_THE_USER):
+        frame = frame.f_back  # type: ignore[assignment]
+    if frame is None:
+        warnings.warn_explicit(message, category, "spectral_callbacks", 0, registry={})
+        return
+    registry = frame.f_globals.setdefault("__warningregistry__", {})
+    warnings.warn_explicit(
+        message,
+        category,
+        frame.f_code.co_filename,
+        frame.f_lineno,
+        module=frame.f_globals.get("__name__"),
+        registry=registry,
+        module_globals=frame.f_globals,
+    )
+
+
+def _package_dirs(*names: str) -> tuple[str, ...]:
+    dirs: list[str] = []
+    for name in names:
+        spec = importlib.util.find_spec(name)
+        if spec is not None and spec.submodule_search_locations:
+            dirs.extend(os.path.join(path, "") for path in spec.submodule_search_locations)
+    return tuple(dirs)
+
+
+# Frames that are not the user's: this package, the frameworks whose hooks call it, and the
+# standard library's thread and context machinery a hook or worker runs under.
+_NOT_THE_USER: tuple[str, ...] = _package_dirs(
+    "spectral_callbacks",
+    "lightning",
+    "lightning_fabric",
+    "lightning_utilities",
+    "pytorch_lightning",
+    "transformers",
+    "accelerate",
+    "torch",
+) + tuple(
+    module.__file__
+    for module in (threading, contextlib, concurrent.futures.thread)
+    if module.__file__
+)
 
 
 @rank_zero_only

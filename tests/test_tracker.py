@@ -492,3 +492,49 @@ def test_health_scalars_are_the_measured_costs_and_pending_reaches_its_bound(
     assert all(ms >= 1000 * groups * svd_sleep for ms in svd_ms.values())
     # Logged once its own result is collected: the others still in flight, max_pending - 1 at most.
     assert max(pending.values()) == max_pending - 1
+
+
+def test_warnings_point_at_the_users_line_not_the_librarys() -> None:
+    # before: the warnings showed tracker.py's / find.py's own file and line
+    model = TinyGPT()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        tracker = SpectralTracker(
+            model,
+            writers=[RecordingLogger()],
+            roles=["Q", "Z"],  # Z matches nothing: a warning from find_targets
+            metrics=("stable_rank",),
+            every_n_steps=2,
+            log_spaced_until=0,
+            figures=False,
+            synchronous=True,
+        )
+        with torch.no_grad():
+            model.model.transformer.h[0].attn.c_attn.weight[0, 0] = float("nan")
+        tracker.step(2)  # the NaN warning comes from inside step() or close()
+        tracker.close()
+    mine = [w for w in caught if "matched no target" in str(w.message) or "NaN" in str(w.message)]
+    assert len(mine) == 2, [str(w.message) for w in caught]
+    assert all(w.filename == __file__ for w in mine), [(w.filename, w.lineno) for w in mine]
+
+
+def test_cli_warnings_are_one_line_naming_the_command(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import spectral_callbacks.offline.loading as loading
+    import spectral_callbacks.targets as targets
+    from spectral_callbacks.cli.main import main
+
+    find_targets = targets.find_targets
+    monkeypatch.setattr(loading, "load_model", lambda path, arch: TinyGPT().model)
+    monkeypatch.setattr(  # the library's own warning, from inside the command
+        targets, "find_targets", lambda model: find_targets(model, roles=["Q", "Z"])
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        assert main(["targets", str(tmp_path / "model.pt")]) == 0
+    err = capsys.readouterr().err
+    assert err.splitlines() == [
+        "spectral-callbacks targets: warning: `roles` ['Z'] matched no target (roles found: "
+        "Q, K, V, O, MLP_up, MLP_down)"
+    ], err

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import warnings
 
 from spectral_callbacks import __version__
 from spectral_callbacks.cli import analyze, export, plot, targets
@@ -43,7 +44,13 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 0
     try:
-        return int(args.func(args))
+        with warnings.catch_warnings():
+            # A warning of the library is a line like the errors', not a file, line and source
+            # line of the library's own code (which a shell user did not write).
+            warnings.showwarning = lambda message, category, *rest: say(  # type: ignore[assignment]
+                args.command, "warning", one_line(message)
+            )
+            return int(args.func(args))
     except BrokenPipeError:
         # The reader of stdout stopped early (`export -o - | head`): not an error of ours. Point
         # stdout at devnull so the interpreter's final flush does not raise again.

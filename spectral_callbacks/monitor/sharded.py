@@ -352,12 +352,13 @@ class ShardedEngine:
         if worker is not None:
             self._queue.put(None)
             worker.join(timeout)
-            if worker.is_alive() and timeout > 0:  # a daemon thread: it cannot keep the process alive
+            if (
+                worker.is_alive() and timeout > 0
+            ):  # a daemon thread: it cannot keep the process alive
                 rank_zero_warn(
                     f"the sharded spectral worker did not stop within {timeout} s (it waits in a "
                     "collective until the SVD group's timeout); it is left as a daemon thread",
                     category=RuntimeWarning,
-                    stacklevel=2,
                 )
         self._jobs.clear()
 

@@ -176,7 +176,6 @@ def find_targets(
             + "\nGive them roles with mapping={pattern: role or Split(...)}, or silence this "
             "with exclude=.",
             category=PartialTargetWarning,
-            stacklevel=2,
         )
     # A tuner layer's base weight becomes an adapted target (its effective weight, its update).
     kept = [adapt(target, modules) for target in _number_layers(candidates, chosen)]
@@ -211,7 +210,6 @@ def _number_layers(candidates: list[Candidate], chosen: list[Candidate]) -> list
             + ", ".join(repr(k or "<outside any list>") for k in order)
             + "); their layers are numbered one list after the other. Pass include= to watch one.",
             category=AmbiguousTargetWarning,
-            stacklevel=3,
         )
     offset, layer_of = 0, {}
     for key in order:
@@ -258,7 +256,6 @@ def _warn_missing_roles(targets: list[Target]) -> None:
             f"some layers lack roles that other layers have ({text}); their charts will have "
             "gaps. Check format_targets(...) and pass mapping= if a weight was not recognised.",
             category=PartialTargetWarning,
-            stacklevel=3,
         )
 
 
@@ -275,7 +272,6 @@ def _filter_roles(
         rank_zero_warn(
             f"`roles` {unused!r} matched no target (roles found: {', '.join(found)})",
             category=PartialTargetWarning,
-            stacklevel=3,
         )
     kept = []
     for t in targets:

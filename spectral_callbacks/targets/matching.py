@@ -135,7 +135,6 @@ def user_decision(mapping: UserMapping, ctx: Context, name: str) -> tuple[Decisi
             + ", ".join(f"{p!r} -> {d!r}" for p, d, _ in found)
             + f"; using the first ({found[0][0]!r}). Make the patterns disjoint to silence this.",
             category=AmbiguousTargetWarning,
-            stacklevel=4,
         )
     return found[0][1], found[0][2]
 
