@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import argparse
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import overhead  # noqa: E402
+
+from spectral_callbacks.monitor.engine import WORKER_THREAD_NAME  # noqa: E402
 
 TOY = ["--layers", "1", "--width", "32", "--block", "8", "--batch", "2", "--steps", "30"]
 
@@ -29,6 +33,32 @@ def test_the_worker_cpu_is_the_worker_threads_own(tmp_path: Path) -> None:
     inline = overhead.run_once("inline", _toy_args(), str(tmp_path))
     assert inline["snapshots"] == 8 and inline["worker_cpu"] == 0  # no worker thread
     assert (default["inline"], inline["inline"]) == (0.0, 1.0)
+
+
+def test_the_loop_timer_reads_the_worker_threads_own_clock() -> None:
+    burn, go, burned, release = 0.3, threading.Event(), [], threading.Event()
+
+    def worker() -> None:  # spends a known number of CPU seconds, then stays alive, idle
+        go.wait()
+        start = time.thread_time()
+        while time.thread_time() - start < burn:
+            pass
+        burned.append(time.thread_time() - start)
+        release.wait()
+
+    thread = threading.Thread(target=worker, name=WORKER_THREAD_NAME, daemon=True)
+    thread.start()
+    try:
+        timer = overhead.LoopTimer()
+        timer.on_train_batch_start(None)  # type: ignore[arg-type]
+        go.set()
+        while not burned:  # the main thread sleeps: its own clock barely moves
+            time.sleep(0.01)
+        timer.on_train_end(None)  # type: ignore[arg-type]
+    finally:
+        release.set()
+        thread.join()
+    assert timer.worker_cpu == pytest.approx(burned[0], abs=0.05)
 
 
 def test_the_table_gives_each_variant_its_worker_cpu(capsys: pytest.CaptureFixture[str]) -> None:
