@@ -424,3 +424,36 @@ def test_the_lora_example_logs_both_spectra_and_draws_the_update_rank(tmp_path: 
     out = tmp_path / "update_rank.png"
     assert main(["plot", str(logdir), "--kind", "update-rank", "-o", str(out)]) == 0
     assert out.stat().st_size > 0
+
+
+def test_analyze_an_adapter_directory_on_its_base(tmp_path: Any, capsys: Any) -> None:
+    from spectral_callbacks.cli import main
+
+    torch.manual_seed(0)
+    base = tiny_llama(width=64)
+    base.save_pretrained(tmp_path / "base")
+    config = peft.LoraConfig(
+        r=8, target_modules=LLAMA_MODULES, init_lora_weights=False, task_type="CAUSAL_LM"
+    )
+    model = peft.get_peft_model(base, config)
+    model.save_pretrained(tmp_path / "adapter")
+    reference, expected = merged_matrices(model), deltas(model)
+    names = {(t.layer, t.role): t.name for t in find_targets(model)}
+    logdir = tmp_path / "runs"
+    argv = ["analyze", str(tmp_path / "adapter"), "--base", str(tmp_path / "base")]
+    assert main([*argv, "--logdir", str(logdir), "--method", "gram"]) == 0
+    scalars = read_scalars(logdir)
+    for (layer, role), matrix in reference.items():
+        exact_sr, _ = _exact(matrix)
+        assert scalars[f"spectral_stable_rank/L{layer:02d}/{role}"][0] == pytest.approx(
+            exact_sr, rel=1e-4
+        )
+        top = float(torch.linalg.svdvals(expected[names[(layer, role)]])[0])
+        assert scalars[f"spectral_update_sv_1/L{layer:02d}/{role}"][0] == pytest.approx(
+            top, rel=1e-5
+        )
+    assert main(["targets", str(tmp_path / "adapter"), "--base", str(tmp_path / "base")]) == 0
+    capsys.readouterr()
+    # The adapter config names the base by the object it was built from, not a directory.
+    assert main(["analyze", str(tmp_path / "adapter"), "--logdir", str(tmp_path / "x")]) == 1
+    assert "needs its base model" in capsys.readouterr().err

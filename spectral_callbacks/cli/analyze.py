@@ -24,8 +24,13 @@ if TYPE_CHECKING:  # pandas and rich are imported when the command runs, not for
     from rich.progress import Progress
 
 MODEL_HELP = (
-    "a Hugging Face model directory (config.json + *.safetensors or pytorch_model.bin), a "
+    "a Hugging Face model directory (config.json + *.safetensors or pytorch_model.bin), a PEFT "
+    "adapter directory (adapter_config.json + adapter_model.safetensors, with --base), a "
     "Lightning checkpoint (.ckpt) or a state_dict file (.pt, .pth, .bin, .safetensors)"
+)
+BASE_HELP = (
+    "the base model directory of a PEFT adapter directory (default: the adapter config's "
+    "base_model_name_or_path, if a local directory)"
 )
 ARCH_HELP = (
     "architecture of a .ckpt or state_dict: hf:CONFIG_DIR (a Hugging Face config) or "
@@ -42,7 +47,8 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         "and write them as the scalars a training run logs, so plot can compare it with runs.",
         epilog="examples:\n  spectral-callbacks analyze ./gpt2 --logdir runs/gpt2\n"
         "  spectral-callbacks analyze last.ckpt --arch train_gpt:GPTModule --logdir runs/final\n"
-        "  spectral-callbacks analyze weights.pt --arch hf:./gpt2_config --logdir runs/w --step 500",
+        "  spectral-callbacks analyze weights.pt --arch hf:./gpt2_config --logdir runs/w --step 500\n"
+        "  spectral-callbacks analyze ./lora_adapter --base ./llama --logdir runs/lora",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("model", metavar="MODEL", help=MODEL_HELP)
@@ -57,6 +63,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         help="the step the scalars are logged at (default 0)",
     )
     parser.add_argument("--arch", metavar="HINT", help=ARCH_HELP)
+    parser.add_argument("--base", metavar="DIR", help=BASE_HELP)
     parser.add_argument(
         "--seed",
         type=int,
@@ -83,7 +90,7 @@ def run(args: argparse.Namespace) -> int:
     if args.step < 0:
         raise CommandError(f"--step must be a non-negative int, got {args.step}")
     check_logdir(args.logdir)  # before minutes of analysis
-    model = load_model(args.model, args.arch)
+    model = load_model(args.model, args.arch, args.base)
     with _ProgressBar() as advance:
         generator = torch.Generator().manual_seed(args.seed)
         rows, num_layers = analyze_model(

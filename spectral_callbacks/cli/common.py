@@ -15,7 +15,7 @@ class CommandError(Exception):
 
 
 #: The option of each library argument an error may be about (``AnalysisError.argument``).
-OPTIONS = {"arch": "--arch HINT", "logdir": "--logdir DIR"}
+OPTIONS = {"arch": "--arch HINT", "logdir": "--logdir DIR", "base": "--base DIR"}
 
 
 def expected_errors() -> tuple[type[BaseException], ...]:

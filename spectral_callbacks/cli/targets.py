@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import argparse
 
-from spectral_callbacks.cli.analyze import ARCH_HELP, MODEL_HELP
+from spectral_callbacks.cli.analyze import ARCH_HELP, BASE_HELP, MODEL_HELP
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
@@ -25,6 +25,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("model", metavar="MODEL", help=MODEL_HELP)
     parser.add_argument("--arch", metavar="HINT", help=ARCH_HELP)
+    parser.add_argument("--base", metavar="DIR", help=BASE_HELP)
     parser.set_defaults(func=run)
 
 
@@ -32,5 +33,5 @@ def run(args: argparse.Namespace) -> int:
     from spectral_callbacks.offline.loading import load_model
     from spectral_callbacks.targets import find_targets, format_targets
 
-    print(format_targets(find_targets(load_model(args.model, args.arch))))
+    print(format_targets(find_targets(load_model(args.model, args.arch, args.base))))
     return 0

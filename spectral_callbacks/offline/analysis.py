@@ -45,7 +45,7 @@ def analyze_model(
         Rows ``layer, role, parameter, shape, <metric>...`` in target order, and the number of
         layers L of the model.
     """
-    from spectral_callbacks.functional import spectral_metrics
+    from spectral_callbacks.functional import spectral_metrics, update_metrics
     from spectral_callbacks.monitor.snapshot import group_by_shape, take_snapshot
     from spectral_callbacks.targets import find_targets
 
@@ -57,7 +57,12 @@ def analyze_model(
                 group, targets=group.targets[start : start + BATCH_MATRICES]
             )
             snapshot = take_snapshot([chunk], step=0)
-            metrics = spectral_metrics(snapshot.tensors[chunk.key].float(), **options)  # (B,) each
+            batch = snapshot.tensors[chunk.key].float()
+            metrics = spectral_metrics(batch, **options)  # (B,) each
+            # An adapted layer (targets/adapted.py) also carries its update: exact from factors.
+            update = getattr(batch, "update_spectrum", None)
+            if update is not None:
+                metrics.update(update_metrics(*update()))
             for position, name in enumerate(chunk.names):
                 results[name] = {
                     metric: float(value[position]) for metric, value in metrics.items()

@@ -79,15 +79,20 @@ _BUILD_ERRORS: tuple[type[BaseException], ...] = (TypeError, ValueError, KeyErro
 _CONFIG_ERRORS: tuple[type[BaseException], ...] = (OSError, *_BUILD_ERRORS)
 
 
-def load_model(source: str | Path, arch: str | None = None) -> nn.Module:
+def load_model(
+    source: str | Path, arch: str | None = None, base: str | Path | None = None
+) -> nn.Module:
     """The model stored at ``source``, on the CPU, in eval mode.
 
     Args:
         source: a Hugging Face model directory (``config.json`` plus ``*.safetensors`` or
-            ``pytorch_model.bin``), a Lightning checkpoint (``.ckpt``) or a state_dict file
-            (``.pt``, ``.pth``, ``.bin``, ``.safetensors``).
+            ``pytorch_model.bin``), a PEFT adapter directory (``adapter_config.json`` plus
+            ``adapter_model.safetensors``; with ``base``), a Lightning checkpoint (``.ckpt``) or
+            a state_dict file (``.pt``, ``.pth``, ``.bin``, ``.safetensors``).
         arch: architecture hint, ``hf:PATH`` or ``module:Class`` (default None: only for Hugging
             Face directories and checkpoints whose class can be rebuilt without one).
+        base: the base model directory a PEFT adapter directory adapts (default None: the
+            adapter config's ``base_model_name_or_path`` where that is a local directory).
 
     Raises:
         ModelLoadError: missing path, unknown format, a damaged, empty or foreign file, no or a
@@ -100,7 +105,9 @@ def load_model(source: str | Path, arch: str | None = None) -> nn.Module:
             "or a state_dict file"
         )
     arch_help = "an architecture hint, hf:CONFIG_DIR or module:Class"
-    if path.is_dir():
+    if path.is_dir() and (path / "adapter_config.json").is_file():
+        model = _peft_from_pretrained(path, base)
+    elif path.is_dir():
         if not (path / "config.json").is_file():
             raise ModelLoadError(
                 f"{source}: a directory without config.json is not a Hugging Face model; save one "
@@ -132,6 +139,47 @@ def _hf_from_pretrained(path: Path) -> nn.Module:
     advice = "check config.json and the weight files (save them with model.save_pretrained)"
     with _reading(path, "Hugging Face model directory", advice, also=(OSError,)):
         return transformers.AutoModel.from_pretrained(str(path), local_files_only=True)
+
+
+def _peft_from_pretrained(path: Path, base: str | Path | None) -> nn.Module:
+    """A saved PEFT adapter on its base model (not merged: watched as adapted layers)."""
+    import json
+
+    config = json.loads((path / "adapter_config.json").read_text())
+    if base is None:
+        named = config.get("base_model_name_or_path")
+        if not named or not Path(named).is_dir():
+            raise ModelLoadError(
+                f"{path}: a PEFT adapter directory needs its base model; give `base`, its directory "
+                f"(its adapter_config.json names {named!r}, which is not a local directory)",
+                argument="base",
+            )
+        base = named
+    base_path = Path(base)
+    if not (base_path / "config.json").is_file():
+        raise ModelLoadError(
+            f"base {str(base)!r}: not a Hugging Face model directory (no config.json)",
+            argument="base",
+        )
+    try:
+        import peft
+    except ImportError as error:
+        raise ModelLoadError(
+            f"{path}: a PEFT adapter needs peft; pip install 'spectral-callbacks[hf]'"
+        ) from error
+    transformers = _transformers(base_path)
+    # The adapter's weight names carry the head class it was trained on (a causal LM's "model."
+    # prefix): load the base with the same head so every adapter weight finds its layer.
+    auto = {
+        "CAUSAL_LM": transformers.AutoModelForCausalLM,
+        "SEQ_CLS": transformers.AutoModelForSequenceClassification,
+        "SEQ_2_SEQ_LM": transformers.AutoModelForSeq2SeqLM,
+        "TOKEN_CLS": transformers.AutoModelForTokenClassification,
+    }.get(config.get("task_type") or "", transformers.AutoModel)
+    advice = "check the adapter and base directories (save them with save_pretrained)"
+    with _reading(path, "PEFT adapter directory", advice, also=(OSError, ValueError, KeyError)):
+        model = auto.from_pretrained(str(base_path), local_files_only=True)
+        return peft.PeftModel.from_pretrained(model, str(path), is_trainable=False)
 
 
 def _transformers(path: Path) -> Any:
