@@ -2,8 +2,9 @@
 
 The method (randomized block Krylov, or an exact one) and, on the randomized path, the way W^T W
 is applied (products with W, an explicit Gram matrix, or W rounded to bfloat16) are chosen by
-these counts, never by timing at run time, so the choice is deterministic. Costs are in flops of
-a large float32 matmul on the CPU they were calibrated on.
+these counts, deterministically. Costs are in flops of a large float32 matmul on the CPU they were
+calibrated on; on other shapes and machines the count is only the prior of ``calibration.py``,
+which times the methods where the callback runs.
 """
 
 from __future__ import annotations

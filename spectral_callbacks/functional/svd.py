@@ -35,8 +35,10 @@ several times slower on the wide one). When ``auto`` picks the Gram path for flo
 Gram matrix is formed and decomposed in float32 (0.5-0.8 of the time), and the matrices whose top
 k reach below 0.01 sigma_1, where squaring W's rounding would show, are redone in float64. Which
 path runs is decided by shape and device with a calibrated flop count
-(``method_choice.choose_method``), never by timing at run time, so the choice is deterministic;
-on an accelerator the float64 Gram path is never chosen (weak FP64 on many GPUs).
+(``method_choice.choose_method``), so the choice is deterministic - unless a ``calibration`` is
+passed: then, on the CPU, the count is only the prior and the randomized and the Gram path are
+timed against each other at the first call of each kind (``calibration.py``); on an accelerator
+the float64 Gram path is never chosen (weak FP64 on many GPUs).
 
 Host synchronization (what a CUDA worker waits for): on an accelerator, masks (non-finite
 matrices, the rank tolerance, stale ``init`` columns, Krylov columns that leak into the basis) are
@@ -62,6 +64,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from spectral_callbacks.functional.calibration import MethodCalibration
 from spectral_callbacks.functional.exact import gram_eigvalsh, gram_singular_values, svdvals_tall
 from spectral_callbacks.functional.krylov import (
     block_krylov,
@@ -140,6 +143,9 @@ def default_n_iter(m: int, n: int) -> int:
 
 
 METHODS = ("auto", "randomized", "subspace", "gram", "svdvals")
+#: The paths a calibration times against each other (``svdvals`` is never among them: the Gram
+#: path was faster than it at every shape of benchmarks/method_calibration.py).
+CALIBRATED = ("randomized", "gram")
 
 
 class TopSVD(NamedTuple):
@@ -168,6 +174,7 @@ def randomized_svd(
     init: Tensor | None = None,
     method: str = "auto",
     tol: float = DEFAULT_TOL,
+    calibration: MethodCalibration | None = None,
 ) -> TopSVD:
     r"""Top-k singular values of ``W`` (or of each matrix of a batch).
 
@@ -211,6 +218,11 @@ def randomized_svd(
             Gram matrix) or ``"svdvals"`` (exact: ``torch.linalg.svdvals`` of the tall orientation).
         tol: the stopping rule's tolerance (default 1e-3: stable rank within 0.5 %, alpha within
             0.005 as measured); smaller is deeper and more accurate. Unused with ``n_iter``.
+        calibration: with ``method="auto"`` on the CPU, choose between the randomized and the
+            exact Gram path by what this :class:`~spectral_callbacks.functional.calibration.
+            MethodCalibration` measured for calls like this one (same shape, batch, dtype,
+            device, cold or warm), timing both on the first such call (the flop count is then
+            only the prior). Default ``None``: the flop count alone (deterministic).
 
     Returns:
         ``TopSVD(S, V)``. A matrix with a NaN or Inf entry gets ``S`` all NaN (the rest of the
@@ -265,11 +277,44 @@ def randomized_svd(
     # its values free from its own products, which a rounded W could not give.
     rounded = init is None and compute_dtype == torch.float32 and bf16_tiles(A.device)
     batch = A[..., 0, 0].numel()
-    if method == "auto":
-        chosen = choose_method(m, n, width, expected, compute_dtype, A.device.type, rounded, batch)
-    else:
-        chosen = method
 
+    def run(chosen: str) -> TopSVD:
+        return _top_svd(
+            A, k, width, chosen, method == "auto", generator, init, n_iter, tol, rounded
+        )
+
+    if method != "auto":
+        return run(method)
+    prior = choose_method(m, n, width, expected, compute_dtype, A.device.type, rounded, batch)
+    if calibration is None or A.device.type != "cpu" or prior not in CALIBRATED:
+        return run(prior)
+    # The prior first: on a tie (or a first call's warm-up) it is kept.
+    candidates = (prior, *(other for other in CALIBRATED if other != prior))
+    key = (f"{m}x{n}", batch, str(compute_dtype), A.device.type, init is not None)
+    return calibration.run(key, candidates, run)
+
+
+def _top_svd(
+    A: Tensor,
+    k: int,
+    width: int,
+    chosen: str,
+    auto: bool,
+    generator: torch.Generator,
+    init: Tensor | None,
+    n_iter: int | None,
+    tol: float,
+    rounded: bool,
+) -> TopSVD:
+    """The top k of ``A`` (already in its compute dtype) by the ``chosen`` path; ``auto``: as
+    ``method="auto"`` runs it (the float32 Gram matrix with its float64 redo, and a subspace for
+    the warm calls that will follow)."""
+    m, n = A.shape[-2:]
+    compute_dtype = A.dtype
+    batch = A[..., 0, 0].numel()
+    expected = n_iter
+    if expected is None:
+        expected = _EXPECTED_WARM_DEPTH if init is not None else default_n_iter(m, n)
     V: Tensor | None
     if chosen in ("randomized", "subspace"):
         start = start_block(A, width, generator, init)
@@ -309,13 +354,13 @@ def randomized_svd(
         # also hands back the top subspace (eigh, not eigvalsh), so there is something to warm
         # start from.
         warm_pays = (
-            method == "auto"
+            auto
             and init is None
             and choose_method(m, n, width, _EXPECTED_WARM_DEPTH, compute_dtype, batch=batch)
             == "randomized"
         )
         subspace_width = width if warm_pays else None
-        if method == "auto" and compute_dtype == torch.float32:
+        if auto and compute_dtype == torch.float32:
             # A float32 Gram matrix: the product at float32's rate and no float64 copy of W
             # (a 4 x 512 x 128 batch: 2.1 ms against 3.6); what it cannot read is redone.
             S, finite, V = gram_eigvalsh(A, subspace_width, torch.float32)

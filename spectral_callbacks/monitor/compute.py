@@ -24,6 +24,7 @@ from spectral_callbacks.functional import (
     randomized_svd,
     update_metrics,
 )
+from spectral_callbacks.functional.calibration import MethodCalibration
 from spectral_callbacks.functional.memory import subspace_bytes, svd_working_bytes
 from spectral_callbacks.monitor.snapshot import ShapeGroup
 
@@ -33,7 +34,10 @@ class SpectrumCompute:
 
     The right subspace ``V`` of each shape group is kept and passed back as ``init`` at the next
     snapshot (weights move little between snapshots, so a warm start reaches σ₁ in fewer power
-    iterations). It runs on the engine's single worker thread, so that state needs no lock.
+    iterations). With ``method="auto"`` the randomized and the exact Gram path are timed against
+    each other at a group's first cold and first warm snapshot and the faster one kept
+    (:class:`~spectral_callbacks.functional.calibration.MethodCalibration`). It runs on one thread
+    at a time (the engine's worker, or training's when inline), so that state needs no lock.
 
     Args:
         k: singular values computed per matrix (capped at the smaller side). Default ``32``.
@@ -91,6 +95,9 @@ class SpectrumCompute:
         self.seed = seed
         self._generators: dict[str, torch.Generator] = {}
         self._restored_states: dict[str, torch.Tensor] = {}
+        # Which path is fastest for each kind of call, timed on this machine at its first
+        # snapshot (on the thread that runs the compute: the worker or, inline, training's).
+        self.calibration = MethodCalibration()
 
     def __call__(self, group: ShapeGroup, batch: torch.Tensor) -> dict[str, torch.Tensor]:
         # ‖W‖_F² exactly from the snapshot, never from the truncated spectrum (DESIGN.md §2).
@@ -100,7 +107,12 @@ class SpectrumCompute:
         if init is not None and init.shape[0] != batch.shape[0]:
             init = None
         top = randomized_svd(
-            batch, k, init=init, generator=self._generator(batch.device), **self.svd_options
+            batch,
+            k,
+            init=init,
+            generator=self._generator(batch.device),
+            calibration=self.calibration,
+            **self.svd_options,
         )
         if self.warm_start and top.V is not None:
             self._subspaces[group.key] = top.V

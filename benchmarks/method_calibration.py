@@ -1,0 +1,140 @@
+"""The default top-k SVD, calibrated on this machine, against the best exact method, per shape.
+
+For every shape of ``svd_accuracy.py`` plus tall, wide and square ones from 128 to 4096, on a flat
+(Gaussian) and a power-law (sigma_i = i^-0.5) spectrum: a :class:`MethodCalibration` is given the
+first (cold) call, which times the randomized and the exact Gram path against each other; then,
+interleaved over ``--repeats`` rounds in this process with the same threads, the median ms of
+
+* ``default``: ``randomized_svd(W, calibration=...)`` (k = 32) as the monitor's compute runs it;
+* ``model``: ``randomized_svd(W)``, the flop count's choice alone (the prior);
+* ``best exact``: the fastest of ``svdvals(W)``, ``svdvals(W.T)`` and ``eigvalsh`` of the smaller
+  Gram matrix (float32, like W);
+
+and ``ratio`` = default / best exact (the target: at most 1.05 at every shape).
+
+Run: ``.venv/bin/python benchmarks/method_calibration.py`` (1 thread, median of 5; ``--quick``
+leaves out 4096 x 4096, whose svdvals take minutes on one thread).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from svd_accuracy import SHAPES, build  # noqa: E402
+
+from spectral_callbacks.functional import randomized_svd  # noqa: E402
+from spectral_callbacks.functional.calibration import MethodCalibration  # noqa: E402
+
+NEW_SHAPES = [
+    (128, 128),
+    (512, 128),
+    (128, 512),
+    (512, 512),
+    (1536, 512),
+    (512, 1536),
+    (1024, 1024),
+    (4096, 1024),
+    (1024, 256),
+    (2048, 2048),
+    (4096, 512),
+    (512, 4096),
+]
+SPECTRA = ["gaussian", 0.5]
+TARGET = 1.05
+
+
+def exact_contenders(W: torch.Tensor) -> dict[str, Callable[[], object]]:
+    small = W.T if W.shape[0] >= W.shape[1] else W  # (min, max): the Gram matrix is small @ small.T
+    return {
+        "eigvalsh(gram)": lambda: torch.linalg.eigvalsh(small @ small.T),
+        "svdvals(W)": lambda: torch.linalg.svdvals(W),
+        "svdvals(W.T)": lambda: torch.linalg.svdvals(W.T),
+    }
+
+
+def measure(W: torch.Tensor, repeats: int) -> dict[str, object]:
+    """One row: the calibration's choice, and the median ms of each contender."""
+    calibration = MethodCalibration()
+    randomized_svd(W, calibration=calibration)  # the first call calibrates
+    ((key, chosen),) = calibration.chosen.items()
+    contenders: dict[str, Callable[[], object]] = {
+        "default": lambda: randomized_svd(W, calibration=calibration),
+        "model": lambda: randomized_svd(W),
+        **exact_contenders(W),
+    }
+    times: dict[str, list[float]] = {name: [] for name in contenders}
+    for round_ in range(repeats):
+        for name, fn in contenders.items():
+            # svdvals of a 4096 x 4096 takes minutes on one thread: one round shows it loses.
+            if round_ > 0 and name.startswith("svdvals") and W.numel() > 8_000_000:
+                continue
+            start = time.perf_counter()
+            fn()
+            times[name].append(1e3 * (time.perf_counter() - start))
+    medians = {name: statistics.median(t) for name, t in times.items()}
+    best_name = min(exact_contenders(W), key=lambda name: medians[name])
+    return {
+        "chosen": chosen,
+        "calibrated ms": {m: 1e3 * s for m, s in calibration.seconds[key].items()},
+        "default": medians["default"],
+        "model": medians["model"],
+        "best": medians[best_name],
+        "best name": best_name,
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--quick", action="store_true", help="leave out 4096 x 4096")
+    parser.add_argument(
+        "--shapes", default=None, help="comma-separated MxN, e.g. 512x128,1536x512 (default: all)"
+    )
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    if args.shapes:
+        shapes = [tuple(int(side) for side in shape.split("x")) for shape in args.shapes.split(",")]
+    else:
+        shapes = list(dict.fromkeys([*SHAPES, *NEW_SHAPES]))
+        shapes = [shape for shape in shapes if not (args.quick and shape == (4096, 4096))]
+    generator = torch.Generator().manual_seed(0)
+    print(
+        f"CPU, {torch.get_num_threads()} thread(s), median of {args.repeats}, k = 32, float32, "
+        "cold calls\n"
+    )
+    print(
+        "| shape | spectrum | calibrated: randomized / gram ms | chosen | default ms | model ms "
+        "| best exact ms | best exact | ratio | model ratio |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    worst = 0.0
+    for shape in shapes:
+        for spectrum in SPECTRA:
+            W = build(shape, spectrum, generator)
+            row = measure(W, args.repeats)
+            ratio = row["default"] / row["best"]  # type: ignore[operator]
+            worst = max(worst, ratio)
+            timed = row["calibrated ms"]
+            assert isinstance(timed, dict)
+            name = "flat" if spectrum == "gaussian" else f"i^-{spectrum}"
+            print(
+                f"| {shape[0]}x{shape[1]} | {name} | {timed['randomized']:.1f} / {timed['gram']:.1f} "
+                f"| {row['chosen']} | {row['default']:.1f} | {row['model']:.1f} | {row['best']:.1f} "
+                f"| {row['best name']} | {ratio:.2f}{' **over**' if ratio > TARGET else ''} "
+                f"| {row['model'] / row['best']:.2f} |",  # type: ignore[operator]
+                flush=True,
+            )
+    print(f"\nworst ratio {worst:.2f} (target <= {TARGET})")
+
+
+if __name__ == "__main__":
+    main()
