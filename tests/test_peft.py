@@ -139,9 +139,15 @@ def test_update_singular_values_equal_svd_of_get_delta_weight(arch: str, variant
 
 
 def test_snapshot_copies_the_adapters_only_and_never_the_base() -> None:
+    from torch.profiler import ProfilerActivity, profile
+
     model = adapted("llama", use_dora=True)
     targets = find_targets(model)
-    snapshot = take_snapshot(group_by_shape(targets), step=0)
+    groups = group_by_shape(targets)
+    # Measured: every byte the snapshot allocates, as the profiler counts it (self allocations).
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as profiler:
+        snapshot = take_snapshot(groups, step=0)
+    allocated = sum(max(0, e.self_cpu_memory_usage) for e in profiler.events())
     copied = sum(batch.nbytes for batch in snapshot.tensors.values())
     adapters = sum(
         p.numel() * p.element_size()
@@ -149,6 +155,7 @@ def test_snapshot_copies_the_adapters_only_and_never_the_base() -> None:
         if "lora_" in name  # lora_A, lora_B, lora_magnitude_vector
     )
     assert copied == adapters
+    assert adapters <= allocated <= adapters + 1024  # a few scalars beside the factors
     bases = {t.parameter.data_ptr() for t in targets}
     for batch in snapshot.tensors.values():
         # Each base is the live frozen parameter itself; each owned tensor is a fresh copy.
