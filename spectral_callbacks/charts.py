@@ -39,6 +39,7 @@ Example::
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -101,8 +102,31 @@ def _ordered_roles(roles: Sequence[str]) -> list[str]:
     return [r for r in ROLES if r in present] + sorted(present - set(ROLES))
 
 
+# matplotlib's tab10 (its default cycle C0..C9); the SPECTRAL tab draws with the same list.
+PALETTE: tuple[str, ...] = (
+    "#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd",
+    "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22", "#17becf",
+)  # fmt: skip
+
+
+def role_color(role: str) -> str:
+    """The colour of ``role`` in every chart, whichever roles a chart holds.
+
+    The six canonical roles own the first six colours; any other role (a variant's ``Q_down``,
+    ``Q_cross``, ``Router``, ...) gets one of the remaining four by a hash of its name, so it too
+    keeps its colour from chart to chart and run to run.
+
+    >>> role_color("Q"), role_color("MLP_down"), role_color("Q_down") == role_color("Q_down")
+    ('#1f77b4', '#8c564b', True)
+    """
+    if role in ROLES:
+        return PALETTE[ROLES.index(role)]
+    spare = PALETTE[len(ROLES) :]
+    return spare[zlib.crc32(role.encode()) % len(spare)]
+
+
 def _role_colors(roles: Sequence[str]) -> dict[str, str]:
-    return {role: f"C{i % 10}" for i, role in enumerate(_ordered_roles(roles))}
+    return {role: role_color(role) for role in _ordered_roles(roles)}
 
 
 def _select(rows: pd.DataFrame, *, metric: str, what: str, **equal: object) -> pd.DataFrame:

@@ -215,6 +215,17 @@ def test_diff_of_a_spectral_metric_needs_one_series(tab: Tab) -> None:
             {"run": ["a", "b"], "metric": "train/loss", "baseline": "c"},
             "not one of the runs",
         ),
+        (  # a run of the logdir that lacks the matrix: not "not one of the runs"
+            "diff",
+            {
+                "run": ["a", "b"],
+                "metric": "stable_rank",
+                "layer": 0,
+                "role": "Q_down",
+                "baseline": "a",
+            },
+            "the baseline 'a' has no stable_rank of layer 0 Q_down; pick a baseline that logged it",
+        ),
     ],
 )
 def test_bad_parameters_answer_400_with_what_to_pass(

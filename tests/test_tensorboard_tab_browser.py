@@ -121,3 +121,97 @@ def test_tab_gains_points_while_a_run_is_written(installed: dict[str, str], logd
     finally:
         trainer.kill()
         trainer.wait(timeout=30)
+
+
+def _write_run(path: Path, roles: tuple[str, ...], layers: int, steps: list[int]) -> None:
+    """Spectral scalars of another model, written as the callback names them."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    from spectral_callbacks.names import scalar_tag
+
+    writer = SummaryWriter(str(path))
+    for step in steps:
+        for layer in range(layers):
+            for i, role in enumerate(roles):
+                value = 30.0 - step / 10 + i + layer
+                writer.add_scalar(scalar_tag("stable_rank", layer, role), value, step)
+                writer.add_scalar(scalar_tag("compression", layer, role), step / 10, step)
+                writer.add_scalar(scalar_tag("alpha", layer, role), 0.2 + 0.01 * layer, step)
+    writer.close()
+
+
+ROLE_SWATCHES = """
+const out = {};
+for (const item of document.querySelectorAll(
+    `section[data-view="${arguments[0]}"] .legend-item`)) {
+  out[item.textContent] = getComputedStyle(item.querySelector('i')).backgroundColor;
+}
+return out;
+"""
+
+
+def test_several_runs_of_different_models_keep_each_roles_colour(
+    installed: dict[str, str], logdir: Path
+) -> None:
+    # "0-mlp-only" (no attention roles) is ticked first; before, the roles took colours in the
+    # order first seen, so the others' Q was drawn in MLP_up's colour
+    _write_run(logdir / "tb" / "0-mlp-only", ("MLP_up", "MLP_down"), 2, [0, 10, 20, 30])
+    # a model at rest, as `analyze` writes it: one point per chart, drawn as markers
+    _write_run(logdir / "tb" / "1-analyzed", ("Q", "K", "V", "O", "MLP_up", "MLP_down"), 4, [0])
+    with (
+        tensorboard(logdir / "tb", command=[str(TENSORBOARD)], env=installed, cwd=logdir) as url,
+        chromium() as driver,
+    ):
+        open_tab(driver, url)
+        wait_for_points(driver, ("byRole", "bars"), timeout=60, more_than={"byRole": 2 * 6 * 12})
+        swatches = driver.execute_script(ROLE_SWATCHES, "byRole")  # type: ignore[attr-defined]
+        assert swatches["Q"] == "rgb(31, 119, 180)" and swatches["MLP↑"] == "rgb(148, 103, 189)"
+        assert swatches["MLP↓"] == "rgb(140, 86, 75)", swatches  # tab10 C0, C4, C5 as in the CLI
+        bars = driver.execute_script(ROLE_SWATCHES, "bars")  # type: ignore[attr-defined]
+        assert bars == {role: swatches[role] for role in ("Q", "K", "V", "O", "MLP↑", "MLP↓")}
+        from selenium.webdriver.common.by import By
+
+        # the one-point run: a marker per role at layer 0 in the metric-vs-step view, and the
+        # one-layer-per-line view shows its four layers as markers too
+        markers = driver.find_elements(By.CSS_SELECTOR, 'section[data-view="byRole"] circle.marker')
+        assert len(markers) == 6, len(markers)
+        wait_for_points(driver, ("byLayer",), timeout=30)
+        by_layer = driver.find_elements(
+            By.CSS_SELECTOR, 'section[data-view="byLayer"] circle.marker'
+        )
+        assert len(by_layer) == 4, len(by_layer)
+        # the diff view's baseline is a run that has the metric (the first ticked run has no loss),
+        # so no request fails and no message stands under the chart
+        diff = driver.find_element(By.CSS_SELECTOR, 'section[data-view="diff"]')
+        assert diff.find_elements(By.CSS_SELECTOR, "svg path.line")
+        assert diff.find_element(By.CSS_SELECTOR, ".message").text == ""
+        assert "`" not in driver.find_element(By.TAG_NAME, "body").text  # no literal backticks
+        assert severe(driver) == []  # no 400 from any poll
+
+
+def test_an_empty_logdir_sends_no_failing_request_and_a_new_run_clears_the_page(
+    installed: dict[str, str], tmp_path: Path
+) -> None:
+    # before: every view asked for data with no run, got a 400 on every poll, and after a run
+    # appeared "pass at least one run" stayed under a valid chart
+    (tmp_path / "tb").mkdir()
+    flags = ["--reload_interval=1"]
+    with (
+        tensorboard(tmp_path / "tb", command=[str(TENSORBOARD)], env=installed, flags=flags) as url,
+        chromium() as driver,
+    ):
+        open_tab(driver, url)
+        from selenium.webdriver.common.by import By
+
+        subprocess.run(["sleep", "3"], check=True)  # a few polls of the empty logdir
+        status = driver.find_element(By.ID, "status").text
+        assert "no run with spectral scalars" in status, status
+        assert severe(driver) == []
+        _write_run(tmp_path / "tb" / "late", ("Q", "K", "MLP_up", "MLP_down"), 2, [0, 5, 10])
+        wait_for_points(driver, ("byRole", "byLayer", "bars"), timeout=60)
+        messages = [e.text for e in driver.find_elements(By.CSS_SELECTOR, "section.panel .message")]
+        # one run: only the difference view says what it needs
+        assert [m for m in messages if m] == [
+            "tick at least two runs: the baseline and one to compare"
+        ], messages
+        assert severe(driver) == []

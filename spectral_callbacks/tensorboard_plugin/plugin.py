@@ -152,6 +152,11 @@ class SpectralPlugin(base_plugin.TBPlugin):
             ]
             for run in dict.fromkeys([baseline, *runs])
         }
+        if baseline in directory and not [t for t in wanted[baseline] if t != x]:
+            what = metric if layer is None else f"{metric} of layer {layer} {role}"
+            raise errors.InvalidArgumentError(
+                f"the baseline {baseline!r} has no {what}; pick a baseline that logged it"
+            )
         rows = self._source.rows(*_where(request), wanted)
         points = _int(request, "max_points", MAX_POINTS, least=4)
         try:

@@ -26,7 +26,13 @@ from collections.abc import Iterable, Mapping, Sequence
 import numpy as np
 import pandas as pd
 
-from spectral_callbacks.charts import _final, _ordered_roles, compression_rows, layer_step_grid
+from spectral_callbacks.charts import (
+    _final,
+    _ordered_roles,
+    compression_rows,
+    layer_step_grid,
+    role_color,
+)
 from spectral_callbacks.names import parse_tag
 from spectral_callbacks.offline.differences import diff_curves
 from spectral_callbacks.tensorboard_plugin.downsample import keep_extremes
@@ -61,8 +67,13 @@ def _metric_rows(rows: pd.DataFrame, metric: str) -> pd.DataFrame:
 def catalog(index: Mapping[str, Iterable[str]]) -> list[dict]:
     """What each run logged, from its tags: spectral metrics, roles, layers and other scalars.
 
-    >>> catalog({"a": ["spectral_alpha/L01/Q", "spectral_alpha/mean/Q", "train/loss"]})
-    [{'run': 'a', 'metrics': ['alpha'], 'roles': ['Q'], 'layers': [1], 'scalars': ['train/loss']}]
+    Each role comes with its colour (:func:`~spectral_callbacks.charts.role_color`, the CLI's), so
+    a role has the same colour whichever runs are ticked.
+
+    >>> entry = catalog({"a": ["spectral_alpha/L01/Q", "spectral_alpha/mean/Q", "train/loss"]})
+    >>> entry
+    [{'run': 'a', 'metrics': ['alpha'], 'roles': ['Q'], 'layers': [1], 'scalars': ['train/loss'], \
+'role_colors': {'Q': '#1f77b4'}}]
     """
     runs = []
     for run, tags in index.items():
@@ -77,6 +88,7 @@ def catalog(index: Mapping[str, Iterable[str]]) -> list[dict]:
                 "roles": _ordered_roles([p.role for p in spectral]),
                 "layers": sorted({p.layer for p in spectral if p.layer is not None}),
                 "scalars": sorted(tag for tag, p in parsed if p is None),
+                "role_colors": {p.role: role_color(p.role) for p in spectral},
             }
         )
     return sorted(runs, key=lambda entry: entry["run"])

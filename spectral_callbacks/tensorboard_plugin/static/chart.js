@@ -105,7 +105,9 @@ function showTip(container, tip, event, html) {
 }
 
 /**
- * Lines: series = [{label, color, dash, xs, ys}]. Hover shows the nearest point of each line.
+ * Lines: series = [{label, color, dash, xs, ys, markers}]. Hover shows the nearest point of each
+ * line. A series of one point (a model at rest, written by `analyze`) is drawn as a marker, as
+ * `spectral-callbacks plot` does: a path of one point draws nothing.
  */
 export function lineChart(container, {series, xLabel, yLabel, width = 620, height = 300, zeroLine = false}) {
   container.textContent = '';
@@ -117,19 +119,22 @@ export function lineChart(container, {series, xLabel, yLabel, width = 620, heigh
   }
   let points = 0;
   for (const s of series) {
-    let d = '', pen = false;
+    let d = '', pen = false, finite = 0;
     s.xs.forEach((x, i) => {
       const y = s.ys[i];
       if (y === null || !Number.isFinite(y)) { pen = false; return; }
       d += (pen ? 'L' : 'M') + f.sx(x).toFixed(1) + ',' + f.sy(y).toFixed(1);
       pen = true;
       points += 1;
+      finite += 1;
     });
     const path = el('path', {d, stroke: s.color, fill: 'none', 'stroke-width': s.width || 1.6, class: 'line'}, f.svg);
     if (s.dash) path.setAttribute('stroke-dasharray', s.dash);
-    if (s.markers) {
+    if (s.markers || finite === 1) {
       s.xs.forEach((x, i) => {
-        if (s.ys[i] !== null) el('circle', {cx: f.sx(x), cy: f.sy(s.ys[i]), r: 3, fill: s.color}, f.svg);
+        if (s.ys[i] !== null && Number.isFinite(s.ys[i])) {
+          el('circle', {cx: f.sx(x), cy: f.sy(s.ys[i]), r: 3, fill: s.color, class: 'marker'}, f.svg);
+        }
       });
     }
   }

@@ -41,7 +41,7 @@ export async function render() {
     ['byLayer', 'Metric vs step, one role', 'one line per layer, coloured by relative depth'],
     ['depth', 'Metric vs relative depth', 'at the step of the slider (default: the last), runs overlaid'],
     ['bars', 'Metric by layer × role', 'at the step of the slider (default: the last), a panel per run'],
-    ['diff', 'Difference against a baseline run', 'aligned as `spectral-callbacks plot --kind metric-diff`'],
+    ['diff', 'Difference against a baseline run', 'aligned as spectral-callbacks plot --kind metric-diff aligns it'],
   ]) {
     const panel = document.createElement('section');
     panel.className = 'panel' + (view === 'wave' ? ' wide' : '');
@@ -77,6 +77,8 @@ async function refresh() {
     drawRunSelector(names);
     if (!names.length) {
       setStatus('no run with spectral scalars (spectral_<metric>/L<layer>/<role>) in this logdir yet');
+      for (const view of Object.keys(panels)) clear(view);
+      return;
     } else {
       setStatus(`${state.runs.length} of ${names.length} runs · updated ${new Date().toLocaleTimeString()}`);
     }
@@ -89,6 +91,12 @@ async function refresh() {
 }
 
 function setStatus(text) { document.getElementById('status').textContent = text; }
+
+/** A role's colour: the server's (the CLI's palette), so it never depends on which runs are ticked. */
+function roleColor(role) {
+  for (const entry of state.catalog) if (entry.role_colors && entry.role_colors[role]) return entry.role_colors[role];
+  return '#444';
+}
 
 function union(key) {
   const chosen = state.catalog.filter((r) => state.runs.includes(r.run));
@@ -188,11 +196,23 @@ function plotBox(parent, title = '') {
 
 // --- views ------------------------------------------------------------------------------------
 
+/** A view with nothing on it: no chart, no count, so the next answer draws afresh. */
+function clear(view, text = '') {
+  plots(view).textContent = '';
+  panels[view].dataset.points = 0;
+  drawn[view] = null;
+  message(view, text);
+}
+
 async function update(view) {
+  if (!state.runs.length) {  // no request that must fail ("pass at least one run")
+    clear(view, state.catalog.length ? 'tick a run above' : '');
+    return;
+  }
   try {
     await VIEWS[view]();
   } catch (error) {
-    message(view, error.message);
+    clear(view, error.message);  // no stale chart under the error; the next success clears it
   }
 }
 
@@ -240,11 +260,11 @@ const VIEWS = {
       const roles = [...new Set(series.map((x) => x.role))];
       const lines = series.map((x) => ({
         label: `${state.runs.length > 1 ? x.run + ' · ' : ''}${glyph(x.role)}`,
-        color: PALETTE[roles.indexOf(x.role) % PALETTE.length],
+        color: roleColor(x.role),
         dash: DASHES[state.runs.indexOf(x.run) % DASHES.length], xs: x.steps, ys: x.values}));
       panels.byRole.dataset.points = lineChart(plotBox(plots('byRole')), {
         series: lines, xLabel: 'optimizer step', yLabel: `${s.metric} of layer ${s.layer}`});
-      legend(plots('byRole'), roles.map((r, i) => ({label: glyph(r), color: PALETTE[i % PALETTE.length]})), 'role');
+      legend(plots('byRole'), roles.map((r) => ({label: glyph(r), color: roleColor(r)})), 'role');
       runLegend('byRole');
       if (!series.length) message('byRole', `no ${s.metric} at layer ${s.layer}`);
     });
@@ -305,8 +325,9 @@ const VIEWS = {
     drawn.bars = key;
     plots('bars').textContent = '';
     let points = 0;
-    const roles = union('roles');
-    const colors = Object.fromEntries(roles.map((r, i) => [r, PALETTE[i % PALETTE.length]]));
+    // Only the roles the panels hold: a role no ticked run has gets no legend entry.
+    const roles = union('roles').filter((r) => json.runs.some((panel) => panel.roles.includes(r)));
+    const colors = Object.fromEntries(roles.map((r) => [r, roleColor(r)]));
     for (const panel of json.runs) {
       const box = plotBox(plots('bars'), panel.layers.length ? `${panel.run} · step ${panel.step}` : panel.run);
       if (!panel.layers.length) { box.textContent = `no ${s.metric} in ${panel.run}`; continue; }
@@ -322,32 +343,40 @@ const VIEWS = {
     const scalars = union('scalars').filter((t) => !t.startsWith('spectral_monitor/') && t !== 'epoch');
     const metrics = union('metrics');
     if (s.metric === null) s.metric = scalars.find((t) => /loss/.test(t)) || scalars[0] || metrics[0] || null;
-    if (!state.runs.includes(s.baseline)) s.baseline = state.runs[0] || null;
     const spectral = metrics.includes(s.metric) && !scalars.includes(s.metric);
+    // Only runs that logged the chosen series can be the baseline or be compared: asking for a
+    // difference against a run without it could only fail.
+    const has = (run) => {
+      const entry = state.catalog.find((r) => r.run === run);
+      if (!entry) return false;
+      if (!spectral) return entry.scalars.includes(s.metric);
+      return entry.metrics.includes(s.metric) && entry.layers.includes(s.layer) && entry.roles.includes(s.role);
+    };
+    const able = state.runs.filter(has);
+    if (!able.includes(s.baseline)) s.baseline = able[0] || null;
     const xs = ['step', ...scalars.filter((t) => t !== s.metric)];
     if (!xs.includes(s.x)) s.x = 'step';
     controls('diff', [s, scalars, metrics, state.runs, union('layers'), union('roles')], () => [
       select('metric', [...scalars, ...metrics], s.metric, setter('diff', 'metric')),
       ...(spectral ? [select('layer', union('layers'), s.layer, setter('diff', 'layer', Number)),
                       select('role', union('roles').map((r) => [r, glyph(r)]), s.role, setter('diff', 'role'))] : []),
-      select('baseline', state.runs, s.baseline, setter('diff', 'baseline')),
+      select('baseline', able, s.baseline, setter('diff', 'baseline')),
       select('x', xs, s.x, setter('diff', 'x')),
     ]);
-    if (state.runs.length < 2 || s.metric === null) {
-      plots('diff').textContent = '';
-      panels.diff.dataset.points = 0;
-      drawn.diff = null;
-      message('diff', 'tick at least two runs: the baseline and one to compare');
+    const what = spectral ? `${s.metric} of L${s.layer} ${glyph(s.role)}` : s.metric;
+    if (able.length < 2 || s.metric === null) {
+      clear('diff', state.runs.length < 2 ? 'tick at least two runs: the baseline and one to compare'
+        : `fewer than two ticked runs have ${what}: tick another, or pick another metric`);
       return;
     }
-    const params = {run: state.runs, baseline: s.baseline, metric: s.metric, x: s.x,
+    const params = {run: able, baseline: s.baseline, metric: s.metric, x: s.x,
                     layer: spectral ? s.layer : null, role: spectral ? s.role : null};
     await fetchAndDraw('diff', 'diff', params, ({series}) => {
       const lines = series.map((x) => ({label: x.run, color: PALETTE[state.runs.indexOf(x.run) % PALETTE.length],
                                         xs: x.x, ys: x.values}));
       panels.diff.dataset.points = lineChart(plotBox(plots('diff')), {
         series: lines, xLabel: s.x === 'step' ? 'optimizer step' : s.x,
-        yLabel: `Δ ${s.metric} (run − ${s.baseline})`, zeroLine: true});
+        yLabel: `Δ ${what} (run − ${s.baseline})`, zeroLine: true});
       legend(plots('diff'), [{label: `${s.baseline} (baseline)`, color: '#000'},
                              ...lines.map((l) => ({label: l.label, color: l.color}))], 'run');
     });
