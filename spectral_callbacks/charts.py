@@ -197,7 +197,9 @@ def _fallbacks(rows: pd.DataFrame, final: pd.DataFrame) -> dict[str, str]:
     """Per run, a note when ``final`` (from :func:`_final`) is older than its series' newest
     step (a NaN since); a layer logged a few steps before another (a staggered snapshot) is not."""
     notes = {}
-    keys = [key for key in ("run", "layer", "role") if key in final.columns and key in rows.columns]
+    keys = [
+        k for k in ("run", "stack", "layer", "role") if k in final.columns and k in rows.columns
+    ]
     newest_of = rows.groupby(keys, sort=False)["step"].max().rename("newest").reset_index()
     final = final.merge(newest_of, on=keys, how="left")
     for run, newest in rows.groupby("run", sort=False)["step"].max().items():
@@ -220,9 +222,19 @@ def _runs(rows: pd.DataFrame) -> list[str]:
     return rows["run"].unique().tolist()  # first-seen order, the order the user named the runs
 
 
+def _one_per_layer(rows: pd.DataFrame) -> pd.DataFrame:
+    """``rows`` with a ``stack`` column (``""`` where rows have none) and without per-expert rows
+    (a layer's experts are drawn through their aggregates, role ``MLP_down/mean``)."""
+    stack = rows["stack"].fillna("") if "stack" in rows else ""
+    rows = rows.assign(stack=stack)
+    return rows[rows["expert"].isna()] if "expert" in rows else rows
+
+
 def _depths(rows: pd.DataFrame) -> pd.Series:
-    """Relative depth per row, from ``depth`` where known, else from layer and the run's layer count."""
-    num_layers = rows.groupby("run")["layer"].transform("max") + 1
+    """Relative depth per row, from ``depth`` where known, else from layer and the layer count of
+    the run's stack."""
+    keys = ["run", "stack"] if "stack" in rows else ["run"]
+    num_layers = rows.groupby(keys)["layer"].transform("max") + 1
     fallback = pd.Series(
         [
             relative_depth(int(layer), int(layers))
@@ -270,7 +282,8 @@ def alpha_vs_depth(
     ylim: tuple[float, float] | None = None,
     title: str | None = None,
 ) -> Figure:
-    """Alpha of ``role`` against relative depth i/(L-1), one line per run, at each run's last step.
+    """Alpha of ``role`` against relative depth i/(L-1), one line per run and stack (encoder and
+    decoder, text and vision: depth within the stack), at each run's last step.
 
     Args:
         rows: tidy rows with ``alpha`` rows.
@@ -282,13 +295,16 @@ def alpha_vs_depth(
     Raises:
         ValueError: no per-layer ``alpha`` rows of ``role``.
     """
-    chosen = _select(rows, metric="alpha", what="alpha-depth", role=role)
-    final = _final(chosen.assign(depth=_depths(chosen)), ["run", "layer"])
+    chosen = _one_per_layer(_select(rows, metric="alpha", what="alpha-depth", role=role))
+    final = _final(chosen.assign(depth=_depths(chosen)), ["run", "stack", "layer"])
     fig, ax = _axes(ax, (6.0, 4.0))
     _note_left_out(fig, {}, _fallbacks(chosen, final))
     for run in _runs(chosen):
-        line = final[final["run"] == run].sort_values("depth")
-        ax.plot(line["depth"].to_numpy(), line["value"].to_numpy(), marker="o", label=run)
+        of_run = final[final["run"] == run]
+        for stack in dict.fromkeys(of_run["stack"]):
+            line = of_run[of_run["stack"] == stack].sort_values("depth")
+            label = f"{run} {stack}" if stack else run
+            ax.plot(line["depth"].to_numpy(), line["value"].to_numpy(), marker="o", label=label)
     ax.set_xlabel("relative depth i / (L − 1)")
     ax.set_ylabel(metric_label("alpha"))
     ax.set_title(title or f"α of {role_glyph(role)} vs relative depth")

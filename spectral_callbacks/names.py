@@ -9,10 +9,17 @@ Tags:
   ``spectral_stable_rank/L00/Q``. The layer index is zero-padded to at least two digits so charts
   sort by depth.
 * ``spectral_<metric>/mean/<role>`` - the mean over layers of one role.
+* Several stacks of blocks (encoder and decoder, text and vision towers): the stack after the
+  metric, ``spectral_<metric>/<stack>/L<layer>/<role>`` and ``spectral_<metric>/<stack>/mean/<role>``
+  (e.g. ``spectral_stable_rank/dec/L03/Q_cross``); a model with one stack keeps the names above.
+* Mixture-of-experts: per (layer, role) the ``mean``, ``min`` and ``max`` over experts,
+  ``spectral_<metric>/L<layer>/<role>/<mean|min|max>``, and with ``experts="each"`` one chart per
+  expert, ``spectral_<metric>/L<layer>/E<expert>/<role>`` (expert index zero-padded to 3 digits).
 * ``spectral_monitor/<name>`` - the callback's own health (main-thread ms, SVD ms, pending, skipped;
   ``sent_bytes`` with sharded weights)
-  and ``spectral_monitor/num_layers``, which lets readers compute relative depth.
-* ``spectral_monitor/reference_step/L<layer>/<role>`` - the step of the snapshot whose stable rank
+  and ``spectral_monitor/num_layers`` (``spectral_monitor/num_layers/<stack>`` per stack where there
+  are several), which lets readers compute relative depth within a stack.
+* ``spectral_monitor/reference_step/[<stack>/]L<layer>/[E<expert>/]<role>`` - the step of the snapshot whose stable rank
   is that matrix's compression reference (0 normally; later for a matrix that starts at zero).
 
 Example::
@@ -20,13 +27,21 @@ Example::
     >>> scalar_tag("stable_rank", 7, "MLP_down")
     'spectral_stable_rank/L07/MLP_down'
     >>> parse_tag("spectral_alpha/L12/Q")
-    SpectralTag(metric='alpha', layer=12, role='Q')
-    >>> parse_tag("spectral_alpha/mean/Q")
-    SpectralTag(metric='alpha', layer=None, role='Q')
+    SpectralTag(metric='alpha', layer=12, role='Q', stack='', expert=None, aggregate='')
+    >>> parse_tag("spectral_alpha/mean/Q").layer is None
+    True
+    >>> scalar_tag("stable_rank", 3, "Q_cross", stack="dec")
+    'spectral_stable_rank/dec/L03/Q_cross'
+    >>> parse_tag("spectral_stable_rank/dec/L03/Q_cross")[:4]
+    ('stable_rank', 3, 'Q_cross', 'dec')
+    >>> scalar_tag("stable_rank", 3, "MLP_down", aggregate="max"), scalar_tag("alpha", 3, "MLP_up", expert=7)
+    ('spectral_stable_rank/L03/MLP_down/max', 'spectral_alpha/L03/E007/MLP_up')
+    >>> parse_tag("spectral_alpha/L03/E007/MLP_up").expert, parse_tag("spectral_alpha/L03/MLP_up/min").aggregate
+    (7, 'min')
     >>> parse_tag("train/loss") is None
     True
-    >>> parse_tag(reference_step_tag(3, "O"))
-    SpectralTag(metric='reference_step', layer=3, role='O')
+    >>> parse_tag(reference_step_tag(3, "O"))[:3]
+    ('reference_step', 3, 'O')
 """
 
 from __future__ import annotations
@@ -45,32 +60,54 @@ REFERENCE_STEP = "reference_step"
 ROLES: tuple[str, ...] = ("Q", "K", "V", "O", "MLP_up", "MLP_down")
 
 # The columns of tidy rows (the callback's figure history, export, charts), in this order.
+# ``stack`` is "" for a model with one stack; ``expert`` is empty (<NA>) outside experts, and an
+# aggregate over experts is a row whose role carries it (``MLP_down/mean``).
 TIDY_COLUMNS: tuple[str, ...] = (
     "run",
     "step",
     "metric",
+    "stack",
     "layer",
     "depth",
     "role",
+    "expert",
     "value",
     "wall_time",
 )
+#: What experts aggregate to by default, one scalar each per (layer, role).
+EXPERT_AGGREGATES: tuple[str, ...] = ("mean", "min", "max")
+_STACK = r"(?:(?P<stack>[a-z][a-z0-9_]*)/)?"
+_EXPERT = r"(?:E(?P<expert>\d+)/)?"
+_ROLE = r"(?P<role>[A-Za-z0-9_]+)(?:/(?P<aggregate>mean|min|max))?"
 
 _TAG = re.compile(
-    r"^spectral_(?P<metric>[a-z0-9_]+)/(?:L(?P<layer>\d+)|(?P<mean>mean))/(?P<role>[A-Za-z0-9_]+)$"
+    rf"^spectral_(?P<metric>[a-z0-9_]+)/{_STACK}(?:L(?P<layer>\d+)|(?P<mean>mean))/{_EXPERT}{_ROLE}$"
 )
 
 _REFERENCE_STEP_TAG = re.compile(
-    rf"^{MONITOR_SECTION}/{REFERENCE_STEP}/L(?P<layer>\d+)/(?P<role>[A-Za-z0-9_]+)$"
+    rf"^{MONITOR_SECTION}/{REFERENCE_STEP}/{_STACK}L(?P<layer>\d+)/{_EXPERT}{_ROLE}$"
 )
+_NUM_LAYERS_OF_STACK = re.compile(rf"^{NUM_LAYERS_TAG}/(?P<stack>[a-z][a-z0-9_]*)$")
 
 
 class SpectralTag(NamedTuple):
-    """A parsed spectral tag; ``layer`` is ``None`` for the mean over layers."""
+    """A parsed spectral tag; ``layer`` is ``None`` for the mean over layers.
+
+    ``stack`` is ``""`` for a model with one stack; ``expert`` the expert index of a per-expert
+    tag; ``aggregate`` ``"mean"``/``"min"``/``"max"`` for an aggregate over experts, else ``""``.
+    """
 
     metric: str
     layer: int | None
     role: str
+    stack: str = ""
+    expert: int | None = None
+    aggregate: str = ""
+
+    @property
+    def series_role(self) -> str:
+        """The role as a tidy row has it: ``MLP_down/mean`` for an aggregate over experts."""
+        return f"{self.role}/{self.aggregate}" if self.aggregate else self.role
 
 
 def layer_label(layer: int, num_layers: int | None = None) -> str:
@@ -85,10 +122,57 @@ def layer_label(layer: int, num_layers: int | None = None) -> str:
     return f"L{layer:0{width}d}"
 
 
-def scalar_tag(metric: str, layer: int | None, role: str, num_layers: int | None = None) -> str:
-    """The tag of one metric of one (layer, role); ``layer=None`` gives the mean over layers."""
+def check_stack(stack: str) -> str:
+    """``stack`` if it can name a stack in a tag (lowercase letters, digits, ``_``), else ValueError."""
+    if stack and (not re.fullmatch(r"[a-z][a-z0-9_]*", stack) or stack == MEAN):
+        raise ValueError(
+            f"`stack` must be lowercase letters, digits and '_' starting with a letter (not "
+            f"'mean'), got {stack!r}"
+        )
+    return stack
+
+
+def _where(stack: str, layer: int | None, num_layers: int | None, expert: int | None) -> str:
     where = MEAN if layer is None else layer_label(layer, num_layers)
-    return f"{METRIC_PREFIX}{metric}/{where}/{role}"
+    if stack:
+        where = f"{stack}/{where}"
+    return where if expert is None else f"{where}/E{expert:03d}"
+
+
+def scalar_tag(
+    metric: str,
+    layer: int | None,
+    role: str,
+    num_layers: int | None = None,
+    *,
+    stack: str = "",
+    expert: int | None = None,
+    aggregate: str = "",
+) -> str:
+    """The tag of one metric of one (layer, role); ``layer=None`` gives the mean over layers.
+
+    ``stack`` names the stack where a model has several; ``expert`` gives a per-expert tag and
+    ``aggregate`` (``mean``/``min``/``max``) the aggregate over a layer's experts.
+    """
+    tail = f"/{aggregate}" if aggregate else ""
+    return f"{METRIC_PREFIX}{metric}/{_where(stack, layer, num_layers, expert)}/{role}{tail}"
+
+
+def num_layers_tag(stack: str = "") -> str:
+    """``spectral_monitor/num_layers``, or ``spectral_monitor/num_layers/<stack>`` for one stack."""
+    return f"{NUM_LAYERS_TAG}/{stack}" if stack else NUM_LAYERS_TAG
+
+
+def parse_num_layers_tag(tag: str) -> str | None:
+    """The stack a ``num_layers`` tag is for (``""`` for the whole model), or ``None``.
+
+    >>> parse_num_layers_tag("spectral_monitor/num_layers"), parse_num_layers_tag(num_layers_tag("enc"))
+    ('', 'enc')
+    """
+    if tag == NUM_LAYERS_TAG:
+        return ""
+    match = _NUM_LAYERS_OF_STACK.match(tag)
+    return None if match is None else match["stack"]
 
 
 def monitor_tag(name: str) -> str:
@@ -96,13 +180,20 @@ def monitor_tag(name: str) -> str:
     return f"{MONITOR_SECTION}/{name}"
 
 
-def reference_step_tag(layer: int, role: str, num_layers: int | None = None) -> str:
+def reference_step_tag(
+    layer: int,
+    role: str,
+    num_layers: int | None = None,
+    *,
+    stack: str = "",
+    expert: int | None = None,
+) -> str:
     """The tag of the step whose stable rank is the compression reference of one (layer, role).
 
-    >>> reference_step_tag(0, "O")
-    'spectral_monitor/reference_step/L00/O'
+    >>> reference_step_tag(0, "O"), reference_step_tag(1, "O_cross", stack="dec")
+    ('spectral_monitor/reference_step/L00/O', 'spectral_monitor/reference_step/dec/L01/O_cross')
     """
-    return f"{MONITOR_SECTION}/{REFERENCE_STEP}/{layer_label(layer, num_layers)}/{role}"
+    return f"{MONITOR_SECTION}/{REFERENCE_STEP}/{_where(stack, layer, num_layers, expert)}/{role}"
 
 
 def parse_tag(tag: str) -> SpectralTag | None:
@@ -112,12 +203,18 @@ def parse_tag(tag: str) -> SpectralTag | None:
     """
     reference = _REFERENCE_STEP_TAG.match(tag)
     if reference is not None:
-        return SpectralTag(REFERENCE_STEP, int(reference["layer"]), reference["role"])
+        return _parsed(REFERENCE_STEP, reference, int(reference["layer"]))
     match = _TAG.match(tag)
-    if match is None or match["metric"] == "monitor":
+    if match is None or match["metric"] == "monitor" or match["stack"] == MEAN:
         return None
-    layer = None if match["mean"] else int(match["layer"])
-    return SpectralTag(match["metric"], layer, match["role"])
+    return _parsed(match["metric"], match, None if match["mean"] else int(match["layer"]))
+
+
+def _parsed(metric: str, match: re.Match[str], layer: int | None) -> SpectralTag:
+    expert = None if match["expert"] is None else int(match["expert"])
+    return SpectralTag(
+        metric, layer, match["role"], match["stack"] or "", expert, match["aggregate"] or ""
+    )
 
 
 def relative_depth(layer: int, num_layers: int) -> float:

@@ -312,7 +312,9 @@ def test_final_charts_say_when_nan_makes_them_fall_back_to_an_earlier_step() -> 
     for step, value in ((0, 0.3), (50, 0.4), (80, float("nan"))):
         for layer in (0, 1):
             for metric, scale in (("alpha", 1.0), ("compression", 100.0)):
-                records.append(("nanrun", step, metric, layer, layer / 1, "Q", value * scale, 0.0))
+                records.append(
+                    ("nanrun", step, metric, "", layer, layer / 1, "Q", None, value * scale, 0.0)
+                )
     rows = pd.DataFrame.from_records(records, columns=list(TIDY_COLUMNS))
     for fig in (charts.alpha_vs_depth(rows), charts.compression_by_layer(rows)):
         assert "step 80" in fig.fell_back["nanrun"] and "(50-50)" in fig.fell_back["nanrun"]

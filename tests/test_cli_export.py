@@ -13,7 +13,18 @@ from cli_runs import STEPS, logged_by_csv, run_cli, training_runs, write_long_ru
 from spectral_callbacks.cli.main import main
 from spectral_callbacks.names import REFERENCE_STEP, parse_tag, reference_step_tag, scalar_tag
 
-COLUMNS = ["run", "step", "metric", "layer", "depth", "role", "value", "wall_time"]
+COLUMNS = [
+    "run",
+    "step",
+    "metric",
+    "stack",
+    "layer",
+    "depth",
+    "role",
+    "expert",
+    "value",
+    "wall_time",
+]
 
 
 @pytest.fixture(scope="module")
@@ -97,7 +108,7 @@ def test_formats_round_trip(runs: Path, tmp_path: Path, suffix: str) -> None:
         "compression",
         REFERENCE_STEP,  # spectral_monitor/reference_step/L<l>/<role>, read back per matrix
     }
-    assert rows.value.notna().sum() > 0 and len(rows) == len(rows.drop_duplicates(COLUMNS[:6]))
+    assert rows.value.notna().sum() > 0 and len(rows) == len(rows.drop_duplicates(COLUMNS[:8]))
 
 
 def test_stdout_and_filters(runs: Path, capsys: pytest.CaptureFixture[str]) -> None:

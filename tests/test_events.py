@@ -47,9 +47,11 @@ def test_rows_equal_logged_values_exactly_as_float32(tmp_path: Path) -> None:
         "run",
         "step",
         "metric",
+        "stack",
         "layer",
         "depth",
         "role",
+        "expert",
         "value",
         "wall_time",
     ]

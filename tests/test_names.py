@@ -7,7 +7,35 @@ from spectral_callbacks.names import layer_label, parse_tag, scalar_tag
 @pytest.mark.parametrize("role", ["Q", "MLP_down", "KV_down"])
 def test_tag_round_trip(layer: int, role: str) -> None:
     tag = scalar_tag("energy_rank_90", layer, role, num_layers=100)
-    assert parse_tag(tag) == ("energy_rank_90", layer, role)
+    assert parse_tag(tag) == ("energy_rank_90", layer, role, "", None, "")
+
+
+@pytest.mark.parametrize("stack", ["", "enc", "dec", "vision"])
+@pytest.mark.parametrize("expert", [None, 0, 7, 255])
+@pytest.mark.parametrize("aggregate", ["", "mean", "min", "max"])
+def test_stack_and_expert_tags_round_trip(stack: str, expert: int | None, aggregate: str) -> None:
+    if expert is not None and aggregate:
+        return  # an aggregate is over experts, never of one
+    tag = scalar_tag("alpha", 3, "MLP_down", 12, stack=stack, expert=expert, aggregate=aggregate)
+    assert parse_tag(tag) == ("alpha", 3, "MLP_down", stack, expert, aggregate)
+    mean = scalar_tag("alpha", None, "Q_cross", stack=stack)
+    assert parse_tag(mean) == ("alpha", None, "Q_cross", stack, None, "")
+
+
+def test_one_stack_keeps_the_decoder_only_names() -> None:
+    assert scalar_tag("stable_rank", 3, "Q", stack="") == "spectral_stable_rank/L03/Q"
+    assert scalar_tag("stable_rank", 3, "Q_cross", stack="dec") == (
+        "spectral_stable_rank/dec/L03/Q_cross"
+    )
+
+
+def test_a_stack_named_mean_is_refused() -> None:
+    from spectral_callbacks.names import check_stack
+
+    with pytest.raises(ValueError, match="`stack` must be lowercase"):
+        check_stack("mean")
+    with pytest.raises(ValueError, match="'Enc'"):
+        check_stack("Enc")
 
 
 def test_tags_sort_by_depth() -> None:

@@ -15,6 +15,7 @@ from spectral_callbacks.targets import (
     PartialTargetWarning,
     Split,
     TargetError,
+    TargetWarning,
     find_targets,
     format_targets,
 )
@@ -63,7 +64,7 @@ def test_wrapped_models_map_like_the_bare_network(wrap):
     assert [t.matrix().data_ptr() for t in targets] == [t.matrix().data_ptr() for t in bare]
 
 
-def test_two_lists_of_blocks_are_numbered_one_after_the_other():
+def test_two_lists_of_blocks_are_two_stacks_numbered_within_each():
     model = nn.Transformer(
         d_model=16,
         nhead=2,
@@ -72,23 +73,26 @@ def test_two_lists_of_blocks_are_numbered_one_after_the_other():
         dim_feedforward=32,
         batch_first=True,
     )
-    with pytest.warns(AmbiguousTargetWarning, match="2 lists of blocks"):
-        targets = find_targets(model)
-    assert sorted({(t.layer, t.parameter_name.split(".layers.")[0]) for t in targets}) == [
-        (0, "encoder"),
-        (1, "encoder"),
-        (2, "decoder"),
-        (3, "decoder"),
-        (4, "decoder"),
-    ]
-    assert {t.num_layers for t in targets} == {5}
-    reasons = {s.parameter_name: s.reason for s in targets.skipped}
-    assert reasons["decoder.layers.0.multihead_attn.in_proj_weight"].startswith("cross-attention")
-    # with include= one stack is watched, without a warning
     with warnings.catch_warnings():
-        warnings.simplefilter("error", category=AmbiguousTargetWarning)
-        encoder = find_targets(model, include="encoder.*")
-    assert {(t.layer, t.num_layers) for t in encoder} == {(0, 2), (1, 2)}
+        warnings.simplefilter("error", category=TargetWarning)  # no gaps: cross is per stack
+        targets = find_targets(model)
+    assert sorted({(t.stack, t.layer, t.num_layers, t.parameter_name[:7]) for t in targets}) == [
+        ("dec", 0, 3, "decoder"),
+        ("dec", 1, 3, "decoder"),
+        ("dec", 2, 3, "decoder"),
+        ("enc", 0, 2, "encoder"),
+        ("enc", 1, 2, "encoder"),
+    ]
+    assert [t.depth for t in targets if t.role == "Q" and t.stack == "dec"] == [0.0, 0.5, 1.0]
+    cross = {t.role: t for t in targets if t.stack == "dec" and t.layer == 0 and "_cross" in t.role}
+    assert sorted(cross) == ["K_cross", "O_cross", "Q_cross", "V_cross"]
+    attn = model.decoder.layers[0].multihead_attn
+    assert torch.equal(cross["K_cross"].matrix(), attn.in_proj_weight[16:32])
+    assert cross["O_cross"].matrix().data_ptr() == attn.out_proj.weight.data_ptr()
+    assert not any(t.stack == "enc" and "_cross" in t.role for t in targets)
+    # with include= one stack is watched, as the one unnamed stack
+    encoder = find_targets(model, include="encoder.*")
+    assert {(t.stack, t.layer, t.num_layers) for t in encoder} == {("", 0, 2), ("", 1, 2)}
 
 
 # --- mapping= -----------------------------------------------------------------------------------

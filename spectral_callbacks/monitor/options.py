@@ -159,6 +159,10 @@ class MonitorOptions:
         worker_nice: on the CPU (Linux), raise the worker thread's nice value by this increment
             (0-19); ``None`` or ``0`` leaves it. Default ``None``.
         history_size: snapshots kept in memory for the figures. Default ``256``.
+        experts: what a mixture of experts logs per (layer, role): ``"aggregate"`` the mean, min
+            and max over its experts as scalars and their distribution as a histogram,
+            ``"each"`` also one scalar per expert (``spectral_<metric>/L03/E007/MLP_down``).
+            Default ``"aggregate"``.
         compute: replace the SVD + metrics function (``(group, batch) -> {metric: (B,) tensor}``).
             Default ``None`` (:class:`~spectral_callbacks.monitor.compute.SpectrumCompute`).
         delta: also log the update family (``spectral_update_*``) of each dense watched matrix
@@ -195,6 +199,7 @@ class MonitorOptions:
     worker_threads: int | None = 1
     worker_nice: int | None = None
     history_size: int = 256
+    experts: str = "aggregate"
     compute: Any = None
     delta: Any = None
 
@@ -219,6 +224,9 @@ class MonitorOptions:
         for name in ("k", "max_pending", "history_size", "esd_every_n_snapshots"):
             value = getattr(self, name)
             require(name, value, is_int(value, 1), "a positive int")
+        require(
+            "experts", self.experts, self.experts in ("aggregate", "each"), "'aggregate' or 'each'"
+        )
         budget = self.max_snapshot_bytes
         require(
             "max_snapshot_bytes",

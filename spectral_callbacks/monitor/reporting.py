@@ -39,7 +39,7 @@ from __future__ import annotations
 import collections
 import math
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import pandas as pd
@@ -47,9 +47,11 @@ import torch
 
 from spectral_callbacks.functional import compression
 from spectral_callbacks.names import (
+    EXPERT_AGGREGATES,
     NUM_LAYERS_TAG,
     TIDY_COLUMNS,
     monitor_tag,
+    num_layers_tag,
     reference_step_tag,
     scalar_tag,
 )
@@ -63,33 +65,70 @@ _FINITE_ON_FINITE_WEIGHTS = ("spectral_norm", "frobenius_norm")
 class Reporter:
     """Builds and logs the scalars of each snapshot; remembers references and recent history.
 
+    Each target is read by where it sits: ``stack`` (``""`` for a model with one), ``layer``,
+    ``role`` and ``expert`` (``None`` outside a mixture of experts); what kind of matrix it is
+    does not matter here. The experts of one (stack, layer, role) are logged as their mean, min
+    and max; each expert's own scalar only with ``experts="each"``; every expert's values are in
+    :meth:`rows` and :meth:`expert_values` (the histogram over experts) either way.
+
     Args:
-        targets: the watched matrices (``name``, ``layer``, ``num_layers``, ``role``, ``depth``).
+        targets: the watched matrices (``name``, ``layer``, ``num_layers``, ``role``, ``depth``,
+            optionally ``stack`` and ``expert``).
         metrics: which metrics to log (see ``monitor.options.KNOWN_METRICS``).
         history_size: how many snapshots the figure history keeps (oldest dropped first).
             Default ``256``.
+        experts: ``"aggregate"`` (default) logs mean/min/max over a layer's experts,
+            ``"each"`` also one scalar per expert.
     """
 
     def __init__(
-        self, targets: Sequence[Any], metrics: Sequence[str], history_size: int = 256
+        self,
+        targets: Sequence[Any],
+        metrics: Sequence[str],
+        history_size: int = 256,
+        experts: str = "aggregate",
     ) -> None:
         self.targets = {target.name: target for target in targets}
         self.metrics = tuple(metrics)
-        self.num_layers = max((target.num_layers for target in targets), default=1)
+        self.each_expert = experts == "each"
+        self.num_layers_of: dict[str, int] = {}
+        for target in targets:
+            stack = stack_of(target)
+            self.num_layers_of[stack] = max(self.num_layers_of.get(stack, 1), target.num_layers)
+        self.num_layers = max(self.num_layers_of.values(), default=1)
         # The compression reference of each matrix: its stable rank at its first *defined* snapshot
         # (normally step 0; later for a matrix that starts at exactly zero, whose stable rank 0/0
         # is undefined), and the step it comes from. Both survive a resume (``state_dict``).
         self.references: dict[str, float] = {}
         self.reference_steps: dict[str, int] = {}
-        self.history: collections.deque[tuple[int, float, dict[str, float]]] = collections.deque(
-            maxlen=history_size
-        )
+        # (step, wall time, logged scalars, each matrix's values of that snapshot)
+        self.history: collections.deque[
+            tuple[int, float, dict[str, float], dict[str, dict[str, float]]]
+        ] = collections.deque(maxlen=history_size)
         # (matrix name, step) of the first snapshot whose weights were not finite, once found.
         self.first_non_finite: tuple[str, int] | None = None
-        # Each matrix's latest logged values: the means per role are over these, so a snapshot
-        # staggered over several steps (the budget) still gets means over every layer.
+        # Each matrix's latest logged values: the means per role (and over experts) are over
+        # these, so a snapshot staggered over several steps (the budget) still gets means over
+        # every layer (expert).
         self.latest: dict[str, dict[str, float]] = {}
-        self._role_size = collections.Counter(target.role for target in targets)
+        self._of_role: dict[tuple[str, str], list[str]] = collections.defaultdict(list)
+        self._of_experts: dict[tuple[str, int, str], list[str]] = collections.defaultdict(list)
+        for target in targets:
+            self._of_role[(stack_of(target), target.role)].append(target.name)
+            if expert_of(target) is not None:
+                self._of_experts[_experts_key(target)].append(target.name)
+
+    def tag(self, target: Any, metric: str) -> str:
+        """The tag of ``metric`` of one matrix (a per-expert tag for an expert's slice)."""
+        stack = stack_of(target)
+        return scalar_tag(
+            metric,
+            target.layer,
+            target.role,
+            self.num_layers_of[stack],
+            stack=stack,
+            expert=expert_of(target),
+        )
 
     def scalars(self, step: int, values: Mapping[str, Mapping[str, float]]) -> dict[str, float]:
         """The tagged scalars of one snapshot (``values``: target name -> metric -> value).
@@ -97,9 +136,9 @@ class Reporter:
         A matrix whose reference is set by this snapshot also gets its
         ``spectral_monitor/reference_step/L<layer>/<role>`` scalar (the value is ``step``).
 
-        The mean of a role is logged where ``values`` hold some of its matrices, over every
-        matrix's latest value (so over the steps of a snapshot taken in parts, at most the
-        coverage delay apart), once each of them has one.
+        The mean of a role (and the mean/min/max over a layer's experts) is logged where
+        ``values`` hold some of its matrices, over every matrix's latest value (so over the steps
+        of a snapshot taken in parts, at most the coverage delay apart), once each has one.
         """
         per_target: dict[str, dict[str, float]] = {}
         new_references: list[str] = []
@@ -117,56 +156,117 @@ class Reporter:
         scalars: dict[str, float] = {}
         for name, row in per_target.items():
             target = self.targets[name]
-            for metric in self.metrics:
-                if metric not in row:
-                    continue
-                value = float(row[metric])
-                scalars[scalar_tag(metric, target.layer, target.role, self.num_layers)] = value
-            self.latest[name] = row
-        by_role: dict[tuple[str, str], list[float]] = collections.defaultdict(list)
-        roles = {self.targets[name].role for name in per_target}
-        for name, row in self.latest.items():
-            role = self.targets[name].role
-            if role in roles:
+            if expert_of(target) is None or self.each_expert:
                 for metric in self.metrics:
                     if metric in row:
-                        by_role[(metric, role)].append(float(row[metric]))
-        for (metric, role), layer_values in by_role.items():
-            if len(layer_values) < self._role_size[role]:
-                continue  # a part of a staggered snapshot: the mean waits for every matrix
-            finite = [value for value in layer_values if not math.isnan(value)]
-            scalars[scalar_tag(metric, None, role)] = (
-                sum(finite) / len(finite) if finite else math.nan
-            )
+                        scalars[self.tag(target, metric)] = float(row[metric])
+            self.latest[name] = row
+        touched_experts = {
+            _experts_key(self.targets[name])
+            for name in per_target
+            if expert_of(self.targets[name]) is not None
+        }
+        for key in touched_experts:
+            stack, layer, role = key
+            for metric, expert_values in self._latest_of(self._of_experts[key]).items():
+                finite = [value for value in expert_values if not math.isnan(value)]
+                for aggregate in EXPERT_AGGREGATES:
+                    tag = scalar_tag(
+                        metric,
+                        layer,
+                        role,
+                        self.num_layers_of[stack],
+                        stack=stack,
+                        aggregate=aggregate,
+                    )
+                    scalars[tag] = _AGGREGATE[aggregate](finite) if finite else math.nan
+        touched_roles = {(stack_of(self.targets[n]), self.targets[n].role) for n in per_target}
+        for stack, role in touched_roles:
+            for metric, layer_values in self._latest_of(self._of_role[(stack, role)]).items():
+                finite = [value for value in layer_values if not math.isnan(value)]
+                scalars[scalar_tag(metric, None, role, stack=stack)] = (
+                    sum(finite) / len(finite) if finite else math.nan
+                )
         if "compression" in self.metrics:
             for name in new_references:
                 target = self.targets[name]
-                tag = reference_step_tag(target.layer, target.role, self.num_layers)
+                if expert_of(target) is not None and not self.each_expert:
+                    continue  # one tag per expert only where per-expert charts were asked for
+                stack = stack_of(target)
+                tag = reference_step_tag(
+                    target.layer,
+                    target.role,
+                    self.num_layers_of[stack],
+                    stack=stack,
+                    expert=expert_of(target),
+                )
                 scalars[tag] = float(step)
-        self.history.append((step, time.time(), scalars))
+        self.history.append((step, time.time(), scalars, per_target))
         return scalars
 
+    def _latest_of(self, names: Sequence[str]) -> dict[str, list[float]]:
+        """metric -> the latest values of ``names``, for the metrics every one of them has."""
+        if any(name not in self.latest for name in names):
+            return {}  # a part of a staggered snapshot: the aggregate waits for every matrix
+        rows = [self.latest[name] for name in names]
+        return {
+            metric: [float(row[metric]) for row in rows]
+            for metric in self.metrics
+            if all(metric in row for row in rows)
+        }
+
+    def expert_values(self, step_scalars_index: int = -1) -> dict[str, list[float]]:
+        """Per (stack, layer, role) and metric of experts, the values of each expert in the
+        snapshot ``history[step_scalars_index]``, under the tag of that (layer, role) without an
+        aggregate: what the histogram over experts shows (``spectral_<metric>/L03/MLP_down``)."""
+        if not self.history:
+            return {}
+        values = self.history[step_scalars_index][3]
+        found: dict[str, list[float]] = collections.defaultdict(list)
+        for name, row in values.items():
+            target = self.targets[name]
+            if expert_of(target) is None:
+                continue
+            stack = stack_of(target)
+            for metric in self.metrics:
+                if metric in row:
+                    tag = scalar_tag(
+                        metric, target.layer, target.role, self.num_layers_of[stack], stack=stack
+                    )
+                    found[tag].append(float(row[metric]))
+        return dict(found)
+
+    def num_layers_scalars(self) -> dict[str, float]:
+        """``spectral_monitor/num_layers`` (and ``.../num_layers/<stack>`` for each stack)."""
+        if list(self.num_layers_of) in ([], [""]):
+            return num_layers_scalar(self.num_layers)
+        return {num_layers_tag(stack): float(n) for stack, n in self.num_layers_of.items()}
+
     def rows(self, run: str = "") -> pd.DataFrame:
-        """The remembered snapshots as tidy rows (per (layer, role) tags only; no means)."""
+        """The remembered snapshots as tidy rows, one per matrix and metric (no means), every
+        expert's own values included."""
         records = []
-        for step, wall_time, scalars in self.history:
-            for target in self.targets.values():
+        for step, wall_time, _, values in self.history:
+            for name, row in values.items():
+                target = self.targets[name]
                 for metric in self.metrics:
-                    tag = scalar_tag(metric, target.layer, target.role, self.num_layers)
-                    if tag in scalars:
+                    if metric in row:
                         records.append(
                             (
                                 run,
                                 step,
                                 metric,
+                                stack_of(target),
                                 target.layer,
                                 target.depth,
                                 target.role,
-                                scalars[tag],
+                                expert_of(target),
+                                float(row[metric]),
                                 wall_time,
                             )
                         )
-        return pd.DataFrame.from_records(records, columns=list(TIDY_COLUMNS))
+        frame = pd.DataFrame.from_records(records, columns=list(TIDY_COLUMNS))
+        return frame.astype({"layer": "Int64", "expert": "Int64"})
 
     def state_dict(self) -> dict[str, Any]:
         """The compression references and their steps (what a resume must keep)."""
@@ -194,6 +294,28 @@ def health_scalars(**values: float) -> dict[str, float]:
 def num_layers_scalar(num_layers: int) -> dict[str, float]:
     """The one-off ``spectral_monitor/num_layers`` scalar readers use for relative depth."""
     return {NUM_LAYERS_TAG: float(num_layers)}
+
+
+def stack_of(target: Any) -> str:
+    """The stack a target belongs to (``""``: the model's one stack)."""
+    return str(getattr(target, "stack", ""))
+
+
+def expert_of(target: Any) -> int | None:
+    """The expert a target is a slice of, or ``None``."""
+    expert = getattr(target, "expert", None)
+    return None if expert is None else int(expert)
+
+
+def _experts_key(target: Any) -> tuple[str, int, str]:
+    return (stack_of(target), int(target.layer), str(target.role))
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values)
+
+
+_AGGREGATE: dict[str, Callable[[list[float]], float]] = {"mean": _mean, "min": min, "max": max}
 
 
 def _non_finite(row: Mapping[str, float]) -> bool:

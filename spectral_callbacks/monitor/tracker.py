@@ -49,7 +49,7 @@ from spectral_callbacks.monitor.options import (
 from spectral_callbacks.monitor.partitioned import refuse_partitioned
 from spectral_callbacks.monitor.placement import Placement, machine_placement
 from spectral_callbacks.monitor.protocol import Engine, make_engine
-from spectral_callbacks.monitor.reporting import Reporter, health_scalars, num_layers_scalar
+from spectral_callbacks.monitor.reporting import Reporter, health_scalars
 from spectral_callbacks.monitor.schedule import SnapshotSchedule
 from spectral_callbacks.monitor.snapshot import group_by_shape
 
@@ -200,7 +200,9 @@ class SpectralTracker:
             getattr(target, "has_update", False) for target in self.targets
         ):
             self.metrics += UPDATE_METRICS
-        self._reporter = Reporter(self.targets, self.metrics, options.history_size)
+        self._reporter = Reporter(
+            self.targets, self.metrics, options.history_size, experts=options.experts
+        )
         self._figures = dashboards.LiveFigures(
             figure_roles, options.figure_every_n_steps, exit_timeout=options.drain_timeout
         )
@@ -256,7 +258,7 @@ class SpectralTracker:
             max_delay_steps=options.every_n_steps,
         )
         once = {
-            **num_layers_scalar(self._reporter.num_layers),
+            **self._reporter.num_layers_scalars(),
             **health_scalars(inline=self.placement.inline),
         }
         tb.log_scalars(self.writers, once, step)

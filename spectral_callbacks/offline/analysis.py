@@ -72,6 +72,7 @@ def analyze_model(
     rows = pd.DataFrame(
         [
             {
+                "stack": t.stack,
                 "layer": t.layer,
                 "role": t.role,
                 "parameter": t.name,
@@ -116,11 +117,12 @@ def write_scalars(
     from spectral_callbacks import tensorboard_adapter as tb
     from spectral_callbacks.monitor.reporting import Reporter, num_layers_scalar
 
-    metrics = [c for c in rows.columns if c not in ("layer", "role", "parameter", "shape")]
+    metrics = [c for c in rows.columns if c not in ("stack", "layer", "role", "parameter", "shape")]
     check_logdir(logdir)
     targets = [
         SimpleNamespace(
             name=row.parameter,
+            stack=str(getattr(row, "stack", "")),
             layer=int(row.layer),
             role=str(row.role),
             num_layers=num_layers,

@@ -9,9 +9,14 @@ column     meaning
 run        path of the run relative to the directory given (its own name if that is the run)
 step       the step the scalar was logged at (the trainer's optimizer step)
 metric     ``stable_rank``, ``alpha``, ... for spectral tags; the whole tag for other scalars
-layer      layer index (nullable int); empty for the mean over layers and for other scalars
-depth      relative depth layer / (L - 1), L from ``spectral_monitor/num_layers``
-role       ``Q``, ``K``, ``V``, ``O``, ``MLP_up``, ``MLP_down`` or a variant role; empty otherwise
+stack      ``enc``/``dec``, ``text``/``vision`` where the model has several stacks, else empty
+layer      layer index within its stack (nullable int); empty for the mean over layers and for
+           other scalars
+depth      relative depth layer / (L - 1) within the stack, L from ``spectral_monitor/num_layers``
+           (``spectral_monitor/num_layers/<stack>`` per stack)
+role       ``Q``, ``K``, ``V``, ``O``, ``MLP_up``, ``MLP_down`` or a variant role; empty otherwise;
+           an aggregate over a layer's experts carries it: ``MLP_down/mean``, ``/min``, ``/max``
+expert     the expert's index for a per-expert value (nullable int), else empty
 value      the logged value (float32 in the event file, widened exactly to float64)
 wall_time  seconds since the epoch when it was logged
 =========  ==================================================================================
@@ -31,8 +36,8 @@ Example::
     ...     writer.add_scalar(NUM_LAYERS_TAG, 2, 0)
     ...     writer.add_scalar(scalar_tag("alpha", 1, "Q"), 0.25, 0)
     >>> read = read_runs([logdir])
-    >>> read.rows[["step", "metric", "layer", "depth", "role", "value"]].to_dict("records")
-    [{'step': 0, 'metric': 'alpha', 'layer': 1, 'depth': 1.0, 'role': 'Q', 'value': 0.25}]
+    >>> read.rows[["step", "metric", "stack", "layer", "depth", "role", "value"]].to_dict("records")
+    [{'step': 0, 'metric': 'alpha', 'stack': '', 'layer': 1, 'depth': 1.0, 'role': 'Q', 'value': 0.25}]
     >>> read.problems
     []
 """
@@ -40,13 +45,20 @@ Example::
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import pandas as pd
 
-from spectral_callbacks.names import NUM_LAYERS_TAG, TIDY_COLUMNS, parse_tag, relative_depth
+from spectral_callbacks.names import (
+    TIDY_COLUMNS,
+    num_layers_tag,
+    parse_num_layers_tag,
+    parse_tag,
+    relative_depth,
+)
 from spectral_callbacks.tensorboard_adapter import tf_records
 
 COLUMNS = TIDY_COLUMNS
@@ -206,31 +218,54 @@ def read_event_file(path: Path) -> tuple[list[tuple[str, int, float, float]], Re
 
 def _tidy(run: str, points: list[tuple[str, int, float, float]], all_scalars: bool) -> pd.DataFrame:
     """Tidy rows of one run's points; ``depth`` is filled in later, per run."""
-    records: list[tuple[str, int, str, int | None, str | None, float, float]] = []
+    records: list[tuple[Any, ...]] = []
     for tag, step, value, wall_time in points:
         parsed = parse_tag(tag)
         if parsed is not None:
-            records.append((run, step, parsed.metric, parsed.layer, parsed.role, value, wall_time))
+            records.append(
+                (
+                    run,
+                    step,
+                    parsed.metric,
+                    parsed.stack,
+                    parsed.layer,
+                    parsed.series_role,
+                    parsed.expert,
+                    value,
+                    wall_time,
+                )
+            )
         elif all_scalars:
-            records.append((run, step, tag, None, None, value, wall_time))
+            records.append((run, step, tag, None, None, None, None, value, wall_time))
     frame = pd.DataFrame.from_records(
         records, columns=[column for column in COLUMNS if column != "depth"]
     )
     return frame.astype(
-        {"step": "int64", "layer": "Int64", "value": "float64", "wall_time": "float64"}
+        {
+            "step": "int64",
+            "layer": "Int64",
+            "expert": "Int64",
+            "value": "float64",
+            "wall_time": "float64",
+        }
     )
 
 
-def _add_depth(rows: pd.DataFrame, num_layers: int | None) -> pd.DataFrame:
-    layers = rows["layer"].dropna().unique()
-    depth_of = {layer: relative_depth(int(layer), num_layers or 1) for layer in layers}
-    depth = rows["layer"].map(depth_of).astype("float64")  # NaN where there is no layer
-    return rows.assign(depth=depth)[list(COLUMNS)]
+def _add_depth(rows: pd.DataFrame, num_layers: Mapping[str, int]) -> pd.DataFrame:
+    """``depth`` of each row within its stack (``num_layers``: stack -> layers, ``""`` the model)."""
+    pairs = rows[["stack", "layer"]].dropna().drop_duplicates()
+    depth_of = {
+        (stack, layer): relative_depth(int(layer), num_layers.get(stack) or 1)
+        for stack, layer in pairs.itertuples(index=False)
+    }
+    keys = list(zip(rows["stack"], rows["layer"], strict=True))
+    depth = pd.Series([depth_of.get(key, float("nan")) for key in keys], index=rows.index)
+    return rows.assign(depth=depth.astype("float64"))[list(COLUMNS)]  # NaN where no layer
 
 
 def empty_rows() -> pd.DataFrame:
     """A tidy-row DataFrame with no rows and the right columns and dtypes."""
-    return _add_depth(_tidy("", [], all_scalars=False), None)
+    return _add_depth(_tidy("", [], all_scalars=False), {})
 
 
 def read_runs(
@@ -274,22 +309,27 @@ def read_runs(
                 )
             )
         num_layers = _num_layers(points)
-        layers = rows["layer"].dropna()
-        if num_layers is None and not layers.empty:
-            num_layers = int(layers.max()) + 1
-            notes.append(
-                f"run {run.name}: no {NUM_LAYERS_TAG} scalar; depth uses max layer + 1 = {num_layers}"
-                " layers"
-            )
+        spectral = rows.dropna(subset=["layer"])
+        for stack, layers in spectral.groupby("stack")["layer"]:
+            if stack not in num_layers:
+                num_layers[stack] = int(layers.max()) + 1
+                notes.append(
+                    f"run {run.name}: no {num_layers_tag(stack)} scalar; depth uses max layer + 1"
+                    f" = {num_layers[stack]} layers"
+                )
         frames.append(_add_depth(rows, num_layers))
     rows = pd.concat(frames, ignore_index=True) if frames else empty_rows()
     return ReadResult(rows, problems, notes, [run.name for run in runs])
 
 
-def _num_layers(points: Iterable[tuple[str, int, float, float]]) -> int | None:
-    """The last logged ``spectral_monitor/num_layers`` of a run, if any."""
-    values = [value for tag, _, value, _ in points if tag == NUM_LAYERS_TAG]
-    return int(values[-1]) if values else None
+def _num_layers(points: Iterable[tuple[str, int, float, float]]) -> dict[str, int]:
+    """The last logged ``spectral_monitor/num_layers`` of a run per stack (``""``: the model)."""
+    found: dict[str, int] = {}
+    for tag, _, value, _ in points:
+        stack = parse_num_layers_tag(tag)
+        if stack is not None:
+            found[stack] = int(value)
+    return found
 
 
 def _progress(items: list, description: str, *, enabled: bool) -> Iterable:

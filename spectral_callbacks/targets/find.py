@@ -9,8 +9,9 @@ Steps:
 2. Its layer is its index in the outermost ``ModuleList``/``Sequential`` on its path before the
    part the rule matched (so the ``0`` of GLA's ``kv_b_proj.0`` is a group, not a layer; of a
    ``mapping`` pattern only the part it spells out, so ``net.*`` keeps ``net``'s layers), counting
-   only the entries of that list that hold targets; several lists (encoder and decoder) are
-   numbered one after the other, with a warning.
+   only the entries of that list that hold targets. Several lists (encoder and decoder, text and
+   vision towers) are several stacks: each target carries its stack's name (``enc``, ``dec``,
+   ``text``, ``vision``, else the list's own name) and is numbered within it.
 3. ``include``/``exclude``/``roles`` filter the result; what they drop is listed, not warned about.
 4. Anything that looks like a target but was not mapped is warned about (``PartialTargetWarning``);
    finding nothing raises ``TargetError`` with the candidate names and how to pass ``mapping=``.
@@ -19,7 +20,8 @@ Steps:
 from __future__ import annotations
 
 import fnmatch
-from collections import defaultdict
+import re
+from collections import Counter, defaultdict
 from collections.abc import Iterable, Mapping
 
 from torch import nn
@@ -115,8 +117,7 @@ def find_targets(
     Warns:
         PartialTargetWarning: a weight inside the blocks matched no rule, a fused weight had an
             unknown layout, or some layers lack roles that others have.
-        AmbiguousTargetWarning: a weight matched several ``mapping`` patterns, or targets come
-            from several lists of blocks (numbered one after the other).
+        AmbiguousTargetWarning: a weight matched several ``mapping`` patterns.
 
     Example::
 
@@ -187,16 +188,75 @@ def find_targets(
     if role_patterns is not None:
         kept = _filter_roles(kept, role_patterns, skipped)
     _check_unique(kept)
-    kept.sort(key=lambda t: (t.layer, role_sort_key(t.role), t.name))
+    stack_order = {stack: i for i, stack in enumerate(dict.fromkeys(t.stack for t in kept))}
+    kept.sort(
+        key=lambda t: (stack_order[t.stack], t.layer, role_sort_key(t.role), t.expert or 0, t.name)
+    )
     return TargetList(kept, skipped, low_dim)
 
 
+# The words that name a stack, first match wins: two towers, then encoder and decoder.
+_STACK_WORDS = (
+    ("text", "text"),
+    ("vision", "vision"),
+    ("visual", "vision"),
+    ("image", "vision"),
+    ("audio", "audio"),
+    ("decoder", "dec"),
+    ("encoder", "enc"),
+)
+
+
+def stack_names(paths: list[str]) -> dict[str, str]:
+    """A short, distinct stack name for each list of blocks (its path in the model).
+
+    One list is the unnamed stack ``""`` (a decoder-only model keeps its names). Several get the
+    first of text/vision/audio/dec/enc their path names, else the first segment that tells them
+    apart (lowercased); a clash takes the list's position as a suffix.
+
+    >>> stack_names(["encoder.block", "decoder.block"])
+    {'encoder.block': 'enc', 'decoder.block': 'dec'}
+    >>> stack_names(["text_model.encoder.layers", "vision_model.encoder.layers"])
+    {'text_model.encoder.layers': 'text', 'vision_model.encoder.layers': 'vision'}
+    >>> stack_names(["transformer.h"])
+    {'transformer.h': ''}
+    >>> stack_names(["backbone.blocks", "neck.Blocks", ""])
+    {'backbone.blocks': 'backbone', 'neck.Blocks': 'neck', '': 'top'}
+    """
+    if len(paths) < 2:
+        return dict.fromkeys(paths, "")
+    names: dict[str, str] = {}
+    split = [path.split(".") if path else [] for path in paths]
+    for path, segments in zip(paths, split, strict=True):
+        lowered = [segment.lower() for segment in segments]
+        word = next(
+            (name for key, name in _STACK_WORDS if any(key in seg for seg in lowered)), None
+        )
+        if word is None:
+            others = [o for o in split if o is not segments]
+            distinct = [
+                seg
+                for i, seg in enumerate(lowered)
+                if all(i >= len(o) or o[i].lower() != seg for o in others)
+            ]
+            word = re.sub(r"[^a-z0-9_]", "_", distinct[0]) if distinct else "top"
+            if not word[0].isalpha():
+                word = f"s{word}"
+        names[path] = word
+    counts = Counter(names.values())
+    return {
+        path: f"{name}{i}" if counts[name] > 1 else name
+        for i, (path, name) in enumerate(names.items())
+    }
+
+
 def _number_layers(candidates: list[Candidate], chosen: list[Candidate]) -> list[Target]:
-    """Targets of the ``chosen`` candidates with layer numbers.
+    """Targets of the ``chosen`` candidates with stacks and layer numbers.
 
     A layer is the rank of a block among the entries of its list that hold any target before
-    include/exclude (so ``include="h.3.*"`` still reports layer 3 of L); lists left with no
-    chosen target do not count (so ``include="encoder.*"`` numbers the encoder alone).
+    include/exclude (so ``include="h.3.*"`` still reports layer 3 of L); each list is a stack,
+    numbered on its own; lists left with no chosen target do not count (so ``include="encoder.*"``
+    watches the encoder as the one unnamed stack).
     """
     used: dict[str, set[int]] = defaultdict(set)
     for c in candidates:
@@ -204,18 +264,8 @@ def _number_layers(candidates: list[Candidate], chosen: list[Candidate]) -> list
             key, index = c.block if c.block else ("", 0)
             used[key].add(index)
     order = list(dict.fromkeys(c.block[0] if c.block else "" for c in chosen))
-    if len(order) > 1:
-        rank_zero_warn(
-            f"targets come from {len(order)} lists of blocks ("
-            + ", ".join(repr(k or "<outside any list>") for k in order)
-            + "); their layers are numbered one list after the other. Pass include= to watch one.",
-            category=AmbiguousTargetWarning,
-        )
-    offset, layer_of = 0, {}
-    for key in order:
-        for rank, index in enumerate(sorted(used[key])):
-            layer_of[(key, index)] = offset + rank
-        offset += len(used[key])
+    stack_of = stack_names(order)
+    layer_of = {(key, index): rank for key in order for rank, index in enumerate(sorted(used[key]))}
     targets: list[Target] = []
     for c in chosen:
         key, index = c.block if c.block else ("", 0)
@@ -228,9 +278,10 @@ def _number_layers(candidates: list[Candidate], chosen: list[Candidate]) -> list
                 c.parameter,
                 role=role,
                 layer=layer_of[(key, index)],
-                num_layers=offset,
+                num_layers=len(used[key]),
                 rows=rows,
                 fused=fused,
+                stack=stack_of[key],
             )
             for role, rows in c.parts
         ]
@@ -242,15 +293,23 @@ def _out(candidate: Candidate, rows: Rows) -> int:
 
 
 def _warn_missing_roles(targets: list[Target]) -> None:
-    by_layer: dict[int, set[str]] = defaultdict(set)
+    """Warn where a layer lacks roles other layers of its stack have (an encoder has no cross
+    attention, a DeepSeek's dense first layers no experts: compared within a stack and kind)."""
+    by_layer: dict[tuple[str, bool, int], set[str]] = defaultdict(set)
     for t in targets:
-        by_layer[t.layer].add(t.role)
-    every = set().union(*by_layer.values()) if by_layer else set()
-    missing = {layer: every - found for layer, found in by_layer.items() if every - found}
+        by_layer[(t.stack, t.expert is not None, t.layer)].add(t.role)
+    missing = {}
+    for (stack, experts, layer), found in by_layer.items():
+        every = set().union(
+            *(roles for (s, e, _), roles in by_layer.items() if (s, e) == (stack, experts))
+        )
+        if every - found:
+            missing[(stack, layer)] = every - found
     if missing:
         text = "; ".join(
-            f"layer {layer}: {', '.join(sorted(roles, key=role_sort_key))}"
-            for layer, roles in sorted(missing.items())
+            f"{stack + ' ' if stack else ''}layer {layer}: "
+            f"{', '.join(sorted(roles, key=role_sort_key))}"
+            for (stack, layer), roles in sorted(missing.items())
         )
         rank_zero_warn(
             f"some layers lack roles that other layers have ({text}); their charts will have "
@@ -283,12 +342,16 @@ def _filter_roles(
 
 
 def _check_unique(targets: list[Target]) -> None:
-    seen: dict[tuple[int, str], str] = {}
+    seen: dict[tuple[str, int, str, int | None], str] = {}
     clashes = []
     for t in targets:
-        key = (t.layer, t.role)
+        key = (t.stack, t.layer, t.role, t.expert)
         if key in seen:
-            clashes.append(f"  layer {t.layer} role {t.role}: {seen[key]} and {t.name}")
+            where = f"{t.stack} " if t.stack else ""
+            expert = "" if t.expert is None else f" expert {t.expert}"
+            clashes.append(
+                f"  {where}layer {t.layer} role {t.role}{expert}: {seen[key]} and {t.name}"
+            )
         seen[key] = t.name
     if clashes:
         raise TargetError(

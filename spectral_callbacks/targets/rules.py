@@ -25,7 +25,7 @@ from __future__ import annotations
 import fnmatch
 import re
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
@@ -282,7 +282,37 @@ def _adapter_part(ctx: Context) -> Skip | None:
     return None
 
 
-_CROSS = Skip("cross-attention: not watched by default; use mapping= to give it roles")
+# A cross-attention module is written like the block's self-attention under another name: its
+# weights map by the self-attention's rule, with each role marked ``_cross``.
+_SELF_OF_CROSS = {
+    "EncDecAttention": "SelfAttention",  # T5
+    "encoder_attn": "self_attn",  # BART, mBART, Whisper, Marian, Pegasus
+    "multihead_attn": "self_attn",  # torch.nn.TransformerDecoderLayer
+    "crossattention": "attention",  # BERT-style decoders (BertGeneration, RoBERTa as decoder)
+}
+
+
+def _cross(ctx: Context) -> Decision | None:
+    """The self-attention rule of the same weight, each role with ``_cross`` appended."""
+    segments = ctx.name.split(".")
+    at = max(i for i, segment in enumerate(segments) if segment in _SELF_OF_CROSS)
+    segments[at] = _SELF_OF_CROSS[segments[at]]
+    inner = Context(".".join(segments), ctx.parameter, ctx.modules)
+    for pattern, rule in BUILTIN_RULES:
+        if pattern.startswith("crossattention.") or match_length(pattern, inner.name) is None:
+            continue
+        decision = rule(inner) if callable(rule) else rule
+        if decision is None:
+            continue
+        if isinstance(decision, str):
+            return f"{decision}_cross"
+        if isinstance(decision, Split):
+            cross = tuple(None if role is None else f"{role}_cross" for role in decision.roles)
+            return replace(decision, roles=cross)
+        return decision
+    return None
+
+
 _EXPERT = Skip("MoE expert (many per layer): not watched by default; use mapping= to watch")
 _ROUTER = Skip("MoE router")
 
@@ -292,12 +322,17 @@ BUILTIN_RULES: tuple[tuple[str, Rule], ...] = (
     ("*", _adapter_part),
     # Left out on purpose: listed in the summary, not warned about.
     ("experts.*", _EXPERT),
-    ("crossattention.*", _CROSS),
-    ("encoder_attn.*", _CROSS),
-    ("multihead_attn.*", _CROSS),
-    ("EncDecAttention.*", _CROSS),
     ("mlp.gate.weight", _ROUTER),
     ("router.*", _ROUTER),
+    # Cross-attention (decoders of encoder-decoder models): Q_cross, K_cross, V_cross, O_cross.
+    # GPT-2 as a decoder (VisionEncoderDecoder): q_attn alone, c_attn rows [k; v] (Conv1D).
+    ("crossattention.q_attn.weight", "Q_cross"),
+    ("crossattention.c_attn.weight", Split(("K_cross", "V_cross"))),
+    ("crossattention.c_proj.weight", "O_cross"),
+    ("EncDecAttention.*", _cross),
+    ("encoder_attn.*", _cross),
+    ("multihead_attn.*", _cross),
+    ("crossattention.*", _cross),
     # GPT-2 (Conv1D, stored (in, out)) and nanoGPT (Linear): c_attn rows [q; k; v].
     ("attn.c_attn.weight", _fused_qkv),
     ("attn.c_proj.weight", "O"),

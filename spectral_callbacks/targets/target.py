@@ -48,9 +48,17 @@ ROLE_ORDER: tuple[str, ...] = (
     "V_A",
     "V_B",
     "O",
+    "Q_cross",
+    "K_cross",
+    "V_cross",
+    "O_cross",
+    "Router",
     "MLP_gate",
     "MLP_up",
     "MLP_down",
+    "MLP_shared_gate",
+    "MLP_shared_up",
+    "MLP_shared_down",
 )
 _ROLE_RE = re.compile(r"^[A-Za-z0-9_]+$")
 _GROUP_SUFFIX = re.compile(r"^(?P<base>.+)_g(?P<group>\d+)$")
@@ -132,6 +140,10 @@ class Target:
         shape: ``(out_features, in_features)`` of ``matrix()``.
         parameter: the live parameter (not a copy); excluded from comparison and repr.
         rows: which rows of the parameter form this matrix.
+        stack: the stack of blocks it belongs to (``enc``/``dec``, ``text``/``vision``) where
+            a model has several, else ``""``; ``layer`` and ``num_layers`` are within it.
+        expert: the expert's index where the matrix is one expert's slice of a mixture of
+            experts (``targets/experts.py``), else ``None``.
     """
 
     name: str
@@ -142,6 +154,8 @@ class Target:
     shape: tuple[int, int]
     parameter: torch.Tensor = field(repr=False, compare=False)
     rows: Rows = field(default_factory=Rows, repr=False)
+    stack: str = ""
+    expert: int | None = None
 
     @classmethod
     def from_parameter(
@@ -154,13 +168,14 @@ class Target:
         num_layers: int = 1,
         rows: Rows | None = None,
         fused: bool = False,
+        stack: str = "",
     ) -> Target:
         """A target on ``parameter``; ``fused=True`` appends ``[role]`` to the name."""
         rows = rows or Rows()
         check_role(role, f"target {parameter_name}")
         shape = rows.shape_of(tuple(parameter.shape))  # no copy, even for interleaved rows
         name = f"{parameter_name}[{role}]" if fused else parameter_name
-        return cls(name, parameter_name, layer, num_layers, role, shape, parameter, rows)
+        return cls(name, parameter_name, layer, num_layers, role, shape, parameter, rows, stack)
 
     @property
     def depth(self) -> float:
@@ -265,19 +280,27 @@ def format_targets(targets: Iterable[Target]) -> str:
     if targets:
         rows: list[tuple[str, ...]] = [("layer", "role", "parameter", "shape")]
         rows += [(str(t.layer), t.role, t.name, _shape_text(t.shape)) for t in targets]
+        stacks = list(dict.fromkeys(t.stack for t in targets))
+        if stacks != [""]:  # several stacks: each row says which, the layer is within it
+            rows = [("stack", *rows[0])] + [
+                (t.stack, *row) for t, row in zip(targets, rows[1:], strict=True)
+            ]
         # An adapted layer says what adapts it (``lora r=8 (default)``): targets/adapted.py.
         described = [getattr(t, "description", "") for t in targets]
         if any(described):
             rows = [(*rows[0], "adapter")] + [
                 (*row, text) for row, text in zip(rows[1:], described, strict=True)
             ]
-        lines += _table(rows, right_align=(0,))
+        lines += _table(rows, right_align=(0 if stacks == [""] else 1,))
         roles = sorted({t.role for t in targets}, key=role_sort_key)
-        num_layers = max(t.num_layers for t in targets)
+        layers_of = {t.stack: t.num_layers for t in targets}
         plural = "" if len(targets) == 1 else "s"
-        lines.append(
-            f"{len(targets)} target{plural} in {num_layers} layers; roles: {' '.join(roles)}"
+        where = (
+            f"{layers_of['']} layers"
+            if stacks == [""]
+            else ", ".join(f"{stack} {layers_of[stack]} layers" for stack in stacks)
         )
+        lines.append(f"{len(targets)} target{plural} in {where}; roles: {' '.join(roles)}")
     else:
         lines.append("no targets")
     skipped = getattr(targets, "skipped", [])

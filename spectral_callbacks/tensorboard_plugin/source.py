@@ -35,7 +35,12 @@ import numpy as np
 import pandas as pd
 from tensorboard.data import provider
 
-from spectral_callbacks.names import NUM_LAYERS_TAG, parse_tag, relative_depth
+from spectral_callbacks.names import (
+    num_layers_tag,
+    parse_num_layers_tag,
+    parse_tag,
+    relative_depth,
+)
 from spectral_callbacks.offline.events import COLUMNS, empty_rows
 
 SCALARS_PLUGIN = "scalars"
@@ -142,7 +147,8 @@ class ScalarSource:
             for run, tags in wanted.items()
         }
         first = {
-            run: [t for t in tags if t in (tags[0], NUM_LAYERS_TAG)] for run, tags in wanted.items()
+            run: [t for t in tags if t == tags[0] or parse_num_layers_tag(t) is not None]
+            for run, tags in wanted.items()
         }
         first_rows = self._frame(experiment_id, self._current(ctx, experiment_id, first, last))
         return self._frame(experiment_id, points), first_rows["step"].unique().tolist()
@@ -156,8 +162,8 @@ class ScalarSource:
         for run, tags in wanted.items():
             listed = directory.get(run, frozenset())
             chosen = [t for t in dict.fromkeys(tags) if t in listed]
-            if chosen and NUM_LAYERS_TAG in listed:
-                chosen.append(NUM_LAYERS_TAG)
+            if chosen:  # and the num_layers tags (one per stack where there are several)
+                chosen += sorted(t for t in listed if parse_num_layers_tag(t) is not None)
             if chosen:
                 known[run] = list(dict.fromkeys(chosen))
         return known
@@ -223,18 +229,26 @@ class ScalarSource:
         builds them: the tag parsed once per series, not once per point."""
         with self._lock:
             directory = self._directories.get(experiment_id, (0.0, {}))[1]
-        labels: list[tuple[str, int | None, str | None]] = []  # (metric, layer, role) per series
+        # (metric, stack, layer, role, expert) per series
+        labels: list[tuple[str, str | None, int | None, str | None, int | None]] = []
         runs, depths, parts = [], [], []
         for run, of_run in series.items():
             of_run = [(tag, copy) for tag, copy in of_run if len(copy.step)]
-            logged = dict(of_run).get(NUM_LAYERS_TAG)
-            num_layers = _num_layers(logged, directory.get(run, frozenset()))
+            logged = dict(of_run)
+            tags = directory.get(run, frozenset())
             for tag, copy in of_run:
                 parsed = parse_tag(tag)  # other scalars: the tag is the metric, as export has it
-                metric, layer, role = parsed if parsed is not None else (tag, None, None)
+                if parsed is None:
+                    labels.append((tag, None, None, None, None))
+                    depths.append(np.nan)
+                else:
+                    stack, layer = parsed.stack, parsed.layer
+                    labels.append((parsed.metric, stack, layer, parsed.series_role, parsed.expert))
+                    num_layers = _num_layers(logged.get(num_layers_tag(stack)), tags, stack)
+                    depths.append(
+                        np.nan if layer is None else relative_depth(layer, num_layers or 1)
+                    )
                 runs.append(run)
-                labels.append((metric, layer, role))
-                depths.append(np.nan if layer is None else relative_depth(layer, num_layers or 1))
                 parts.append(copy)
         if not parts:
             return empty_rows()
@@ -243,22 +257,30 @@ class ScalarSource:
         def each_point(values: list, dtype: type = object) -> np.ndarray:
             return np.repeat(np.array(values, dtype=dtype), counts)
 
-        metrics, layers, roles = (list(column) for column in zip(*labels, strict=True))
+        metrics, stacks, layers, roles, experts = (
+            list(column) for column in zip(*labels, strict=True)
+        )
+
+        def nullable(values: list[int | None]) -> pd.arrays.IntegerArray:
+            return pd.arrays.IntegerArray(
+                each_point([value or 0 for value in values], np.int64),
+                each_point([value is None for value in values], bool),
+            )
+
         columns = {
             "run": each_point(runs),
             "step": np.concatenate([copy.step for copy in parts]),
             "metric": each_point(metrics),
-            "layer": pd.arrays.IntegerArray(
-                each_point([layer or 0 for layer in layers], np.int64),
-                each_point([layer is None for layer in layers], bool),
-            ),
+            "stack": each_point(stacks),
+            "layer": nullable(layers),
             "depth": each_point(depths, np.float64),
             "role": each_point(roles),
+            "expert": nullable(experts),
             "value": np.concatenate([copy.value for copy in parts]),
             "wall_time": np.concatenate([copy.wall_time for copy in parts]),
         }
         return pd.DataFrame({name: columns[name] for name in COLUMNS}).astype(
-            {"metric": object, "role": object}
+            {"metric": object, "stack": object, "role": object}
         )
 
 
@@ -278,9 +300,14 @@ def _series(data: Sequence[provider.ScalarDatum]) -> Series:
     )
 
 
-def _num_layers(logged: Series | None, tags: Iterable[str]) -> int | None:
-    """The run's last logged ``spectral_monitor/num_layers``, else its deepest listed layer + 1."""
+def _num_layers(logged: Series | None, tags: Iterable[str], stack: str = "") -> int | None:
+    """The run's last logged ``spectral_monitor/num_layers`` of ``stack``, else the deepest
+    listed layer of that stack + 1."""
     if logged is not None and len(logged.value):
         return int(logged.value[-1])
-    layers = [p.layer for p in map(parse_tag, tags) if p is not None and p.layer is not None]
+    layers = [
+        p.layer
+        for p in map(parse_tag, tags)
+        if p is not None and p.layer is not None and p.stack == stack
+    ]
     return max(layers) + 1 if layers else None

@@ -1,0 +1,220 @@
+"""Several stacks of blocks: encoder-decoder and two-tower models, numbered within each stack,
+cross-attention under its own roles (tiny models built from transformers configs, no hub)."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+from spectral_callbacks.names import parse_tag
+from spectral_callbacks.targets import TargetWarning, find_targets, format_targets
+
+transformers = pytest.importorskip("transformers")
+
+SELF = ("Q", "K", "V", "O")
+CROSS = ("Q_cross", "K_cross", "V_cross", "O_cross")
+
+
+def t5():
+    config = transformers.T5Config(
+        vocab_size=64, d_model=16, d_kv=4, d_ff=32, num_layers=2, num_decoder_layers=3, num_heads=4
+    )
+    return transformers.T5ForConditionalGeneration(config)
+
+
+def bart():
+    config = transformers.BartConfig(
+        vocab_size=64,
+        d_model=16,
+        encoder_layers=2,
+        decoder_layers=3,
+        encoder_attention_heads=4,
+        decoder_attention_heads=4,
+        encoder_ffn_dim=32,
+        decoder_ffn_dim=32,
+        max_position_embeddings=32,
+    )
+    return transformers.BartForConditionalGeneration(config)
+
+
+def mbart():
+    config = transformers.MBartConfig(
+        vocab_size=64,
+        d_model=16,
+        encoder_layers=2,
+        decoder_layers=3,
+        encoder_attention_heads=4,
+        decoder_attention_heads=4,
+        encoder_ffn_dim=32,
+        decoder_ffn_dim=32,
+        max_position_embeddings=32,
+    )
+    return transformers.MBartForConditionalGeneration(config)
+
+
+def whisper():
+    config = transformers.WhisperConfig(
+        vocab_size=64,
+        d_model=16,
+        encoder_layers=2,
+        decoder_layers=3,
+        encoder_attention_heads=4,
+        decoder_attention_heads=4,
+        encoder_ffn_dim=32,
+        decoder_ffn_dim=32,
+        num_mel_bins=8,
+        max_source_positions=16,
+        max_target_positions=16,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+        decoder_start_token_id=1,
+    )
+    return transformers.WhisperForConditionalGeneration(config)
+
+
+def vision_encoder_decoder():
+    vit = transformers.ViTConfig(
+        hidden_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=32,
+        image_size=8,
+        patch_size=4,
+    )
+    gpt2 = transformers.GPT2Config(
+        n_embd=16,
+        n_layer=3,
+        n_head=4,
+        vocab_size=64,
+        n_positions=32,
+        add_cross_attention=True,
+        is_decoder=True,
+    )
+    config = transformers.VisionEncoderDecoderConfig.from_encoder_decoder_configs(vit, gpt2)
+    return transformers.VisionEncoderDecoderModel(config)
+
+
+def clip():
+    text = dict(
+        vocab_size=64,
+        hidden_size=16,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        intermediate_size=32,
+        max_position_embeddings=16,
+    )
+    vision = dict(
+        hidden_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=32,
+        image_size=8,
+        patch_size=4,
+    )
+    return transformers.CLIPModel(transformers.CLIPConfig(text_config=text, vision_config=vision))
+
+
+def siglip():
+    text = dict(
+        vocab_size=64,
+        hidden_size=16,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        intermediate_size=32,
+        max_position_embeddings=16,
+    )
+    vision = dict(
+        hidden_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=32,
+        image_size=8,
+        patch_size=4,
+    )
+    config = transformers.SiglipConfig(text_config=text, vision_config=vision)
+    return transformers.SiglipModel(config)
+
+
+# (builder, {stack: (layers, roles every layer has)})
+ENCODER_DECODER = {
+    "t5": t5,
+    "bart": bart,
+    "mbart": mbart,
+    "whisper": whisper,
+    "vision-encoder-decoder": vision_encoder_decoder,
+}
+TWO_TOWERS = {"clip": clip, "siglip": siglip}
+
+
+def _find(model):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", category=TargetWarning)  # no gaps, nothing unmapped
+        return find_targets(model)
+
+
+@pytest.mark.parametrize("name", sorted(ENCODER_DECODER))
+def test_encoder_and_decoder_are_stacks_and_the_decoder_has_cross_attention(name):
+    targets = _find(ENCODER_DECODER[name]())
+    layers = {(t.stack, t.layer, t.num_layers) for t in targets}
+    assert layers == {("enc", 0, 2), ("enc", 1, 2), ("dec", 0, 3), ("dec", 1, 3), ("dec", 2, 3)}
+    for stack, roles in (("enc", SELF + ("MLP_up", "MLP_down")), ("dec", SELF + CROSS)):
+        for layer in range(2 if stack == "enc" else 3):
+            found = {t.role for t in targets if (t.stack, t.layer) == (stack, layer)}
+            assert set(roles) <= found, (stack, layer, found)
+    assert not any(t.role.endswith("_cross") for t in targets if t.stack == "enc")
+    assert [t.depth for t in targets if t.stack == "dec" and t.role == "Q_cross"] == [0, 0.5, 1]
+    assert "enc 2 layers, dec 3 layers" in format_targets(targets)
+
+
+def test_t5_relative_attention_bias_stays_an_embedding():
+    targets = _find(t5())
+    reasons = {s.parameter_name: s.reason for s in targets.skipped}
+    bias = [name for name in reasons if "relative_attention_bias" in name]
+    assert bias and all(reasons[name] == "embedding" for name in bias)
+
+
+def test_cross_attention_matrices_are_the_weights_the_decoder_multiplies_by():
+    model = t5()
+    cross = {t.role: t for t in _find(model) if t.stack == "dec" and t.layer == 1}
+    attention = model.decoder.block[1].layer[1].EncDecAttention
+    for role, linear in zip(
+        CROSS, (attention.q, attention.k, attention.v, attention.o), strict=True
+    ):
+        assert cross[role].matrix().data_ptr() == linear.weight.data_ptr()
+    model = vision_encoder_decoder()
+    cross = {t.role: t for t in _find(model) if t.stack == "dec" and t.layer == 2}
+    attention = model.decoder.transformer.h[2].crossattention
+    k, v = attention.c_attn.weight.t().chunk(2)  # Conv1D stores (in, out); rows [k; v]
+    assert torch.equal(cross["Q_cross"].matrix(), attention.q_attn.weight.t())
+    assert torch.equal(cross["K_cross"].matrix(), k) and torch.equal(cross["V_cross"].matrix(), v)
+
+
+@pytest.mark.parametrize("name", sorted(TWO_TOWERS))
+def test_text_and_vision_towers_are_stacks(name):
+    targets = _find(TWO_TOWERS[name]())
+    layers = {(t.stack, t.layer, t.num_layers) for t in targets}
+    expected = {("text", i, 3) for i in range(3)} | {("vision", i, 2) for i in range(2)}
+    if name == "siglip":  # its attention-pooling head is a block outside both lists of blocks
+        expected.add(("top", 0, 1))
+        head = [t for t in targets if t.stack == "top"]
+        assert all(t.parameter_name.startswith("vision_model.head.") for t in head)
+    assert layers == expected
+    assert {t.role for t in targets} >= {*SELF, "MLP_up", "MLP_down"}
+
+
+def test_logged_names_carry_the_stack_only_where_there_are_several():
+    from spectral_callbacks.monitor.reporting import Reporter
+
+    targets = _find(t5())
+    values = {t.name: {"stable_rank": float(i)} for i, t in enumerate(targets)}
+    scalars = Reporter(targets, ("stable_rank",)).scalars(0, values)
+    assert "spectral_stable_rank/dec/L02/Q_cross" in scalars
+    assert "spectral_stable_rank/enc/L01/MLP_down" in scalars
+    assert "spectral_stable_rank/dec/mean/Q" in scalars
+    parsed = {parse_tag(tag) for tag in scalars}
+    assert {p.stack for p in parsed} == {"enc", "dec"}
+    # one tag per matrix: nothing of the encoder overwrote the decoder's
+    assert len([p for p in parsed if p.layer is not None]) == len(targets)
