@@ -9,6 +9,7 @@ and ``D`` the deepest Krylov depth (the cold depth plus the stopping rule's extr
     randomized    e·3L·w·(D + 2)     the basis, its images and the left images, every block kept
                   + 2·m·n            W rounded to bfloat16 (a cold start on a CPU with AMX tiles)
                   + e·s²             the explicit Gram matrix, where it is cheaper than products
+                  + 8·m·n            on CUDA (float32): W's TF32 head and tail during a product
     exact Gram    e·5·s²             G, eigh's copy of it, its workspace (2 s²) and the vectors
                                      (float32 for float32 input; float64 otherwise, formed by
                                      chunks so W is never converted whole)
@@ -87,8 +88,12 @@ def svd_working_bytes(
         }
     else:
         methods = {method}
+    # On CUDA, float32 products with W under TF32 (precision.matmul) hold W's TF32 head and tail,
+    # two float32 copies, while they run; counted whether or not TF32 is on now (the user may
+    # turn it on later).
+    split = 8 * m * n if device_type == "cuda" and e == 4 else 0
     per_matrix = {
-        "randomized": e * 3 * large * width * (depth + 2) + 2 * m * n + e * s * s,
+        "randomized": e * 3 * large * width * (depth + 2) + 2 * m * n + e * s * s + split,
         "gram": e * 5 * s * s,
         "svdvals": 2 * e * m * n + e * s * s,
     }
