@@ -31,8 +31,10 @@ training path:
 * After an exception no collective is issued: rank 0 logs the reduces already complete and its
   own rows of later snapshots (with a warning that they are partial).
 
-FSDP / FSDP2 / DeepSpeed ZeRO-3 shard the parameters, so no rank holds a whole matrix: the
-Lightning frontend rejects them at setup with an error that says what is supported.
+This engine is for whole (replicated) weights. Sharded DTensor weights (FSDP2, tensor parallel)
+go to ``sharded.ShardedEngine``, which decomposes each matrix where its shards live
+(``protocol.make_engine`` chooses); FSDP1 and DeepSpeed ZeRO-3, whose flattened parameters hold no
+matrix, are refused by every frontend with an error that says what to use instead.
 
 Example::
 

@@ -11,7 +11,8 @@ dashboards - behind four calls any training loop can make::
 
 Steps are optimizer steps (0 = before the first update). ``step(s)`` must be called after the
 update of step ``s`` and before the next one: on the CPU the copy is made inside the call, on
-CUDA it is ordered after the update on a side stream (see ``snapshot.py``).
+CUDA it is queued on the training stream, behind the update and ahead of the next one, and the SVD
+runs on a compute stream that waits for the copy by an event (see ``snapshot.py``).
 
 Several processes (a default process group with more than one rank): every rank constructs a
 tracker and calls ``step`` at the same steps; under DDP each decomposes its share, with sharded
