@@ -3,6 +3,7 @@ with a ShardedEngine, recording the full weights (``full_tensor()``, test-only) 
 
 from __future__ import annotations
 
+import threading
 import time
 from typing import Any
 
@@ -287,4 +288,104 @@ def indices_on_the_device(rank: int, world_size: int) -> dict[str, Any]:
         "block": block,
         "local": fused.to_local().detach(),
         "select": select,
+    }
+
+
+class _HostDeviceTraffic(torch.overrides.TorchFunctionMode):
+    """Records calls that move data between host and device (sync-debug mode misses pageable
+    copies): ``to``/``cuda``/``cpu`` across devices, and ``copy_`` between a CPU and a CUDA tensor."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[str] = []
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        tensors = [a for a in (*args, out) if isinstance(a, torch.Tensor)]
+        moving = getattr(func, "__name__", "") in ("to", "cuda", "cpu", "copy_")
+        if moving and len({t.device.type for t in tensors}) > 1:
+            self.calls.append(func.__name__)
+        return out
+
+
+def _counting(original: Any, label: str, calls: list[str]) -> Any:
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        if threading.current_thread() is threading.main_thread():
+            calls.append(label)
+        return original(*args, **kwargs)
+
+    return wrapper
+
+
+def cuda_engine(rank: int, world_size: int) -> dict[str, Any]:
+    """Every rank on the one GPU (gloo): hand-made CUDA DTensors (rows, columns, a per-head fused
+    split), snapshots while training's stream is kept busy, and what the training thread did."""
+    from cuda_checks import SyncDetector, sleep_ms
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from spectral_callbacks.targets import Rows, Target
+
+    torch.cuda.set_device(0)
+    mesh = init_device_mesh("cuda", (world_size,))
+    generator = torch.Generator().manual_seed(0)
+    fulls = {name: torch.randn(150, 96, generator=generator) for name in ("rows", "cols", "fused")}
+    params = {
+        "rows": torch.nn.Parameter(
+            distribute_tensor(fulls["rows"].cuda(), mesh, [Shard(0)], src_data_rank=None)
+        ),
+        "cols": torch.nn.Parameter(
+            distribute_tensor(fulls["cols"].cuda(), mesh, [Shard(1)], src_data_rank=None)
+        ),
+        "fused": torch.nn.Parameter(
+            distribute_tensor(fulls["fused"].cuda(), mesh, [Shard(0)], src_data_rank=None)
+        ),
+    }
+    targets = [
+        Target.from_parameter("rows", params["rows"], role="Q"),
+        Target.from_parameter("cols", params["cols"], role="O"),
+    ]
+    for index, role in enumerate("QKV"):  # GPT-NeoX-like: 5 heads of (Q, K, V) x 10 rows
+        rows = Rows(start=10 * index, stop=10 * (index + 1), groups=5)
+        targets.append(
+            Target.from_parameter("fused", params["fused"], role=role, rows=rows, fused=True)
+        )
+    engine = ShardedEngine(targets, group=svd_group(timeout_seconds=60), k=K)
+    sleep_ms(1)  # calibrate
+    traffic, syncs, detector = _HostDeviceTraffic(), [], SyncDetector()
+    # Waits sync-debug mode does not report: an event's or a stream's synchronize(), counted on
+    # this (the training) thread only.
+    patched = [(torch.cuda.Event, "synchronize"), (torch.cuda.Stream, "synchronize")]
+    saved = [getattr(owner, name) for owner, name in patched]
+    for (owner, name), original in zip(patched, saved, strict=True):
+        setattr(owner, name, _counting(original, f"{owner.__name__}.{name}", syncs))
+    try:
+        with detector.active(), detector.checking("offer"), traffic:
+            engine.offer(0)
+    finally:
+        for (owner, name), original in zip(patched, saved, strict=True):
+            setattr(owner, name, original)
+    syncs += detector.found
+    # Keep the training stream busy for 3 s right after the copy: a worker on training's stream
+    # would queue behind it; one on its own stream finishes meanwhile.
+    busy_end = torch.cuda.Event()
+    sleep_ms(3000)
+    busy_end.record()
+    started = time.monotonic()
+    results = engine.collect(wait_seconds=20)
+    seconds = time.monotonic() - started
+    still_busy = not busy_end.query()
+    torch.cuda.synchronize()
+    engine.finish(0, offered=True, deadline=time.monotonic() + 60)
+    results += engine.collect()
+    compute = engine._streams.get("cuda:0")
+    training = torch.cuda.current_stream()
+    engine.close()
+    return {
+        "metrics": results[0].metrics if results else None,
+        "busy_while_collected": still_busy,
+        "collect_seconds": seconds,
+        "traffic": traffic.calls,
+        "syncs": syncs,
+        "own_stream": compute.cuda_stream != training.cuda_stream,
+        "fulls": fulls,
     }
