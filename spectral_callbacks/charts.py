@@ -212,10 +212,24 @@ def _fallbacks(rows: pd.DataFrame, final: pd.DataFrame) -> dict[str, str]:
     return notes
 
 
-def _legend(ax: Axes, title: str) -> None:
-    """A legend when something is labelled (a run may be named ""), else none and no warning."""
-    if ax.get_legend_handles_labels()[0]:
+def _legend(ax: Axes, title: str, *, outside: bool = False) -> None:
+    """A legend when something is labelled (a run may be named ""), else none and no warning.
+
+    ``outside``: right of the axes, for legends long enough to cover the curves (a run · role
+    legend of several runs has 12 entries and more).
+    """
+    if not ax.get_legend_handles_labels()[0]:
+        return
+    if outside:
+        ax.legend(title=title, fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    else:
         ax.legend(title=title, fontsize="small")
+
+
+def _missing(rows: pd.DataFrame, drawn: pd.DataFrame, why: str) -> dict[str, str]:
+    """``why`` for every run of ``rows`` with nothing in ``drawn`` (so none is dropped silently)."""
+    have = set(drawn["run"].unique())
+    return {run: why for run in _runs(rows) if run not in have}
 
 
 def _runs(rows: pd.DataFrame) -> list[str]:
@@ -298,7 +312,8 @@ def alpha_vs_depth(
     chosen = _one_per_layer(_select(rows, metric="alpha", what="alpha-depth", role=role))
     final = _final(chosen.assign(depth=_depths(chosen)), ["run", "stack", "layer"])
     fig, ax = _axes(ax, (6.0, 4.0))
-    _note_left_out(fig, {}, _fallbacks(chosen, final))
+    left_out = _missing(rows, final, f"no alpha of {role_glyph(role)}")
+    _note_left_out(fig, left_out, _fallbacks(chosen, final))
     for run in _runs(chosen):
         of_run = final[final["run"] == run]
         for stack in dict.fromkeys(of_run["stack"]):
@@ -374,7 +389,7 @@ def rank_vs_steps(
     ax.set_ylabel(metric_label(metric))
     ax.set_title(f"{metric_label(metric).split(' $')[0]} of layer {layer} vs steps")
     ax.grid(alpha=0.3)
-    _legend(ax, "role" if len(runs) == 1 else "run · role")
+    _legend(ax, "role" if len(runs) == 1 else "run · role", outside=len(runs) > 1)
     return fig
 
 
@@ -550,7 +565,6 @@ def compression_by_layer(rows: pd.DataFrame, *, ax: Axes | None = None) -> Figur
     final = _final(chosen, ["run", "layer", "role"])
     fell_back = _fallbacks(chosen, final)
     runs = _runs(final)
-    colors = _role_colors(final["role"].unique())
     if ax is not None:
         if len(runs) > 1:
             raise ValueError(f"compression_by_layer draws one run into `ax`, got {len(runs)}")
@@ -558,10 +572,11 @@ def compression_by_layer(rows: pd.DataFrame, *, ax: Axes | None = None) -> Figur
     else:
         fig = Figure(figsize=(7.0, 3.2 * len(runs)), layout="constrained")
         axes = list(fig.subplots(len(runs), 1, squeeze=False)[:, 0])
-    width = 0.8 / len(colors)
     for ax, run in zip(axes, runs, strict=True):
         of_run = final[final["run"] == run]
         layers = np.sort(of_run["layer"].unique()).astype(int)
+        colors = _role_colors(of_run["role"].unique())  # this run's roles: no gap, no stray entry
+        width = 0.8 / len(colors)
         for i, role in enumerate(colors):
             bars = of_run[of_run["role"] == role].set_index("layer")["value"]
             heights = bars.reindex(layers).to_numpy(dtype=float)
@@ -580,13 +595,15 @@ def compression_by_layer(rows: pd.DataFrame, *, ax: Axes | None = None) -> Figur
 
 
 def compression_wave(rows: pd.DataFrame, role: str = "Q") -> Figure:
-    """Heatmap of ``role``'s compression, layer (rows) x step (columns); one panel per run.
+    """Heatmap of ``role``'s compression, layer (rows, L0 at the top) x step (columns); one panel per run.
 
     Raises:
         ValueError: no compression (or stable rank) rows of ``role``.
     """
     chosen, left_out = compression_rows(rows)
+    of_all = chosen
     chosen = _select(chosen, metric="compression", what="compression-wave", role=role)
+    left_out = {**_missing(of_all, chosen, f"no compression of {role_glyph(role)}"), **left_out}
     runs = _runs(chosen)
     fig = Figure(figsize=(7.0, 3.0 * len(runs)), layout="constrained")
     axes = fig.subplots(len(runs), 1, squeeze=False)[:, 0]
@@ -606,6 +623,7 @@ def compression_wave(rows: pd.DataFrame, role: str = "Q") -> Figure:
         ax.set_xlabel("optimizer step")
         ax.set_ylabel("layer")
         ax.yaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.invert_yaxis()  # L0 on the first row, as in the SPECTRAL tab
         ax.set_title(f"Compression wave of {role_glyph(role)} — {run}")
     _note_left_out(fig, left_out)
     return fig

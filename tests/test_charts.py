@@ -323,3 +323,65 @@ def test_final_charts_say_when_nan_makes_them_fall_back_to_an_earlier_step() -> 
     assert list(line.get_ydata()) == [0.4, 0.4]
     finite = rows[rows["step"] < 80]
     assert not getattr(charts.alpha_vs_depth(finite), "fell_back", {})
+
+
+def _without(rows: pd.DataFrame, run: str, role: str) -> pd.DataFrame:
+    return rows[~((rows.run == run) & (rows.role == role))]
+
+
+def test_alpha_vs_depth_names_a_run_without_the_role() -> None:
+    # before: the run without Q was dropped silently and the CLI counted it as drawn
+    rows = pd.concat([_rows("a", 4, [0, 10], 0), _without(_rows("b", 4, [0, 10], 1), "b", "Q")])
+    fig = charts.alpha_vs_depth(rows, role="Q")
+    assert [line.get_label() for line in fig.axes[0].get_lines()] == ["a"]
+    assert fig.left_out == {"b": "no alpha of Q"}  # type: ignore[attr-defined]
+
+
+def test_compression_wave_names_every_run_without_the_role() -> None:
+    # before: two of four runs lacked K, one was named, and "3 of 4" were said to be drawn
+    rows = pd.concat(
+        [
+            _rows("a", 3, [0, 10], 0),
+            _rows("b", 3, [0, 10], 1),
+            _without(_rows("c", 3, [0, 10], 2), "c", "K"),
+            _without(_rows("d", 3, [0, 10], 3), "d", "K"),
+        ]
+    )
+    fig = charts.compression_wave(rows, role="K")
+    panels = [ax for ax in fig.axes if ax.get_title().startswith("Compression wave")]
+    assert len(panels) == 2
+    assert fig.left_out == {"c": "no compression of K", "d": "no compression of K"}  # type: ignore[attr-defined]
+
+
+def test_heatmaps_put_layer_0_at_the_top_as_the_tab_does(rows: pd.DataFrame) -> None:
+    panel = [a for a in charts.compression_wave(rows).axes if a.get_title()][0]
+    bottom, top = panel.get_ylim()
+    assert bottom > top  # the y axis runs downwards: L0 on the first row
+
+
+def test_compression_bars_leave_no_gap_for_a_role_a_run_lacks() -> None:
+    # before: the panel of the run without V kept a gap and a legend entry for it
+    rows = pd.concat([_rows("a", 3, [0, 10], 0), _without(_rows("b", 3, [0, 10], 1), "b", "V")])
+    ax = [a for a in charts.compression_by_layer(rows).axes if a.get_title()][1]
+    _, labels = ax.get_legend_handles_labels()
+    assert labels == ["Q", "K", "O", "MLP↑", "MLP↓"]
+    assert len(ax.patches) == 3 * 5
+    lefts = sorted(p.get_x() for p in ax.patches)
+    widths = {round(p.get_width(), 9) for p in ax.patches}
+    assert len(widths) == 1 and widths.pop() == pytest.approx(0.8 / 5)  # five bars fill a group
+    assert ax.patches[0].get_facecolor()[:3] == pytest.approx((0x1F / 255, 0x77 / 255, 0xB4 / 255))
+    assert lefts[0] == pytest.approx(-0.4)
+
+
+def test_rank_steps_legend_sits_outside_the_curves(rows: pd.DataFrame) -> None:
+    fig = charts.rank_vs_steps(rows, layer=0)  # 2 runs x 6 roles: a 12-entry legend
+    ax = fig.axes[0]
+    fig.canvas.draw()
+    legend = ax.get_legend().get_window_extent()
+    assert not legend.overlaps(ax.get_window_extent()), "the legend covers the curves"
+
+
+def test_metric_diff_of_a_spectral_metric_names_layer_and_role(rows: pd.DataFrame) -> None:
+    curves = differences.diff_curves(rows, "stable_rank", "d4", layer=1, role="K")
+    assert "layer 1" in curves.title and "K" in curves.title
+    assert "layer 1" in curves.ylabel and "K" in curves.ylabel

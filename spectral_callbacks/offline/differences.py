@@ -24,6 +24,7 @@ from spectral_callbacks.charts import (
     _note_left_out,
     _runs,
     metric_label,
+    role_glyph,
 )
 
 
@@ -172,6 +173,15 @@ def diff_curves(
         raise ValueError(f"`{metric}` has several (layer, role) series; pick one layer and role")
     runs = _runs(rows)
     left_out: dict[str, str] = {}
+    # A spectral metric's series is one matrix: the title and axis say which.
+    what = metric_label(metric)
+    if layer is not None or role is not None:
+        where = " ".join(
+            part
+            for part in (f"layer {layer}" if layer is not None else "", role_glyph(role or ""))
+            if part
+        )
+        what = f"{what.split(' $')[0]} of {where}"
     if pair is not None:
         wanted = []
         for label, run, partner in pair_runs(runs, *pair):
@@ -179,16 +189,16 @@ def diff_curves(
                 wanted.append((label, run, partner))
             else:
                 left_out[run] = f"no partner run named like {pair[1]!r}"
-        title = f"{metric_label(metric)}: {pair[0]} − {pair[1]}"
-        ylabel = f"Δ {metric_label(metric)} ({pair[0]} − {pair[1]})"
+        title = f"{what}: {pair[0]} − {pair[1]}"
+        ylabel = f"Δ {what} ({pair[0]} − {pair[1]})"
     else:
         if baseline not in runs:
             raise ValueError(f"the baseline {baseline!r} is not one of the runs: {', '.join(runs)}")
         wanted = [(run, run, str(baseline)) for run in runs if run != baseline]
         if not wanted:
             raise ValueError("metric-diff needs at least one run besides the baseline")
-        title = f"{metric_label(metric)} relative to {baseline}"
-        ylabel = f"Δ {metric_label(metric)} (run − {baseline})"
+        title = f"{what} relative to {baseline}"
+        ylabel = f"Δ {what} (run − {baseline})"
     scalars = pd.concat([chosen, rows[rows["metric"] == x]]) if x != "step" else chosen
 
     def along_x(run: str) -> pd.Series:
