@@ -19,6 +19,9 @@ Tags:
   ``sent_bytes`` with sharded weights)
   and ``spectral_monitor/num_layers`` (``spectral_monitor/num_layers/<stack>`` per stack where there
   are several), which lets readers compute relative depth within a stack.
+* ``spectral_alerts/<kind>`` - how many alerts of one kind were raised so far (``rank_collapse``,
+  ``sigma_growth``, ``esd_alpha_low``, ``esd_alpha_high``, ``non_finite``); each alert is also a
+  text entry under ``spectral_alerts``.
 * ``spectral_monitor/reference_step/[<stack>/]L<layer>/[E<expert>/]<role>`` - the step of the snapshot whose stable rank
   is that matrix's compression reference (0 normally; later for a matrix that starts at zero).
 
@@ -51,6 +54,8 @@ from typing import NamedTuple
 
 METRIC_PREFIX = "spectral_"
 MONITOR_SECTION = "spectral_monitor"
+#: The section of the alert counts and of the alerts' text entries.
+ALERT_SECTION = "spectral_alerts"
 MEAN = "mean"
 NUM_LAYERS_TAG = f"{MONITOR_SECTION}/num_layers"
 #: Read back as the per-matrix metric ``reference_step`` (see :func:`reference_step_tag`).
@@ -178,6 +183,15 @@ def parse_num_layers_tag(tag: str) -> str | None:
 def monitor_tag(name: str) -> str:
     """The tag of one of the callback's health scalars, e.g. ``spectral_monitor/svd_ms``."""
     return f"{MONITOR_SECTION}/{name}"
+
+
+def alert_tag(kind: str) -> str:
+    """The tag of the count of one kind of alert.
+
+    >>> alert_tag("rank_collapse")
+    'spectral_alerts/rank_collapse'
+    """
+    return f"{ALERT_SECTION}/{kind}"
 
 
 def reference_step_tag(

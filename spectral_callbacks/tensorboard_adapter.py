@@ -137,6 +137,12 @@ def write_event_file(logdir: str, summaries: Sequence[Any], step: int, suffix: s
         writer.close()
 
 
+def add_text(writers: Sequence[Any], tag: str, text: str, step: int) -> None:
+    """A text entry (Markdown) under ``tag`` at ``step`` in every ``SummaryWriter``."""
+    for writer in writers:
+        writer.add_text(tag, text, global_step=step)
+
+
 def add_layout(writers: Sequence[Any], layout: Any) -> None:
     """Write the custom-scalars ``layout`` (a ``layout_pb2.Layout``) to every ``SummaryWriter``.
 

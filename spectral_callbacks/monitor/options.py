@@ -29,6 +29,7 @@ from typing import Any
 from spectral_callbacks.functional.esd import ESD_METRICS
 from spectral_callbacks.functional.metrics import MIN_FIT_POINTS, UPDATE_METRICS
 from spectral_callbacks.functional.svd import METHODS
+from spectral_callbacks.monitor.alerts import AlertRules
 
 #: Metrics the SVD path produces, ``compression`` derived from ``stable_rank``, the update family
 #: of adapted layers (logged for them by default: see ``tracker.py``) and the ESD family of the
@@ -163,6 +164,13 @@ class MonitorOptions:
             and max over its experts as scalars and their distribution as a histogram,
             ``"each"`` also one scalar per expert (``spectral_<metric>/L03/E007/MLP_down``).
             Default ``"aggregate"``.
+        alerts: the :class:`~spectral_callbacks.monitor.alerts.AlertRules` each snapshot's results
+            are read against (rank collapse, σ₁ growth, non-finite weights; ESD α out of a band
+            when its thresholds are set);
+            ``None`` turns alerts off. Default ``AlertRules()``.
+        on_alert: called on the main thread with each
+            :class:`~spectral_callbacks.monitor.alerts.Alert` (to stop the run, lower the learning
+            rate, ...). Default ``None``.
         compute: replace the SVD + metrics function (``(group, batch) -> {metric: (B,) tensor}``).
             Default ``None`` (:class:`~spectral_callbacks.monitor.compute.SpectrumCompute`).
         delta: also log the update family (``spectral_update_*``) of each dense watched matrix
@@ -200,6 +208,8 @@ class MonitorOptions:
     worker_nice: int | None = None
     history_size: int = 256
     experts: str = "aggregate"
+    alerts: AlertRules | None = AlertRules()
+    on_alert: Any = None
     compute: Any = None
     delta: Any = None
 
@@ -291,6 +301,13 @@ class MonitorOptions:
             nice is None or is_int(nice, 0) and nice <= _MAX_NICE,
             f"None or a nice increment from 0 to {_MAX_NICE}",
         )
+        check_alert_rules(self.alerts)
+        require(
+            "on_alert",
+            self.on_alert,
+            self.on_alert is None or callable(self.on_alert),
+            "None or a function called with each Alert",
+        )
         require(
             "compute",
             self.compute,
@@ -376,6 +393,29 @@ def check_schedule(every_n_steps: Any, log_spaced_until: Any, max_overhead: Any)
         max_overhead is None or is_real(max_overhead) and 0 < max_overhead < 1,
         "a fraction in (0, 1) such as 0.01 for 1 %, or None",
     )
+
+
+def check_alert_rules(rules: Any) -> None:
+    """The checks of ``alerts`` (an ``AlertRules`` or ``None``) and of each of its thresholds."""
+    require(
+        "alerts", rules, rules is None or isinstance(rules, AlertRules), "None or an AlertRules"
+    )
+    if rules is None:
+        return
+    drop, growth = rules.rank_drop, rules.sigma_growth
+    require("rank_drop", drop, is_real(drop) and 0 < drop < 1, "a fraction in (0, 1), e.g. 0.5")
+    require("sigma_growth", growth, is_real(growth) and growth > 1, "a factor > 1, e.g. 2.0")
+    low, high = rules.esd_alpha_low, rules.esd_alpha_high
+    require("esd_alpha_low", low, low is None or is_real(low), "None or a number, e.g. 2.0")
+    above = "" if low is None else f" above {low!r}"
+    require(
+        "esd_alpha_high",
+        high,
+        high is None or is_real(high) and (low is None or high > low),
+        f"None or a number{above}, e.g. 6.0",
+    )
+    require("window", rules.window, is_int(rules.window, 1), "a positive int of steps")
+    require("after_step", rules.after_step, is_int(rules.after_step, 0), "a step >= 0")
 
 
 def option_names() -> tuple[str, ...]:

@@ -35,6 +35,7 @@ from spectral_callbacks.functional import ESD_METRICS
 from spectral_callbacks.functional.metrics import UPDATE_METRICS
 from spectral_callbacks.messages import rank_zero_info, rank_zero_warn
 from spectral_callbacks.monitor import dashboards
+from spectral_callbacks.monitor.alerts import Alert, AlertWatch, alert_table
 from spectral_callbacks.monitor.budget import plan_snapshot, resolve_budget
 from spectral_callbacks.monitor.compute import SpectrumCompute
 from spectral_callbacks.monitor.distributed import world
@@ -53,6 +54,7 @@ from spectral_callbacks.monitor.protocol import Engine, make_engine
 from spectral_callbacks.monitor.reporting import Reporter, health_scalars
 from spectral_callbacks.monitor.schedule import SnapshotSchedule
 from spectral_callbacks.monitor.snapshot import group_by_shape
+from spectral_callbacks.names import ALERT_SECTION
 
 # The TensorBoard writers are flushed at most this often: a running TensorBoard (which rereads its
 # files every few seconds) still shows each point within seconds, and a burst of snapshots (the
@@ -201,6 +203,7 @@ class SpectralTracker:
             getattr(target, "has_update", False) for target in self.targets
         ):
             self.metrics += UPDATE_METRICS
+        self._alerts = AlertWatch(self.targets, options.alerts) if options.alerts else None
         self._reporter = Reporter(
             self.targets, self.metrics, options.history_size, experts=options.experts
         )
@@ -454,7 +457,12 @@ class SpectralTracker:
         if result.held_bytes:  # the engine's ledger, right after this copy
             scalars.update(health_scalars(snapshot_bytes=result.held_bytes))
         scalars.update(result.rank_scalars)  # per-rank health under DDP
+        raised: list[Alert] = []
+        if self._alerts is not None:  # read from the results alone: no device work
+            raised = self._alerts.check(result.step, result.metrics)
+            scalars.update(self._alerts.count_scalars())
         tb.log_scalars(self.writers, scalars, result.step)
+        self._report_alerts(raised, result.step)
         self.schedule.record_snapshot_cost(
             result.main_thread_seconds + result.copy_seconds + result.svd_seconds
         )
@@ -464,6 +472,19 @@ class SpectralTracker:
         if self.options.figures and experiments and self._figures.due(result.step):
             self._figures.draw(experiments, self._figure_rows(), result.step)
         self._unflushed = True
+
+    def _report_alerts(self, raised: list[Alert], step: int) -> None:
+        """Each alert as a warning (``non_finite`` has its own once-per-run warning), one
+        TensorBoard text entry per snapshot with alerts, and the user's ``on_alert`` hook."""
+        if not raised:
+            return
+        for alert in raised:
+            if alert.kind != "non_finite":
+                rank_zero_warn(f"{self.caller}: {alert.describe()}", category=RuntimeWarning)
+        tb.add_text(tb.summary_writers(self.writers), ALERT_SECTION, alert_table(raised), step)
+        if self.options.on_alert is not None:
+            for alert in raised:
+                self.options.on_alert(alert)
 
     def _flush(self, *, now: bool = False) -> None:
         """Flush what was logged, once ``FLUSH_INTERVAL_SECONDS`` have passed since the last

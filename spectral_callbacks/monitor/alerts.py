@@ -1,0 +1,200 @@
+"""Alerts: the results of each snapshot read against rules, on the main thread, with no device work.
+
+Each snapshot's metrics (target name -> metric -> value, as the engine hands them over) go through
+:meth:`AlertWatch.check`, which returns the :class:`Alert`\\ s they raise:
+
+* ``rank_collapse`` - a matrix's stable rank fell by more than ``rank_drop`` (a fraction) from its
+  highest value among the snapshots of the last ``window`` steps;
+* ``sigma_growth`` - its spectral norm σ₁ grew by more than the factor ``sigma_growth`` over its
+  lowest value in the last ``window`` steps;
+* ``esd_alpha_low`` / ``esd_alpha_high`` - its ESD α (when that snapshot carries it) is below
+  ``esd_alpha_low`` (WeightWatcher's "over-trained" label is 2) or above ``esd_alpha_high``
+  ("under-trained": 6); off unless set;
+* ``non_finite`` - its weights hold a NaN or Inf (its norms are not finite).
+
+The rules that compare over a window (against snapshots from ``after_step`` on only), and the ESD
+bands, are read only from ``after_step`` on: the
+first steps of every run collapse stable ranks by design (the spectral lifecycle), and a freshly
+initialized matrix's ESD is a Marchenko-Pastur bulk, not a power law. An alert of one kind for one
+matrix is raised at most once per ``window`` steps. The tracker turns each alert into a warning, a
+TensorBoard text entry and count scalars (``spectral_alerts/<kind>``), and calls the user's hook.
+
+Example::
+
+    >>> from types import SimpleNamespace
+    >>> targets = [SimpleNamespace(name="h.0.q", layer=0, role="Q")]
+    >>> watch = AlertWatch(targets, AlertRules(after_step=0, window=100, sigma_growth=2.0))
+    >>> watch.check(10, {"h.0.q": {"stable_rank": 20.0, "spectral_norm": 1.0}})
+    []
+    >>> [a.kind for a in watch.check(20, {"h.0.q": {"stable_rank": 5.0, "spectral_norm": 3.0}})]
+    ['rank_collapse', 'sigma_growth']
+    >>> watch.check(30, {"h.0.q": {"stable_rank": 4.0, "spectral_norm": 4.0}})  # once per window
+    []
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from spectral_callbacks.names import alert_tag
+
+#: Every kind of alert, in the order counts are logged.
+ALERT_KINDS: tuple[str, ...] = (
+    "rank_collapse",
+    "sigma_growth",
+    "esd_alpha_low",
+    "esd_alpha_high",
+    "non_finite",
+)
+
+
+@dataclass(frozen=True)
+class AlertRules:
+    """The thresholds of the alerts (defaults measured in benchmarks/alert_thresholds.py).
+
+    Checked where they enter, as ``MonitorOptions(alerts=...)``.
+
+    Args:
+        rank_drop: ``rank_collapse`` when the stable rank falls by more than this fraction of its
+            highest value within the window. Default ``0.7`` (the demo's healthy run fell at most
+            0.39 within 50 steps from step 100; its 30x lr spike 0.94).
+        sigma_growth: ``sigma_growth`` when σ₁ exceeds this factor times its lowest value within
+            the window. Default ``3.0`` (healthy at most 1.33x; the spike 9.2x).
+        esd_alpha_low: ``esd_alpha_low`` below this ESD α; ``2.0`` is WeightWatcher's
+            "over-trained" label. Default ``None`` (off: the demo's healthy run reaches 1.67).
+        esd_alpha_high: ``esd_alpha_high`` above this ESD α; ``6.0`` is WeightWatcher's
+            "under-trained" label. Default ``None`` (off: the healthy run reaches 7.86).
+        window: steps the comparisons look back, and the least gap between two alerts of one kind
+            for one matrix. Default ``50``.
+        after_step: the first step whose snapshot the window and ESD rules read (``non_finite`` is
+            read from the start). Default ``100``.
+    """
+
+    rank_drop: float = 0.7
+    sigma_growth: float = 3.0
+    esd_alpha_low: float | None = None
+    esd_alpha_high: float | None = None
+    window: int = 50
+    after_step: int = 100
+
+
+@dataclass(frozen=True)
+class Alert:
+    """One alert: what fired, for which matrix, at which step, the value and the threshold."""
+
+    kind: str
+    step: int
+    matrix: str  #: the watched parameter's name
+    layer: int
+    role: str
+    value: float  #: the value that crossed (a fraction, a factor or an α; NaN for non_finite)
+    threshold: float
+    since_step: int | None = None  #: the snapshot it is compared with (window rules)
+
+    def describe(self) -> str:
+        """One line: what the value was, against what, since when."""
+        what = {
+            "rank_collapse": f"stable rank fell by {self.value:.0%} (more than {self.threshold:.0%})",
+            "sigma_growth": f"σ1 grew {self.value:.2f}x (more than {self.threshold:g}x)",
+            "esd_alpha_low": f"ESD α = {self.value:.2f} < {self.threshold:g}",
+            "esd_alpha_high": f"ESD α = {self.value:.2f} > {self.threshold:g}",
+            "non_finite": "weights hold NaN or Inf",
+        }[self.kind]
+        since = f" since step {self.since_step}" if self.since_step is not None else ""
+        return f"step {self.step}: {self.kind} in {self.matrix!r} (L{self.layer} {self.role}): {what}{since}"
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+class AlertWatch:
+    """Reads each snapshot's results against :class:`AlertRules`; keeps the window's history.
+
+    Args:
+        targets: the watched matrices (``name``, ``layer``, ``role``).
+        rules: the thresholds.
+    """
+
+    def __init__(self, targets: Sequence[Any], rules: AlertRules) -> None:
+        self.targets = {target.name: target for target in targets}
+        self.rules = rules
+        # Per matrix: (step, stable rank, sigma_1) of the snapshots within the window.
+        self._history: dict[str, collections.deque[tuple[int, float, float]]] = (
+            collections.defaultdict(collections.deque)
+        )
+        self._last: dict[tuple[str, str], int] = {}  # (kind, matrix) -> step of its last alert
+        self.counts: dict[str, int] = dict.fromkeys(ALERT_KINDS, 0)
+
+    def check(self, step: int, values: Mapping[str, Mapping[str, float]]) -> list[Alert]:
+        """The alerts the snapshot of ``step`` raises (each counted in :attr:`counts`)."""
+        rules = self.rules
+        raised = []
+        armed = step >= rules.after_step
+        for name, row in values.items():
+            target = self.targets.get(name)
+            if target is None:
+                continue
+            found: list[tuple[str, float, float, int | None]] = []
+            norms = [row[key] for key in ("spectral_norm", "frobenius_norm") if key in row]
+            if any(not math.isfinite(value) for value in norms):
+                found.append(("non_finite", math.nan, math.nan, None))
+            rank, sigma = row.get("stable_rank", math.nan), row.get("spectral_norm", math.nan)
+            history = self._history[name]
+            while history and history[0][0] < step - rules.window:
+                history.popleft()
+            if armed and math.isfinite(rank) and history:
+                peak_step, peak = max(((s, r) for s, r, _ in history), key=lambda p: p[1])
+                if peak > 0 and 1 - rank / peak > rules.rank_drop:
+                    found.append(("rank_collapse", 1 - rank / peak, rules.rank_drop, peak_step))
+            if armed and math.isfinite(sigma) and history:
+                base_step, base = min(((s, v) for s, _, v in history), key=lambda p: p[1])
+                if base > 0 and sigma / base > rules.sigma_growth:
+                    found.append(("sigma_growth", sigma / base, rules.sigma_growth, base_step))
+            alpha = row.get("esd_alpha", math.nan)
+            low, high = rules.esd_alpha_low, rules.esd_alpha_high
+            if armed and math.isfinite(alpha) and low is not None and alpha < low:
+                found.append(("esd_alpha_low", alpha, low, None))
+            if armed and math.isfinite(alpha) and high is not None and alpha > high:
+                found.append(("esd_alpha_high", alpha, high, None))
+            if armed and math.isfinite(rank) and math.isfinite(sigma):
+                history.append((step, rank, sigma))
+            for kind, value, threshold, since in found:
+                last = self._last.get((kind, name))
+                if last is not None and step - last < rules.window:
+                    continue
+                self._last[(kind, name)] = step
+                self.counts[kind] += 1
+                raised.append(
+                    Alert(kind, step, name, target.layer, target.role, value, threshold, since)
+                )
+        return raised
+
+    def count_scalars(self) -> dict[str, float]:
+        """``spectral_alerts/<kind>``: the alerts of each kind raised so far."""
+        return {alert_tag(kind): float(count) for kind, count in self.counts.items()}
+
+
+def alert_table(alerts: Sequence[Alert]) -> str:
+    """The alerts of one snapshot as a Markdown table (TensorBoard renders its text entries so).
+
+    >>> print(alert_table([Alert("sigma_growth", 300, "h.0.q", 0, "Q", 2.5, 2.0, 250)]))
+    | step | kind | matrix | layer | role | value | threshold | since step |
+    |---|---|---|---|---|---|---|---|
+    | 300 | sigma_growth | h.0.q | 0 | Q | 2.5 | 2 | 250 |
+    """
+    lines = [
+        "| step | kind | matrix | layer | role | value | threshold | since step |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for a in alerts:
+        since = "" if a.since_step is None else str(a.since_step)
+        lines.append(
+            f"| {a.step} | {a.kind} | {a.matrix} | {a.layer} | {a.role} | {a.value:.4g} | "
+            f"{a.threshold:.4g} | {since} |"
+        )
+    return "\n".join(lines)

@@ -1,0 +1,167 @@
+"""Alerts (monitor/alerts.py): each rule fires and stays quiet where it should, once per window;
+the tracker warns, writes a text entry and count scalars and calls on_alert; a healthy run raises
+none and a 30x learning-rate spike raises one within a snapshot or two."""
+
+from __future__ import annotations
+
+import math
+import sys
+import warnings
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from tensorboard.backend.event_processing import event_accumulator
+
+from spectral_callbacks import SpectralTracker
+from spectral_callbacks.monitor.alerts import ALERT_KINDS, Alert, AlertRules, AlertWatch
+from spectral_callbacks.monitor.options import ConfigurationError, MonitorOptions
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import alert_thresholds  # noqa: E402
+
+TARGETS = [
+    SimpleNamespace(name="q", layer=0, role="Q"),
+    SimpleNamespace(name="k", layer=0, role="K"),
+]
+
+
+def row(rank: float = 10.0, sigma: float = 1.0, **extra: float) -> dict[str, float]:
+    return {"stable_rank": rank, "spectral_norm": sigma, "frobenius_norm": 3.0, **extra}
+
+
+def kinds(alerts: list[Alert]) -> list[tuple[str, str]]:
+    return sorted((a.kind, a.matrix) for a in alerts)
+
+
+def test_each_rule_fires_past_its_threshold_and_not_below() -> None:
+    rules = AlertRules(0.5, 2.0, esd_alpha_low=2.0, esd_alpha_high=6.0, window=100, after_step=0)
+    watch = AlertWatch(TARGETS, rules)
+    assert watch.check(0, {"q": row(), "k": row()}) == []
+    # q: rank falls 60 % (> 50 %), sigma grows 2.5x (> 2x); k: 40 % and 1.9x stay quiet.
+    got = watch.check(10, {"q": row(4.0, 2.5), "k": row(6.0, 1.9)})
+    assert kinds(got) == [("rank_collapse", "q"), ("sigma_growth", "q")]
+    collapse = next(a for a in got if a.kind == "rank_collapse")
+    assert collapse.value == pytest.approx(0.6) and collapse.since_step == 0
+    got = watch.check(20, {"q": row(esd_alpha=1.5), "k": row(esd_alpha=6.5)})
+    assert kinds(got) == [("esd_alpha_high", "k"), ("esd_alpha_low", "q")]
+    got = watch.check(30, {"q": row(math.nan, math.nan) | {"frobenius_norm": math.nan}})
+    assert kinds(got) == [("non_finite", "q")]
+    assert watch.counts == {
+        "rank_collapse": 1,
+        "sigma_growth": 1,
+        "esd_alpha_low": 1,
+        "esd_alpha_high": 1,
+        "non_finite": 1,
+    }
+
+
+def test_an_alert_is_raised_once_per_kind_and_matrix_per_window() -> None:
+    watch = AlertWatch(TARGETS, AlertRules(esd_alpha_low=2.0, after_step=0, window=50))
+    watch.check(0, {"q": row(esd_alpha=1.0)})
+    assert [a.step for a in watch.check(10, {"q": row(esd_alpha=1.0)})] == []
+    assert watch.check(40, {"q": row(esd_alpha=1.0)}) == []
+    assert [a.kind for a in watch.check(50, {"q": row(esd_alpha=1.0)})] == ["esd_alpha_low"]
+    # The first alert came at step 0 and the next at 50: a gap of one window.
+    assert watch.counts["esd_alpha_low"] == 2
+
+
+def test_the_esd_band_is_off_by_default() -> None:
+    watch = AlertWatch(TARGETS, AlertRules(after_step=0))
+    assert watch.check(0, {"q": row(esd_alpha=0.5), "k": row(esd_alpha=50.0)}) == []
+
+
+def test_comparisons_look_back_one_window_and_only_from_after_step() -> None:
+    watch = AlertWatch(TARGETS, AlertRules(esd_alpha_high=6.0, after_step=100, window=50))
+    watch.check(0, {"q": row(100.0)})  # early collapse of the lifecycle: not read
+    assert watch.check(100, {"q": row(10.0, esd_alpha=9.0)}) != []  # ESD band armed at 100
+    assert kinds(watch.check(140, {"q": row(2.0)})) == [("rank_collapse", "q")]
+    watch = AlertWatch(TARGETS, AlertRules(after_step=0, window=50))
+    watch.check(0, {"q": row(10.0)})
+    assert watch.check(60, {"q": row(2.0)}) == []  # step 0 is more than a window back
+
+
+@pytest.mark.parametrize(
+    ("rules", "match"),
+    [
+        (AlertRules(rank_drop=1.5), r"`rank_drop` must be a fraction in \(0, 1\).*got 1.5"),
+        (AlertRules(sigma_growth=0.5), r"`sigma_growth` must be a factor > 1.*got 0.5"),
+        (
+            AlertRules(esd_alpha_low=2.0, esd_alpha_high=1.0),
+            r"`esd_alpha_high` must be None or a number above 2.0, e.g. 6.0, got 1.0",
+        ),
+        (AlertRules(window=0), r"`window` must be a positive int of steps, got 0"),
+        ("loud", r"`alerts` must be None or an AlertRules, got 'loud'"),
+    ],
+)
+def test_bad_rules_are_refused_where_they_enter(rules: object, match: str) -> None:
+    with pytest.raises(ConfigurationError, match=match):
+        MonitorOptions(alerts=rules)
+
+
+def test_on_alert_must_be_callable() -> None:
+    with pytest.raises(ConfigurationError, match=r"`on_alert` must be None or a function.*got 3"):
+        MonitorOptions(on_alert=3)
+
+
+def test_the_tracker_warns_writes_text_and_counts_and_calls_the_hook(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = torch.nn.TransformerEncoderLayer(16, 2, dim_feedforward=32)
+    seen: list[Alert] = []
+    rules = AlertRules(after_step=0, window=10)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with SpectralTracker(
+            model,
+            logdir=tmp_path,
+            figures=False,
+            synchronous=True,
+            alerts=rules,
+            on_alert=seen.append,
+        ) as tracker:
+            tracker.step(1)
+            with torch.no_grad():
+                model.linear1.weight.mul_(4.0)  # sigma_1 x4 (> 3x): one sigma_growth alert
+            tracker.step(2)
+    assert [(a.kind, a.matrix, a.step) for a in seen] == [("sigma_growth", "linear1.weight", 2)]
+    assert any("sigma_growth in 'linear1.weight'" in str(w.message) for w in caught)
+    reader = event_accumulator.EventAccumulator(str(tmp_path), size_guidance={"tensors": 0})
+    reader.Reload()
+    counts = {kind: reader.Scalars(f"spectral_alerts/{kind}")[-1].value for kind in ALERT_KINDS}
+    assert counts == {kind: float(kind == "sigma_growth") for kind in ALERT_KINDS}
+    texts = reader.Tensors("spectral_alerts/text_summary")
+    assert [event.step for event in texts] == [2]
+    text = texts[0].tensor_proto.string_val[0].decode()
+    assert "| 2 | sigma_growth | linear1.weight |" in text
+
+
+def test_alerts_none_logs_no_alert_scalars(tmp_path: Path) -> None:
+    model = torch.nn.TransformerEncoderLayer(16, 2, dim_feedforward=32)
+    with SpectralTracker(model, logdir=tmp_path, figures=False, synchronous=True, alerts=None) as t:
+        t.step(1)
+    reader = event_accumulator.EventAccumulator(str(tmp_path))
+    reader.Reload()
+    assert not [tag for tag in reader.Tags()["scalars"] if tag.startswith("spectral_alerts/")]
+
+
+# --- along training: the defaults on a healthy run and on a spiked one -------------------------
+
+QUICK = {"depth": 2, "width": 128, "heads": 2, "steps": 200}
+SPIKE_STEP = 150  # the first update at 30x is step 151
+
+
+@pytest.mark.slow
+def test_the_default_rules_raise_nothing_on_a_healthy_run(tmp_path: Path) -> None:
+    run = alert_thresholds.train(**QUICK, logdir=tmp_path)
+    assert run.alerts == []
+    assert max(run.snapshots) == QUICK["steps"]  # the run was watched to its end
+
+
+@pytest.mark.slow
+def test_a_30x_learning_rate_spike_raises_an_alert_within_two_snapshots(tmp_path: Path) -> None:
+    run = alert_thresholds.train(**QUICK, spike_step=SPIKE_STEP, spike_steps=10, logdir=tmp_path)
+    before = run.losses[SPIKE_STEP]
+    assert max(run.losses[s] for s in range(SPIKE_STEP + 1, SPIKE_STEP + 20)) > before + 1.0
+    first = min(alert.step for alert in run.alerts)
+    assert SPIKE_STEP < first <= SPIKE_STEP + 20  # snapshots every 10 steps: the 1st or 2nd after
