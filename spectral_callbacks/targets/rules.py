@@ -211,6 +211,39 @@ def _per_head_qkv(ctx: Context) -> Decision:
     )
 
 
+def _falcon_qkv(ctx: Context) -> Decision | None:
+    """Falcon ``query_key_value``, split as ``FalconAttention._split_heads`` reads it.
+
+    ``new_decoder_architecture`` (40B/180B): per K/V group ``[q x heads/kv_heads; k; v]``;
+    ``multi_query`` (7B): ``[q x heads; k; v]`` with one K/V head; else per head ``[q; k; v]``.
+    Only where the attention module carries those flags (so the split is the model's, never
+    guessed); other models fall through to the GPT-NeoX rule.
+    """
+    attention = next((m for m in ctx.modules if hasattr(m, "new_decoder_architecture")), None)
+    if attention is None:
+        return None
+    heads, head_dim = getattr(attention, "num_heads", None), getattr(attention, "head_dim", None)
+    kv_heads = getattr(attention, "num_kv_heads", None)
+    out = ctx.out_features
+    if not (isinstance(heads, int) and isinstance(head_dim, int) and isinstance(kv_heads, int)):
+        return None
+    if attention.new_decoder_architecture:
+        per_group = heads // kv_heads
+        if out == kv_heads * (per_group + 2) * head_dim:
+            sizes = (per_group * head_dim, head_dim, head_dim)
+            return Split(("Q", "K", "V"), sizes=sizes, groups=kv_heads)
+    elif attention.multi_query:
+        if out == (heads + 2) * head_dim:
+            return Split(("Q", "K", "V"), sizes=(heads * head_dim, head_dim, head_dim))
+    elif out == 3 * heads * head_dim:
+        return Split(("Q", "K", "V"), groups=heads)
+    return Skip(
+        f"Falcon query_key_value with {out} rows does not fit heads={heads}, "
+        f"num_kv_heads={kv_heads}, head_dim={head_dim}; describe it with mapping=",
+        warn=True,
+    )
+
+
 def _sequential_mlp(ctx: Context) -> Decision | None:
     """An MLP written as ``nn.Sequential(Linear, act, Linear[, Dropout])``: first up, last down."""
     sequential = ctx.modules[1] if len(ctx.modules) > 1 else None
@@ -346,6 +379,7 @@ BUILTIN_RULES: tuple[tuple[str, Rule], ...] = (
     ("mlp.fc_in.weight", "MLP_up"),  # GPT-J
     ("mlp.fc_out.weight", "MLP_down"),
     # GPT-NeoX / Pythia / Bloom: query_key_value interleaved per head.
+    ("self_attention.query_key_value.weight", _falcon_qkv),  # Falcon: layout from its flags
     ("query_key_value.weight", _per_head_qkv),
     ("attention.dense.weight", "O"),
     ("self_attention.dense.weight", "O"),
@@ -386,6 +420,48 @@ BUILTIN_RULES: tuple[tuple[str, Rule], ...] = (
     ("ff.net.[0-9]*.weight", _sequential_mlp),
     ("ffwd.net.[0-9]*.weight", _sequential_mlp),
     ("feed_forward.[0-9]*.weight", _sequential_mlp),
+    # Hugging Face DistilBERT.
+    ("attention.q_lin.weight", "Q"),
+    ("attention.k_lin.weight", "K"),
+    ("attention.v_lin.weight", "V"),
+    ("attention.out_lin.weight", "O"),
+    ("ffn.lin1.weight", "MLP_up"),
+    ("ffn.lin2.weight", "MLP_down"),
+    # Hand-written attention: attn.q/k/v/o, attn.wq/wk/wv/wo, diffusers' to_q/to_k/to_v/to_out
+    # (to_out is [Linear, Dropout]), and an ``out`` beside query/key/value.
+    *(
+        (f"{attn}.{q}.weight", role)
+        for attn in ("attn", "attention")
+        for q, role in (
+            ("q", "Q"),
+            ("k", "K"),
+            ("v", "V"),
+            ("o", "O"),
+            ("wq", "Q"),
+            ("wk", "K"),
+            ("wv", "V"),
+            ("wo", "O"),
+            ("to_q", "Q"),
+            ("to_k", "K"),
+            ("to_v", "V"),
+            ("to_out.0", "O"),
+            ("to_out", "O"),
+            ("out", "O"),
+        )
+    ),
+    # Hand-written MLPs: up/down, w_in/w_out, dense_in/dense_out.
+    *(
+        (f"{mlp}.{name}.weight", role)
+        for mlp in ("mlp", "ffn", "ff", "feed_forward")
+        for name, role in (
+            ("up", "MLP_up"),
+            ("down", "MLP_down"),
+            ("w_in", "MLP_up"),
+            ("w_out", "MLP_down"),
+            ("dense_in", "MLP_up"),
+            ("dense_out", "MLP_down"),
+        )
+    ),
     # Meta's reference Llama.
     ("attention.wq.weight", "Q"),
     ("attention.wk.weight", "K"),
