@@ -146,14 +146,16 @@ class TimedCompute:
     def __init__(self, compute: Any, sleep: float = 0.0) -> None:
         self.compute, self.sleep = compute, sleep
         self.intervals: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
-        self.after_sleep: list[torch.cuda.Event] = []
+        self.after_sleep: list[torch.cuda.Event] = []  # timing events, one per call with a sleep
+        self.streams: list[int] = []  # the stream each call ran on (its cuda_stream handle)
 
     def __call__(self, group: Any, batch: torch.Tensor) -> dict[str, torch.Tensor]:
+        self.streams.append(torch.cuda.current_stream().cuda_stream)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         if self.sleep:
             sleep_ms(self.sleep)
-            slept = torch.cuda.Event()
+            slept = torch.cuda.Event(enable_timing=True)
             slept.record()
             self.after_sleep.append(slept)
         out = self.compute(group, batch)

@@ -103,15 +103,20 @@ def test_the_svd_runs_while_later_training_steps_run() -> None:
     trainer = quiet_trainer(
         accelerator="gpu", max_steps=30, logger=RecordingLogger(), callbacks=[monitor, steps]
     )
+    training_stream = torch.cuda.current_stream().cuda_stream  # Lightning trains on it
     trainer.fit(TinyGPT(n_embd=256, n_head=4), token_loader())
     torch.cuda.synchronize()
+    # The compute ran on a stream of its own, never on training's.
+    assert compute.streams and training_stream not in compute.streams
     origin = steps.events[0][1]
     training = [(step, origin.elapsed_time(event)) for step, event in steps.events]
     overlaps = 0
-    for start, end in compute.intervals:
-        begin, finish = origin.elapsed_time(start), origin.elapsed_time(end)
-        overlaps += sum(begin < at < finish for _, at in training)
-    assert overlaps > 0  # training-stream work completed inside an SVD's interval
+    for (start, _), slept in zip(compute.intervals, compute.after_sleep, strict=True):
+        # Strictly inside the compute's 20 ms GPU sleep: only work on another stream, running
+        # at the same time, can complete there (a serialized SVD would hold training back).
+        begin, awake = origin.elapsed_time(start), origin.elapsed_time(slept)
+        overlaps += sum(begin < at < awake for _, at in training)
+    assert overlaps > 0  # a training step completed while the SVD's stream slept
 
 
 def test_gpu_memory_does_not_grow_over_50_snapshots_and_pinned_buffers_are_reused() -> None:

@@ -1,0 +1,71 @@
+"""CUDA paths beside the training loop's: synchronous compute inside autocast, fp16 weights, TF32
+set through the new API, a model whose layers sit on two devices (``@pytest.mark.gpu``)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from spectral_callbacks.monitor.compute import SpectrumCompute
+from spectral_callbacks.monitor.engine import SnapshotEngine
+from spectral_callbacks.monitor.snapshot import group_by_shape, take_snapshot
+
+pytestmark = pytest.mark.gpu
+
+
+def _stable_rank(weight: torch.Tensor) -> float:
+    singular = torch.linalg.svdvals(weight.double().cpu())
+    return float((singular**2).sum() / singular[0] ** 2)
+
+
+def _engine(weights: dict[str, torch.Tensor], **options: object) -> tuple[SnapshotEngine, list]:
+    targets = [SimpleNamespace(name=name, matrix=lambda w=w: w) for name, w in weights.items()]
+    groups = group_by_shape(targets)
+    compute = SpectrumCompute(k=16, method="randomized")
+    return SnapshotEngine(compute, groups, **options), groups  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_synchronous_inside_autocast_with_tf32_on_matches_float64(
+    dtype: torch.dtype,
+) -> None:
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    weights = {
+        f"w{i}": (torch.randn(512, 384, device="cuda", generator=generator) / 20).to(dtype)
+        for i in range(3)
+    }
+    engine, groups = _engine(weights, synchronous=True)
+    previous = torch.backends.fp32_precision
+    torch.backends.fp32_precision = "tf32"  # as transformers' TrainingArguments(tf32=True)
+    try:
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            engine.submit(take_snapshot(groups, step=0))
+        (result,) = engine.collect(wait_seconds=60)
+    finally:
+        torch.backends.fp32_precision = previous
+        engine.close()
+    for name, weight in weights.items():
+        got = result.metrics[name]["stable_rank"]
+        assert got == pytest.approx(_stable_rank(weight), rel=0.01), name
+
+
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs two GPUs"
+)
+def test_a_model_on_two_devices_is_computed_on_each_devices_stream() -> None:
+    generator = torch.Generator().manual_seed(0)
+    weights = {
+        f"w{i}": torch.randn(256, 192, generator=generator).to(f"cuda:{i % 2}") for i in range(4)
+    }
+    engine, groups = _engine(weights, max_pending=2)
+    assert {group.device for group in groups} == {"cuda:0", "cuda:1"}
+    engine.submit(take_snapshot(groups, step=0))
+    (result,) = engine.collect(wait_seconds=60)
+    engine.close()
+    for name, weight in weights.items():
+        got = result.metrics[name]["stable_rank"]
+        assert got == pytest.approx(_stable_rank(weight), rel=0.01), name
+    streams = engine._streams
+    assert streams.get("cuda:0").device != streams.get("cuda:1").device
