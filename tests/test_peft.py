@@ -464,3 +464,18 @@ def test_analyze_an_adapter_directory_on_its_base(tmp_path: Any, capsys: Any) ->
     # The adapter config names the base by the object it was built from, not a directory.
     assert main(["analyze", str(tmp_path / "adapter"), "--logdir", str(tmp_path / "x")]) == 1
     assert "needs its base model" in capsys.readouterr().err
+
+
+def test_a_modules_to_save_copy_is_a_plain_target_and_its_original_is_left_out() -> None:
+    torch.manual_seed(0)
+    config = peft.LoraConfig(r=4, target_modules=["k_proj"], modules_to_save=["q_proj", "lm_head"])
+    model = peft.get_peft_model(tiny_llama(), config)
+    targets = find_targets(model)
+    queries = [t for t in targets if t.role == "Q"]
+    assert [t.layer for t in queries] == [0, 1]
+    assert all(not isinstance(t, AdaptedTarget) and t.parameter.requires_grad for t in queries)
+    assert all(".modules_to_save.default." in t.name for t in queries)
+    assert all(isinstance(t, AdaptedTarget) for t in targets if t.role == "K")
+    reasons = {s.parameter_name: s.reason for s in targets.skipped}
+    original = "base_model.model.model.layers.0.self_attn.q_proj.original_module.weight"
+    assert reasons[original].startswith("original of a PEFT modules_to_save copy")

@@ -53,10 +53,16 @@ def clean_name(name: str) -> str:
 
     >>> clean_name("module._orig_mod.transformer.h.0.attn.c_attn.weight")
     'transformer.h.0.attn.c_attn.weight'
+    >>> clean_name("h.0.q_proj.modules_to_save.default.weight"), clean_name("h.0.q_proj.base_layer.weight")
+    ('h.0.q_proj.weight', 'h.0.q_proj.weight')
     """
     segments = name.split(".")
     while len(segments) > 1 and segments[0] == "module":
         segments = segments[1:]
+    # PEFT's trained full copy ``q_proj.modules_to_save.<adapter>.weight`` maps like ``q_proj``.
+    while "modules_to_save" in segments[:-2]:
+        at = segments.index("modules_to_save")
+        segments = segments[:at] + segments[at + 2 :]
     return ".".join(s for s in segments if s not in _WRAPPER_SEGMENTS)
 
 

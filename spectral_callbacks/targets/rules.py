@@ -305,6 +305,18 @@ def _adapter_part(ctx: Context) -> Skip | None:
     weight, with the reason (warned about, since it looks like a target).
     """
     for position, module in enumerate(ctx.modules[1:], start=1):
+        copies = getattr(module, "modules_to_save", None)
+        if isinstance(copies, nn.ModuleDict) and hasattr(module, "original_module"):
+            # PEFT modules_to_save: the active trained copy is a plain target (its name is
+            # cleaned to the module's own); the frozen original and inactive copies are not.
+            child = ctx.modules[position - 1]
+            active = getattr(module, "active_adapters", [])
+            if child is copies and position >= 2:
+                name = next((k for k, v in copies.items() if v is ctx.modules[position - 2]), None)
+                if name in active:
+                    return None
+                return Skip(f"modules_to_save copy of inactive adapter {name!r}")
+            return Skip("original of a PEFT modules_to_save copy (the trained copy is watched)")
         if not is_tuner_layer(module):
             continue
         child = ctx.modules[position - 1]
