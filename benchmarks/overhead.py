@@ -19,19 +19,21 @@ measured on one machine:
 * ``main ms``  - main-thread milliseconds per snapshot (copy + hand-over; the SVD too when
   inline), from ``spectral_monitor/main_thread_ms``;
 * ``svd ms``   - SVD + metrics milliseconds per snapshot (worker thread or side stream);
+* ``figures after fit s`` - the wait, after ``fit()`` returned and outside its time, for the final
+  figures the figure process draws then (so they cannot slow the next variant's run);
 * ``worker cpu s`` - CPU seconds of the worker thread during the training loop (0 when the SVD runs
   on the main thread), and below the table, for each variant with a worker, the training wall
   seconds each of them cost: ``(train s - none's train s) / worker cpu s``, same round, median.
   Where training keeps every core busy (its OpenMP threads spin at their barriers), that is above
   1: a core the worker takes stalls both training threads.
 
-Two more variants take the default's cost apart (each replays the default run of its round, call by
-call): ``no-svd`` returns the recorded metrics without computing (what the hooks, the copies, the
+Two more variants take the worker's cost apart (each replays the ``worker`` run of its round, call
+by call, on the worker thread): ``no-svd`` returns the recorded metrics without computing (what the hooks, the copies, the
 hand-over and the logging cost), ``same-cpu-gemm`` first spends each call's recorded CPU seconds in
 large GEMMs (the same worker CPU time in a few GIL-releasing kernels instead of the SVD's hundreds
 of small operations)::
 
-    python benchmarks/overhead.py --variants default,no-svd,same-cpu-gemm --rounds 5
+    python benchmarks/overhead.py --variants worker,no-svd,same-cpu-gemm --rounds 5
 
 The device is chosen automatically (CUDA when available), so the same command prints the same
 table on a GPU::
@@ -61,13 +63,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 from gpt import GPT, GPTConfig  # noqa: E402
 
 from spectral_callbacks import SpectralMonitor  # noqa: E402
+from spectral_callbacks.monitor import dashboards  # noqa: E402
 from spectral_callbacks.monitor.compute import SpectrumCompute  # noqa: E402
 from spectral_callbacks.monitor.engine import WORKER_THREAD_NAME  # noqa: E402
 from spectral_callbacks.monitor.placement import available_cores  # noqa: E402
 from spectral_callbacks.names import monitor_tag  # noqa: E402
 
 # Keyword arguments of SpectralMonitor per variant; "none" runs without the callback. The last two
-# take the default run of the same round apart (see ReplayCompute): they need "default" before them.
+# take the worker run of the same round apart (see ReplayCompute): they need "worker" before them.
 VARIANTS: dict[str, dict[str, Any]] = {
     "none": {},
     "default": {},  # placement chosen from the machine
@@ -77,15 +80,18 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "worker-no-figures": {"synchronous": False, "figures": False},
     "inline-no-figures": {"synchronous": True, "figures": False},
     "nice": {"synchronous": False, "worker_nice": 10},  # the worker thread at lower priority
-    "budget-1%": {"max_overhead": 0.01},
-    "no-svd": {},  # the default's results replayed: hooks, copies, hand-over and logging only
-    "same-cpu-gemm": {},  # ... after the default's CPU seconds per call, spent in large GEMMs
+    "budget-1%": {"synchronous": False, "max_overhead": 0.01},  # the worker within a budget
+    # The worker's results replayed: hooks, copies, hand-over and logging only; then the same after
+    # the worker's CPU seconds per call, spent in large GEMMs.
+    "no-svd": {"synchronous": False},
+    "same-cpu-gemm": {"synchronous": False},
 }
 REPLAYS = ("no-svd", "same-cpu-gemm")
 
 
 class RecordingCompute(SpectrumCompute):
-    """The default compute, remembering each call's metrics and thread CPU seconds, in order."""
+    """The default compute (of the worker variant), remembering each call's metrics and thread CPU
+    seconds, in order."""
 
     def __init__(self, record: list[tuple[float, dict[str, torch.Tensor]]]) -> None:
         super().__init__()
@@ -99,7 +105,7 @@ class RecordingCompute(SpectrumCompute):
 
 
 class ReplayCompute:
-    """The recorded default run's metrics, call by call, instead of the SVD.
+    """The recorded worker run's metrics, call by call, instead of the SVD.
 
     With ``burn`` each call first spends the CPU seconds the default's call took, in 192 x 192
     float32 GEMMs: the same worker CPU time in a few large kernels with the GIL released, so the
@@ -110,7 +116,7 @@ class ReplayCompute:
 
     def __init__(self, record: list[tuple[float, dict[str, torch.Tensor]]], burn: bool) -> None:
         if not record:
-            raise RuntimeError("the default run of this round recorded no snapshot to replay")
+            raise RuntimeError("the worker run of this round recorded no snapshot to replay")
         self.record, self.burn, self.calls = record, burn, 0
         self.operand = torch.randn(192, 192)
 
@@ -236,7 +242,7 @@ def run_once(
     logdir: str,
     record: list[tuple[float, dict[str, torch.Tensor]]] | None = None,
 ) -> dict[str, float]:
-    """One training run; ``record`` is what the default variant records and the replays read."""
+    """One training run; ``record`` is what the worker variant records and the replays read."""
     torch.manual_seed(0)
     config = model_config(args)
     tokens = torch.randint(0, 256, (args.steps * args.batch, args.block + 1))
@@ -245,7 +251,7 @@ def run_once(
     callbacks: list[Callback] = [timer]
     if variant != "none":
         options = dict(VARIANTS[variant])
-        if record is not None and variant == "default":
+        if record is not None and variant == "worker":
             record.clear()
             options["compute"] = RecordingCompute(record)
         elif variant in REPLAYS:
@@ -266,12 +272,18 @@ def run_once(
     start = time.perf_counter()
     trainer.fit(GPTModule(config), loader)
     fit = time.perf_counter() - start
+    # The final figures are drawn after fit() returns, at the lowest priority: waited for here,
+    # outside the timed fit, so they cannot spill into the next variant's run.
+    after = time.perf_counter()
+    dashboards.wait_for_figures(timeout=300)
+    figures_after = time.perf_counter() - after
     assert timer.start is not None and timer.end is not None
     return {
         "train": timer.end - timer.start,
         "cpu": timer.cpu_end - timer.cpu_start,
         "worker_cpu": timer.worker_cpu,
         "fit": fit,
+        "figures_after": figures_after,
         "main_ms": statistics.median(health.main_ms) if health.main_ms else float("nan"),
         "svd_ms": statistics.median(health.svd_ms) if health.svd_ms else float("nan"),
         "snapshots": len(health.main_ms),
@@ -301,7 +313,8 @@ def main(argv: list[str] | None = None) -> None:
     import warnings
 
     logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
-    logging.getLogger("spectral_callbacks").setLevel(logging.WARNING)  # the table says the placement
+    # The table's `placed` column says where the snapshots ran: no note per run.
+    logging.getLogger("spectral_callbacks").setLevel(logging.WARNING)
     if args.train_threads is not None:
         if args.train_threads < 1:
             parser.error(f"--train-threads must be a positive int, got {args.train_threads!r}")
@@ -318,13 +331,13 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"--variants: unknown {unknown}; choose from {', '.join(list(VARIANTS)[1:])}")
     replays = [variant for variant in variants if variant in REPLAYS]
     if replays and (
-        "default" not in variants or variants.index("default") > variants.index(replays[0])
+        "worker" not in variants or variants.index("worker") > variants.index(replays[0])
     ):
-        parser.error(f"--variants: list default before {', '.join(replays)}, which replay its runs")
+        parser.error(f"--variants: list worker before {', '.join(replays)}, which replay its runs")
     results: dict[str, list[dict[str, float]]] = {variant: [] for variant in variants}
     with tempfile.TemporaryDirectory() as logdir:
         run_once("default", argparse.Namespace(**{**vars(args), "steps": 20}), logdir)  # warm-up
-        # Only recorded when a replay needs it: otherwise "default" is SpectralMonitor() exactly.
+        # Only recorded when a replay needs it: otherwise "worker" is SpectralMonitor(...) exactly.
         record: list[tuple[float, dict[str, torch.Tensor]]] | None = [] if replays else None
         for round_index in range(args.rounds):
             for variant in variants:
@@ -343,9 +356,9 @@ def main(argv: list[str] | None = None) -> None:
     )
     print(
         "| variant | placed | train s | train ratio | cpu ratio | fit s | fit ratio | snapshots "
-        "| skipped | main ms/snapshot | svd ms/snapshot | worker cpu s |"
+        "| skipped | main ms/snapshot | svd ms/snapshot | worker cpu s | figures after fit s |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for variant in variants:
         runs = results[variant]
         placed = {_placed(r["inline"]) for r in runs}
@@ -356,7 +369,8 @@ def main(argv: list[str] | None = None) -> None:
             f"{statistics.median(r['fit'] for r in runs):.2f} | "
             f"{median_ratio(variant, 'fit'):.3f} | {runs[-1]['snapshots']} | {runs[-1]['skipped']:.0f} | "
             f"{statistics.median(r['main_ms'] for r in runs):.2f} | {statistics.median(r['svd_ms'] for r in runs):.1f} | "
-            f"{statistics.median(r['worker_cpu'] for r in runs):.2f} |"
+            f"{statistics.median(r['worker_cpu'] for r in runs):.2f} | "
+            f"{statistics.median(r['figures_after'] for r in runs):.2f} |"
         )
     for variant in variants[1:]:
         pairs = list(zip(results[variant], results["none"], strict=True))

@@ -65,7 +65,7 @@ def test_the_table_gives_each_variant_its_worker_cpu(capsys: pytest.CaptureFixtu
     overhead.main([*TOY, "--rounds", "1", "--variants", "worker,inline"])
     out = capsys.readouterr().out
     rows = {
-        row.split("|")[1].strip(): row.split("|")[-2].strip()
+        row.split("|")[1].strip(): row.split("|")[-3].strip()
         for row in out.splitlines()
         if row.startswith("| ") and "variant" not in row
     }

@@ -34,13 +34,23 @@ from collections.abc import Callable
 #: Seconds of waiting at exit after which the wait is announced on stderr.
 ANNOUNCE_AFTER_SECONDS = 1.0
 
-# thread -> stop function (returns a short description of what it abandoned, or None).
-_LIVE: dict[threading.Thread, Callable[[], str | None]] = {}
+#: What the exit's wait says it waits for, unless a thread says otherwise.
+WAITING_FOR = (
+    "to return from the torch call it is in (one shape group's SVD at most); a thread killed "
+    "inside torch would abort the process"
+)
+
+# thread -> (stop function, returning a short description of what it abandoned or None; what the
+# wait for it is for).
+_LIVE: dict[threading.Thread, tuple[Callable[[], str | None], str]] = {}
 _LOCK = threading.Lock()
 
 
 def start_daemon(
-    target: Callable[[], object], name: str, stop: Callable[[], str | None] | None = None
+    target: Callable[[], object],
+    name: str,
+    stop: Callable[[], str | None] | None = None,
+    waiting_for: str = WAITING_FOR,
 ) -> threading.Thread:
     """Start ``target`` on a daemon thread that exit waits for (after calling ``stop``).
 
@@ -49,6 +59,7 @@ def start_daemon(
         name: the thread's name (shown in the at-exit message).
         stop: called at exit, before the wait, to make ``target`` return soon; returns what it
             abandoned (e.g. ``"2 snapshot(s) in flight"``) for the report, or ``None``.
+        waiting_for: what the announced wait at exit is for. Default :data:`WAITING_FOR`.
 
     Returns:
         The started thread.
@@ -63,7 +74,7 @@ def start_daemon(
 
     thread = threading.Thread(target=run, name=name, daemon=True)
     with _LOCK:
-        _LIVE[thread] = stop or (lambda: None)
+        _LIVE[thread] = (stop or (lambda: None), waiting_for)
     thread.start()
     return thread
 
@@ -77,21 +88,19 @@ def stop_all(announce_after: float | None = None) -> list[str]:
     if announce_after is None:
         announce_after = ANNOUNCE_AFTER_SECONDS
     with _LOCK:
-        live = [(thread, stop) for thread, stop in _LIVE.items() if thread.is_alive()]
+        live = [(thread, *entry) for thread, entry in _LIVE.items() if thread.is_alive()]
     reports = []
-    for thread, stop in live:
+    for thread, stop, _ in live:
         report = stop()
         if report:
             reports.append(f"{thread.name}: {report}")
     for report in reports:
         print(f"SpectralMonitor at exit: abandoned {report}", file=sys.stderr, flush=True)
-    for thread, _ in live:
+    for thread, _, waiting_for in live:
         thread.join(announce_after)
         if thread.is_alive():
             print(
-                f"SpectralMonitor at exit: waiting for the {thread.name} thread to return from the "
-                "torch call it is in (one shape group's SVD at most); a thread killed inside torch "
-                "would abort the process",
+                f"SpectralMonitor at exit: waiting for the {thread.name} thread {waiting_for}",
                 file=sys.stderr,
                 flush=True,
             )

@@ -252,7 +252,13 @@ class FigureWriter:
             finally:
                 self._process.close(timeout=0)
 
-        self._final = background.start_daemon(draw, FINAL_FIGURES_THREAD, stop=self._stop_at_exit)
+        self._final = background.start_daemon(
+            draw,
+            FINAL_FIGURES_THREAD,
+            stop=self._stop_at_exit,
+            waiting_for=f"while the figure process writes the final figures (at most "
+            f"{self.exit_timeout:g} s, drain_timeout)",
+        )
         _FINAL.add(self._final)
 
     def _stop_at_exit(self) -> str | None:
