@@ -17,6 +17,7 @@ import pytest
 import torch
 import train_gpt
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from tensorboard.backend.event_processing import event_accumulator
 
 from spectral_callbacks.offline.events import read_runs
 
@@ -123,6 +124,23 @@ def test_attention_variants_draws_loss_minus_mha(tmp_path: Path) -> None:
     assert chart.stat().st_size > 0
     table = attention_variants.final_losses(tmp_path, ["mha", "mla", "gla4"])
     assert table.loc["mha", "minus mha"] == 0 and table["final loss"].notna().all()
+    # Every row against the event files, read by TensorBoard's own reader.
+    final = {}
+    for run in ("mha", "mla", "gla4"):
+        reader = event_accumulator.EventAccumulator(
+            str(tmp_path / run), size_guidance={"scalars": 0}
+        )
+        reader.Reload()
+        losses = [
+            event.value for event in sorted(reader.Scalars("train/loss"), key=lambda e: e.step)
+        ]
+        final[run] = sum(losses[-5:]) / len(losses[-5:])
+    for run, value in final.items():
+        assert table.loc[run, "final loss"] == pytest.approx(value, rel=1e-6)
+        assert table.loc[run, "minus mha"] == pytest.approx(
+            value - final["mha"], rel=1e-6, abs=1e-9
+        )
+    assert table.loc["mla", "minus mha"] != 0  # the variants do not train to the same loss
     roles = set(read_runs([tmp_path / "gla4"]).rows["role"])
     assert {"Q", "KV_down", "K_rope", "K_g3", "V_g3", "O", "MLP_up"} <= roles
 
