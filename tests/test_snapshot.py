@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import time
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
@@ -155,3 +157,37 @@ def test_a_snapshot_of_targets_that_copy_themselves_never_builds_their_matrix() 
     snapshot = take_snapshot(groups, step=3)
     assert built == []
     assert torch.equal(snapshot.tensors[groups[0].key], torch.stack(weights))
+
+
+@pytest.mark.gpu
+def test_a_freed_stack_is_not_reused_by_training_while_the_compute_stream_reads_it() -> None:
+    # The engine frees each stack as soon as its compute is enqueued. Without `record_stream` the
+    # caching allocator would hand that block back to the training stream (where it was allocated)
+    # at once, and a same-sized tensor written there - training does not wait for the compute
+    # stream - would overwrite the stack before the compute stream, still 300 ms behind, reads it.
+    from cuda_checks import sleep_ms
+
+    from spectral_callbacks.monitor.engine import SnapshotEngine
+
+    weight = torch.randn(512, 512, device="cuda")
+    expected = float(weight.double().sum())
+    groups = group_by_shape(_targets({"w": weight}))
+
+    def late_total(group: Any, batch: torch.Tensor) -> dict[str, torch.Tensor]:
+        sleep_ms(300)  # the compute stream reads the stack only 300 ms from now
+        return {"sum": batch.double().sum((-2, -1))}
+
+    engine = SnapshotEngine(late_total, groups)
+    torch.cuda.synchronize()
+    assert engine.submit(take_snapshot(groups, step=1))
+    job = engine._jobs[0]  # the worker is done once its compute is enqueued and the stack freed
+    while not job.future.done():
+        time.sleep(0.001)
+    assert not job.snapshot.tensors  # the snapshot no longer holds the stack
+    # Training allocates same-sized tensors and writes them, on its own stream, right away.
+    overwrites = [torch.full((1, 512, 512), 7.0, device="cuda") for _ in range(4)]
+    [result] = engine.collect(wait_seconds=60)
+    engine.close()
+    torch.cuda.synchronize()
+    assert all(bool((tensor == 7.0).all()) for tensor in overwrites)
+    assert result.metrics["w"]["sum"] == pytest.approx(expected, rel=1e-9)
