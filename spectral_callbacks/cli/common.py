@@ -25,9 +25,10 @@ def expected_errors() -> tuple[type[BaseException], ...]:
     ``--help`` stays quick.
     """
     from spectral_callbacks.offline.loading import AnalysisError
+    from spectral_callbacks.offline.ranking import RankingError
     from spectral_callbacks.targets import TargetError
 
-    return (CommandError, AnalysisError, TargetError, OSError)
+    return (CommandError, AnalysisError, RankingError, TargetError, OSError)
 
 
 def one_line(error: BaseException) -> str:

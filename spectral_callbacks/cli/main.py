@@ -1,7 +1,8 @@
 """Entry point of ``spectral-callbacks``: one sub-command per module of this package.
 
 ``export`` turns logged curves into tidy rows, ``plot`` draws the standard charts, ``analyze``
-writes the same scalars for a model at rest and ``targets`` prints a model's role map. Heavy
+writes the same scalars for a model at rest, ``rank-layers`` ranks layers by ESD α and allocates
+AlphaPruning's sparsity, and ``targets`` prints a model's role map. Heavy
 imports (torch, transformers, matplotlib) happen inside the commands so ``--help`` is quick.
 """
 
@@ -13,7 +14,7 @@ import sys
 import warnings
 
 from spectral_callbacks import __version__
-from spectral_callbacks.cli import analyze, export, plot, targets
+from spectral_callbacks.cli import analyze, export, plot, rank_layers, targets
 from spectral_callbacks.cli.common import PROG, expected_errors, one_line, say
 
 
@@ -25,7 +26,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for module in (export, plot, analyze, targets):
+    for module in (export, plot, analyze, rank_layers, targets):
         module.add_parser(commands)
     return parser
 

@@ -1,0 +1,184 @@
+"""``spectral-callbacks rank-layers``: layers ranked by ESD α and AlphaPruning's sparsity per block.
+
+The α come from a run's event files (the latest step that logged ``esd_alpha``, so a live run gives
+its newest snapshot) or from a model at rest (every watched matrix's ESD fitted here, as
+``analyze`` loads it). See ``spectral_callbacks.offline.ranking`` for the method.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from spectral_callbacks.cli.analyze import ARCH_HELP, BASE_HELP
+from spectral_callbacks.cli.common import CommandError, say
+
+if TYPE_CHECKING:
+    import pandas as pd
+
+
+def add_parser(commands: argparse._SubParsersAction) -> None:
+    parser = commands.add_parser(
+        "rank-layers",
+        help="rank layers by ESD α and allocate a sparsity per block (AlphaPruning)",
+        description="Rank every watched matrix by its ESD α (WeightWatcher's fit) and give each "
+        "block the sparsity AlphaPruning allocates for a target sparsity.",
+        epilog="examples:\n  spectral-callbacks rank-layers runs/d8 --sparsity 0.7\n"
+        "  spectral-callbacks rank-layers ./gpt2 --csv ranks.csv --chart ranks.png",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "source",
+        metavar="RUN_OR_MODEL",
+        help="a run's log directory (its latest step with esd_alpha) or a model, as for analyze",
+    )
+    parser.add_argument("--sparsity", type=float, default=0.7, help="target sparsity (0.7)")
+    parser.add_argument(
+        "--epsilon", type=float, default=0.2, help="half-width of the ratio band (0.2)"
+    )
+    parser.add_argument("--csv", metavar="FILE", help="write the per-matrix table as CSV")
+    parser.add_argument("--json", metavar="FILE", help="write matrices and blocks as JSON")
+    parser.add_argument("--chart", metavar="PNG", help="draw block α and sparsity as bars")
+    parser.add_argument("--arch", metavar="HINT", help=ARCH_HELP)
+    parser.add_argument("--base", metavar="DIR", help=BASE_HELP)
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from spectral_callbacks.offline.ranking import RankingError, block_sparsity, rank_matrices
+
+    rows, where = matrix_alphas(args.source, args.arch, args.base)
+    try:
+        blocks = block_sparsity(rows, args.sparsity, args.epsilon)
+    except RankingError as error:
+        flag = {"sparsity": "--sparsity", "epsilon": "--epsilon"}.get(error.argument or "")
+        raise CommandError(f"{error}" + (f" (set with {flag})" if flag else "")) from error
+    ranked = rank_matrices(rows).merge(blocks[["stack", "layer", "block_alpha", "sparsity"]],
+                                       on=["stack", "layer"], how="left")  # fmt: skip
+    print_ranking(ranked, blocks, f"{args.source}: ESD α ({where})")
+    if args.csv:
+        ranked.to_csv(args.csv, index=False)
+    if args.json:
+        import json
+
+        Path(args.json).write_text(
+            json.dumps(
+                {
+                    "source": args.source,
+                    "where": where,
+                    "target_sparsity": args.sparsity,
+                    "epsilon": args.epsilon,
+                    "matrices": ranked.to_dict(orient="records"),
+                    "blocks": blocks.to_dict(orient="records"),
+                },
+                indent=1,
+                default=float,
+            )
+        )
+    if args.chart:
+        draw_chart(blocks, args.chart, f"{Path(args.source).name}: target sparsity {args.sparsity}")
+    weights = blocks["params"].astype(float)
+    mean = float((blocks["sparsity"] * weights).sum() / weights.sum())
+    say("rank-layers", "done", f"{len(ranked)} matrices, {len(blocks)} blocks; weighted mean "
+        f"sparsity {mean:.4f} (target {args.sparsity})")  # fmt: skip
+    return 0
+
+
+def matrix_alphas(source: str, arch: str | None, base: str | None) -> tuple[pd.DataFrame, str]:
+    """One row per matrix ``stack, layer, role, alpha, params``, and where the α came from."""
+    from spectral_callbacks.offline.events import find_runs
+
+    runs, _ = find_runs([source]) if Path(source).is_dir() else ([], [])
+    if runs:
+        return _from_run(source)
+    return _from_model(source, arch, base), "fitted now"
+
+
+def _from_run(source: str) -> tuple[pd.DataFrame, str]:
+    from spectral_callbacks.offline.events import read_runs
+
+    result = read_runs([source])
+    rows = result.rows
+    rows = rows[(rows["metric"] == "esd_alpha") & rows["layer"].notna()]
+    if "expert" in rows:
+        rows = rows[rows["expert"].isna()]
+    if rows.empty:
+        raise CommandError(
+            f"{source}: the run logged no esd_alpha; train with metrics=[..., 'esd_alpha'] "
+            "(docs/metrics.md), or pass a model directory or checkpoint instead"
+        )
+    if rows["run"].nunique() > 1:
+        raise CommandError(
+            f"{source}: holds {rows['run'].nunique()} runs ({', '.join(sorted(rows['run'].unique()))}); "
+            "give one run's directory"
+        )
+    step = int(rows["step"].max())
+    latest = rows[rows["step"] == step]
+    say("rank-layers", "note", "a run does not record matrix sizes: every block weighs the same "
+        "in the target mean; rank a checkpoint for parameter weights")  # fmt: skip
+    out = latest.assign(stack=latest["stack"].fillna(""), alpha=latest["value"], params=1)
+    out = out.groupby(["stack", "layer", "role"], as_index=False).agg(
+        alpha=("alpha", "last"), params=("params", "first")
+    )
+    out["layer"] = out["layer"].astype(int)
+    return out, f"logged at step {step}"
+
+
+def _from_model(source: str, arch: str | None, base: str | None) -> pd.DataFrame:
+    from spectral_callbacks.offline.analysis import analyze_model
+    from spectral_callbacks.offline.loading import load_model
+
+    model = load_model(source, arch, base)
+    rows, _ = analyze_model(model, esd=True, k=1)
+    stack = rows["stack"].fillna("")
+    params = rows["shape"].map(lambda text: math.prod(int(n) for n in text.split("x")))
+    return rows.assign(stack=stack, alpha=rows["esd_alpha"], params=params)[
+        ["stack", "layer", "role", "alpha", "params"]
+    ]
+
+
+def print_ranking(ranked: pd.DataFrame, blocks: pd.DataFrame, title: str) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=title)
+    for column in ("rank", "stack", "layer", "role", "ESD α", "block α", "block sparsity"):
+        table.add_column(column, justify="right")
+    for r in ranked.itertuples(index=False):
+        table.add_row(str(r.rank), r.stack or "-", str(r.layer), r.role, f"{r.alpha:.3f}",
+                      f"{r.block_alpha:.3f}", f"{r.sparsity:.3f}")  # fmt: skip
+    Console().print(table)
+
+
+def draw_chart(blocks: pd.DataFrame, path: str, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = [
+        f"{s + '/' if s else ''}L{layer:02d}"
+        for s, layer in zip(blocks["stack"], blocks["layer"], strict=True)
+    ]
+    figure, (top, bottom) = plt.subplots(
+        2, 1, figsize=(max(6, 0.5 * len(labels) + 2), 6), sharex=True
+    )
+    top.bar(labels, blocks["block_alpha"], color="tab:blue")
+    top.set_ylabel("block mean ESD α")
+    top.set_title(title)
+    bottom.bar(labels, blocks["sparsity"], color="tab:orange")
+    weights = blocks["params"].astype(float)
+    mean = float((blocks["sparsity"] * weights).sum() / weights.sum())
+    bottom.axhline(
+        mean, color="black", linestyle="--", linewidth=1, label=f"weighted mean {mean:.3f}"
+    )
+    bottom.set_ylabel("AlphaPruning sparsity")
+    bottom.set_xlabel("block")
+    bottom.legend(loc="lower right")
+    for label in bottom.get_xticklabels():
+        label.set_rotation(90 if len(labels) > 16 else 0)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
