@@ -218,3 +218,37 @@ def test_logged_names_carry_the_stack_only_where_there_are_several():
     assert {p.stack for p in parsed} == {"enc", "dec"}
     # one tag per matrix: nothing of the encoder overwrote the decoder's
     assert len([p for p in parsed if p.layer is not None]) == len(targets)
+
+
+@pytest.mark.parametrize("experts", ["aggregate", "each"])
+def test_expert_scalars_are_the_mean_min_and_max_over_a_layers_experts(experts):
+    from types import SimpleNamespace
+
+    from spectral_callbacks.monitor.reporting import Reporter
+    from spectral_callbacks.names import scalar_tag
+
+    generator = torch.Generator().manual_seed(0)
+    targets = [
+        SimpleNamespace(
+            name=f"h.{layer}.{role}.e{e}", layer=layer, num_layers=2, role=role, expert=e
+        )
+        for layer in range(2)
+        for role in ("MLP_up", "MLP_down")
+        for e in range(4)
+    ]
+    ranks = torch.rand(len(targets), generator=generator, dtype=torch.float64) * 10 + 1
+    values = {t.name: {"stable_rank": float(r)} for t, r in zip(targets, ranks, strict=True)}
+    scalars = Reporter(targets, ("stable_rank",), experts=experts).scalars(0, values)
+    for layer in range(2):
+        for role in ("MLP_up", "MLP_down"):
+            mine = [
+                values[t.name]["stable_rank"] for t in targets if (t.layer, t.role) == (layer, role)
+            ]
+            tag = lambda aggregate: scalar_tag("stable_rank", layer, role, 2, aggregate=aggregate)  # noqa: B023, E731
+            assert scalars[tag("mean")] == pytest.approx(sum(mine) / 4, rel=1e-12)
+            assert scalars[tag("min")] == min(mine) and scalars[tag("max")] == max(mine)
+    each = {t.name: scalar_tag("stable_rank", t.layer, t.role, 2, expert=t.expert) for t in targets}
+    if experts == "each":
+        assert all(scalars[tag] == values[name]["stable_rank"] for name, tag in each.items())
+    else:
+        assert not set(each.values()) & set(scalars)
