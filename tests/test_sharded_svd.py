@@ -4,6 +4,7 @@ float64 SVD of the full matrix and against the single-process ``randomized_svd``
 from __future__ import annotations
 
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -134,8 +135,9 @@ def test_a_warm_start_that_no_longer_fits_goes_deeper_and_stays_exact(ranks) -> 
 
 def test_a_rank_that_never_arrives_is_an_error_within_the_group_timeout(tmp_path: Path) -> None:
     rank0, _ = run_ranks(cases.missing_rank, 2, tmp_path)
-    assert rank0["error"] is not None
-    assert rank0["seconds"] < 30  # the group's 3 s timeout, with slack for a loaded machine
+    # The group's timeout error, not any immediate failure: after the 3 s, with slack above.
+    assert re.search(r"[Tt]imed? ?out", rank0["error"] or ""), rank0["error"]
+    assert 2.5 <= rank0["seconds"] < 30
 
 
 def test_one_process_without_a_group_is_the_plain_algorithm() -> None:
