@@ -41,7 +41,7 @@ def test_snapshot_is_an_exact_copy_untouched_by_the_next_update() -> None:
         weight.mul_(-2.0)  # the "next optimizer step", in place as optimizers do
     stacked = snapshot.tensors["6x5/float32/cpu"]
     assert torch.equal(stacked[0], originals["q"]) and torch.equal(stacked[1], originals["k"])
-    assert snapshot.main_thread_seconds >= 0 and snapshot.copied == {}
+    assert snapshot.main_thread_seconds > 0 and snapshot.copied == {}
 
 
 def test_a_one_matrix_group_and_interleaved_rows_are_copies_untouched_by_the_next_update() -> None:
@@ -133,7 +133,7 @@ def test_the_compute_stream_reads_the_stack_only_after_the_copy() -> None:
     [result] = engine.collect(wait_seconds=60)
     engine.close()
     assert result.metrics["w"]["sum"] == pytest.approx(expected, rel=1e-9)
-    assert result.copy_seconds >= 0 and result.svd_seconds >= 0
+    assert result.copy_seconds > 0 and result.svd_seconds > 0  # both measured, never left 0
 
 
 def test_a_snapshot_of_targets_that_copy_themselves_never_builds_their_matrix() -> None:
