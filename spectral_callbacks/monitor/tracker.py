@@ -87,7 +87,8 @@ class SpectralTracker:
 
     Raises:
         ConfigurationError: ``model`` not a module, neither ``logdir`` nor ``writers`` (nowhere
-            to write), an option out of range, no matrix to watch, a bad mapping,
+            to write), an option out of range, no matrix to watch, a bad mapping, a watched
+            matrix that cannot fit ``max_snapshot_bytes`` alone (with the numbers),
             ``figure_roles`` naming a role the model does not have, ``max_overhead`` with
             several processes, ``compute`` with sharded (DTensor) weights, or parameters
             flattened and partitioned by FSDP1 (``FullyShardedDataParallel``) or DeepSpeed
