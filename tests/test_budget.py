@@ -94,7 +94,7 @@ def test_a_staggered_snapshot_logs_every_matrix_at_its_copy_step_within_the_budg
     one = max(
         group.shape[0] * group.shape[1] * 4 + compute.working_bytes(group, 1) for group in groups
     ) + sum(compute.kept_bytes(group) for group in groups)
-    budget = (one + _whole(plan_snapshot(groups, compute, 10**9))) // 2
+    budget = one + sum(plan_snapshot(groups, compute, None).copies.values()) // 4
     writer = Recorder()
     # Weights of every step, to check each value against the step it is logged at.
     history: dict[int, dict[str, torch.Tensor]] = {}
@@ -201,7 +201,10 @@ def test_with_the_worker_the_counts_add_up_and_the_budget_holds() -> None:
     targets = SpectralTracker(model, writers=[Recorder()], figures=False, start_step=None).targets
     groups = group_by_shape(targets)
     compute = SpectrumCompute()
-    budget = _whole(plan_snapshot(groups, compute, 10**9)) * 2 // 3
+    one = max(
+        group.shape[0] * group.shape[1] * 4 + compute.working_bytes(group, 1) for group in groups
+    ) + sum(compute.kept_bytes(group) for group in groups)
+    budget = one + sum(plan_snapshot(groups, compute, None).copies.values()) // 4
     writer = Recorder()
     tracker = SpectralTracker(
         model,

@@ -20,7 +20,7 @@ and ``D`` the deepest Krylov depth (the cold depth plus the stopping rule's extr
                   + 96 MiB once      and the KS-distance tables, three chunks of 2^22 float64
 
 Every path the method choice can take for the batch counts (``auto``: the cold and the warm
-choice), all matrices of the batch at once. Beyond them, the float64 redo of a matrix float32
+choice, and on the CPU both candidates its calibration times), all matrices of the batch at once. Beyond them, the float64 redo of a matrix float32
 could not read (``_exact_where_float32_falls_short``) runs one matrix at a time after the batch's
 temporaries are freed: ``8·5·s² + 8·GRAM_CHUNK_ROWS·L`` once, not per matrix.
 
@@ -29,8 +29,8 @@ Example::
     >>> import torch
     >>> svd_working_bytes(5632, 2048, 1, torch.float32) / 2**20  # the float64 redo bounds one matrix
     171.0
-    >>> svd_working_bytes(5632, 2048, 4, torch.float32) / 2**20  # four: their Krylov blocks
-    275.75
+    >>> svd_working_bytes(5632, 2048, 4, torch.float32) / 2**20  # four: their exact Gram paths
+    320.0
 """
 
 from __future__ import annotations
@@ -86,6 +86,8 @@ def svd_working_bytes(
                 m, n, width, _EXPECTED_WARM_DEPTH, compute_dtype, device_type, False, batch
             ),
         }
+        if device_type == "cpu":  # the first call of a kind times both (MethodCalibration)
+            methods |= {"randomized", "gram"}
     else:
         methods = {method}
     # On CUDA, float32 products with W under TF32 (precision.matmul) hold W's TF32 head and tail,
