@@ -238,17 +238,25 @@ def architecture(request):
 def test_counts_roles_and_layers(architecture):
     name, model, roles = architecture
     targets = find_targets(model)
-    assert [(t.layer, t.role) for t in targets] == [(i, r) for i in range(2) for r in roles]
+    # A DeepSeek's MoE layers: their MLP is routed experts (test_experts.py), a router and shared
+    # experts; the dense roles are counted here.
+    moe = {t.layer for t in targets if t.expert is not None}
+    dense = [
+        t for t in targets if t.expert is None and t.role != "Router" and "shared" not in t.role
+    ]
+    expected = [(i, r) for i in range(2) for r in roles if not (i in moe and r.startswith("MLP"))]
+    assert [(t.layer, t.role) for t in dense] == expected
     assert all(t.num_layers == 2 for t in targets)
     assert all(tuple(t.matrix().shape) == t.shape for t in targets)
     assert len({t.name for t in targets}) == len(targets)
     # no stored row is watched twice: the (parameter, rows) pairs are distinct
-    assert len({(t.parameter_name, t.rows) for t in targets}) == len(targets)
+    assert len({(t.parameter_name, t.rows, t.expert) for t in targets}) == len(targets)
 
 
 def test_every_matrix_is_what_the_projection_multiplies_by(architecture):
     name, model, _ = architecture
-    targets = find_targets(model)
+    # routed experts and routers are no Linear to probe: test_experts.py checks them
+    targets = [t for t in find_targets(model) if t.expert is None and t.role != "Router"]
     _, io = run_with_probes(model, targets)
     rebuilt: dict[str, torch.Tensor] = {}
     covered: dict[str, torch.Tensor] = defaultdict(lambda: torch.zeros(0))
@@ -317,7 +325,7 @@ def test_gqa_keys_and_values_keep_their_narrower_shape():
 def test_mla_roles_rebuild_deepseek_query_key_value(name):
     torch.manual_seed(2)
     model = ARCHITECTURES[name][0]()
-    targets = find_targets(model)
+    targets = find_targets(model, roles=["Q*", "K*", "V*"])  # the attention's, no experts
     states, io = run_with_probes(model, targets)
     by_key = {(t.layer, t.role): t for t in targets}
     nope, rope, v_dim = 8, 4, 6
@@ -348,8 +356,9 @@ def test_summary_names_what_is_not_watched():
     assert "transformer.wte.weight  (50, 32)  embedding" in text
     assert "lm_head.weight          (50, 32)  tied to transformer.wte.weight" in text
     deepseek = format_targets(find_targets(deepseek_v3()))
-    assert "model.layers.1.mlp.gate.weight" in deepseek and "MoE router" in deepseek
-    assert "fused MoE experts" in deepseek
+    # the router and the routed experts are watched now (test_experts.py)
+    assert "Router           model.layers.1.mlp.gate.weight" in deepseek
+    assert "model.layers.1.mlp.experts.down_proj[E003/MLP_down]" in deepseek
 
 
 def test_gpt2_split_is_a_view_of_the_conv1d_weight():

@@ -34,6 +34,7 @@ from spectral_callbacks.targets.errors import (
     TargetError,
     TargetWarning,
 )
+from spectral_callbacks.targets.experts import ExpertTarget
 from spectral_callbacks.targets.matching import (
     Candidate,
     Patterns,
@@ -269,6 +270,22 @@ def _number_layers(candidates: list[Candidate], chosen: list[Candidate]) -> list
     targets: list[Target] = []
     for c in chosen:
         key, index = c.block if c.block else ("", 0)
+        if c.experts:  # a 3-D experts tensor: one target per expert and role
+            targets += [
+                ExpertTarget.of_expert(
+                    c.name,
+                    c.parameter,
+                    role=role,
+                    rows=rows,
+                    expert=expert,
+                    layer=layer_of[(key, index)],
+                    num_layers=len(used[key]),
+                    stack=stack_of[key],
+                )
+                for expert in range(c.experts)
+                for role, rows in c.parts
+            ]
+            continue
         rows0 = c.parts[0][1]
         whole = rows0.groups == 1 and rows0.start == 0 and rows0.stop in (None, _out(c, rows0))
         fused = len(c.parts) > 1 or not whole
@@ -295,9 +312,12 @@ def _out(candidate: Candidate, rows: Rows) -> int:
 def _warn_missing_roles(targets: list[Target]) -> None:
     """Warn where a layer lacks roles other layers of its stack have (an encoder has no cross
     attention, a DeepSeek's dense first layers no experts: compared within a stack and kind)."""
+    # A layer with experts is compared with the other layers with experts only (DeepSeek's dense
+    # first layers have no router, no shared experts).
+    with_experts = {(t.stack, t.layer) for t in targets if t.expert is not None}
     by_layer: dict[tuple[str, bool, int], set[str]] = defaultdict(set)
     for t in targets:
-        by_layer[(t.stack, t.expert is not None, t.layer)].add(t.role)
+        by_layer[(t.stack, (t.stack, t.layer) in with_experts, t.layer)].add(t.role)
     missing = {}
     for (stack, experts, layer), found in by_layer.items():
         every = set().union(

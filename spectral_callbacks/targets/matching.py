@@ -16,6 +16,7 @@ from torch import nn
 
 from spectral_callbacks.messages import rank_zero_warn
 from spectral_callbacks.targets.errors import AmbiguousTargetWarning, TargetError
+from spectral_callbacks.targets.experts import expert_parts
 from spectral_callbacks.targets.rules import (
     BUILTIN_RULES,
     Context,
@@ -76,6 +77,7 @@ class Candidate:
     parts: list[tuple[str, Rows]]
     skip: Skip | None
     block: tuple[str, int] | None  # (list path, index in list)
+    experts: int = 0  # a 3-D experts tensor: its number of experts, each a target per part
 
 
 def as_patterns(value: Patterns, argument: str) -> list[Pattern]:
@@ -254,12 +256,21 @@ def decide(
             skipped.append(tied)
             continue
         first_name[id(parameter)] = name
-        if parameter.dim() > 2:
-            what = "fused MoE experts" if "experts" in name else "not a matrix"
-            reason = f"{parameter.dim()}-D ({what}): only 2-D weights are watched"
-            skipped.append(Skipped(name, tuple(parameter.shape), reason))
-            continue
         module_path = name.rpartition(".")[0]
+        if parameter.dim() > 2:
+            parts = expert_parts(clean_name(name), parameter, modules.get(module_path))
+            if isinstance(parts, Skip):
+                if parts.warn:  # inside a block, looks like experts: listed and warned about
+                    candidates.append(Candidate(name, clean_name(name), parameter, [], parts, None))
+                else:
+                    skipped.append(Skipped(name, tuple(parameter.shape), parts.reason))
+                continue
+            block = block_of(name, 2, modules)
+            experts = parameter.shape[0]
+            candidates.append(
+                Candidate(name, clean_name(name), parameter, parts, None, block, experts)
+            )
+            continue
         owners = []
         path = module_path
         while True:

@@ -366,9 +366,17 @@ BUILTIN_RULES: tuple[tuple[str, Rule], ...] = (
     # PEFT tuner layers (targets/adapted.py): their adapter factors are watched through the base.
     ("*", _adapter_part),
     # Left out on purpose: listed in the summary, not warned about.
+    # Mixture of experts: the router, and shared experts under roles of their own (DeepSeek's
+    # shared_experts, Qwen2-MoE's shared_expert and its one-row gate). Routed experts stored as
+    # 3-D tensors are expert targets (targets/experts.py); as a list of Linear layers, left out.
     ("experts.*", _EXPERT),
-    ("mlp.gate.weight", _ROUTER),
+    ("mlp.gate.weight", "Router"),
+    ("block_sparse_moe.gate.weight", "Router"),
     ("router.*", _ROUTER),
+    ("shared_expert_gate.weight", Skip("MoE shared expert's gate (one row)")),
+    ("shared_expert*.gate_proj.weight", "MLP_shared_gate"),
+    ("shared_expert*.up_proj.weight", "MLP_shared_up"),
+    ("shared_expert*.down_proj.weight", "MLP_shared_down"),
     # Cross-attention (decoders of encoder-decoder models): Q_cross, K_cross, V_cross, O_cross.
     # GPT-2 as a decoder (VisionEncoderDecoder): q_attn alone, c_attn rows [k; v] (Conv1D).
     ("crossattention.q_attn.weight", "Q_cross"),

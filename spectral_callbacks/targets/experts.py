@@ -1,0 +1,120 @@
+"""Mixture-of-experts weights stored as one 3-D tensor per layer: one target per expert's slice.
+
+``transformers`` 5 keeps a layer's routed experts as ``experts.gate_up_proj`` of shape
+``(E, 2 I, H)`` (each expert's gate and up rows stacked, ``[gate; up]``) and ``experts.down_proj``
+``(E, H, I)``, for Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-V2/V3, OLMoE and the other models built
+on the same experts module (stored ``(E, in, out)`` where the module says ``is_transposed``).
+:func:`expert_parts` reads which roles a tensor holds; :class:`ExpertTarget` is one expert's
+``(out, in)`` matrix of one role, a view of ``parameter[expert]``. The experts of one shape are
+snapshotted into one ``(E, m, n)`` stack, one copy per slice, and decomposed as one batch like
+any group of equal matrices: the engine never learns that they are experts.
+
+Example::
+
+    >>> import torch
+    >>> experts = torch.nn.Parameter(torch.arange(24.0).reshape(2, 4, 3))  # (E, [gate; up], H)
+    >>> [role for role, _ in expert_parts("mlp.experts.gate_up_proj", experts, None)]
+    ['MLP_gate', 'MLP_up']
+    >>> up = ExpertTarget.of_expert("mlp.experts.gate_up_proj", experts, role="MLP_up",
+    ...                             rows=Rows(2, 4), expert=1)
+    >>> up.name, up.shape, up.matrix().data_ptr() == experts[1, 2:].data_ptr()
+    ('mlp.experts.gate_up_proj[E001/MLP_up]', (2, 3), True)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from spectral_callbacks.targets.rules import Skip
+from spectral_callbacks.targets.target import Rows, Target, check_role
+
+__all__ = ["ExpertTarget", "expert_parts"]
+
+# The leaf name of each 3-D experts tensor and the roles its rows hold (equal parts, in order).
+_EXPERT_ROLES: dict[str, tuple[str, ...]] = {
+    "gate_up_proj": ("MLP_gate", "MLP_up"),
+    "gate_proj": ("MLP_gate",),
+    "up_proj": ("MLP_up",),
+    "down_proj": ("MLP_down",),
+    "w1": ("MLP_gate",),
+    "w3": ("MLP_up",),
+    "w2": ("MLP_down",),
+}
+
+
+def expert_parts(
+    name: str, parameter: torch.Tensor, owner: nn.Module | None
+) -> list[tuple[str, Rows]] | Skip:
+    """``(role, Rows)`` of each role in every expert's slice of a 3-D experts tensor, or a Skip.
+
+    Rows are those of one expert's ``(out, in)`` matrix; ``owner.is_transposed`` (the experts
+    module's own flag) marks slices stored ``(in, out)``.
+    """
+    leaf = name.rpartition(".")[2]
+    roles = _EXPERT_ROLES.get(leaf)
+    if parameter.dim() != 3 or "experts" not in name.split(".")[-2] or roles is None:
+        what = "fused MoE experts of unknown layout" if "experts" in name else "not a matrix"
+        return Skip(
+            f"{parameter.dim()}-D ({what}): only 2-D weights are watched", warn="experts" in name
+        )
+    transposed = bool(getattr(owner, "is_transposed", False))
+    out = parameter.shape[2] if transposed else parameter.shape[1]
+    if out % len(roles):
+        return Skip(
+            f"MoE experts {leaf} with {out} output rows do not split into {roles}; describe "
+            "them with mapping=",
+            warn=True,
+        )
+    size = out // len(roles)
+    return [(role, Rows(i * size, (i + 1) * size, 1, transposed)) for i, role in enumerate(roles)]
+
+
+@dataclass(frozen=True)
+class ExpertTarget(Target):
+    """One expert's matrix of one role: rows of ``parameter[expert]`` (a view, never a copy).
+
+    ``expert`` is set (the index along the tensor's first dimension); the name is the parameter's
+    with ``[E007/MLP_up]``.
+    """
+
+    @classmethod
+    def of_expert(
+        cls,
+        parameter_name: str,
+        parameter: torch.Tensor,
+        *,
+        role: str,
+        rows: Rows,
+        expert: int,
+        layer: int = 0,
+        num_layers: int = 1,
+        stack: str = "",
+    ) -> ExpertTarget:
+        """The target of expert ``expert``'s ``rows`` of a 3-D ``(E, out, in)`` tensor."""
+        check_role(role, f"target {parameter_name}")
+        shape = rows.shape_of(tuple(parameter.shape[1:]))
+        name = f"{parameter_name}[E{expert:03d}/{role}]"
+        return cls(
+            name, parameter_name, layer, num_layers, role, shape, parameter, rows, stack, expert
+        )
+
+    def _slice(self) -> torch.Tensor:
+        assert self.expert is not None
+        return self.parameter.detach()[self.expert]  # (out, in) or (in, out): a view
+
+    def matrix(self) -> torch.Tensor:
+        """The expert's current ``(out_features, in_features)`` values: a view of the tensor."""
+        return self.rows.take(self._slice())
+
+    def copy_into(self, out: torch.Tensor) -> torch.Tensor:
+        """Copy the expert's current values into ``out`` (one slot of the experts' stack)."""
+        if tuple(out.shape) != self.shape:
+            raise ValueError(
+                f"`out` must have shape {self.shape} for {self.name}, got {tuple(out.shape)}"
+            )
+        with torch.no_grad():
+            out.copy_(self.matrix())
+        return out

@@ -1,0 +1,203 @@
+"""Mixture-of-experts models of transformers 5 (3-D expert tensors): each expert a target, the
+values checked against float64 exact SVD of each expert's slice at every scheduled step of a fit,
+and the aggregates against the per-expert values."""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections import defaultdict
+
+import pytest
+import torch
+
+from spectral_callbacks import SpectralTracker
+from spectral_callbacks.functional import powerlaw_alpha
+from spectral_callbacks.names import parse_tag
+from spectral_callbacks.targets import TargetWarning, find_targets
+
+transformers = pytest.importorskip("transformers")
+SMALL = dict(vocab_size=64, hidden_size=16, num_hidden_layers=3, num_attention_heads=4)
+
+
+def mixtral():
+    config = transformers.MixtralConfig(
+        **SMALL, intermediate_size=24, num_key_value_heads=2, num_local_experts=4,
+        num_experts_per_tok=2,
+    )  # fmt: skip
+    return transformers.MixtralForCausalLM(config)
+
+
+def qwen3_moe():
+    config = transformers.Qwen3MoeConfig(
+        **SMALL, intermediate_size=24, moe_intermediate_size=8, num_key_value_heads=2,
+        num_experts=4, num_experts_per_tok=2, head_dim=4,
+    )  # fmt: skip
+    return transformers.Qwen3MoeForCausalLM(config)
+
+
+def qwen2_moe():
+    config = transformers.Qwen2MoeConfig(
+        **SMALL, intermediate_size=24, moe_intermediate_size=8, shared_expert_intermediate_size=8,
+        num_key_value_heads=2, num_experts=4, num_experts_per_tok=2,
+    )  # fmt: skip
+    return transformers.Qwen2MoeForCausalLM(config)
+
+
+def olmoe():
+    config = transformers.OlmoeConfig(
+        **SMALL, intermediate_size=8, num_key_value_heads=2, num_experts=4, num_experts_per_tok=2
+    )
+    return transformers.OlmoeForCausalLM(config)
+
+
+def deepseek_v3():
+    config = transformers.DeepseekV3Config(
+        **SMALL, intermediate_size=24, moe_intermediate_size=8, num_key_value_heads=4,
+        n_routed_experts=4, num_experts_per_tok=2, first_k_dense_replace=1, n_shared_experts=1,
+        kv_lora_rank=8, q_lora_rank=8, qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=4,
+        n_group=1, topk_group=1,
+    )  # fmt: skip
+    return transformers.DeepseekV3ForCausalLM(config)
+
+
+MODELS = {
+    "mixtral": mixtral,
+    "qwen3-moe": qwen3_moe,
+    "qwen2-moe": qwen2_moe,
+    "olmoe": olmoe,
+    "deepseek-v3": deepseek_v3,
+}
+EXPERT_ROLES = {"MLP_gate", "MLP_up", "MLP_down"}
+
+
+def _find(model):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", category=TargetWarning)
+        return find_targets(model)
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_every_expert_is_a_view_of_its_slice(name):
+    model = MODELS[name]()
+    targets = _find(model)
+    experts = [t for t in targets if t.expert is not None]
+    moe_layers = sorted({t.layer for t in experts})
+    assert moe_layers == ([1, 2] if name == "deepseek-v3" else [0, 1, 2])  # dense first layer
+    for layer in moe_layers:
+        block = model.model.layers[layer].mlp
+        for role in EXPERT_ROLES:
+            found = sorted(t.expert for t in experts if (t.layer, t.role) == (layer, role))
+            assert found == list(range(4))
+        routers = [t for t in targets if (t.layer, t.role) == (layer, "Router")]
+        assert len(routers) == 1
+        gate_up, down = block.experts.gate_up_proj, block.experts.down_proj
+        for t in (t for t in experts if t.layer == layer):
+            half = gate_up.shape[1] // 2
+            expected = {
+                "MLP_gate": gate_up[t.expert, :half],
+                "MLP_up": gate_up[t.expert, half:],
+                "MLP_down": down[t.expert],
+            }[t.role]
+            assert t.matrix().data_ptr() == expected.data_ptr() and t.shape == expected.shape
+    shared = {t.role for t in targets if "shared" in t.role}
+    if name in ("deepseek-v3", "qwen2-moe"):
+        assert shared == {"MLP_shared_gate", "MLP_shared_up", "MLP_shared_down"}
+    else:
+        assert not shared
+
+
+class Recorder:
+    def __init__(self) -> None:
+        self.logged: dict[int, dict[str, float]] = defaultdict(dict)
+
+    def log_metrics(self, metrics, step):
+        self.logged[step].update(metrics)
+
+
+def _exact(matrix: torch.Tensor, k: int) -> tuple[float, float]:
+    s = torch.linalg.svdvals(matrix.double())
+    stable = float((s**2).sum() / s[0] ** 2)
+    alpha, _ = powerlaw_alpha(s[:k])
+    return stable, float(alpha)
+
+
+@pytest.mark.parametrize("name", ["mixtral", "qwen3-moe", "deepseek-v3"])
+def test_experts_along_a_fit_match_exact_svd_and_the_aggregates_their_experts(name):
+    torch.manual_seed(0)
+    model = MODELS[name]()
+    recorder = Recorder()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    weights: dict[int, dict[str, torch.Tensor]] = {}  # the expert tensors after each step
+    params = dict(model.named_parameters())
+
+    def keep(step: int) -> None:
+        weights[step] = {n: p.detach().clone() for n, p in params.items() if p.dim() == 3}
+
+    tracker = SpectralTracker(
+        model,
+        ["stable_rank", "alpha"],
+        writers=[recorder],
+        every_n_steps=2,
+        log_spaced_until=0,
+        synchronous=True,
+        figures=False,
+        experts="each",
+    )
+    keep(0)
+    for step in range(1, 9):
+        tokens = torch.randint(0, 64, (2, 8))
+        model(input_ids=tokens, labels=tokens).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        keep(step)
+        tracker.step(step)
+    tracker.close()
+    targets = {t.name: t for t in tracker.targets}
+    by_tag = {}
+    for t in targets.values():
+        if t.expert is not None:
+            by_tag[("stable_rank", t.layer, t.role, t.expert)] = t
+    checked_steps = set()
+    for step, scalars in recorder.logged.items():
+        experts: dict[tuple[str, int, str], list[float]] = defaultdict(list)
+        for tag, value in scalars.items():
+            parsed = parse_tag(tag)
+            if parsed is None or parsed.expert is None:
+                continue
+            t = by_tag[("stable_rank", parsed.layer, parsed.role, parsed.expert)]
+            stored = weights[step][t.parameter_name][t.expert]
+            matrix = t.rows.take(stored)
+            stable, alpha = _exact(matrix, k=32)
+            if parsed.metric == "stable_rank":
+                assert value == pytest.approx(stable, rel=0.01)
+            else:
+                assert abs(value - alpha) <= 0.02
+            experts[(parsed.metric, parsed.layer, parsed.role)].append(value)
+            checked_steps.add(step)
+        for (metric, layer, role), values in experts.items():
+            assert len(values) == 4
+            for aggregate, expected in (
+                ("mean", sum(values) / 4),
+                ("min", min(values)),
+                ("max", max(values)),
+            ):
+                tag = f"spectral_{metric}/L{layer:02d}/{role}/{aggregate}"
+                assert math.isclose(scalars[tag], expected, rel_tol=1e-6), tag
+    assert len(checked_steps) >= 4  # steps 0, 2, 4, 6, 8
+
+
+def test_default_logs_aggregates_not_each_expert():
+    model = mixtral()
+    recorder = Recorder()
+    with SpectralTracker(
+        model, ["stable_rank"], writers=[recorder], synchronous=True, figures=False
+    ) as tracker:
+        tracker.step(1)
+    tags = set().union(*recorder.logged.values())
+    parsed = [parse_tag(tag) for tag in tags]
+    assert not any(p is not None and p.expert is not None for p in parsed)
+    assert "spectral_stable_rank/L01/MLP_down/max" in tags
+    assert "spectral_stable_rank/L01/Q" in tags
+    rows = tracker._reporter.rows()
+    assert sorted(rows[rows.role == "MLP_down"].expert.dropna().unique()) == [0, 1, 2, 3]
