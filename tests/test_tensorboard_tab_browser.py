@@ -167,6 +167,11 @@ def test_several_runs_of_different_models_keep_each_roles_colour(
         swatches = driver.execute_script(ROLE_SWATCHES, "byRole")  # type: ignore[attr-defined]
         assert swatches["Q"] == "rgb(31, 119, 180)" and swatches["MLP↑"] == "rgb(148, 103, 189)"
         assert swatches["MLP↓"] == "rgb(140, 86, 75)", swatches  # tab10 C0, C4, C5 as in the CLI
+        glyphs = ["Q", "K", "V", "O", "MLP↑", "MLP↓"]
+        from selenium.webdriver.common.by import By
+
+        items = driver.find_elements(By.CSS_SELECTOR, 'section[data-view="byRole"] .legend-item')
+        assert [e.text for e in items if e.text in glyphs] == glyphs  # chart order
         bars = driver.execute_script(ROLE_SWATCHES, "bars")  # type: ignore[attr-defined]
         assert bars == {role: swatches[role] for role in ("Q", "K", "V", "O", "MLP↑", "MLP↓")}
         from selenium.webdriver.common.by import By

@@ -9,6 +9,8 @@ const POLL_MS = 3000;
 const MAX_PANELS = 4; // heatmaps and bar panels drawn per view (one per run)
 const DASHES = ['', '7 3', '2 3', '9 3 2 3', '4 2', '1 2'];
 const GLYPHS = {MLP_up: 'MLP↑', MLP_down: 'MLP↓'};
+const ROLE_ORDER = ['Q', 'K', 'V', 'O', 'MLP_up', 'MLP_down'];
+const roleRank = (role) => (ROLE_ORDER.includes(role) ? ROLE_ORDER.indexOf(role) : ROLE_ORDER.length);
 const glyph = (role) => GLYPHS[role] || role;
 
 const state = {
@@ -257,7 +259,8 @@ const VIEWS = {
       select('layer', union('layers'), s.layer, setter('byRole', 'layer', Number)),
     ]);
     await fetchAndDraw('byRole', 'by_role', {run: state.runs, metric: s.metric, layer: s.layer}, ({series}) => {
-      const roles = [...new Set(series.map((x) => x.role))];
+      // Chart order (Q, K, V, O, MLP↑, MLP↓, then the others), whichever run comes first.
+      const roles = [...new Set(series.map((x) => x.role))].sort((p, q) => roleRank(p) - roleRank(q) || p.localeCompare(q));
       const lines = series.map((x) => ({
         label: `${state.runs.length > 1 ? x.run + ' · ' : ''}${glyph(x.role)}`,
         color: roleColor(x.role),
