@@ -3,6 +3,7 @@ cross-attention under its own roles (tiny models built from transformers configs
 
 from __future__ import annotations
 
+import re
 import warnings
 
 import pytest
@@ -252,3 +253,23 @@ def test_expert_scalars_are_the_mean_min_and_max_over_a_layers_experts(experts):
         assert all(scalars[tag] == values[name]["stable_rank"] for name, tag in each.items())
     else:
         assert not set(each.values()) & set(scalars)
+
+
+def test_the_dashboard_layout_draws_each_stacks_logged_tags():
+    from spectral_callbacks.monitor.dashboards import custom_scalars_layout
+    from spectral_callbacks.monitor.reporting import Reporter
+
+    targets = _find(t5())
+    values = {t.name: {"stable_rank": 1.0} for t in targets}
+    logged = Reporter(targets, ("stable_rank",)).scalars(0, values)
+    layout = custom_scalars_layout(targets, ("stable_rank",), finite=set(logged))
+    drawn = {
+        re.sub(r"\\(.)", r"\1", pattern.removeprefix("^").removesuffix("$"))
+        for category in layout.category
+        for chart in category.chart
+        for pattern in chart.multiline.tag
+    }
+    titles = [category.title for category in layout.category]
+    assert "spectral stable_rank dec by layer" in titles
+    assert "spectral stable_rank enc by role" in titles
+    assert drawn == set(logged)  # every logged tag drawn, none that is never logged

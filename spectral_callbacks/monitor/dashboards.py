@@ -86,12 +86,36 @@ def custom_scalars_layout(
         A ``layout_pb2.Layout`` whose first section is open and the others collapsed; each chart
         holds at most :data:`MAX_LINES` exact-match tag patterns.
     """
+    stacks = list(dict.fromkeys(str(getattr(target, "stack", "")) for target in targets))
+    categories = []
+    for metric in metrics:
+        for stack in stacks:
+            categories += _stack_categories(
+                [t for t in targets if str(getattr(t, "stack", "")) == stack], stack, metric, finite
+            )
+    for index, category in enumerate(categories):
+        category.closed = index > 0
+    return layout_pb2.Layout(category=categories)
+
+
+def _tag(metric: str, layer: int, role: str, num_layers: int, stack: str, expert: bool) -> str:
+    aggregate = "mean" if expert else ""
+    return scalar_tag(metric, layer, role, num_layers, stack=stack, aggregate=aggregate)
+
+
+def _stack_categories(
+    targets: Sequence[Any], stack: str, metric: str, finite: Collection[str] | None
+) -> list[Any]:
+    """The by-layer and by-role sections of one metric for the targets of one stack."""
     num_layers = max((target.num_layers for target in targets), default=1)
     layers = sorted({target.layer for target in targets})
     roles = list(dict.fromkeys(target.role for target in targets))
     present = {(target.layer, target.role) for target in targets}
+    # a layer's experts are drawn as their mean (min and max beside it in the scalars)
+    experts = {(t.layer, t.role) for t in targets if getattr(t, "expert", None) is not None}
+    where = f"{stack} " if stack else ""
     categories = []
-    for metric in metrics:
+    if True:
         by_layer: list[tuple[str, list[str]]] = []
         for layer in layers:
             label = layer_label(layer, num_layers)
@@ -103,11 +127,14 @@ def custom_scalars_layout(
             ):
                 for chunk in _chunks(group, MAX_LINES):
                     title = f"{label} {' '.join(chunk)}" if len(chunk) < len(here) else label
-                    tags = [scalar_tag(metric, layer, role, num_layers) for role in chunk]
+                    tags = [
+                        _tag(metric, layer, role, num_layers, stack, (layer, role) in experts)
+                        for role in chunk
+                    ]
                     by_layer.append((title, tags))
         by_role: list[tuple[str, list[str]]] = []
         for role in roles:
-            mean = scalar_tag(metric, None, role)
+            mean = scalar_tag(metric, None, role, stack=stack)
             with_role = [layer for layer in layers if (layer, role) in present]
             # Each chart keeps the mean over layers as its last line, a reference across charts.
             chunks = _chunks(with_role, MAX_LINES - 1)
@@ -119,11 +146,14 @@ def custom_scalars_layout(
                         layer_label(chunk[-1], num_layers),
                     )
                     title = f"{role} {first}-{last}"
-                tags = [scalar_tag(metric, layer, role, num_layers) for layer in chunk]
+                tags = [
+                    _tag(metric, layer, role, num_layers, stack, (layer, role) in experts)
+                    for layer in chunk
+                ]
                 by_role.append((title, tags + [mean]))
         for title, charts in (
-            (f"spectral {metric} by layer", by_layer),
-            (f"spectral {metric} by role", by_role),
+            (f"spectral {metric} {where}by layer", by_layer),
+            (f"spectral {metric} {where}by role", by_role),
         ):
             category = layout_pb2.Category(title=title)
             for chart_title, tags in charts:
@@ -135,9 +165,7 @@ def custom_scalars_layout(
                     )
             if category.chart:
                 categories.append(category)
-    for index, category in enumerate(categories):
-        category.closed = index > 0
-    return layout_pb2.Layout(category=categories)
+    return categories
 
 
 def _chunks(items: list[Any], size: int) -> list[list[Any]]:
@@ -162,12 +190,16 @@ class LayoutWriter:
     def __init__(self, targets: Sequence[Any], metrics: Sequence[str]) -> None:
         self.targets = list(targets)
         self.metrics = tuple(metrics)
-        num_layers = max((target.num_layers for target in self.targets), default=1)
         self._tags = {
-            scalar_tag(metric, layer, target.role, num_layers)
-            for target in self.targets
+            _tag(metric, t.layer, t.role, t.num_layers, stack, expert)
+            if layer is not None
+            else scalar_tag(metric, None, t.role, stack=stack)
+            for t in self.targets
+            for stack, expert in [
+                (str(getattr(t, "stack", "")), getattr(t, "expert", None) is not None)
+            ]
             for metric in self.metrics
-            for layer in (target.layer, None)
+            for layer in (t.layer, None)
         }
         self.finite: set[str] = set()
 
