@@ -526,7 +526,7 @@ def test_cli_warnings_are_one_line_naming_the_command(
     from spectral_callbacks.cli.main import main
 
     find_targets = targets.find_targets
-    monkeypatch.setattr(loading, "load_model", lambda path, arch: TinyGPT().model)
+    monkeypatch.setattr(loading, "load_model", lambda path, arch, base=None: TinyGPT().model)
     monkeypatch.setattr(  # the library's own warning, from inside the command
         targets, "find_targets", lambda model: find_targets(model, roles=["Q", "Z"])
     )
