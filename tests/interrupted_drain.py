@@ -21,11 +21,16 @@ def slow(group: Any, batch: torch.Tensor) -> dict[str, torch.Tensor]:
     return exact_compute(group, batch)
 
 
-model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16))
-options: dict[str, Any] = dict(
-    compute=slow, metrics=("stable_rank",), figures=False, every_n_steps=1, log_spaced_until=0
-)
-with SpectralTracker(model, logdir=sys.argv[1], max_pending=4, synchronous=False, **options) as t:
-    for step in range(1, 4):
-        t.step(step)
-print("after the with block", flush=True)
+def main(logdir: str) -> None:
+    model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16))
+    options: dict[str, Any] = dict(
+        compute=slow, metrics=("stable_rank",), figures=False, every_n_steps=1, log_spaced_until=0
+    )
+    with SpectralTracker(model, logdir=logdir, max_pending=4, synchronous=False, **options) as t:
+        for step in range(1, 4):
+            t.step(step)
+    print("after the with block", flush=True)
+
+
+if __name__ == "__main__":  # pytest --doctest-modules imports this file too
+    main(sys.argv[1])
