@@ -197,7 +197,10 @@ def test_bad_input_one_line_each_and_partial_export(runs: Path, tmp_path: Path) 
 
     cut = tmp_path / "cut"
     shutil.copytree(good, cut)
-    (event_file,) = sorted(cut.glob("events.out.tfevents.*"))[-1:]
+    # the scalars' file, not the figure process's own `.spectral_figures` file beside it
+    (event_file,) = [
+        f for f in cut.glob("events.out.tfevents.*") if f.suffix != ".spectral_figures"
+    ]
     data = event_file.read_bytes()
     event_file.write_bytes(data[: _record_offset(data, 100) + 20])  # in record 100's payload
     done = run_cli("export", cut, "-o", out)

@@ -53,9 +53,9 @@ def expert_parts(
     Rows are those of one expert's ``(out, in)`` matrix; ``owner.is_transposed`` (the experts
     module's own flag) marks slices stored ``(in, out)``.
     """
-    leaf = name.rpartition(".")[2]
+    owner_path, _, leaf = name.rpartition(".")
     roles = _EXPERT_ROLES.get(leaf)
-    if parameter.dim() != 3 or "experts" not in name.split(".")[-2] or roles is None:
+    if parameter.dim() != 3 or "experts" not in owner_path.rpartition(".")[2] or roles is None:
         what = "fused MoE experts of unknown layout" if "experts" in name else "not a matrix"
         return Skip(
             f"{parameter.dim()}-D ({what}): only 2-D weights are watched", warn="experts" in name
