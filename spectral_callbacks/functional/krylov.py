@@ -30,6 +30,7 @@ __all__ = [
     "ritz_residuals",
     "start_block",
     "subspace_iteration",
+    "top_subspace",
 ]
 
 
@@ -185,6 +186,36 @@ def subspace_iteration(
     vectors = torch.linalg.eigh(mm(V.mT, image)).eigenvectors.flip(-1)  # descending Ritz values
     left = None if left is None else mm(keep_finite(left, finite), vectors)
     return mm(V, vectors), mm(image, vectors), left, finite
+
+
+def top_subspace(
+    apply: Callable[[Tensor], tuple[Tensor, Tensor | None]],
+    start: Tensor,
+    k: int,
+    depth: int,
+    tol: float,
+    *,
+    krylov: bool,
+    first_check: int | None,
+    finite: Tensor | None,
+    rank_scale: int,
+    lead: bool = False,
+) -> tuple[Tensor, Tensor, Tensor | None, Tensor]:
+    """:func:`block_krylov` (``krylov=True``) or :func:`subspace_iteration` (``depth`` steps,
+    no stopping rule) on ``apply``: the one choice every caller of the two makes alike."""
+    if krylov:
+        return block_krylov(
+            apply,
+            start,
+            k,
+            depth,
+            tol,
+            first_check=first_check,
+            finite=finite,
+            rank_scale=rank_scale,
+            lead=lead,
+        )
+    return subspace_iteration(apply, start, depth, finite)
 
 
 Basis = Tensor | Sequence[Tensor]

@@ -67,12 +67,11 @@ from torch import Tensor
 from spectral_callbacks.functional.calibration import MethodCalibration
 from spectral_callbacks.functional.exact import gram_eigvalsh, gram_singular_values, svdvals_tall
 from spectral_callbacks.functional.krylov import (
-    block_krylov,
     keep_finite,
     orthonormal_columns,
     orthonormalize,
     start_block,
-    subspace_iteration,
+    top_subspace,
 )
 from spectral_callbacks.functional.lowrank import AdaptedMatrices
 from spectral_callbacks.functional.method_choice import bf16_tiles, choose_method, randomized_costs
@@ -446,20 +445,18 @@ def _adapted_svd(
         Y = W.matmul(X, _matmul)  # (B, m, b)
         return W.rmatmul(Y, _matmul), Y
 
-    if chosen == "randomized":
-        basis, images, lefts, finite = block_krylov(
-            apply,
-            start,
-            k,
-            depth,
-            tol,
-            first_check=first_check,
-            finite=None,
-            rank_scale=max(m, n),
-            lead=lead,
-        )
-    else:
-        basis, images, lefts, finite = subspace_iteration(apply, start, depth, None)
+    basis, images, lefts, finite = top_subspace(
+        apply,
+        start,
+        k,
+        depth,
+        tol,
+        krylov=chosen == "randomized",
+        first_check=first_check,
+        finite=None,
+        rank_scale=max(m, n),
+        lead=lead,
+    )
     BV = keep_finite(lefts if lefts is not None else W.matmul(basis, _matmul), finite)
     S = _singular_values(BV)
     past = torch.where(finite[..., None, None], images, basis)
@@ -584,20 +581,18 @@ def _randomized(
             # the speed (or torch copies).
             return _matmul(Y.mT, B).mT, Y
 
-    if krylov:
-        basis, images, lefts, finite = block_krylov(
-            apply,
-            start,
-            k,
-            depth,
-            tol,
-            first_check=first_check,
-            finite=finite,
-            rank_scale=max(m, n),
-            lead=lead,
-        )
-    else:
-        basis, images, lefts, finite = subspace_iteration(apply, start, depth, finite)
+    basis, images, lefts, finite = top_subspace(
+        apply,
+        start,
+        k,
+        depth,
+        tol,
+        krylov=krylov,
+        first_check=first_check,
+        finite=finite,
+        rank_scale=max(m, n),
+        lead=lead,
+    )
     # Rayleigh-Ritz on W itself: the singular values of the (rows, b) matrix B V. By products,
     # B V is a combination of the images B Q_j already computed; with the Gram matrix it costs one
     # product.
