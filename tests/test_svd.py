@@ -675,12 +675,16 @@ def test_with_tf32_products_every_float32_product_keeps_float32_accuracy(
     # as cuBLAS does with TF32 on. With only the products with W split (3xTF32), the Krylov
     # iteration's own products (projections, combinations, Rayleigh quotients) still ran in TF32:
     # 1.5e-4 relative error on sigma_1..sigma_32 here, against 5e-7 in float32.
+    # Measured against the same call in float32 (same start, same depth): a cold start's depth 6
+    # is itself up to 1.8e-5 from exact here (convergence, not precision: 12 of 40 seeds were
+    # over 1e-5 in float32 too), while TF32 with every product split adds at most 1.1e-6.
     W = decaying((1024, 768), 0.5, random.randrange(2**31)).float()
     exact = reference(W, 32)
     start = randomized_svd(W, 32, method="randomized", n_iter=2).V if warm else None
+    in_float32 = randomized_svd(W, 32, method="randomized", n_iter=6, init=start)
     with tf32_matmuls(monkeypatch):
         top = randomized_svd(W, 32, method="randomized", n_iter=6, init=start)
         # The emulation itself works: a plain product is rounded.
         assert not torch.equal(W @ W.mT[:, :8], W.double().matmul(W.double().mT[:, :8]).float())
-    relative = ((top.S.double() - exact) / exact).abs().max().item()
-    assert relative < 1e-5, relative
+    relative = ((top.S.double() - in_float32.S.double()) / exact).abs().max().item()
+    assert relative < 5e-6, relative

@@ -259,9 +259,6 @@ def randomized_svd(
     m, n = W.shape[-2:]
     if init is not None:
         _check_init(init, W)
-    if generator is None:
-        generator = torch.Generator(W.device).manual_seed(0)
-
     compute_dtype = torch.float64 if W.dtype == torch.float64 else torch.float32
     A = W.to(compute_dtype)
     k = min(k, m, n)
@@ -276,20 +273,25 @@ def randomized_svd(
     # its values free from its own products, which a rounded W could not give.
     rounded = init is None and compute_dtype == torch.float32 and bf16_tiles(A.device)
     batch = A[..., 0, 0].numel()
+    calibrated = calibration is not None and A.device.type == "cpu"
+    key = (f"{m}x{n}", batch, str(compute_dtype), A.device.type, init is not None)
+    # An exact cold call hands back a subspace for the warm calls that follow, unless they were
+    # measured to be exact too (then eigvalsh, not eigh: the subspace would go unused).
+    warm_is_exact = calibrated and calibration.chosen.get((*key[:-1], True)) == "gram"
 
     def run(chosen: str) -> TopSVD:
+        auto = method == "auto"
         return _top_svd(
-            A, k, width, chosen, method == "auto", generator, init, n_iter, tol, rounded
+            A, k, width, chosen, auto, generator, init, n_iter, tol, rounded, warm_is_exact
         )
 
     if method != "auto":
         return run(method)
     prior = choose_method(m, n, width, expected, compute_dtype, A.device.type, rounded, batch)
-    if calibration is None or A.device.type != "cpu" or prior not in CALIBRATED:
+    if not calibrated or prior not in CALIBRATED:
         return run(prior)
     # The prior first: on a tie (or a first call's warm-up) it is kept.
     candidates = (prior, *(other for other in CALIBRATED if other != prior))
-    key = (f"{m}x{n}", batch, str(compute_dtype), A.device.type, init is not None)
     return calibration.run(key, candidates, run)
 
 
@@ -299,15 +301,16 @@ def _top_svd(
     width: int,
     chosen: str,
     auto: bool,
-    generator: torch.Generator,
+    generator: torch.Generator | None,
     init: Tensor | None,
     n_iter: int | None,
     tol: float,
     rounded: bool,
+    warm_is_exact: bool = False,
 ) -> TopSVD:
     """The top k of ``A`` (already in its compute dtype) by the ``chosen`` path; ``auto``: as
     ``method="auto"`` runs it (the float32 Gram matrix with its float64 redo, and a subspace for
-    the warm calls that will follow)."""
+    the warm calls that will follow unless ``warm_is_exact``)."""
     m, n = A.shape[-2:]
     compute_dtype = A.dtype
     batch = A[..., 0, 0].numel()
@@ -316,6 +319,8 @@ def _top_svd(
         expected = _EXPECTED_WARM_DEPTH if init is not None else default_n_iter(m, n)
     V: Tensor | None
     if chosen in ("randomized", "subspace"):
+        if generator is None:  # made here: the exact paths draw nothing
+            generator = torch.Generator(A.device).manual_seed(0)
         start = start_block(A, width, generator, init)
         # The stopping rule is tested from the first block of a warm start, grown first by the
         # residual of its leading column (which sigma_1's tight bound nearly always asks for), and
@@ -355,6 +360,7 @@ def _top_svd(
         warm_pays = (
             auto
             and init is None
+            and not warm_is_exact
             and choose_method(m, n, width, _EXPECTED_WARM_DEPTH, compute_dtype, batch=batch)
             == "randomized"
         )
