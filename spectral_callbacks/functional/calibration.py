@@ -45,17 +45,25 @@ def timed(run: Callable[[str], Result], method: str) -> tuple[float, Result]:
     return time.perf_counter() - start, result
 
 
+def _clear_winner(seconds: Mapping[str, float]) -> bool:
+    """The fastest at most half the time of every other: more rounds cannot change the verdict
+    (a preempted or cold run is rarely 2x slow), so calibrating costs one run of each."""
+    fastest = min(seconds.values())
+    return sum(took <= 2 * fastest for took in seconds.values()) == 1
+
+
 class MethodCalibration:
     """The fastest method per kind of call, measured once on this machine, then kept.
 
-    Each candidate is run ``rounds`` times, alternating, and its fastest run counts: one run
+    Each candidate is run up to ``rounds`` times, alternating, and its fastest run counts: one run
     preempted by other work on a shared machine (or paying a first call's allocations) then
-    cannot decide. Not thread-safe: one per compute function, used by the thread that runs it.
+    cannot decide. A round that leaves one candidate faster than half of every other's time
+    ends it: a verdict that clear needs no more runs. Not thread-safe: one per compute function, used by the thread that runs it.
 
     Args:
         measure: ``(run, method) -> (seconds, result)``; default :func:`timed` (wall time).
             Tests inject timings here.
-        rounds: runs of each candidate when a kind of call is calibrated. Default ``3``.
+        rounds: most runs of each candidate when a kind of call is calibrated. Default ``3``.
 
     Attributes:
         chosen: key -> the method that was fastest.
@@ -74,8 +82,8 @@ class MethodCalibration:
 
     def run(self, key: Hashable, candidates: Sequence[str], run: Callable[[str], Result]) -> Result:
         """``run(method)`` with the method measured fastest for ``key``; the first time ``key``
-        comes, every candidate is run and timed (``rounds`` times, alternating; its fastest run
-        counts), and the fastest one's result returned."""
+        comes, every candidate is run and timed (up to ``rounds`` times, alternating; its fastest
+        run counts), and the fastest one's result returned."""
         chosen = self.chosen.get(key)
         if chosen is not None:
             return run(chosen)
@@ -85,6 +93,8 @@ class MethodCalibration:
             for method in candidates:
                 took, results[method] = self.measure(run, method)
                 seconds[method] = min(took, seconds.get(method, took))
+            if _clear_winner(seconds):
+                break
         chosen = self.chosen[key] = decide(seconds)
         self.seconds[key] = seconds
         return results[chosen]
