@@ -2,11 +2,13 @@
 
 For every shape of ``svd_accuracy.py`` plus tall, wide and square ones from 128 to 4096, on a flat
 (Gaussian) and a power-law (sigma_i = i^-0.5) spectrum: a :class:`MethodCalibration` is given the
-first (cold) call, which times the randomized and the exact Gram path against each other; then,
-interleaved over ``--repeats`` rounds in this process with the same threads, the median ms of
+first (cold) call and the first warm one, which time the randomized and the exact Gram path
+against each other for each kind of call; then, over ``--repeats`` snapshots of the slowly moving
+matrix, interleaved in this process with the same threads, the median ms per snapshot of
 
-* ``default``: ``randomized_svd(W, calibration=...)`` (k = 32) as the monitor's compute runs it;
-* ``model``: ``randomized_svd(W)``, the flop count's choice alone (the prior);
+* ``default``: ``randomized_svd(W, init=..., calibration=...)`` (k = 32) as the monitor's compute
+  runs it (warm-started from the last subspace it returned);
+* ``model``: ``randomized_svd(W)`` cold, the flop count's choice alone (the prior);
 * ``best exact``: the fastest of ``svdvals(W)``, ``svdvals(W.T)`` and ``eigvalsh`` of the smaller
   Gram matrix (float32, like W);
 
@@ -51,39 +53,60 @@ SPECTRA = ["gaussian", 0.5]
 TARGET = 1.05
 
 
-def exact_contenders(W: torch.Tensor) -> dict[str, Callable[[], object]]:
-    small = W.T if W.shape[0] >= W.shape[1] else W  # (min, max): the Gram matrix is small @ small.T
+def exact_contenders() -> dict[str, Callable[[torch.Tensor], object]]:
+    def gram(W: torch.Tensor) -> torch.Tensor:
+        small = W.T if W.shape[0] >= W.shape[1] else W  # (min, max): the Gram matrix is small
+        return torch.linalg.eigvalsh(small @ small.T)
+
     return {
-        "eigvalsh(gram)": lambda: torch.linalg.eigvalsh(small @ small.T),
-        "svdvals(W)": lambda: torch.linalg.svdvals(W),
-        "svdvals(W.T)": lambda: torch.linalg.svdvals(W.T),
+        "eigvalsh(gram)": gram,
+        "svdvals(W)": torch.linalg.svdvals,
+        "svdvals(W.T)": lambda W: torch.linalg.svdvals(W.T),
     }
 
 
 def measure(W: torch.Tensor, repeats: int) -> dict[str, object]:
-    """One row: the calibration's choice, and the median ms of each contender."""
+    """One row: the calibration's choices, and the median ms of each contender per snapshot.
+
+    The default is called as the monitor's compute calls it: a cold first call, then each later
+    snapshot of the slowly moving matrix warm-started from the last subspace it returned
+    (``SpectrumCompute`` keeps the last one). The matrix moves by 1e-3 of its size between
+    snapshots, as a training step moves a weight; every contender sees the same matrices.
+    """
     calibration = MethodCalibration()
-    randomized_svd(W, calibration=calibration)  # the first call calibrates
-    ((key, chosen),) = calibration.chosen.items()
-    contenders: dict[str, Callable[[], object]] = {
-        "default": lambda: randomized_svd(W, calibration=calibration),
-        "model": lambda: randomized_svd(W),
-        **exact_contenders(W),
+    generator = torch.Generator().manual_seed(1)
+    noise = torch.randn(W.shape, generator=generator) * (1e-3 / max(W.shape) ** 0.5)
+    snapshots = [W + t * noise for t in range(repeats + 2)]
+    subspace = None
+
+    def default(snapshot: torch.Tensor) -> None:
+        nonlocal subspace
+        top = randomized_svd(snapshot, init=subspace, calibration=calibration)
+        subspace = top.V if top.V is not None else subspace
+
+    default(snapshots[0])  # the cold first snapshot calibrates the cold calls,
+    default(snapshots[1])  # the first warm one the warm calls
+    contenders = {
+        "default": default,
+        "model": lambda snapshot: randomized_svd(snapshot),
+        **{name: fn for name, fn in exact_contenders().items()},
     }
     times: dict[str, list[float]] = {name: [] for name in contenders}
-    for round_ in range(repeats):
+    for snapshot in snapshots[2:]:
         for name, fn in contenders.items():
             # svdvals of a 4096 x 4096 takes minutes on one thread: one round shows it loses.
-            if round_ > 0 and name.startswith("svdvals") and W.numel() > 8_000_000:
+            if times[name] and name.startswith("svdvals") and W.numel() > 8_000_000:
                 continue
             start = time.perf_counter()
-            fn()
+            fn(snapshot)
             times[name].append(1e3 * (time.perf_counter() - start))
     medians = {name: statistics.median(t) for name, t in times.items()}
-    best_name = min(exact_contenders(W), key=lambda name: medians[name])
+    best_name = min(exact_contenders(), key=lambda name: medians[name])
+    chosen = {warm: method for (*_, warm), method in calibration.chosen.items()}
+    timed = {warm: seconds for (*_, warm), seconds in calibration.seconds.items()}
     return {
-        "chosen": chosen,
-        "calibrated ms": {m: 1e3 * s for m, s in calibration.seconds[key].items()},
+        "chosen": f"{chosen[False]} / {chosen.get(True, '-')}",
+        "calibrated ms": {m: 1e3 * s for m, s in timed[False].items()},
         "default": medians["default"],
         "model": medians["model"],
         "best": medians[best_name],
@@ -109,10 +132,11 @@ def main(argv: list[str] | None = None) -> None:
     generator = torch.Generator().manual_seed(0)
     print(
         f"CPU, {torch.get_num_threads()} thread(s), median of {args.repeats}, k = 32, float32, "
-        "cold calls\n"
+        "snapshots warm-started as the monitor runs them\n"
     )
     print(
-        "| shape | spectrum | calibrated: randomized / gram ms | chosen | default ms | model ms "
+        "| shape | spectrum | cold calibrated: randomized / gram ms | chosen cold / warm "
+        "| default ms | model ms "
         "| best exact ms | best exact | ratio | model ratio |"
     )
     print("|---|---|---|---|---|---|---|---|---|---|")
