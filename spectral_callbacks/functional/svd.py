@@ -273,11 +273,11 @@ def randomized_svd(
     # its values free from its own products, which a rounded W could not give.
     rounded = init is None and compute_dtype == torch.float32 and bf16_tiles(A.device)
     batch = A[..., 0, 0].numel()
-    calibrated = calibration is not None and A.device.type == "cpu"
+    calibrated = calibration if A.device.type == "cpu" else None
     key = (f"{m}x{n}", batch, str(compute_dtype), A.device.type, init is not None)
     # An exact cold call hands back a subspace for the warm calls that follow, unless they were
     # measured to be exact too (then eigvalsh, not eigh: the subspace would go unused).
-    warm_is_exact = calibrated and calibration.chosen.get((*key[:-1], True)) == "gram"
+    warm_is_exact = calibrated is not None and calibrated.chosen.get((*key[:-1], True)) == "gram"
 
     def run(chosen: str) -> TopSVD:
         auto = method == "auto"
@@ -288,11 +288,11 @@ def randomized_svd(
     if method != "auto":
         return run(method)
     prior = choose_method(m, n, width, expected, compute_dtype, A.device.type, rounded, batch)
-    if not calibrated or prior not in CALIBRATED:
+    if calibrated is None or prior not in CALIBRATED:
         return run(prior)
     # The prior first: on a tie (or a first call's warm-up) it is kept.
     candidates = (prior, *(other for other in CALIBRATED if other != prior))
-    return calibration.run(key, candidates, run)
+    return calibrated.run(key, candidates, run)
 
 
 def _top_svd(
