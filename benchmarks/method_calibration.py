@@ -70,12 +70,12 @@ def measure(W: torch.Tensor, repeats: int) -> dict[str, object]:
 
     The default is called as the monitor's compute calls it: a cold first call, then each later
     snapshot of the slowly moving matrix warm-started from the last subspace it returned
-    (``SpectrumCompute`` keeps the last one). The matrix moves by 1e-3 of its size between
+    (``SpectrumCompute`` keeps the last one). The matrix moves by about 1e-2 of its size between
     snapshots, as a training step moves a weight; every contender sees the same matrices.
     """
     calibration = MethodCalibration()
     generator = torch.Generator().manual_seed(1)
-    noise = torch.randn(W.shape, generator=generator) * (1e-3 / max(W.shape[-2:]) ** 0.5)
+    noise = torch.randn(W.shape, generator=generator) * (1e-2 / max(W.shape[-2:]) ** 0.5)
     snapshots = [W + t * noise for t in range(repeats + 2)]
     subspace = None
 
