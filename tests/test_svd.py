@@ -688,3 +688,14 @@ def test_with_tf32_products_every_float32_product_keeps_float32_accuracy(
         assert not torch.equal(W @ W.mT[:, :8], W.double().matmul(W.double().mT[:, :8]).float())
     relative = ((top.S.double() - in_float32.S.double()) / exact).abs().max().item()
     assert relative < 5e-6, relative
+
+
+@pytest.mark.parametrize("bad", [{"tol": 0.0}, {"tol": True}, {"k": 0}, {"method": "qr"}])
+def test_a_batch_held_as_factors_checks_its_arguments_like_a_dense_one(bad: dict) -> None:
+    from spectral_callbacks.functional.lowrank import AdaptedMatrices
+
+    W = torch.randn(1, 24, 16)
+    factors = AdaptedMatrices((W[0],), (torch.randn(24, 2),), (torch.randn(2, 16),))
+    for batch in (W, factors):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            randomized_svd(batch, **bad)

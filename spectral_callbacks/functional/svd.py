@@ -248,14 +248,7 @@ def randomized_svd(
     if isinstance(W, AdaptedMatrices):
         return _adapted_svd(W, k, n_oversamples, n_iter, generator, init, method, tol)
     _check_matrix(W, "W")
-    _check_int(k, "k", minimum=1)
-    _check_int(n_oversamples, "n_oversamples", minimum=0)
-    if n_iter is not None:
-        _check_int(n_iter, "n_iter", minimum=0)
-    if method not in METHODS:
-        raise ValueError(f"`method` must be one of {METHODS}, got {method!r}")
-    if isinstance(tol, bool) or not isinstance(tol, int | float) or not 0 < tol < 1:
-        raise ValueError(f"`tol` must be a number in (0, 1), got {tol!r}")
+    _check_options(k, n_oversamples, n_iter, method, tol)
     m, n = W.shape[-2:]
     if init is not None:
         _check_init(init, W)
@@ -412,12 +405,7 @@ def _adapted_svd(
     which a block would cover most of the space anyway), the effective weights are formed here in
     the worker, one batch at a time, and decomposed exactly.
     """
-    _check_int(k, "k", minimum=1)
-    _check_int(n_oversamples, "n_oversamples", minimum=0)
-    if n_iter is not None:
-        _check_int(n_iter, "n_iter", minimum=0)
-    if method not in METHODS:
-        raise ValueError(f"`method` must be one of {METHODS}, got {method!r}")
+    _check_options(k, n_oversamples, n_iter, method, tol)
     batch, m, n = W.shape
     compute_dtype = torch.float64 if W.dtype == torch.float64 else torch.float32
     W = W.to(compute_dtype)
@@ -651,6 +639,18 @@ def _times(B: Tensor, X: Tensor) -> Tensor:
     """``B @ X``; one column (a partial block) as ``(X^T B^T)^T``: MKL's batched GEMM with one
     column reads B at under half the speed of the GEMV this becomes."""
     return _matmul(B, X) if X.shape[-1] > 1 else _matmul(X.mT, B.mT).mT
+
+
+def _check_options(k: int, n_oversamples: int, n_iter: int | None, method: str, tol: float) -> None:
+    """The arguments every path of ``randomized_svd`` takes, checked where they enter."""
+    _check_int(k, "k", minimum=1)
+    _check_int(n_oversamples, "n_oversamples", minimum=0)
+    if n_iter is not None:
+        _check_int(n_iter, "n_iter", minimum=0)
+    if method not in METHODS:
+        raise ValueError(f"`method` must be one of {METHODS}, got {method!r}")
+    if isinstance(tol, bool) or not isinstance(tol, int | float) or not 0 < tol < 1:
+        raise ValueError(f"`tol` must be a number in (0, 1), got {tol!r}")
 
 
 def _check_matrix(W: object, name: str) -> None:
