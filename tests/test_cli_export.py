@@ -11,20 +11,18 @@ import pytest
 from cli_runs import STEPS, logged_by_csv, run_cli, training_runs, write_long_run
 
 from spectral_callbacks.cli.main import main
-from spectral_callbacks.names import REFERENCE_STEP, parse_tag, reference_step_tag, scalar_tag
+from spectral_callbacks.names import (
+    REFERENCE_STEP,
+    TIDY_COLUMNS,
+    parse_tag,
+    reference_step_tag,
+    scalar_tag,
+)
 
-COLUMNS = [
-    "run",
-    "step",
-    "metric",
-    "stack",
-    "layer",
-    "depth",
-    "role",
-    "expert",
-    "value",
-    "wall_time",
-]
+COLUMNS = list(TIDY_COLUMNS)  # the order docs/cli.md states (tests/test_names.py checks that)
+# An event file of a 2-layer GPT written by the callback before stacks and experts were named
+# (commit 7163730, figures off, 30 steps): what users already have on disk must still read.
+BEFORE_STACKS = Path(__file__).parent / "data" / "run-before-stacks"
 
 
 @pytest.fixture(scope="module")
@@ -236,3 +234,21 @@ def test_missing_parent_directories_of_the_output_are_created(runs: Path, tmp_pa
     blocker = tmp_path / "a_file"
     blocker.write_text("")
     assert main(["export", str(runs / "tb" / "a"), "-o", str(blocker / "rows.csv")]) == 1
+
+
+def test_a_run_logged_before_stacks_and_experts_were_named_still_exports_and_plots(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "old.csv"
+    assert main(["export", str(BEFORE_STACKS), "-o", str(out)]) == 0
+    rows = pd.read_csv(out, keep_default_na=False)
+    assert list(rows.columns) == COLUMNS and len(rows) > 0
+    per_layer = rows[rows.layer != ""]
+    assert set(per_layer["stack"]) == {""} and set(rows["expert"]) == {""}  # one stack, no experts
+    assert set(per_layer.role) == {"Q", "K", "V", "O", "MLP_up", "MLP_down"}
+    assert set(per_layer.layer.astype(int)) == {0, 1}
+    assert set(per_layer.depth.astype(float)) == {0.0, 1.0}
+    assert set(rows.step) >= {0, 30} and {"stable_rank", "alpha"} <= set(rows.metric)
+    chart = tmp_path / "alpha.png"
+    assert main(["plot", str(BEFORE_STACKS), "--kind", "alpha-depth", "-o", str(chart)]) == 0
+    assert chart.stat().st_size > 10_000

@@ -10,7 +10,7 @@ import numpy as np
 import pandas as pd
 from torch.utils.tensorboard import SummaryWriter
 
-from spectral_callbacks.names import NUM_LAYERS_TAG, scalar_tag
+from spectral_callbacks.names import NUM_LAYERS_TAG, TIDY_COLUMNS, scalar_tag
 from spectral_callbacks.offline.events import filter_rows, find_runs, read_event_file, read_runs
 
 
@@ -43,18 +43,7 @@ def test_rows_equal_logged_values_exactly_as_float32(tmp_path: Path) -> None:
         layer = None if row.layer is pd.NA else int(row.layer)
         tag = scalar_tag(row.metric, layer, row.role)
         assert row.value == float(np.float32(logged[(tag, row.step)]))
-    assert list(rows.columns) == [
-        "run",
-        "step",
-        "metric",
-        "stack",
-        "layer",
-        "depth",
-        "role",
-        "expert",
-        "value",
-        "wall_time",
-    ]
+    assert list(rows.columns) == list(TIDY_COLUMNS)
     per_layer = rows[rows.layer.notna()]
     np.testing.assert_allclose(per_layer.depth, per_layer.layer.astype(float) / 3)
     assert rows[rows.layer.isna()].depth.isna().all()

@@ -1,6 +1,9 @@
+import re
+from pathlib import Path
+
 import pytest
 
-from spectral_callbacks.names import layer_label, parse_tag, scalar_tag
+from spectral_callbacks.names import TIDY_COLUMNS, layer_label, parse_tag, scalar_tag
 
 
 @pytest.mark.parametrize("layer", [0, 7, 11, 99])
@@ -51,3 +54,10 @@ def test_monitor_tags_are_not_spectral_metrics() -> None:
 def test_negative_layer_is_rejected() -> None:
     with pytest.raises(ValueError, match="`layer` must be a non-negative int"):
         layer_label(-1)
+
+
+def test_the_tidy_columns_are_the_ones_docs_cli_md_states_in_order() -> None:
+    text = (Path(__file__).resolve().parents[1] / "docs" / "cli.md").read_text()
+    section = text.split("## Tidy rows", 1)[1].split("\n## ", 1)[0]
+    documented = re.findall(r"^\| `(\w+)` \|", section, flags=re.MULTILINE)
+    assert documented == list(TIDY_COLUMNS)
