@@ -92,8 +92,12 @@ def measure(W: torch.Tensor, repeats: int) -> dict[str, object]:
         **{name: fn for name, fn in exact_contenders().items()},
     }
     times: dict[str, list[float]] = {name: [] for name in contenders}
-    for snapshot in snapshots[2:]:
-        for name, fn in contenders.items():
+    order = list(contenders.items())
+    for round_, snapshot in enumerate(snapshots[2:]):
+        # Each contender in each place of the order in turn: whatever one call leaves behind
+        # (the allocator's cache, the CPU's caches) falls on every contender alike.
+        shift = round_ % len(order)
+        for name, fn in order[shift:] + order[:shift]:
             # svdvals of a 4096 x 4096 takes minutes on one thread: one round shows it loses.
             if times[name] and name.startswith("svdvals") and W.numel() > 8_000_000:
                 continue
