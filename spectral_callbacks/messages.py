@@ -4,6 +4,8 @@ They follow ``lightning_utilities``' rank-zero functions (what Lightning's own c
 without importing Lightning itself. Lightning sets the rank when it starts its processes; before that (a plain loop,
 ``torchrun``, the Hugging Face Trainer) it is read from the launcher's environment, as Lightning
 reads it.
+
+Also how a message counts things: ``count(1, "run")`` is "1 run".
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import warnings
 
 from lightning_utilities.core.rank_zero import rank_zero_only
 
-__all__ = ["rank_zero_info", "rank_zero_warn"]
+__all__ = ["count", "rank_zero_info", "rank_zero_warn"]
 
 # Notes go to the "spectral_callbacks" logger at INFO. As Lightning does for its own logger, it
 # gets a stderr handler when logging is not set up at all, so a plain loop sees the notes too.
@@ -28,6 +30,15 @@ _log.setLevel(logging.INFO)
 if not logging.getLogger().hasHandlers():
     _log.addHandler(logging.StreamHandler())
     _log.propagate = False
+
+
+def count(number: int, noun: str, plural: str | None = None) -> str:
+    """``number`` and ``noun``, the noun in the plural unless the number is one (for messages).
+
+    >>> count(1, "run"), count(3, "run"), count(1, "matrix", "matrices"), count(0, "row")
+    ('1 run', '3 runs', '1 matrix', '0 rows')
+    """
+    return f"{number} {noun if number == 1 else plural or noun + 's'}"
 
 
 def rank_zero_warn(message: str, category: type[Warning] = UserWarning) -> None:

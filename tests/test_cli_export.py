@@ -172,7 +172,7 @@ def test_bad_input_one_line_each_and_partial_export(runs: Path, tmp_path: Path) 
     assert done.returncode == 1
     assert f"{tmp_path / 'missing'}: no such file or directory; give the log directory" in line
     exported = len(pd.read_csv(out))
-    assert f"exported the {exported} rows that could be read (1 runs) to {out}" in line
+    assert f"exported the {exported} rows that could be read (1 run) to {out}" in line
 
     (tmp_path / "empty").mkdir()
     done = run_cli("export", tmp_path / "empty", "-o", tmp_path / "none.csv")
@@ -252,3 +252,18 @@ def test_a_run_logged_before_stacks_and_experts_were_named_still_exports_and_plo
     chart = tmp_path / "alpha.png"
     assert main(["plot", str(BEFORE_STACKS), "--kind", "alpha-depth", "-o", str(chart)]) == 0
     assert chart.stat().st_size > 10_000
+
+
+def test_one_run_is_counted_as_one_run(
+    runs: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    one = str(runs / "tb" / "a")
+    out = tmp_path / "rows.csv"
+    assert main(["export", one, "-o", str(out)]) == 0
+    assert capsys.readouterr().err.strip().endswith(f"rows of 1 run to {out}")
+    assert main(["export", one, "-o", "-", "--steps", "0:0", "--metric", "alpha", "--layer", "0",
+                 "--role", "Q"]) == 0  # fmt: skip
+    assert capsys.readouterr().err.strip().endswith("done: 1 row of 1 run to stdout")
+    chart = tmp_path / "bars.png"
+    assert main(["plot", one, "--kind", "compression", "-o", str(chart)]) == 0
+    assert capsys.readouterr().err.strip().endswith(f"compression of 1 of 1 run to {chart}")

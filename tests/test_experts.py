@@ -201,3 +201,23 @@ def test_default_logs_aggregates_not_each_expert():
     assert "spectral_stable_rank/L01/Q" in tags
     rows = tracker._reporter.rows()
     assert sorted(rows[rows.role == "MLP_down"].expert.dropna().unique()) == [0, 1, 2, 3]
+
+
+def test_qwen2_moes_one_row_shared_expert_gate_is_left_out_without_a_warning():
+    # Qwen2-MoE's `shared_expert_gate` is a Linear(hidden, 1): a 1 x 64 matrix here, as in the
+    # report. Without its rule it was listed as a weight that "looks like a target".
+    config = transformers.Qwen2MoeConfig(
+        **{**SMALL, "hidden_size": 64}, intermediate_size=24, moe_intermediate_size=8,
+        shared_expert_intermediate_size=8, num_key_value_heads=2, num_experts=4,
+        num_experts_per_tok=2,
+    )  # fmt: skip
+    model = transformers.Qwen2MoeForCausalLM(config)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        targets = find_targets(model)
+    assert [str(w.message) for w in caught if issubclass(w.category, TargetWarning)] == []
+    gates = [s for s in targets.skipped if s.parameter_name.endswith("shared_expert_gate.weight")]
+    assert [(s.shape, s.reason) for s in gates] == [
+        ((1, 64), "MoE shared expert's gate (one row)")
+    ] * SMALL["num_hidden_layers"]
+    assert not [t.name for t in targets if "shared_expert_gate" in t.name]

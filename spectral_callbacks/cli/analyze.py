@@ -18,6 +18,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from spectral_callbacks.cli.common import CommandError, say
+from spectral_callbacks.messages import count
 
 if TYPE_CHECKING:  # pandas and rich are imported when the command runs, not for --help
     import pandas as pd
@@ -112,7 +113,8 @@ def run(args: argparse.Namespace) -> int:
     say(
         "analyze",
         "done",
-        f"{len(rows)} matrices of {num_layers} layers written to {args.logdir} ({len(written)} scalars)",
+        f"{count(len(rows), 'matrix', 'matrices')} of {count(num_layers, 'layer')} written to "
+        f"{args.logdir} ({count(len(written), 'scalar')})",
     )
     return 0
 

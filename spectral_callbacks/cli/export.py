@@ -24,6 +24,7 @@ from spectral_callbacks.cli.common import (
     say,
     step_range,
 )
+from spectral_callbacks.messages import count
 from spectral_callbacks.offline.events import NO_SPECTRAL_SCALARS, filter_rows
 
 FORMATS = {
@@ -143,10 +144,11 @@ def run(args: argparse.Namespace) -> int:
             )
     else:
         write_rows(rows, args.output)
-        outcome = f"exported the {len(rows)} rows that could be read ({rows['run'].nunique()} runs) to {where}"
+        found, runs = count(len(rows), "row"), count(rows["run"].nunique(), "run")
+        outcome = f"exported the {found} that could be read ({runs}) to {where}"
     if result.problems:
         return report_problems("export", result, outcome)
-    say("export", "done", f"{len(rows)} rows of {rows['run'].nunique()} runs to {where}")
+    say("export", "done", f"{found} of {runs} to {where}")
     return 0
 
 

@@ -25,6 +25,7 @@ from spectral_callbacks.cli.common import (
     smoothing_weight,
     step_range,
 )
+from spectral_callbacks.messages import count
 from spectral_callbacks.offline.events import filter_rows
 
 if TYPE_CHECKING:  # matplotlib is imported when a chart is drawn, not for --help
@@ -198,5 +199,6 @@ def run(args: argparse.Namespace) -> int:
             "plot", result, f"plotted the runs that could be read ({runs}) to {args.output}"
         )
     drawn = rows["run"].nunique() - len(left_out)
-    say("plot", "done", f"{args.kind} of {drawn} of {rows['run'].nunique()} runs to {args.output}")
+    total = count(rows["run"].nunique(), "run")
+    say("plot", "done", f"{args.kind} of {drawn} of {total} to {args.output}")
     return 0

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 from spectral_callbacks.cli.analyze import ARCH_HELP, BASE_HELP
 from spectral_callbacks.cli.common import CommandError, say
+from spectral_callbacks.messages import count
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -81,7 +82,8 @@ def run(args: argparse.Namespace) -> int:
         draw_chart(blocks, args.chart, f"{Path(args.source).name}: target sparsity {args.sparsity}")
     weights = blocks["params"].astype(float)
     mean = float((blocks["sparsity"] * weights).sum() / weights.sum())
-    say("rank-layers", "done", f"{len(ranked)} matrices, {len(blocks)} blocks; weighted mean "
+    matrices = count(len(ranked), "matrix", "matrices")
+    say("rank-layers", "done", f"{matrices}, {count(len(blocks), 'block')}; weighted mean "
         f"sparsity {mean:.4f} (target {args.sparsity})")  # fmt: skip
     return 0
 

@@ -52,6 +52,7 @@ from typing import Any
 
 import pandas as pd
 
+from spectral_callbacks.messages import count
 from spectral_callbacks.names import (
     TIDY_COLUMNS,
     num_layers_tag,
@@ -208,8 +209,8 @@ def read_event_file(path: Path) -> tuple[list[tuple[str, int, float, float]], Re
             reason = "checksum mismatch"
         return points, ReadProblem(
             str(path),
-            f"damaged event file ({reason}) after {events} readable events"
-            f" ({len(points)} scalar points)",
+            f"damaged event file ({reason}) after {count(events, 'readable event')}"
+            f" ({count(len(points), 'scalar point')})",
             "if the run is still writing, read it again later, else the rest of this file is lost"
             " (copy it again from where it was written)",
         )
@@ -315,7 +316,7 @@ def read_runs(
                 num_layers[stack] = int(layers.max()) + 1
                 notes.append(
                     f"run {run.name}: no {num_layers_tag(stack)} scalar; depth uses max layer + 1"
-                    f" = {num_layers[stack]} layers"
+                    f" = {count(num_layers[stack], 'layer')}"
                 )
         frames.append(_add_depth(rows, num_layers))
     rows = pd.concat(frames, ignore_index=True) if frames else empty_rows()

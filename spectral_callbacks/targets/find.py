@@ -172,8 +172,13 @@ def find_targets(
             chosen.append(candidate)
 
     if unmapped:
+        what = (
+            "weight that looks like a target is"
+            if len(unmapped) == 1
+            else "weights that look like targets are"
+        )
         rank_zero_warn(
-            f"{len(unmapped)} weights that look like targets are not watched:\n  "
+            f"{len(unmapped)} {what} not watched:\n  "
             + "\n  ".join(unmapped[:_MAX_LISTED])
             + "\nGive them roles with mapping={pattern: role or Split(...)}, or silence this "
             "with exclude=.",

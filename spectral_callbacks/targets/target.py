@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from spectral_callbacks.messages import count
 from spectral_callbacks.names import relative_depth
 
 # Chart order of roles: the six canonical ones (names.ROLES) with each variant's extra roles placed
@@ -294,13 +295,12 @@ def format_targets(targets: Iterable[Target]) -> str:
         lines += _table(rows, right_align=(0 if stacks == [""] else 1,))
         roles = sorted({t.role for t in targets}, key=role_sort_key)
         layers_of = {t.stack: t.num_layers for t in targets}
-        plural = "" if len(targets) == 1 else "s"
         where = (
-            f"{layers_of['']} layers"
+            count(layers_of[""], "layer")
             if stacks == [""]
-            else ", ".join(f"{stack} {layers_of[stack]} layers" for stack in stacks)
+            else ", ".join(f"{stack} {count(layers_of[stack], 'layer')}" for stack in stacks)
         )
-        lines.append(f"{len(targets)} target{plural} in {where}; roles: {' '.join(roles)}")
+        lines.append(f"{count(len(targets), 'target')} in {where}; roles: {' '.join(roles)}")
     else:
         lines.append("no targets")
     skipped = getattr(targets, "skipped", [])
@@ -315,6 +315,6 @@ def format_targets(targets: Iterable[Target]) -> str:
     low_dim = getattr(targets, "low_dim", 0)
     if low_dim:
         lines.append(
-            f"and {low_dim} parameters with fewer than 2 dims (biases, norms), never watched"
+            f"and {count(low_dim, 'parameter')} with fewer than 2 dims (biases, norms), never watched"
         )
     return "\n".join(lines)
