@@ -22,8 +22,8 @@ from spectral_callbacks.functional import low_rank_singular_values, powerlaw_alp
 from spectral_callbacks.integrations.lightning import SpectralMonitor  # noqa: E402
 from spectral_callbacks.monitor.snapshot import group_by_shape, take_snapshot  # noqa: E402
 from spectral_callbacks.names import scalar_tag  # noqa: E402
-from spectral_callbacks.targets import find_targets  # noqa: E402
-from spectral_callbacks.targets.adapted import AdaptedTarget  # noqa: E402
+from spectral_callbacks.targets import find_targets, format_targets  # noqa: E402
+from spectral_callbacks.targets.adapted import AdaptedTarget, DenseAdaptedTarget  # noqa: E402
 
 LLAMA_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 GPT2_MODULES = ["c_attn", "c_proj", "c_fc"]
@@ -188,13 +188,163 @@ def test_a_merged_layer_is_not_added_twice() -> None:
         assert torch.allclose(batch.dense(torch.float64)[0], expected, atol=1e-5, rtol=0)
 
 
-def test_an_unsupported_tuner_layer_is_refused_in_one_line_naming_its_type() -> None:
+# The additive tuner types without factors, each on q, k, v, o, gate, up, down of a tiny Llama
+# (width 64: every in/out size is a multiple of 16, as C3A's block_size and VB-LoRA's vectors need).
+DENSE_TUNERS = {
+    "loha": lambda: peft.LoHaConfig(r=4, alpha=8, target_modules=LLAMA_MODULES),
+    "lokr": lambda: peft.LoKrConfig(r=4, alpha=8, target_modules=LLAMA_MODULES),
+    "adalora": lambda: peft.AdaLoraConfig(
+        init_r=6, target_r=4, total_step=100, target_modules=LLAMA_MODULES
+    ),
+    "vera": lambda: peft.VeraConfig(r=16, target_modules=LLAMA_MODULES),
+    "randlora": lambda: peft.RandLoraConfig(r=8, target_modules=LLAMA_MODULES),
+    "vblora": lambda: peft.VBLoRAConfig(
+        r=4, num_vectors=32, vector_length=16, target_modules=LLAMA_MODULES
+    ),
+    "fourierft": lambda: peft.FourierFTConfig(n_frequency=100, target_modules=LLAMA_MODULES),
+    "c3a": lambda: peft.C3AConfig(block_size=16, target_modules=LLAMA_MODULES),
+    "shira": lambda: peft.ShiraConfig(r=4, target_modules=LLAMA_MODULES),
+}
+
+
+def dense_adapted(tuner: str, *, width: int = 64, **config: Any) -> Any:
+    """A tiny Llama under ``tuner`` with every adapter weight random (most types start at a zero
+    update, or at fixed random projections scaled by zero), so the update is not zero."""
     torch.manual_seed(0)
-    model = peft.get_peft_model(tiny_llama(), peft.LoHaConfig(r=4, target_modules=["q_proj"]))
-    with pytest.warns(UserWarning, match=r"PEFT layer loha\.Linear: only LoRA-style adapters"):
+    made = DENSE_TUNERS[tuner]()
+    for key, value in config.items():
+        setattr(made, key, value)
+    model = peft.get_peft_model(tiny_llama(width), made)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            if parameter.requires_grad:
+                parameter.normal_(0.0, 0.2)
+    return model
+
+
+def summed_deltas(model: Any) -> dict[str, torch.Tensor]:
+    """Target name -> float64 sum of ``get_delta_weight`` over the layer's active adapters."""
+    out = {}
+    for target in find_targets(model):
+        layer = target.layer_module
+        parts = [layer.get_delta_weight(a).detach() for a in target.adapters]
+        total = sum(
+            p.to_dense() if p.layout != torch.strided else p for p in parts
+        )  # SHiRA: sparse
+        out[target.name] = target.rows.take(total.double())
+    return out
+
+
+@pytest.mark.parametrize("tuner", sorted(DENSE_TUNERS))
+def test_additive_tuner_types_are_read_through_get_delta_weight(tuner: str) -> None:
+    model = dense_adapted(tuner)
+    reference, expected = merged_matrices(model), summed_deltas(model)
+    targets = find_targets(model)
+    assert len(targets) == 2 * 7
+    assert all(isinstance(t, DenseAdaptedTarget) for t in targets)
+    for target in targets:
+        batch = target.stack_batch([target])
+        exact = reference[(target.layer, target.role)]
+        assert torch.allclose(batch.dense(torch.float64)[0], exact, atol=1e-5, rtol=0), target.name
+        assert float(batch.frobenius_norm_sq()[0]) == pytest.approx(
+            float(exact.square().sum()), rel=1e-5
+        )
+        # The update: its top-k against float64 exact SVD of get_delta_weight.
+        found, _, rank, frobenius_sq = batch.update_spectrum()
+        singular = torch.linalg.svdvals(expected[target.name])[: found.shape[-1]]
+        assert torch.allclose(
+            found[0].double(), singular, rtol=1e-5, atol=1e-5 * float(singular[0])
+        ), target.name
+        assert float(frobenius_sq[0]) == pytest.approx(
+            float(expected[target.name].square().sum()), rel=1e-5
+        )
+        assert batch.nbytes == target.snapshot_bytes()
+        assert float(rank[0]) == (target.rank or pytest.approx(float("nan"), nan_ok=True))
+
+
+def test_a_dense_update_is_formed_once_per_snapshot_and_the_base_is_never_copied() -> None:
+    model = dense_adapted("loha")
+    targets = find_targets(model)
+    snapshot = take_snapshot(group_by_shape(targets), step=0)
+    bases = {t.parameter.data_ptr() for t in targets}
+    live = {p.data_ptr() for p in model.parameters()}
+    copied = 0
+    for batch in snapshot.tensors.values():
+        assert {b.data_ptr() for b in batch.bases} <= bases  # the live frozen parameters
+        assert not {o.data_ptr() for o in batch.owned} & live
+        copied += batch.nbytes
+    # One m x n update per adapted matrix (float32), nothing else.
+    assert copied == sum(4 * t.shape[0] * t.shape[1] for t in targets)
+    assert "loha r=4 (default)" in format_targets(targets)
+
+
+def test_a_merged_or_disabled_dense_adapter_is_not_added_twice() -> None:
+    model = dense_adapted("lokr")
+    reference, expected = merged_matrices(model), summed_deltas(model)
+    model.base_model.model.model.layers[0].self_attn.q_proj.merge()
+    for target in find_targets(model):
+        batch = target.stack_batch([target])
+        exact = reference[(target.layer, target.role)]
+        assert torch.allclose(batch.dense(torch.float64)[0], exact, atol=1e-5, rtol=0)
+        top = torch.linalg.svdvals(expected[target.name])[0]
+        assert float(batch.update_spectrum()[0][0, 0]) == pytest.approx(float(top), rel=1e-5)
+    with model.disable_adapter():
+        (target,) = find_targets(model, roles=["K"], include="*layers.1.*")
+        batch = target.stack_batch([target])
+        assert torch.equal(batch.dense()[0], target.parameter.detach())
+
+
+def test_a_dense_adapter_fit_matches_merged_weights_at_every_scheduled_step() -> None:
+    from spectral_callbacks import SpectralTracker
+
+    for tuner in ("loha", "lokr"):
+        model = dense_adapted(tuner, width=128)
+        logger = RecordingLogger()
+        tracker = SpectralTracker(
+            model,
+            writers=[logger],
+            every_n_steps=10,
+            log_spaced_until=0,
+            svd_method="randomized",
+            figures=False,
+            synchronous=True,
+        )
+        merged, updates = {0: merged_matrices(model)}, {0: summed_deltas(model)}
+        optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+        tokens = torch.randint(0, 64, (20, 2, 16), generator=torch.Generator().manual_seed(0))
+        for step, batch in enumerate(tokens, start=1):
+            model(input_ids=batch, labels=batch).loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            if step % 10 == 0:
+                merged[step], updates[step] = merged_matrices(model), summed_deltas(model)
+            tracker.step(step)
+        tracker.close(20)
         targets = find_targets(model)
-    assert "Q" not in {t.role for t in targets}
-    assert {t.role for t in targets} >= {"K", "V", "O"}
+        checked = check_against_merged(logger.series, merged, updates, targets, [0, 10, 20])
+        assert checked == len(targets) * 3, tuner
+
+
+def test_a_tuner_layer_that_is_not_additive_is_refused_in_one_line_naming_its_type() -> None:
+    torch.manual_seed(0)
+    # OFT has a get_delta_weight, but it is a rotation the base is multiplied by, not added to it.
+    oft = peft.get_peft_model(
+        tiny_llama(), peft.OFTConfig(r=0, oft_block_size=16, target_modules=["q_proj"])
+    )
+    with pytest.warns(
+        UserWarning,
+        match=r"PEFT layer oft\.Linear: its get_delta_weight is not read as an update added",
+    ) as caught:
+        targets = find_targets(oft)
+    assert "Q" not in {t.role for t in targets} and {t.role for t in targets} >= {"K", "V", "O"}
+    lines = [line for w in caught for line in str(w.message).splitlines() if "oft.Linear" in line]
+    assert len(lines) == 2 and all(line.count("oft.Linear") == 1 for line in lines)  # one a layer
+    ia3 = peft.get_peft_model(
+        tiny_llama(), peft.IA3Config(target_modules=["k_proj"], feedforward_modules=[])
+    )
+    with pytest.warns(UserWarning, match=r"PEFT layer ia3\.Linear has no get_delta_weight"):
+        targets = find_targets(ia3)
+    assert "K" not in {t.role for t in targets}
 
 
 # --- along real fits --------------------------------------------------------------------------

@@ -1,10 +1,17 @@
-r"""The update of a dense fine-tune, :math:`\Delta W = W_t - W_\mathrm{ref}`, beside the weight itself.
+r"""Dense updates :math:`\Delta W` beside the weight: of a full fine-tune, and of an adapter without factors.
 
 ``DeltaMatrices`` is a batch of snapshotted weights :math:`W_t` (copies) with the reference weights
 :math:`W_\mathrm{ref}` they are compared with (the first snapshot's, or a base model's; kept for the
-whole run). The weight's own spectrum is computed as for any batch (``randomized_svd`` multiplies
-it through ``AdaptedMatrices``' products, with no factors); ``update_spectrum`` gives the top-k of
-the dense :math:`\Delta W` (randomized SVD) and its exact :math:`\lVert \Delta W \rVert_F^2`.
+whole run): :math:`\Delta W = W_t - W_\mathrm{ref}`.
+
+``DenseUpdateMatrices`` is a batch of adapted layers whose update has no low-rank factors to read
+(PEFT LoHa, LoKr and the other additive tuner types, through their ``get_delta_weight``): the
+effective weight is :math:`W = W_0 + \Delta W`, with :math:`W_0` the live frozen base (not copied)
+and :math:`\Delta W` an ``m x n`` copy formed when the snapshot was taken.
+
+Either batch's weight spectrum is computed as for any batch (``randomized_svd`` multiplies it
+through ``AdaptedMatrices``' products); ``update_spectrum`` gives the top-k of the dense
+:math:`\Delta W` (randomized SVD) and its exact :math:`\lVert \Delta W \rVert_F^2`.
 
 Example::
 
@@ -14,6 +21,9 @@ Example::
     >>> S, base_norm, rank, frobenius_sq = batch.update_spectrum(k=2)
     >>> S.tolist(), float(frobenius_sq[0]), float(base_norm[0])
     ([[2.0, 1.0]], 5.0, 2.0)
+    >>> adapted = DenseUpdateMatrices.of((base,), (now - base,), ranks=(4.0,))
+    >>> torch.equal(adapted.dense()[0], now), adapted.update_spectrum(k=2)[0].tolist()
+    (True, [[2.0, 1.0]])
 """
 
 from __future__ import annotations
@@ -24,11 +34,11 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from spectral_callbacks.functional.lowrank import AdaptedMatrices
+from spectral_callbacks.functional.lowrank import AdaptedMatrices, Matmul
 from spectral_callbacks.functional.metrics import frobenius_norm_sq
 from spectral_callbacks.functional.svd import DEFAULT_K, randomized_svd
 
-__all__ = ["DeltaMatrices"]
+__all__ = ["DeltaMatrices", "DenseUpdateMatrices"]
 
 
 @dataclass
@@ -75,9 +85,121 @@ class DeltaMatrices(AdaptedMatrices):
                 for b, r in zip(self.bases, self.references, strict=True)
             ]
         )  # (B, m, n), formed in the worker
-        S = randomized_svd(diff, self.k if k is None else k).S
         reference = torch.stack(
             [torch.linalg.vector_norm(r, dtype=torch.float64) for r in self.references]
-        ).to(S.device)
-        rank = torch.full((len(self),), float("nan"), dtype=torch.float64, device=S.device)
-        return S, reference, rank, frobenius_norm_sq(diff)
+        )
+        rank = torch.full((len(self),), float("nan"), dtype=torch.float64)
+        return _dense_spectrum(diff, reference, rank, self.k if k is None else k)
+
+
+def _dense_spectrum(
+    update: Tensor, base_frobenius: Tensor, rank: Tensor, k: int
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """What ``functional.update_metrics`` takes for a ``(B, m, n)`` dense update: its top-k
+    singular values (randomized SVD), ``||W_0||_F``, the adapter rank and the exact ``||dW||_F^2``."""
+    S = randomized_svd(update, min(k, *update.shape[-2:])).S
+    return S, base_frobenius.to(S.device), rank.to(S.device), frobenius_norm_sq(update)
+
+
+@dataclass
+class DenseUpdateMatrices(AdaptedMatrices):
+    r"""Effective weights :math:`W_0 + \Delta W` of adapted layers whose update is read dense.
+
+    ``bases`` are the live frozen bases (a view of the parameter; a copy where the base changes:
+    merged into, or trained), ``adds`` whether :math:`\Delta W` is added to them (``False``: the
+    base already holds it, or the adapters are disabled; the update family still reads it).
+    The low-rank factors are empty.
+
+    Attributes:
+        updates: ``(m, n)`` each, :math:`\Delta W` summed over the active adapters (copies, formed
+            at the snapshot; in ``owned``).
+        ranks: per matrix the adapter's rank r (the sum over active adapters), NaN where the tuner
+            type has none.
+        k: how many singular values of each update to compute.
+    """
+
+    updates: tuple[Tensor, ...] = field(default=(), repr=False)
+    ranks: tuple[float, ...] = ()
+    k: int = DEFAULT_K
+
+    @classmethod
+    def of(
+        cls,
+        bases: Sequence[Tensor],
+        updates: Sequence[Tensor],
+        adds: Sequence[bool] | None = None,
+        ranks: Sequence[float] | None = None,
+        owned: Sequence[Tensor] = (),
+        k: int = DEFAULT_K,
+    ) -> DenseUpdateMatrices:
+        """A batch of ``bases`` plus ``updates`` (``adds``: default all added; ``ranks``: NaN)."""
+        count = len(bases)
+        m, n = bases[0].shape
+        empty = updates[0].new_zeros
+        return cls(
+            tuple(bases),
+            tuple(empty((m, 0)) for _ in range(count)),
+            tuple(empty((0, n)) for _ in range(count)),
+            None,
+            tuple(adds) if adds is not None else (True,) * count,
+            tuple(owned),
+            updates=tuple(updates),
+            ranks=tuple(ranks) if ranks is not None else (float("nan"),) * count,
+            k=k,
+        )
+
+    def __getitem__(self, index: slice) -> DenseUpdateMatrices:
+        assert self.adds is not None
+        return DenseUpdateMatrices.of(
+            self.bases[index], self.updates[index], self.adds[index], self.ranks[index], (), self.k
+        )
+
+    def _update(self, i: int, dtype: torch.dtype) -> Tensor:
+        update = self.updates[i]
+        return update if update.dtype == dtype else update.to(dtype)
+
+    def matmul(self, X: Tensor, mm: Matmul = torch.matmul) -> Tensor:
+        """``W X`` for ``X`` of shape ``(B, n, b)``: ``W_0 X + dW X`` per matrix."""
+        assert self.adds is not None
+        out = []
+        for i in range(len(self)):
+            y = mm(self._base(i, X.dtype), X[i])  # (m, b)
+            out.append(y + mm(self._update(i, X.dtype), X[i]) if self.adds[i] else y)
+        return torch.stack(out)
+
+    def rmatmul(self, Y: Tensor, mm: Matmul = torch.matmul) -> Tensor:
+        """``W^T Y`` for ``Y`` of shape ``(B, m, b)``, as ``(Y^T W)^T`` (BLAS reads a transposed
+        W at about half the speed)."""
+        assert self.adds is not None
+        out = []
+        for i in range(len(self)):
+            y = Y[i].mT  # (b, m)
+            x = mm(y, self._base(i, Y.dtype))
+            out.append((x + mm(y, self._update(i, Y.dtype)) if self.adds[i] else x).mT)
+        return torch.stack(out)
+
+    def dense(self, dtype: torch.dtype | None = None) -> Tensor:
+        """The ``(B, m, n)`` effective weights, formed."""
+        dtype = dtype or torch.promote_types(self.bases[0].dtype, self.dtype)
+        assert self.adds is not None
+        return torch.stack(
+            [
+                self._base(i, dtype) + self._update(i, dtype)
+                if self.adds[i]
+                else self._base(i, dtype)
+                for i in range(len(self))
+            ]
+        )
+
+    def frobenius_norm_sq(self) -> Tensor:
+        """``(B,)`` exact ``||W_0 + dW||_F^2`` in float64 (of the formed weights: dW is dense
+        already)."""
+        return frobenius_norm_sq(self.dense(torch.promote_types(self.dtype, torch.float32)))
+
+    def update_spectrum(self, k: int | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:  # type: ignore[override]
+        """The top-k singular values of each ``dW``, ``||W_0||_F``, the adapter ranks and the exact
+        ``||dW||_F^2``."""
+        dtype = torch.promote_types(self.dtype, torch.float32)
+        update = torch.stack([self._update(i, dtype) for i in range(len(self))])  # (B, m, n)
+        rank = torch.tensor(self.ranks, dtype=torch.float64)
+        return _dense_spectrum(update, self.base_frobenius_norm(), rank, self.k if k is None else k)

@@ -14,8 +14,14 @@ by its name without the ``base_layer`` segment (so ``q_proj.base_layer.weight`` 
 * carries its update ``s B A`` (PEFT's ``get_delta_weight``), whose spectrum is exact from the
   factors: the ``spectral_update_*`` metrics.
 
+The other additive tuner types (LoHa, LoKr, VeRA, ...: :data:`ADDITIVE_TUNERS`) have no factors to
+read: a :class:`DenseAdaptedTarget` asks the layer for ``get_delta_weight(adapter)`` when the
+snapshot is taken (an ``m x n`` copy per matrix, on the training thread) and decomposes
+``W_0 + dW`` on the live base. Types whose update is not added to the base (OFT, BOFT, HRA
+rotate it; IA3 scales it) are refused in one line naming the layer type.
+
 Nothing here imports ``peft``: a tuner layer is recognized by what it has (``base_layer``,
-``get_base_layer``, ``active_adapters``, ``lora_A``/``lora_B``).
+``get_base_layer``, ``active_adapters``, ``lora_A``/``lora_B``, ``get_delta_weight``).
 """
 
 from __future__ import annotations
@@ -27,10 +33,26 @@ from typing import Any
 import torch
 from torch import nn
 
+from spectral_callbacks.functional.delta import DenseUpdateMatrices
 from spectral_callbacks.functional.lowrank import AdaptedMatrices
 from spectral_callbacks.targets.target import Target
 
-__all__ = ["AdaptedTarget", "adapt", "is_tuner_layer", "unsupported_reason"]
+__all__ = [
+    "ADDITIVE_TUNERS",
+    "AdaptedTarget",
+    "DenseAdaptedTarget",
+    "adapt",
+    "is_tuner_layer",
+    "unsupported_reason",
+]
+
+#: PEFT tuner types (the package under ``peft.tuners``) whose layer computes ``base(x) + x dW^T``
+#: with ``dW = sum of get_delta_weight(adapter)`` over the active adapters, in the base weight's
+#: stored layout, as their ``merge`` adds it: read as a dense update. Each is checked against
+#: ``merge_and_unload()`` in tests/test_peft.py. (LoRA itself is read as factors.)
+ADDITIVE_TUNERS = frozenset(
+    {"loha", "lokr", "adalora", "vera", "randlora", "vblora", "fourierft", "c3a", "shira"}
+)
 
 
 def is_tuner_layer(module: nn.Module) -> bool:
@@ -48,13 +70,26 @@ def _is_lora(layer: nn.Module) -> bool:
     )
 
 
+def _tuner(layer: nn.Module) -> str:
+    """The tuner type of a PEFT layer: ``"loha"`` for ``peft.tuners.loha.layer.Linear``."""
+    return type(layer).__module__.rpartition(".")[0].rpartition(".")[2]
+
+
+def _reads_delta(layer: nn.Module) -> bool:
+    return _tuner(layer) in ADDITIVE_TUNERS and callable(getattr(layer, "get_delta_weight", None))
+
+
 def _active(layer: Any) -> list[str]:
-    return [name for name in layer.active_adapters if name in layer.lora_A]
+    """The active adapters the layer holds (an adapter may target other layers only)."""
+    if _is_lora(layer):
+        return [name for name in layer.active_adapters if name in layer.lora_A]
+    stores = [getattr(layer, store, {}) for store in getattr(layer, "adapter_layer_names", ())]
+    return [name for name in layer.active_adapters if any(name in store for store in stores)]
 
 
 def unsupported_reason(layer: nn.Module) -> str | None:
-    """Why the adapted ``layer`` cannot be watched as base + factors, or ``None`` if it can."""
-    kind = f"{type(layer).__module__.rpartition('.')[0].rpartition('.')[2]}.{type(layer).__name__}"
+    """Why the adapted ``layer`` cannot be watched, or ``None`` if it can (one line)."""
+    kind = f"{_tuner(layer)}.{type(layer).__name__}"
     base = layer.get_base_layer()  # type: ignore[operator]
     weight = getattr(base, "weight", None)
     if not isinstance(weight, torch.Tensor) or weight.dim() != 2 or not weight.is_floating_point():
@@ -62,11 +97,20 @@ def unsupported_reason(layer: nn.Module) -> str | None:
             f"PEFT layer {kind} over a quantized or non-matrix base ({type(base).__name__}): "
             "not watched (dequantizing it per snapshot is not supported)"
         )
+    if _reads_delta(layer):
+        if getattr(layer, "fan_in_fan_out", False):
+            return (
+                f"PEFT layer {kind} with fan_in_fan_out (a Conv1D base): not watched (only LoRA's "
+                "update is read in that layout)"
+            )
+        return None
     if not _is_lora(layer):
-        return (
-            f"PEFT layer {kind}: only LoRA-style adapters (lora_A, lora_B) are read as factors; "
-            "not watched"
-        )
+        if callable(getattr(layer, "get_delta_weight", None)):
+            return (
+                f"PEFT layer {kind}: its get_delta_weight is not read as an update added to the base "
+                f"(that holds for LoRA and {', '.join(sorted(ADDITIVE_TUNERS))}); not watched"
+            )
+        return f"PEFT layer {kind} has no get_delta_weight to read its update from; not watched"
     lora: Any = layer
     for name in _active(lora):
         if not isinstance(lora.lora_A[name], nn.Linear) or not isinstance(
@@ -173,11 +217,7 @@ class AdaptedTarget(Target):
         rows = replace(self.rows, transposed=False)  # rows of the (out, ...) factors
         active = _active(lora)
         weight = self.parameter.detach()
-        # The base itself moves when merged into or trained: then it is copied like a dense
-        # matrix, as are rows interleaved per head (no view can hold them). Otherwise the worker
-        # reads the live frozen parameter: nothing can write it while the SVD runs.
-        changes = lora.merged or self.parameter.requires_grad or self.rows.groups > 1
-        base = copy(self.rows.take(weight)) if changes else self.rows.take(weight)
+        base = copy(self.rows.take(weight)) if _base_changes(self) else self.rows.take(weight)
         if not active:
             empty = weight.new_zeros((self.shape[0], 0))
             return base, empty, weight.new_zeros((0, self.shape[1])), None, False
@@ -211,15 +251,120 @@ class AdaptedTarget(Target):
         return out
 
 
+@dataclass(frozen=True)
+class DenseAdaptedTarget(AdaptedTarget):
+    """A watched matrix of an additive tuner layer without factors (LoHa, LoKr, ...): ``W_0 + dW``.
+
+    ``dW`` is the layer's own ``get_delta_weight`` summed over the active adapters, formed when
+    the snapshot is taken: one dense ``m x n`` copy per adapted layer (the price of having no
+    factors to read); the frozen base is read live, as for LoRA. ``rank`` is the sum of the
+    adapters' ``r`` (0 for a type without one: its ``update_rank`` is NaN).
+    """
+
+    @property
+    def description(self) -> str:
+        """``loha r=4 (default)``: what ``format_targets`` prints beside the shape."""
+        rank = f" r={self.rank}" if self.rank else ""
+        return f"{_tuner(self.layer_module)}{rank} ({', '.join(self.adapters)})"
+
+    def batch_key(self) -> tuple[str, str]:
+        """(group key, device): dense-update matrices of one shape, dtype and device batch together."""
+        key, device = super().batch_key()
+        return f"{key}-dense", device
+
+    @staticmethod
+    def stack_batch(targets: Sequence[AdaptedTarget]) -> DenseUpdateMatrices:
+        """Form each layer's update (once for the targets it is split into, e.g. a fused QKV) and
+        reference its base (copied only where it changes), on the calling thread / current stream."""
+        owned: list[torch.Tensor] = []
+        updates: dict[int, torch.Tensor] = {}
+        bases, deltas, adds, ranks = [], [], [], []
+        with torch.no_grad():
+            for target in targets:
+                layer: Any = target.layer_module
+                weight = target.parameter.detach()
+                # Rows interleaved per head (groups > 1) are gathered into a copy by take().
+                gathered = target.rows.groups > 1
+                base = target.rows.take(weight)
+                if _base_changes(target):
+                    base = base if gathered else base.clone()
+                    owned.append(base)
+                whole = updates.get(id(layer))
+                if whole is None:
+                    whole = updates[id(layer)] = _update_of(layer, weight)
+                    if not gathered:
+                        owned.append(whole)  # the targets' rows are views of it
+                update = target.rows.take(whole)
+                if gathered:
+                    owned.append(update)
+                bases.append(base)
+                deltas.append(update)
+                adds.append(not layer.merged and not layer.disable_adapters)
+                rank = _rank(layer)
+                ranks.append(float(rank) if rank else float("nan"))
+        return DenseUpdateMatrices.of(bases, deltas, adds, ranks, owned)
+
+    def snapshot_bytes(self) -> int:
+        """The bytes :meth:`stack_batch` copies for this target: its rows of ``dW`` in the adapters'
+        dtype, and the base where it changes."""
+        m, n = self.shape
+        adapter = next(
+            (
+                p
+                for name, p in self.layer_module.named_parameters()
+                if not name.startswith("base_layer.")
+            ),
+            self.parameter,
+        )
+        base = m * n * self.parameter.element_size() if _base_changes(self) else 0
+        return m * n * adapter.element_size() + base
+
+
+def _base_changes(target: AdaptedTarget) -> bool:
+    """Whether the base moves under the snapshot: merged into, trained, or rows gathered per head
+    (no view can hold them). Otherwise nothing writes the frozen parameter while the SVD reads it."""
+    layer: Any = target.layer_module
+    return bool(layer.merged) or target.parameter.requires_grad or target.rows.groups > 1
+
+
+def _update_of(layer: Any, weight: torch.Tensor) -> torch.Tensor:
+    """``sum of get_delta_weight(a)`` over the layer's active adapters, dense, in ``weight``'s layout."""
+    total = None
+    for name in _active(layer):
+        delta = layer.get_delta_weight(name).detach()
+        delta = delta.to_dense() if delta.layout != torch.strided else delta  # SHiRA: sparse
+        total = delta if total is None else total + delta
+    if total is None:
+        return weight.new_zeros(weight.shape)
+    # A type may hand back one of its own parameters as the update: the snapshot must own it.
+    live = {p.untyped_storage().data_ptr() for p in layer.parameters()}
+    if total.untyped_storage().data_ptr() in live:
+        total = total.clone()
+    return total.reshape(weight.shape)
+
+
+def _rank(layer: Any) -> int:
+    ranks = getattr(layer, "r", None)
+    if not isinstance(ranks, Mapping):
+        return 0
+    return sum(int(ranks[name]) for name in _active(layer) if name in ranks)
+
+
 def adapt(target: Target, modules: Mapping[str, nn.Module]) -> Target:
-    """``target`` as an :class:`AdaptedTarget` when its parameter is a tuner layer's base weight."""
+    """``target`` as an :class:`AdaptedTarget` when its parameter is a tuner layer's base weight
+    (a :class:`DenseAdaptedTarget` for the additive types without factors)."""
     owner, _, _ = target.parameter_name.rpartition(".")
     path, _, leaf = owner.rpartition(".")
     layer = modules.get(path)
-    if leaf != "base_layer" or layer is None or not is_tuner_layer(layer) or not _is_lora(layer):
+    if leaf != "base_layer" or layer is None or not is_tuner_layer(layer):
         return target
-    lora: Any = layer
-    active = tuple(_active(lora))
-    rank = sum(int(lora.r[a]) for a in active)
+    if _is_lora(layer):
+        kind: type[AdaptedTarget] = AdaptedTarget
+        lora: Any = layer
+        rank = sum(int(lora.r[a]) for a in _active(lora))
+    elif _reads_delta(layer):
+        kind, rank = DenseAdaptedTarget, _rank(layer)
+    else:
+        return target
     fields = {name: getattr(target, name) for name in target.__dataclass_fields__}
-    return AdaptedTarget(**fields, layer_module=layer, adapters=active, rank=rank)
+    return kind(**fields, layer_module=layer, adapters=tuple(_active(layer)), rank=rank)
