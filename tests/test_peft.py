@@ -451,23 +451,31 @@ def test_lightning_fit_matches_merged_weights_at_every_scheduled_step(case: str)
     assert checked == len(targets) * 5
 
 
-def test_hf_trainer_on_a_peft_model_matches_merged_weights_at_every_scheduled_step(
-    tmp_path: Any,
-) -> None:
+HF_CASES = {
+    "gpt2-lora": ("gpt2", {}),
+    "llama-lora": ("llama", {}),
+    "llama-dora": ("llama", {"use_dora": True}),
+    "llama-rslora": ("llama", {"use_rslora": True}),
+}
+
+
+def hf_fit(
+    model: Any, output_dir: Any, logdir: Any, steps: int, save_steps: int = 0, resume: Any = None
+) -> tuple[dict[int, Any], dict[int, Any]]:
+    """Train ``model`` with the Hugging Face Trainer and SpectralTrainerCallback (every 10 steps);
+    the merged weights and updates at each multiple of 10, as float64 references."""
     from transformers import Trainer as HFTrainer
     from transformers import TrainerCallback, TrainingArguments
 
     from spectral_callbacks.hf import SpectralTrainerCallback
 
-    model = adapted("gpt2", width=256, random_b=False)
+    merged: dict[int, Any] = {}
+    updates: dict[int, Any] = {}
 
     class Recorder(TrainerCallback):
-        def __init__(self) -> None:
-            self.merged: dict[int, Any] = {}
-            self.deltas: dict[int, Any] = {}
-
         def _record(self, step: int, model: Any) -> None:
-            self.merged[step], self.deltas[step] = merged_matrices(model), deltas(model)
+            if step % 10 == 0:
+                merged[step], updates[step] = merged_matrices(model), deltas(model)
 
         def on_train_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
             self._record(state.global_step, kw["model"])
@@ -475,23 +483,23 @@ def test_hf_trainer_on_a_peft_model_matches_merged_weights_at_every_scheduled_st
         def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
             self._record(state.global_step, kw["model"])
 
-    recorder = Recorder()
     callback = SpectralTrainerCallback(
-        logdir=tmp_path / "runs",
+        logdir=logdir,
         every_n_steps=10,
         log_spaced_until=0,
         svd_method="randomized",
         figures=False,
         synchronous=True,
     )
-    tokens = torch.randint(0, 64, (80, 16), generator=torch.Generator().manual_seed(0))
+    tokens = torch.randint(0, 64, (2 * steps, 16), generator=torch.Generator().manual_seed(0))
     args = TrainingArguments(
-        output_dir=str(tmp_path),
-        max_steps=40,
+        output_dir=str(output_dir),
+        max_steps=steps,
         per_device_train_batch_size=2,
         learning_rate=1e-2,
         lr_scheduler_type="constant",
-        save_strategy="no",
+        save_strategy="steps" if save_steps else "no",
+        save_steps=save_steps or 500,
         report_to=[],
         use_cpu=True,
         disable_tqdm=True,
@@ -500,19 +508,60 @@ def test_hf_trainer_on_a_peft_model_matches_merged_weights_at_every_scheduled_st
         model=model,
         args=args,
         train_dataset=[{"input_ids": row, "labels": row} for row in tokens],
-        callbacks=[callback, recorder],
+        callbacks=[callback, Recorder()],
     )
-    trainer.train()
+    trainer.train(resume_from_checkpoint=None if resume is None else str(resume))
+    return merged, updates
+
+
+@pytest.mark.parametrize("case", sorted(HF_CASES))
+def test_hf_trainer_on_a_peft_model_matches_merged_weights_at_every_scheduled_step(
+    tmp_path: Any, case: str
+) -> None:
+    arch, lora = HF_CASES[case]
+    model = adapted(arch, width=256, random_b=False, **lora)
+    merged, updates = hf_fit(model, tmp_path, tmp_path / "runs", steps=40)
     scalars = read_scalars(tmp_path / "runs")
     targets = find_targets(model)
+    steps = [0, 10, 20, 30, 40]
     checked = check_against_merged(
-        lambda tag: scalars.get(tag, {}),
-        recorder.merged,
-        recorder.deltas,
-        targets,
-        [0, 10, 20, 30, 40],
+        lambda tag: scalars.get(tag, {}), merged, updates, targets, steps
     )
     assert checked == len(targets) * 5
+
+
+def test_hf_trainer_saves_the_tracker_beside_the_adapter_checkpoint_and_resumes_from_it(
+    tmp_path: Any,
+) -> None:
+    from spectral_callbacks.integrations.hf import STATE_FILE
+
+    model = adapted("llama", width=64, random_b=False)
+    hf_fit(model, tmp_path, tmp_path / "first", steps=40, save_steps=20)
+    first = read_scalars(tmp_path / "first")
+    for step in (20, 40):
+        saved = {path.name for path in (tmp_path / f"checkpoint-{step}").iterdir()}
+        # PEFT's adapter checkpoint (no full model weights), and the tracker beside it.
+        assert {"adapter_model.safetensors", "adapter_config.json", STATE_FILE} <= saved
+        assert "model.safetensors" not in saved
+    resumed = adapted("llama", width=64, random_b=False)
+    merged, updates = hf_fit(
+        resumed, tmp_path, tmp_path / "second", steps=40, resume=tmp_path / "checkpoint-20"
+    )
+    second = read_scalars(tmp_path / "second")
+    targets = find_targets(resumed)
+    checked = check_against_merged(
+        lambda tag: second.get(tag, {}), merged, updates, targets, [30, 40]
+    )
+    assert checked == len(targets) * 2
+    # Compression is still against the first run's step 0, restored from the checkpoint.
+    for target in targets:
+        tag = scalar_tag("stable_rank", target.layer, target.role, target.num_layers)
+        reference = first[tag][0]
+        compression = second[
+            scalar_tag("compression", target.layer, target.role, target.num_layers)
+        ]
+        for step, stable_rank in second[tag].items():
+            assert compression[step] == pytest.approx(100 * (1 - stable_rank / reference), abs=1e-3)
 
 
 def _rows(values: dict[tuple[str, int, str, int], float]) -> Any:
