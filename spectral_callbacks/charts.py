@@ -20,6 +20,10 @@ axes. ``save_figure`` writes one to ``.png``, ``.svg`` or ``.pdf``.
   on this module) - any scalar of each run minus a baseline run (or its partner by a name
   pattern), against steps or another scalar, optionally EMA-smoothed.
 
+A role of a mixture of experts is one point per layer, the mean over the layer's experts, with
+their min-max as a band around the line (a whisker on a bar): :func:`one_per_layer` reads the
+experts from per-expert rows or from their logged aggregates (role ``MLP_down/mean`` ...).
+
 Runs a chart cannot draw (a single snapshot where a curve or a reference is needed) are left out
 with the reason written under the figure and kept in ``fig.left_out`` (run -> reason), so a caller
 can say it too. Every drawing function takes ``ax=`` to draw into a panel of a larger figure.
@@ -155,6 +159,47 @@ def _select(rows: pd.DataFrame, *, metric: str, what: str, **equal: object) -> p
     return chosen
 
 
+def _select_points(rows: pd.DataFrame, *, metric: str, what: str, **equal: object) -> pd.DataFrame:
+    """:func:`_select` over :func:`one_per_layer` of ``metric``'s rows: a layer's experts are one
+    point, their mean, with ``low``/``high`` their min and max."""
+    of_metric = rows[rows["metric"] == metric]
+    points = one_per_layer(of_metric) if len(of_metric) else rows
+    return _select(points, metric=metric, what=what, **equal)
+
+
+# The gid of the edge lines of a band over experts (kept out of the legend, in plotted_values).
+_SPREAD = "spread over experts"
+SPREAD_LABEL = "min–max over experts"
+
+
+def _spread_band(ax: Axes, x: np.ndarray, line: pd.DataFrame, color: object, series: str) -> None:
+    """The min-max over experts around one drawn line, where its points are experts: a shaded
+    band between two thin edge lines, ``<series> min`` and ``<series> max`` (a lone point gets a
+    whisker)."""
+    if "low" not in line:
+        return
+    low, high = line["low"].to_numpy(dtype=float), line["high"].to_numpy(dtype=float)
+    finite = np.isfinite(low) & np.isfinite(high)
+    if not finite.any():
+        return
+    lone = finite.sum() == 1
+    for values, end in ((low, "min"), (high, "max")):
+        ax.plot(
+            x,
+            values,
+            color=color,
+            linewidth=0.7,
+            alpha=0.7,
+            marker="_" if lone else None,
+            gid=_SPREAD,
+            label=f"{series} {end}",
+        )
+    if lone:
+        ax.vlines(x[finite], low[finite], high[finite], color=color, linewidth=0.8, alpha=0.7)
+    else:
+        ax.fill_between(x, low, high, where=finite, color=color, alpha=0.18, linewidth=0)
+
+
 def _final(rows: pd.DataFrame, keys: list[str]) -> pd.DataFrame:
     """The last finite value per ``keys`` (the highest step, the latest write at that step).
 
@@ -218,12 +263,30 @@ def _legend(ax: Axes, title: str, *, outside: bool = False) -> None:
     ``outside``: right of the axes, for legends long enough to cover the curves (a run · role
     legend of several runs has 12 entries and more).
     """
-    if not ax.get_legend_handles_labels()[0]:
+    handles, labels = ax.get_legend_handles_labels()
+    entries = [
+        (h, label)
+        for h, label in zip(handles, labels, strict=True)
+        if getattr(h, "get_gid", lambda: None)() != _SPREAD
+    ]
+    if len(entries) < len(handles):  # the band edges: one entry says what the bands are
+        from matplotlib.patches import Patch
+
+        entries.append((Patch(facecolor="0.5", alpha=0.35), SPREAD_LABEL))
+    if not entries:
         return
+    handles, labels = [h for h, _ in entries], [label for _, label in entries]
     if outside:
-        ax.legend(title=title, fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1.0))
+        ax.legend(
+            handles,
+            labels,
+            title=title,
+            fontsize="small",
+            loc="upper left",
+            bbox_to_anchor=(1.01, 1.0),
+        )
     else:
-        ax.legend(title=title, fontsize="small")
+        ax.legend(handles, labels, title=title, fontsize="small")
 
 
 def _missing(rows: pd.DataFrame, drawn: pd.DataFrame, why: str) -> dict[str, str]:
@@ -236,12 +299,77 @@ def _runs(rows: pd.DataFrame) -> list[str]:
     return rows["run"].unique().tolist()  # first-seen order, the order the user named the runs
 
 
-def _one_per_layer(rows: pd.DataFrame) -> pd.DataFrame:
-    """``rows`` with a ``stack`` column (``""`` where rows have none) and without per-expert rows
-    (a layer's experts are drawn through their aggregates, role ``MLP_down/mean``)."""
-    stack = rows["stack"].fillna("") if "stack" in rows else ""
-    rows = rows.assign(stack=stack)
-    return rows[rows["expert"].isna()] if "expert" in rows else rows
+# One point of a chart: a matrix, or a layer's experts of one role, at one step.
+_POINT = ["run", "stack", "layer", "role", "step", "metric"]
+
+
+def one_per_layer(rows: pd.DataFrame) -> pd.DataFrame:
+    """``rows`` with one row per (run, stack, layer, role, step, metric) and the spread over
+    experts: the row of a layer's experts of one role holds their mean as ``value`` and their min
+    and max as ``low`` and ``high`` (both NaN for a matrix that is not an expert); ``stack`` is
+    ``""`` where rows have none.
+
+    Experts come as per-expert rows (the callback's history; an export with ``experts="each"``)
+    or as their logged aggregates (role ``MLP_down/mean``, ``/min``, ``/max``, as ``export``
+    reads them); where both are present the logged aggregates are kept. NaN values are left out
+    of the mean, min and max, as the callback leaves them out.
+
+    >>> rows = pd.DataFrame({"run": "a", "step": 0, "metric": "alpha", "layer": [0, 1, 1, 1],
+    ...     "role": ["Q", "MLP_up", "MLP_up", "MLP_up"], "expert": [None, 0, 1, 2],
+    ...     "value": [0.5, 1.0, 2.0, 6.0], "wall_time": 0.0})
+    >>> one_per_layer(rows)[["layer", "role", "value", "low", "high"]].to_dict("records")
+    [{'layer': 0, 'role': 'Q', 'value': 0.5, 'low': nan, 'high': nan}, \
+{'layer': 1, 'role': 'MLP_up', 'value': 3.0, 'low': 1.0, 'high': 6.0}]
+    """
+    rows = rows.assign(stack=rows["stack"].fillna("") if "stack" in rows else "")
+    roles = rows["role"].astype("string")
+    aggregate = roles.str.extract(r"/(mean|min|max)$", expand=False)
+    of_aggregate = aggregate.notna().to_numpy(dtype=bool)
+    of_expert = (
+        rows["expert"].notna().to_numpy(dtype=bool)
+        if "expert" in rows
+        else np.zeros(len(rows), dtype=bool)
+    )
+    plain = rows[~of_aggregate & ~of_expert].assign(low=np.nan, high=np.nan)
+    if not (of_aggregate.any() or of_expert.any()):
+        return plain
+    logged = rows[of_aggregate].assign(
+        role=roles[of_aggregate].str.rsplit("/", n=1).str[0].astype(object),
+        aggregate=aggregate[of_aggregate].astype(object),
+    )
+    spread = _spread(logged, "aggregate")
+    computed = _spread(rows[of_expert & ~of_aggregate], None)
+    if len(spread) and len(computed):  # an "each" export: its logged aggregates win
+        logged_points = pd.MultiIndex.from_frame(spread[_POINT].astype(object))
+        computed_points = pd.MultiIndex.from_frame(computed[_POINT].astype(object))
+        computed = computed[~computed_points.isin(logged_points)]
+    joined = pd.concat([f for f in (plain, spread, computed) if len(f)], ignore_index=True)
+    if "expert" in rows:
+        joined["expert"] = pd.array([pd.NA] * len(joined), dtype="Int64")
+    return joined.astype({"layer": rows["layer"].dtype})
+
+
+def _spread(rows: pd.DataFrame, aggregate_column: str | None) -> pd.DataFrame:
+    """One row per point of ``rows``: ``value`` the mean, ``low``/``high`` the min/max, over the
+    rows' own values (``aggregate_column=None``) or as the aggregate each row names."""
+    if rows.empty:
+        return pd.DataFrame(columns=[*_POINT, "value", "low", "high"])
+    points = rows.groupby(_POINT, sort=False, dropna=False)
+    if aggregate_column is None:
+        stats = points["value"].agg(["mean", "min", "max"])
+    else:
+        stats = (
+            rows.groupby([*_POINT, aggregate_column], sort=False, dropna=False)["value"]
+            .last()
+            .unstack(aggregate_column)
+            .reindex(columns=["mean", "min", "max"])
+        )
+    stats = stats.rename(columns={"mean": "value", "min": "low", "max": "high"})
+    # A point's depth is its layer's; its wall time the latest write of it.
+    extra = {c: how for c, how in (("depth", "first"), ("wall_time", "max")) if c in rows}
+    if extra:
+        stats = stats.join(points.agg(extra))
+    return stats.reset_index()
 
 
 def _depths(rows: pd.DataFrame) -> pd.Series:
@@ -309,7 +437,7 @@ def alpha_vs_depth(
     Raises:
         ValueError: no per-layer ``alpha`` rows of ``role``.
     """
-    chosen = _one_per_layer(_select(rows, metric="alpha", what="alpha-depth", role=role))
+    chosen = _select_points(rows, metric="alpha", what="alpha-depth", role=role)
     final = _final(chosen.assign(depth=_depths(chosen)), ["run", "stack", "layer"])
     fig, ax = _axes(ax, (6.0, 4.0))
     left_out = _missing(rows, final, f"no alpha of {role_glyph(role)}")
@@ -319,7 +447,9 @@ def alpha_vs_depth(
         for stack in dict.fromkeys(of_run["stack"]):
             line = of_run[of_run["stack"] == stack].sort_values("depth")
             label = f"{run} {stack}" if stack else run
-            ax.plot(line["depth"].to_numpy(), line["value"].to_numpy(), marker="o", label=label)
+            depth = line["depth"].to_numpy(dtype=float)
+            (drawn,) = ax.plot(depth, line["value"].to_numpy(), marker="o", label=label)
+            _spread_band(ax, depth, line, drawn.get_color(), label)
     ax.set_xlabel("relative depth i / (L − 1)")
     ax.set_ylabel(metric_label("alpha"))
     ax.set_title(title or f"α of {role_glyph(role)} vs relative depth")
@@ -366,7 +496,7 @@ def rank_vs_steps(
     Raises:
         ValueError: no rows of ``metric`` at ``layer``.
     """
-    chosen = _select(rows, metric=metric, what="rank-steps", layer=layer)
+    chosen = _select_points(rows, metric=metric, what="rank-steps", layer=layer)
     colors = _role_colors(chosen["role"].unique())
     runs = _runs(chosen)
     fig, ax = _axes(ax, (6.5, 4.0))
@@ -377,14 +507,16 @@ def rank_vs_steps(
             if line.empty:
                 continue
             label = role_glyph(role) if len(runs) == 1 else f"{run} · {role_glyph(role)}"
+            steps = line["step"].to_numpy(dtype=float)
             ax.plot(
-                line["step"].to_numpy(),
+                steps,
                 line["value"].to_numpy(),
                 color=colors[role],
                 linestyle=_LINE_STYLES[run_index % len(_LINE_STYLES)],
                 marker="o" if len(line) == 1 else None,
                 label=label,
             )
+            _spread_band(ax, steps, line, colors[role], label)
     ax.set_xlabel("optimizer step")
     ax.set_ylabel(metric_label(metric))
     ax.set_title(f"{metric_label(metric).split(' $')[0]} of layer {layer} vs steps")
@@ -474,7 +606,7 @@ def metric_vs_steps_by_layer(
     Raises:
         ValueError: no per-layer rows of ``metric`` for ``role``.
     """
-    chosen = _select(rows, metric=metric, what="layer-steps", role=role, run=run)
+    chosen = _select_points(rows, metric=metric, what="layer-steps", role=role, run=run)
     run = run if run is not None else _runs(chosen)[0]
     chosen = chosen[chosen["run"] == run]
     layers = sorted(int(layer) for layer in chosen["layer"].unique())
@@ -485,13 +617,15 @@ def metric_vs_steps_by_layer(
     for i, layer in enumerate(layers):
         line = _final(chosen[chosen["layer"] == layer], ["step"])
         shade = cmap(0.9 * i / max(1, len(layers) - 1))
+        steps = line["step"].to_numpy(dtype=float)
         ax.plot(
-            line["step"].to_numpy(),
+            steps,
             line["value"].to_numpy(),
             color=shade,
             label=f"L{layer}",
             marker="o" if len(line) == 1 else None,
         )
+        _spread_band(ax, steps, line, shade, f"L{layer}")
     ax.set_xlabel("optimizer step")
     ax.set_ylabel(metric_label(metric))
     ax.set_title(f"{metric_label(metric).split(' $')[0]} of {role_glyph(role)} vs steps")
@@ -527,7 +661,8 @@ def compression_rows(rows: pd.DataFrame) -> tuple[pd.DataFrame, dict[str, str]]:
             # does not import it for runs that logged compression.
             from spectral_callbacks.functional import compression
 
-            reference = ranks.groupby(["run", "layer", "role"])["value"].transform("first")
+            matrix = [c for c in ("run", "stack", "layer", "role", "expert") if c in ranks]
+            reference = ranks.groupby(matrix, dropna=False)["value"].transform("first")
             percent = compression(_float64(ranks["value"]), _float64(reference)).numpy()
             frames.append(ranks.assign(metric="compression", value=percent))
         elif not ranks.empty:
@@ -561,7 +696,8 @@ def compression_by_layer(rows: pd.DataFrame, *, ax: Axes | None = None) -> Figur
     Raises:
         ValueError: neither ``compression`` nor ``stable_rank`` rows, or several runs with ``ax``.
     """
-    chosen, left_out = compression_rows(rows)
+    logged, left_out = compression_rows(rows)
+    chosen = one_per_layer(logged)
     final = _final(chosen, ["run", "layer", "role"])
     fell_back = _fallbacks(chosen, final)
     runs = _runs(final)
@@ -577,17 +713,25 @@ def compression_by_layer(rows: pd.DataFrame, *, ax: Axes | None = None) -> Figur
         layers = np.sort(of_run["layer"].unique()).astype(int)
         colors = _role_colors(of_run["role"].unique())  # this run's roles: no gap, no stray entry
         width = 0.8 / len(colors)
+        spread = False
         for i, role in enumerate(colors):
-            bars = of_run[of_run["role"] == role].set_index("layer")["value"]
-            heights = bars.reindex(layers).to_numpy(dtype=float)
+            bars = of_run[of_run["role"] == role].set_index("layer").reindex(layers)
+            heights = bars["value"].to_numpy(dtype=float)
             x = np.arange(len(layers)) + (i - (len(colors) - 1) / 2) * width
             ax.bar(x, heights, width=width, color=colors[role], label=role_glyph(role))
+            low, high = bars["low"].to_numpy(dtype=float), bars["high"].to_numpy(dtype=float)
+            experts = np.isfinite(low) & np.isfinite(high)
+            if experts.any():  # the bar is the experts' mean: a whisker spans their min-max
+                ax.vlines(x[experts], low[experts], high[experts], color="black", linewidth=0.8)
+                spread = True
         ax.set_xticks(np.arange(len(layers)), [str(layer) for layer in layers])
         ax.set_xlabel("layer")
         ax.set_ylabel("final compression (%)")
         ax.set_title(f"Final compression by layer — {run}")
         ax.axhline(0.0, color="black", linewidth=0.8)
         ax.grid(axis="y", alpha=0.3)
+        if spread:
+            ax.plot([], [], color="black", linewidth=0.8, label=SPREAD_LABEL)
         # Right of the axes: inside, it would cover the first layers' bars (compression reaches ~90 %).
         ax.legend(title="role", fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1.0))
     _note_left_out(fig, left_out, fell_back)  # type: ignore[arg-type]
@@ -600,9 +744,10 @@ def compression_wave(rows: pd.DataFrame, role: str = "Q") -> Figure:
     Raises:
         ValueError: no compression (or stable rank) rows of ``role``.
     """
-    chosen, left_out = compression_rows(rows)
-    of_all = chosen
-    chosen = _select(chosen, metric="compression", what="compression-wave", role=role)
+    logged, left_out = compression_rows(rows)
+    of_all = one_per_layer(logged)
+    chosen = _select(of_all, metric="compression", what="compression-wave", role=role)
+    experts = bool(np.isfinite(chosen["low"].to_numpy(dtype=float)).any())
     left_out = {**_missing(of_all, chosen, f"no compression of {role_glyph(role)}"), **left_out}
     runs = _runs(chosen)
     fig = Figure(figsize=(7.0, 3.0 * len(runs)), layout="constrained")
@@ -624,7 +769,8 @@ def compression_wave(rows: pd.DataFrame, role: str = "Q") -> Figure:
         ax.set_ylabel("layer")
         ax.yaxis.set_major_locator(MaxNLocator(integer=True))
         ax.invert_yaxis()  # L0 on the first row, as in the SPECTRAL tab
-        ax.set_title(f"Compression wave of {role_glyph(role)} — {run}")
+        of_experts = ", mean over experts" if experts else ""
+        ax.set_title(f"Compression wave of {role_glyph(role)}{of_experts} — {run}")
     _note_left_out(fig, left_out)
     return fig
 

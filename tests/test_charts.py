@@ -385,3 +385,75 @@ def test_metric_diff_of_a_spectral_metric_names_layer_and_role(rows: pd.DataFram
     curves = differences.diff_curves(rows, "stable_rank", "d4", layer=1, role="K")
     assert "layer 1" in curves.title and "K" in curves.title
     assert "layer 1" in curves.ylabel and "K" in curves.ylabel
+
+
+def _expert_rows(seed: int) -> pd.DataFrame:
+    """A run of 3 layers: Q a lone matrix, MLP_up 4 experts in each layer; fresh random values."""
+    rng = np.random.default_rng(seed)
+    records = []
+    for step in (0, 10, 20):
+        for layer in range(3):
+            for metric in ("alpha", "stable_rank", "compression"):
+                depth = relative_depth(layer, 3)
+                records.append(("m", step, metric, "", layer, depth, "Q", None, rng.uniform(1, 9)))
+                for expert in range(4):
+                    value = rng.uniform(1, 9)
+                    records.append(("m", step, metric, "", layer, depth, "MLP_up", expert, value))
+    columns = ["run", "step", "metric", "stack", "layer", "depth", "role", "expert", "value"]
+    frame = pd.DataFrame.from_records(records, columns=columns).assign(wall_time=0.0)
+    return frame.astype({"layer": "Int64", "expert": "Int64"})
+
+
+def _as_logged(rows: pd.DataFrame) -> pd.DataFrame:
+    """The rows as export reads a default run: each layer's experts as mean/min/max scalars."""
+    experts = rows[rows.expert.notna()]
+    keys = ["run", "step", "metric", "stack", "layer", "depth", "role"]
+    stats = experts.groupby(keys)["value"].agg(["mean", "min", "max"]).reset_index()
+    logged = stats.melt(id_vars=keys, var_name="aggregate", value_name="value")
+    logged = logged.assign(
+        role=logged.role + "/" + logged["aggregate"], expert=pd.NA, wall_time=0.0
+    )
+    both = pd.concat([rows[rows.expert.isna()], logged.drop(columns="aggregate")])
+    return both.astype({"layer": "Int64", "expert": "Int64"})
+
+
+@pytest.mark.parametrize("form", ["each expert", "logged aggregates", "both"])
+def test_an_expert_role_is_drawn_as_its_mean_within_a_min_max_band(form: str) -> None:
+    rows = _expert_rows(seed=3)
+    experts = rows[rows.expert.notna()]
+    drawn = {
+        "each expert": rows,
+        "logged aggregates": _as_logged(rows),
+        "both": pd.concat([_as_logged(rows), experts]),
+    }[form]
+    final = experts[(experts.metric == "alpha") & (experts.step == 20)].groupby("layer")["value"]
+    fig = charts.alpha_vs_depth(drawn, role="MLP_up")
+    ax = fig.axes[0]
+    by_label = {line.get_label(): line.get_ydata() for line in ax.get_lines()}
+    assert sorted(by_label) == ["m", "m max", "m min"]  # one line, not one per expert
+    np.testing.assert_allclose(by_label["m"], final.mean().to_numpy())
+    np.testing.assert_allclose(by_label["m min"], final.min().to_numpy())
+    np.testing.assert_allclose(by_label["m max"], final.max().to_numpy())
+    assert len(ax.collections) == 1  # the shaded band
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == ["m", charts.SPREAD_LABEL]
+
+    fig = charts.rank_vs_steps(drawn, layer=1)
+    table = charts.plotted_values(fig)
+    layer1 = experts[(experts.metric == "stable_rank") & (experts.layer == 1)].groupby("step")
+    for series, expected in (("MLP↑", layer1.value.mean()), ("MLP↑ min", layer1.value.min())):
+        got = table[table.series == series].set_index("x")["y"]
+        np.testing.assert_allclose(got.to_numpy(), expected.to_numpy())
+    q = rows[(rows.metric == "stable_rank") & (rows.layer == 1) & (rows.role == "Q")]
+    np.testing.assert_allclose(table[table.series == "Q"]["y"], q.sort_values("step")["value"])
+    assert "Q min" not in set(table.series)  # a lone matrix has no band
+
+    fig = charts.compression_by_layer(drawn)
+    ax = [a for a in fig.axes if a.get_title()][0]
+    compression = experts[(experts.metric == "compression") & (experts.step == 20)]
+    bars = charts.plotted_values(fig)
+    mlp = bars[bars.series == "MLP↑"].set_index("x")["y"].sort_index()
+    np.testing.assert_allclose(mlp, compression.groupby("layer")["value"].mean())
+    (whiskers,) = ax.collections
+    spans = sorted((seg[0][1], seg[1][1]) for seg in whiskers.get_segments())
+    expected = compression.groupby("layer")["value"].agg(["min", "max"]).to_numpy()
+    np.testing.assert_allclose(sorted(map(tuple, expected)), spans)

@@ -23,7 +23,8 @@ def draw_figures(rows: pd.DataFrame, roles: Sequence[str] | None = ("Q",)) -> di
 
     α vs relative depth and the compression heatmap (layer x step) for each of ``roles`` (``None``:
     every role), stable rank of the first layer vs steps, and final compression by layer x role.
-    A chart whose metric has no finite value in ``rows`` is left out (never a chart of NaN). Each
+    A chart whose metric has no finite value in ``rows`` is left out (never a chart of NaN). A
+    role of experts is drawn as the mean over experts with their min-max around it. Each
     figure costs ~0.1-1 s of CPU to draw and render, hence few roles by default.
     """
     from spectral_callbacks import charts  # matplotlib: imported where figures are drawn
@@ -31,7 +32,9 @@ def draw_figures(rows: pd.DataFrame, roles: Sequence[str] | None = ("Q",)) -> di
     figures: dict[str, Any] = {}
     finite = rows["value"].map(math.isfinite).astype(bool) if len(rows) else []
     metrics = set(rows.loc[finite, "metric"]) if len(rows) else set()
-    present = list(dict.fromkeys(rows["role"])) if len(rows) else []
+    # a layer's experts logged as their aggregates (role MLP_down/mean ...) are drawn as MLP_down
+    logged_roles = rows["role"].dropna().astype(str) if len(rows) else pd.Series([], dtype=str)
+    present = list(dict.fromkeys(logged_roles.str.replace(r"/(mean|min|max)$", "", regex=True)))
     chosen = present if roles is None else [role for role in roles if role in present]
     if "alpha" in metrics:
         for role in chosen:
