@@ -46,6 +46,16 @@ def tiny_llama(seed: int) -> torch.nn.Module:
     return transformers.LlamaForCausalLM(config)
 
 
+def _between_one_matrix_and_all(groups: list[ShapeGroup]) -> int:
+    """A budget between what the largest single matrix needs and what the whole snapshot needs:
+    it holds any one matrix, not every one at once, so a snapshot is staggered."""
+    compute = SpectrumCompute()
+    one = max(
+        group.shape[0] * group.shape[1] * 4 + compute.working_bytes(group, 1) for group in groups
+    ) + sum(compute.kept_bytes(group) for group in groups)
+    return one + sum(plan_snapshot(groups, compute, None).copies.values()) // 4
+
+
 def _whole(plan) -> int:  # type: ignore[no-untyped-def]
     return sum(plan.copies.values()) + max(plan.working.values()) + plan.kept
 
@@ -89,12 +99,7 @@ def test_a_staggered_snapshot_logs_every_matrix_at_its_copy_step_within_the_budg
     groups = group_by_shape(probe.targets)
     probe.close()
     roomy = plan_snapshot(groups, SpectrumCompute(), None)
-    # Between what the largest single matrix needs and what the whole snapshot needs.
-    compute = SpectrumCompute()
-    one = max(
-        group.shape[0] * group.shape[1] * 4 + compute.working_bytes(group, 1) for group in groups
-    ) + sum(compute.kept_bytes(group) for group in groups)
-    budget = one + sum(plan_snapshot(groups, compute, None).copies.values()) // 4
+    budget = _between_one_matrix_and_all(groups)
     writer = Recorder()
     # Weights of every step, to check each value against the step it is logged at.
     history: dict[int, dict[str, torch.Tensor]] = {}
@@ -200,11 +205,7 @@ def test_with_the_worker_the_counts_add_up_and_the_budget_holds() -> None:
     model = tiny_llama(random.randrange(2**31))
     targets = SpectralTracker(model, writers=[Recorder()], figures=False, start_step=None).targets
     groups = group_by_shape(targets)
-    compute = SpectrumCompute()
-    one = max(
-        group.shape[0] * group.shape[1] * 4 + compute.working_bytes(group, 1) for group in groups
-    ) + sum(compute.kept_bytes(group) for group in groups)
-    budget = one + sum(plan_snapshot(groups, compute, None).copies.values()) // 4
+    budget = _between_one_matrix_and_all(groups)
     writer = Recorder()
     tracker = SpectralTracker(
         model,
