@@ -15,6 +15,9 @@ Tags:
 * Mixture-of-experts: per (layer, role) the ``mean``, ``min`` and ``max`` over experts,
   ``spectral_<metric>/L<layer>/<role>/<mean|min|max>``, and with ``experts="each"`` one chart per
   expert, ``spectral_<metric>/L<layer>/E<expert>/<role>`` (expert index zero-padded to 3 digits).
+  The per-expert values of one (layer, role) are also a TensorBoard *histogram* (the distribution
+  over experts at each snapshot) under the tag a lone matrix's scalar would have,
+  ``spectral_<metric>/L<layer>/<role>`` (:func:`histogram_tag`); no scalar of an expert role has it.
 * ``spectral_monitor/<name>`` - the callback's own health (main-thread ms, SVD ms, pending, skipped;
   ``sent_bytes`` with sharded weights)
   and ``spectral_monitor/num_layers`` (``spectral_monitor/num_layers/<stack>`` per stack where there
@@ -161,6 +164,18 @@ def scalar_tag(
     """
     tail = f"/{aggregate}" if aggregate else ""
     return f"{METRIC_PREFIX}{metric}/{_where(stack, layer, num_layers, expert)}/{role}{tail}"
+
+
+def histogram_tag(
+    metric: str, layer: int, role: str, num_layers: int | None = None, *, stack: str = ""
+) -> str:
+    """The tag of the histogram over the experts of one (layer, role): the tag a lone matrix's
+    scalar would have (the experts' scalars all carry ``E<expert>`` or an aggregate).
+
+    >>> histogram_tag("stable_rank", 3, "MLP_down"), histogram_tag("alpha", 1, "MLP_up", stack="dec")
+    ('spectral_stable_rank/L03/MLP_down', 'spectral_alpha/dec/L01/MLP_up')
+    """
+    return scalar_tag(metric, layer, role, num_layers, stack=stack)
 
 
 def num_layers_tag(stack: str = "") -> str:

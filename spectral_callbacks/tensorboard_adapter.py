@@ -143,6 +143,38 @@ def add_text(writers: Sequence[Any], tag: str, text: str, step: int) -> None:
         writer.add_text(tag, text, global_step=step)
 
 
+def add_histograms(
+    writers: Sequence[Any], histograms: Mapping[str, Sequence[float]], step: int
+) -> None:
+    """Each ``tag -> values`` of ``histograms`` as a TensorBoard histogram at ``step``, in every
+    ``SummaryWriter``: all of them as one event where the writer has an event-file writer (as
+    :func:`log_scalars` does), else through ``add_histogram``; a writer with neither is skipped.
+
+    One bucket per value at most (a layer's experts are a few to a few hundred values); ``min``,
+    ``max``, ``num``, ``sum`` and ``sum_squares`` are exact.
+    """
+    if not histograms:
+        return
+    import numpy as np
+    from tensorboard.compat.proto.summary_pb2 import Summary
+    from torch.utils.tensorboard.summary import make_histogram
+
+    arrays = {tag: np.asarray(values, dtype=np.float64) for tag, values in histograms.items()}
+    summary = Summary(
+        value=[
+            Summary.Value(tag=tag, histo=make_histogram(values, bins=min(len(values), 64)))
+            for tag, values in arrays.items()
+        ]
+    )
+    for writer in writers:
+        if write_summary(writer, summary, step):
+            continue
+        add_histogram = getattr(writer, "add_histogram", None)
+        if callable(add_histogram):
+            for tag, values in arrays.items():
+                add_histogram(tag, values, global_step=step, bins=min(len(values), 64))
+
+
 def add_layout(writers: Sequence[Any], layout: Any) -> None:
     """Write the custom-scalars ``layout`` (a ``layout_pb2.Layout``) to every ``SummaryWriter``.
 

@@ -1,6 +1,7 @@
 """Mixture-of-experts models of transformers 5 (3-D expert tensors): each expert a target, the
-values checked against float64 exact SVD of each expert's slice at every scheduled step of a fit,
-and the aggregates against the per-expert values."""
+values checked against float64 exact SVD of each expert's slice at every scheduled step of a fit
+under each frontend (SpectralTracker, Lightning, the Hugging Face Trainer), and the aggregates and
+the histograms over experts in the event files against the per-expert values."""
 
 from __future__ import annotations
 
@@ -10,10 +11,16 @@ from collections import defaultdict
 
 import pytest
 import torch
+from hf_train import WeightRecorder as HFWeightRecorder
+from lightning.pytorch import LightningModule
+from lightning.pytorch.loggers import TensorBoardLogger
+from tiny_models import WeightRecorder, quiet_trainer, read_histograms, read_scalars
+from torch.utils.data import DataLoader, TensorDataset
 
-from spectral_callbacks import SpectralTracker
+from spectral_callbacks import SpectralMonitor, SpectralTracker
 from spectral_callbacks.functional import powerlaw_alpha
-from spectral_callbacks.names import parse_tag
+from spectral_callbacks.hf import SpectralTrainerCallback
+from spectral_callbacks.names import histogram_tag, parse_tag, scalar_tag
 from spectral_callbacks.targets import TargetWarning, find_targets
 
 transformers = pytest.importorskip("transformers")
@@ -122,59 +129,42 @@ def _exact(matrix: torch.Tensor, k: int) -> tuple[float, float]:
     return stable, float(alpha)
 
 
-@pytest.mark.parametrize("name", ["mixtral", "qwen3-moe", "deepseek-v3"])
-def test_experts_along_a_fit_match_exact_svd_and_the_aggregates_their_experts(name):
-    torch.manual_seed(0)
-    model = MODELS[name]()
-    recorder = Recorder()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    weights: dict[int, dict[str, torch.Tensor]] = {}  # the expert tensors after each step
-    params = dict(model.named_parameters())
+FIT = dict(
+    metrics=["stable_rank", "alpha"],
+    every_n_steps=2,
+    log_spaced_until=0,
+    synchronous=True,
+    figures=False,
+    experts="each",
+)
+STEPS = 8
+SCHEDULED = [0, 2, 4, 6, 8]
 
-    def keep(step: int) -> None:
-        weights[step] = {n: p.detach().clone() for n, p in params.items() if p.dim() == 3}
 
-    tracker = SpectralTracker(
-        model,
-        ["stable_rank", "alpha"],
-        writers=[recorder],
-        every_n_steps=2,
-        log_spaced_until=0,
-        synchronous=True,
-        figures=False,
-        experts="each",
-    )
-    keep(0)
-    for step in range(1, 9):
-        tokens = torch.randint(0, 64, (2, 8))
-        model(input_ids=tokens, labels=tokens).loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        keep(step)
-        tracker.step(step)
-    tracker.close()
-    targets = {t.name: t for t in tracker.targets}
-    by_tag = {}
-    for t in targets.values():
-        if t.expert is not None:
-            by_tag[("stable_rank", t.layer, t.role, t.expert)] = t
+def check_experts(logdir, weights, targets) -> None:
+    """The checks of an expert fit, from its event files in ``logdir``: at every scheduled step
+    each expert's stable rank within 1 % and alpha within 0.02 of float64 exact SVD of its matrix
+    then (``weights``: step -> target name -> matrix), the mean/min/max scalars of each (layer,
+    role) those of its experts' values, and its histogram over experts holding exactly them."""
+    by_where = {(t.stack, t.layer, t.role, t.expert): t for t in targets if t.expert is not None}
+    scalars, histograms = read_scalars(logdir), read_histograms(logdir)
     checked_steps = set()
-    for step, scalars in recorder.logged.items():
+    for step in SCHEDULED:
         experts: dict[tuple[str, int, str], list[float]] = defaultdict(list)
-        for tag, value in scalars.items():
+        for tag, series in scalars.items():
             parsed = parse_tag(tag)
-            if parsed is None or parsed.expert is None:
+            if parsed is None or parsed.expert is None or step not in series:
                 continue
-            t = by_tag[("stable_rank", parsed.layer, parsed.role, parsed.expert)]
-            stored = weights[step][t.parameter_name][t.expert]
-            matrix = t.rows.take(stored)
-            stable, alpha = _exact(matrix, k=32)
+            value = series[step]
+            t = by_where[(parsed.stack, parsed.layer, parsed.role, parsed.expert)]
+            stable, alpha = _exact(weights[step][t.name], k=32)
             if parsed.metric == "stable_rank":
-                assert value == pytest.approx(stable, rel=0.01)
+                assert value == pytest.approx(stable, rel=0.01), (tag, step)
             else:
-                assert abs(value - alpha) <= 0.02
+                assert abs(value - alpha) <= 0.02, (tag, step)
             experts[(parsed.metric, parsed.layer, parsed.role)].append(value)
             checked_steps.add(step)
+        assert len(experts) == 2 * len({(t.layer, t.role) for t in by_where.values()})
         for (metric, layer, role), values in experts.items():
             assert len(values) == 4
             for aggregate, expected in (
@@ -182,9 +172,109 @@ def test_experts_along_a_fit_match_exact_svd_and_the_aggregates_their_experts(na
                 ("min", min(values)),
                 ("max", max(values)),
             ):
-                tag = f"spectral_{metric}/L{layer:02d}/{role}/{aggregate}"
-                assert math.isclose(scalars[tag], expected, rel_tol=1e-6), tag
-    assert len(checked_steps) >= 4  # steps 0, 2, 4, 6, 8
+                tag = scalar_tag(metric, layer, role, aggregate=aggregate)
+                assert math.isclose(scalars[tag][step], expected, rel_tol=1e-6), tag
+            histogram = histograms[histogram_tag(metric, layer, role)][step]
+            assert histogram.num == 4 and sum(histogram.bucket) == 4
+            for got, expected in (
+                (histogram.min, min(values)),
+                (histogram.max, max(values)),
+                (histogram.sum, sum(values)),
+                (histogram.sum_squares, sum(v * v for v in values)),
+            ):
+                assert math.isclose(got, expected, rel_tol=1e-6), (metric, layer, role, step)
+    assert sorted(checked_steps) == SCHEDULED
+
+
+def _tokens(seed: int = 0) -> torch.Tensor:
+    return torch.randint(0, 64, (2 * STEPS, 8), generator=torch.Generator().manual_seed(seed))
+
+
+def _expert_matrices(model) -> dict[str, torch.Tensor]:
+    return {
+        t.name: t.matrix().detach().double().clone()
+        for t in find_targets(model)
+        if t.expert is not None
+    }
+
+
+# Each fit returns where it wrote, the experts' matrices at every step (when ``record``; the
+# recorders find targets too) and the watched targets.
+
+
+def fit_tracker(model, logdir, record=True):
+    weights = {0: _expert_matrices(model)} if record else {}
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    with SpectralTracker(model, logdir=logdir, **FIT) as tracker:
+        for step, tokens in enumerate(_tokens().split(2), start=1):
+            model(input_ids=tokens, labels=tokens).loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            if record:
+                weights[step] = _expert_matrices(model)
+            tracker.step(step)
+    return logdir, weights, tracker.targets
+
+
+class MoEModule(LightningModule):
+    """A transformers causal LM as a LightningModule (next-token loss on the batch)."""
+
+    def __init__(self, model) -> None:
+        super().__init__()
+        self.model = model
+
+    def training_step(self, batch, batch_idx):
+        (tokens,) = batch
+        return self.model(input_ids=tokens, labels=tokens).loss
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+
+def fit_lightning(model, logdir, record=True):
+    recorder = WeightRecorder()
+    monitor = SpectralMonitor(**FIT)
+    logger = TensorBoardLogger(str(logdir))
+    loader = DataLoader(TensorDataset(_tokens()), batch_size=2)
+    callbacks = [monitor, recorder] if record else [monitor]
+    quiet_trainer(max_steps=STEPS, logger=logger, callbacks=callbacks).fit(MoEModule(model), loader)
+    return logger.log_dir, recorder.weights, monitor.targets
+
+
+def fit_hf(model, logdir, record=True):
+    from transformers import Trainer, TrainingArguments
+
+    recorder = HFWeightRecorder()
+    callback = SpectralTrainerCallback(logdir=logdir, **FIT)
+    args = TrainingArguments(
+        output_dir=str(logdir.parent / "out"),
+        max_steps=STEPS,
+        per_device_train_batch_size=2,
+        learning_rate=1e-2,
+        lr_scheduler_type="constant",
+        save_strategy="no",
+        report_to=[],
+        use_cpu=True,
+        disable_tqdm=True,
+    )
+    samples = [{"input_ids": row, "labels": row} for row in _tokens()]
+    callbacks = [callback, recorder] if record else [callback]
+    Trainer(model=model, args=args, train_dataset=samples, callbacks=callbacks).train()
+    assert callback.tracker is not None
+    return logdir, recorder.weights, callback.tracker.targets
+
+
+FRONTENDS = {"tracker": fit_tracker, "lightning": fit_lightning, "hf": fit_hf}
+
+
+@pytest.mark.parametrize("frontend", sorted(FRONTENDS))
+@pytest.mark.parametrize("name", ["mixtral", "qwen3-moe", "deepseek-v3"])
+def test_experts_along_a_fit_match_exact_svd_and_the_aggregates_their_experts(
+    name, frontend, tmp_path
+):
+    torch.manual_seed(0)
+    logdir, weights, targets = FRONTENDS[frontend](MODELS[name](), tmp_path / "runs")
+    check_experts(logdir, weights, targets)
 
 
 def test_default_logs_aggregates_not_each_expert():

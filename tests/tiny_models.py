@@ -178,3 +178,16 @@ def read_scalars(logdir: Path | str) -> dict[str, dict[int, float]]:
         tag: {event.step: event.value for event in reader.Scalars(tag)}
         for tag in reader.Tags()["scalars"]
     }
+
+
+def read_histograms(logdir: Path | str) -> dict[str, dict[int, Any]]:
+    """Every histogram of the event files in ``logdir``: tag -> step -> ``HistogramValue``
+    (``min``, ``max``, ``num``, ``sum``, ``sum_squares``, ``bucket_limit``, ``bucket``)."""
+    reader = event_accumulator.EventAccumulator(
+        str(logdir), size_guidance={event_accumulator.HISTOGRAMS: 0}
+    )
+    reader.Reload()
+    return {
+        tag: {event.step: event.histogram_value for event in reader.Histograms(tag)}
+        for tag in reader.Tags()["histograms"]
+    }

@@ -39,7 +39,7 @@ from __future__ import annotations
 import collections
 import math
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import pandas as pd
@@ -50,6 +50,7 @@ from spectral_callbacks.names import (
     EXPERT_AGGREGATES,
     NUM_LAYERS_TAG,
     TIDY_COLUMNS,
+    histogram_tag,
     monitor_tag,
     num_layers_tag,
     reference_step_tag,
@@ -69,7 +70,7 @@ class Reporter:
     ``role`` and ``expert`` (``None`` outside a mixture of experts); what kind of matrix it is
     does not matter here. The experts of one (stack, layer, role) are logged as their mean, min
     and max; each expert's own scalar only with ``experts="each"``; every expert's values are in
-    :meth:`rows` and :meth:`expert_values` (the histogram over experts) either way.
+    :meth:`rows` and :meth:`expert_values` (the histograms over experts) either way.
 
     Args:
         targets: the watched matrices (``name``, ``layer``, ``num_layers``, ``role``, ``depth``,
@@ -161,25 +162,13 @@ class Reporter:
                     if metric in row:
                         scalars[self.tag(target, metric)] = float(row[metric])
             self.latest[name] = row
-        touched_experts = {
-            _experts_key(self.targets[name])
-            for name in per_target
-            if expert_of(self.targets[name]) is not None
-        }
-        for key in touched_experts:
-            stack, layer, role = key
-            for metric, expert_values in self._latest_of(self._of_experts[key]).items():
-                finite = [value for value in expert_values if not math.isnan(value)]
-                for aggregate in EXPERT_AGGREGATES:
-                    tag = scalar_tag(
-                        metric,
-                        layer,
-                        role,
-                        self.num_layers_of[stack],
-                        stack=stack,
-                        aggregate=aggregate,
-                    )
-                    scalars[tag] = _AGGREGATE[aggregate](finite) if finite else math.nan
+        for (stack, layer, role), metric, expert_values in self._experts_of(per_target):
+            finite = [value for value in expert_values if not math.isnan(value)]
+            for aggregate in EXPERT_AGGREGATES:
+                tag = scalar_tag(
+                    metric, layer, role, self.num_layers_of[stack], stack=stack, aggregate=aggregate
+                )
+                scalars[tag] = _AGGREGATE[aggregate](finite) if finite else math.nan
         touched_roles = {(stack_of(self.targets[n]), self.targets[n].role) for n in per_target}
         for stack, role in touched_roles:
             for metric, layer_values in self._latest_of(self._of_role[(stack, role)]).items():
@@ -215,26 +204,42 @@ class Reporter:
             if all(metric in row for row in rows)
         }
 
-    def expert_values(self, step_scalars_index: int = -1) -> dict[str, list[float]]:
-        """Per (stack, layer, role) and metric of experts, the values of each expert in the
-        snapshot ``history[step_scalars_index]``, under the tag of that (layer, role) without an
-        aggregate: what the histogram over experts shows (``spectral_<metric>/L03/MLP_down``)."""
-        if not self.history:
-            return {}
-        values = self.history[step_scalars_index][3]
-        found: dict[str, list[float]] = collections.defaultdict(list)
-        for name, row in values.items():
-            target = self.targets[name]
-            if expert_of(target) is None:
-                continue
-            stack = stack_of(target)
-            for metric in self.metrics:
-                if metric in row:
-                    tag = scalar_tag(
-                        metric, target.layer, target.role, self.num_layers_of[stack], stack=stack
-                    )
-                    found[tag].append(float(row[metric]))
-        return dict(found)
+    def _experts_of(
+        self, names: Iterable[str]
+    ) -> Iterator[tuple[tuple[str, int, str], str, list[float]]]:
+        """``((stack, layer, role), metric, values)`` of each (layer, role) of experts one of
+        ``names`` belongs to: every expert's latest value, in expert order, once all have one."""
+        touched = {
+            _experts_key(self.targets[name])
+            for name in names
+            if expert_of(self.targets[name]) is not None
+        }
+        for key in sorted(touched):
+            for metric, values in self._latest_of(self._of_experts[key]).items():
+                yield key, metric, values
+
+    def expert_values(self, values: Mapping[str, Mapping[str, float]]) -> dict[str, list[float]]:
+        """The histograms over experts of a snapshot logged by :meth:`scalars` (``values`` as
+        given to it): tag (``spectral_<metric>/L03/MLP_down``) -> every expert's latest value,
+        NaN left out, for each (layer, role) whose mean/min/max that snapshot logged.
+
+        >>> from types import SimpleNamespace
+        >>> targets = [SimpleNamespace(name=f"e{e}", layer=0, num_layers=1, role="MLP_up", depth=0.0,
+        ...                            expert=e) for e in range(3)]
+        >>> reporter = Reporter(targets, metrics=("stable_rank",))
+        >>> values = {"e0": {"stable_rank": 2.0}, "e1": {"stable_rank": 4.0}, "e2": {"stable_rank": 3.0}}
+        >>> reporter.scalars(0, values)["spectral_stable_rank/L00/MLP_up/max"]
+        4.0
+        >>> reporter.expert_values(values)
+        {'spectral_stable_rank/L00/MLP_up': [2.0, 4.0, 3.0]}
+        """
+        found: dict[str, list[float]] = {}
+        for (stack, layer, role), metric, expert_values in self._experts_of(values):
+            finite = [value for value in expert_values if not math.isnan(value)]
+            if finite:
+                tag = histogram_tag(metric, layer, role, self.num_layers_of[stack], stack=stack)
+                found[tag] = finite
+        return found
 
     def num_layers_scalars(self) -> dict[str, float]:
         """``spectral_monitor/num_layers`` (and ``.../num_layers/<stack>`` for each stack)."""

@@ -469,6 +469,9 @@ class SpectralTracker:
         )
         self._warn_if_non_finite()
         experiments = tb.summary_writers(self.writers)
+        if experiments:  # the distribution over a layer's experts, beside their mean/min/max
+            histograms = self._reporter.expert_values(result.metrics)
+            tb.add_histograms(experiments, histograms, result.step)
         self._layout.update(experiments, scalars)  # charts appear with their first finite value
         if self.options.figures and experiments and self._figures.due(result.step):
             self._figures.draw(experiments, self._figure_rows(), result.step)
