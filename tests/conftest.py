@@ -1,8 +1,10 @@
-"""Shared test setup: examples/ is importable, one torch thread, GPU tests skip without a GPU."""
+"""Shared test setup: examples/ is importable, one torch thread, GPU tests skip without a GPU,
+torch's float32 precision put back after a test that sets it."""
 
 from __future__ import annotations
 
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -25,3 +27,26 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.get_closest_marker("gpu") is not None
         ):  # the marker, not a keyword: a folder named gpu is one
             item.add_marker(skip_gpu)
+
+
+@pytest.fixture
+def restored_fp32_precision() -> Iterator[None]:
+    """Put torch's float32 precision settings back as they were (they are process-global): the
+    new API's (torch >= 2.9), or the legacy flags where it is absent."""
+    if not hasattr(torch.backends, "fp32_precision"):
+        legacy = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
+        precision = torch.get_float32_matmul_precision()
+        yield
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = legacy
+        torch.set_float32_matmul_precision(precision)
+        return
+    saved = [
+        (torch.backends, torch.backends.fp32_precision),
+        (torch.backends.cuda.matmul, torch.backends.cuda.matmul.fp32_precision),
+        (torch.backends.cudnn, torch.backends.cudnn.fp32_precision),
+    ]
+    yield
+    for backend, value in saved:  # the generic one first: setting it resets the others
+        backend.fp32_precision = value
+    # Both APIs agree again: the legacy reads other libraries make work again.
+    assert torch.get_float32_matmul_precision() in ("highest", "high", "medium")

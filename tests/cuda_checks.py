@@ -1,19 +1,23 @@
-"""Helpers for the GPU tests: a calibrated GPU sleep, a per-thread sync detector, a recorder.
+"""Helpers for the GPU tests: a calibrated GPU sleep, a trap for every wait of the training
+thread, recorders of events and streams.
 
-Nothing here fakes CUDA: every helper needs a real device and is only used by ``@pytest.mark.gpu``
-tests.
+Nothing here fakes CUDA: the helpers that need a device are used by ``@pytest.mark.gpu`` tests
+only. The trap (:class:`SyncDetector`) is also tested on the CPU (tests/test_cuda_checks.py),
+against the meta device, to show it reports what it is meant to report.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 from lightning.pytorch import Callback
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from spectral_callbacks.functional import metrics_from_spectrum
 from spectral_callbacks.integrations.lightning import SpectralMonitor
@@ -39,48 +43,134 @@ def sleep_ms(milliseconds: float) -> None:
 
 
 class SyncDetector:
-    """Records every synchronizing CUDA call made on the main thread inside :meth:`checking`.
+    """Records every way the main (training) thread waits for the device, inside :meth:`checking`.
 
-    ``torch.cuda.set_sync_debug_mode`` is process-wide, and in ``"error"`` mode it would also fail
-    the worker thread, whose syncs (inside the SVD math) are allowed. So the mode is ``"warn"``
-    and each warning is attributed to the thread that raised it (torch issues it on the calling
-    thread); only the main thread's, inside a checked region, count.
+    torch's sync-debug mode sees only some of them, so there are three traps, each recording on
+    the main thread only (the worker's waits, inside the SVD math, are allowed):
+
+    * ``torch.cuda.set_sync_debug_mode("warn")`` (where CUDA is present): the waits torch itself
+      reports (``.item()``, a blocking copy, ``nonzero``). The mode is process-wide and ``"error"``
+      would also fail the worker thread, so each warning is attributed to the thread that raised
+      it (torch issues it on the calling thread);
+    * ``torch.cuda.synchronize``, ``torch.cuda.Event.synchronize`` and
+      ``torch.cuda.Stream.synchronize`` wrapped: a call is recorded before it runs (the mode does
+      not report an event's wait);
+    * a dispatch mode (:class:`HostDeviceCopies`), pushed on the main thread for each checked
+      region: every copy between the host and ``device_type`` whose host side is not pinned, or
+      that is not ``non_blocking`` (a pageable copy blocks the host and no sync is reported), and
+      every read of a device scalar.
+
+    ``device_type`` is ``"cuda"`` for the GPU tests; the CPU tests of the trap itself use
+    ``"meta"``, the one other device a CPU build has.
     """
 
     MESSAGE = "called a synchronizing CUDA operation"
+    #: The waits sync-debug mode does not see, wrapped while :meth:`active`.
+    WAITS = (
+        (torch.cuda, "synchronize"),
+        (torch.cuda.Event, "synchronize"),
+        (torch.cuda.Stream, "synchronize"),
+    )
 
-    def __init__(self) -> None:
+    def __init__(self, device_type: str = "cuda") -> None:
+        self.device_type = device_type
         self.found: list[str] = []
         self._region: str | None = None
 
+    def note(self, what: str) -> None:
+        """Record ``what`` if it happens on the main thread inside a checked region."""
+        if threading.current_thread() is threading.main_thread() and self._region is not None:
+            self.found.append(f"{self._region}: {what}")
+
     @contextlib.contextmanager
     def active(self) -> Iterator[SyncDetector]:
-        previous_mode = torch.cuda.get_sync_debug_mode()
+        saved = [(owner, name, getattr(owner, name)) for owner, name in self.WAITS]
+        cuda = torch.cuda.is_available()
+        previous_mode = torch.cuda.get_sync_debug_mode() if cuda else None
         with warnings.catch_warnings():
             warnings.simplefilter("always")
-            original = warnings.showwarning
+            original_show = warnings.showwarning
 
             def show(message: Any, category: Any, filename: str, lineno: int, *args: Any) -> None:
-                main = threading.current_thread() is threading.main_thread()
-                if self.MESSAGE in str(message) and main and self._region is not None:
-                    self.found.append(f"{self._region}: {filename}:{lineno}")
-                elif self.MESSAGE not in str(message):
-                    original(message, category, filename, lineno, *args)
+                if self.MESSAGE in str(message):
+                    self.note(f"{filename}:{lineno}")
+                else:
+                    original_show(message, category, filename, lineno, *args)
 
             warnings.showwarning = show
-            torch.cuda.set_sync_debug_mode("warn")
             try:
+                for owner, name, original in saved:
+                    # Labels: torch.cuda.synchronize, Event.synchronize, Stream.synchronize.
+                    setattr(owner, name, self._noting(original, f"{owner.__name__}.{name}"))
+                if cuda:
+                    torch.cuda.set_sync_debug_mode("warn")
                 yield self
             finally:
-                torch.cuda.set_sync_debug_mode(previous_mode)
+                if cuda:
+                    torch.cuda.set_sync_debug_mode(previous_mode)
+                for owner, name, original in saved:
+                    setattr(owner, name, original)
 
     @contextlib.contextmanager
     def checking(self, region: str) -> Iterator[None]:
+        if self._region is not None:  # a hook called from a checked hook: already checked
+            yield
+            return
         self._region = region
         try:
-            yield
+            with HostDeviceCopies(self.device_type, self.note):
+                yield
         finally:
             self._region = None
+
+    def _noting(self, original: Callable[..., Any], label: str) -> Callable[..., Any]:
+        @functools.wraps(original)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            self.note(label)
+            return original(*args, **kwargs)
+
+        return wrapper
+
+
+_TO_COPY = torch.ops.aten._to_copy.default
+_COPY = torch.ops.aten.copy_.default
+_SCALAR = torch.ops.aten._local_scalar_dense.default
+
+
+class HostDeviceCopies(TorchDispatchMode):
+    """Calls ``note(what)`` for each op of this thread that makes the host wait for the device:
+    a copy between the host and ``device_type`` unless it is ``non_blocking`` with a pinned host
+    side, and a read of a ``device_type`` scalar (``.item()``).
+
+    A dispatch mode sees the ops torch runs for ``.cpu()``, ``.to()``, ``.tolist()``, ``copy_``
+    alike (``_to_copy`` and ``copy_``); it lives on the thread that enters it.
+    """
+
+    def __init__(self, device_type: str, note: Callable[[str], None]) -> None:
+        super().__init__()
+        self.device_type, self.note = device_type, note
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if func is _TO_COPY:
+            self._check_copy(func, args[0], out, bool(kwargs.get("non_blocking", False)))
+        elif func is _COPY:
+            non_blocking = args[2] if len(args) > 2 else kwargs.get("non_blocking", False)
+            self._check_copy(func, args[1], args[0], bool(non_blocking))
+        elif func is _SCALAR and args[0].device.type == self.device_type:
+            self.note(f"{func}: a scalar read from {args[0].device}")
+        return out
+
+    def _check_copy(self, func: Any, source: Any, destination: Any, non_blocking: bool) -> None:
+        sides = {source.device.type: source, destination.device.type: destination}
+        if set(sides) != {"cpu", self.device_type}:
+            return
+        host = sides["cpu"]
+        pinned = bool(host.is_pinned())
+        if not (pinned and non_blocking):
+            kind = "pinned but blocking" if pinned else "pageable"
+            self.note(f"{func}: {kind} copy {source.device} -> {destination.device}")
 
 
 class CheckedMonitor(SpectralMonitor):

@@ -3,7 +3,6 @@ with a ShardedEngine, recording the full weights (``full_tensor()``, test-only) 
 
 from __future__ import annotations
 
-import threading
 import time
 from typing import Any
 
@@ -308,15 +307,6 @@ class _HostDeviceTraffic(torch.overrides.TorchFunctionMode):
         return out
 
 
-def _counting(original: Any, label: str, calls: list[str]) -> Any:
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        if threading.current_thread() is threading.main_thread():
-            calls.append(label)
-        return original(*args, **kwargs)
-
-    return wrapper
-
-
 def cuda_engine(rank: int, world_size: int) -> dict[str, Any]:
     """Every rank on the one GPU (gloo): hand-made CUDA DTensors (rows, columns, a per-head fused
     split), snapshots while training's stream is kept busy, and what the training thread did."""
@@ -351,27 +341,19 @@ def cuda_engine(rank: int, world_size: int) -> dict[str, Any]:
         )
     engine = ShardedEngine(targets, group=svd_group(timeout_seconds=60), k=K)
     sleep_ms(1)  # calibrate
-    traffic, syncs, detector = _HostDeviceTraffic(), [], SyncDetector()
-    # Waits sync-debug mode does not report: an event's or a stream's synchronize(), counted on
-    # this (the training) thread only.
-    patched = [(torch.cuda.Event, "synchronize"), (torch.cuda.Stream, "synchronize")]
-    saved = [getattr(owner, name) for owner, name in patched]
-    for (owner, name), original in zip(patched, saved, strict=True):
-        setattr(owner, name, _counting(original, f"{owner.__name__}.{name}", syncs))
-    try:
-        with detector.active(), detector.checking("offer"), traffic:
-            engine.offer(0)
-    finally:
-        for (owner, name), original in zip(patched, saved, strict=True):
-            setattr(owner, name, original)
-    syncs += detector.found
+    # Every wait of this (the training) thread: sync-debug mode, synchronize() calls, pageable
+    # copies (cuda_checks.SyncDetector); and any data moved between host and device at all.
+    traffic, detector = _HostDeviceTraffic(), SyncDetector()
+    with detector.active(), detector.checking("offer"), traffic:
+        engine.offer(0)
     # Keep the training stream busy for 3 s right after the copy: a worker on training's stream
     # would queue behind it; one on its own stream finishes meanwhile.
     busy_end = torch.cuda.Event()
     sleep_ms(3000)
     busy_end.record()
     started = time.monotonic()
-    results = engine.collect(wait_seconds=20)
+    with detector.active(), detector.checking("collect"):
+        results = engine.collect(wait_seconds=20)
     seconds = time.monotonic() - started
     still_busy = not busy_end.query()
     torch.cuda.synchronize()
@@ -385,7 +367,7 @@ def cuda_engine(rank: int, world_size: int) -> dict[str, Any]:
         "busy_while_collected": still_busy,
         "collect_seconds": seconds,
         "traffic": traffic.calls,
-        "syncs": syncs,
+        "syncs": detector.found,
         "own_stream": compute.cuda_stream != training.cuda_stream,
         "fulls": fulls,
     }

@@ -41,7 +41,9 @@ def test_every_sharded_matrix_on_cuda_matches_the_exact_svd(ranks) -> None:
             assert got["frobenius_norm"] == pytest.approx(truth["frobenius_norm"], rel=1e-5)
 
 
-def test_offer_neither_syncs_nor_moves_data_between_host_and_device(ranks) -> None:
+def test_offer_and_collect_neither_wait_nor_move_data_between_host_and_device(ranks) -> None:
+    # syncs: cuda_checks.SyncDetector on offer and collect (sync-debug mode, synchronize() calls,
+    # pageable or blocking copies); traffic: any host-device move in offer.
     for rank in ranks:
         assert rank["syncs"] == [] and rank["traffic"] == []
 
