@@ -87,10 +87,15 @@ def train(
     resume: bool = False,
     logdir: Path | None = None,
     report_to: list[str] | None = None,
+    arguments: dict[str, Any] | None = None,
     **options: Any,
 ) -> WeightRecorder:
-    """Train, and return the recorder of the weights (every rank records; rank 0 saves them)."""
-    args = TrainingArguments(
+    """Train, and return the recorder of the weights (every rank records; rank 0 saves them).
+
+    ``arguments`` override the ``TrainingArguments`` below (``use_cpu=False, bf16=True`` ...);
+    ``options`` go to the callback.
+    """
+    defaults: dict[str, Any] = dict(
         output_dir=str(outdir),
         max_steps=steps,
         per_device_train_batch_size=2,
@@ -106,6 +111,7 @@ def train(
         disable_tqdm=True,
         dataloader_num_workers=0,
     )
+    args = TrainingArguments(**{**defaults, **(arguments or {})})
     recorder = WeightRecorder()
     callback = SpectralTrainerCallback(logdir=logdir, **{**OPTIONS, **options})
     trainer = Trainer(

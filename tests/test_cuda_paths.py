@@ -1,5 +1,7 @@
 """CUDA paths beside the training loop's: synchronous compute inside autocast, fp16 weights, TF32
-set through the new API, a model whose layers sit on two devices (``@pytest.mark.gpu``)."""
+set through the new API, a model whose layers sit on two GPUs (skipped with one) or partly on the
+host (``@pytest.mark.gpu``). The Hugging Face Trainer's TF32 and bf16 are in tests/test_cuda_hf.py,
+TF32 through the legacy API in tests/test_svd.py."""
 
 from __future__ import annotations
 
@@ -69,3 +71,24 @@ def test_a_model_on_two_devices_is_computed_on_each_devices_stream() -> None:
         assert got == pytest.approx(_stable_rank(weight), rel=0.01), name
     streams = engine._streams
     assert streams.get("cuda:0").device != streams.get("cuda:1").device
+
+
+def test_a_model_partly_on_the_cpu_is_computed_where_each_part_lives() -> None:
+    # One GPU is enough: layers offloaded to the host are decomposed by the worker on the CPU,
+    # the others on the device's compute stream, and one result holds them all.
+    generator = torch.Generator().manual_seed(0)
+    weights = {
+        "w0": torch.randn(256, 192, generator=generator).cuda(),
+        "w1": torch.randn(256, 192, generator=generator),
+        "w2": torch.randn(128, 64, generator=generator).cuda(),
+    }
+    engine, groups = _engine(weights, max_pending=2)
+    assert {group.device for group in groups} == {"cuda:0", "cpu"}
+    snapshot = take_snapshot(groups, step=0)
+    assert set(snapshot.copied) == {"cuda:0"}  # the host copy is complete already
+    engine.submit(snapshot)
+    (result,) = engine.collect(wait_seconds=60)
+    engine.close()
+    for name, weight in weights.items():
+        got = result.metrics[name]["stable_rank"]
+        assert got == pytest.approx(_stable_rank(weight), rel=0.01), name

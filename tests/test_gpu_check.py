@@ -68,7 +68,15 @@ def test_a_stopped_test_run_keeps_what_it_finished_and_each_failure_reason() -> 
 
 def test_the_gpu_test_files_are_the_ones_with_gpu_tests() -> None:
     names = {path.name for path in gpu_check.gpu_test_files()}
-    assert {"test_cuda.py", "test_svd.py", "test_snapshot.py"} <= names
+    assert {
+        "test_cuda.py",
+        "test_cuda_hf.py",
+        "test_cuda_paths.py",
+        "test_cuda_ranks.py",
+        "test_cuda_sharded.py",
+        "test_svd.py",
+        "test_snapshot.py",
+    } <= names
     assert "test_metrics.py" not in names
 
 

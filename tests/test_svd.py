@@ -667,6 +667,7 @@ def test_with_tf32_products_every_float32_product_keeps_float32_accuracy(
     # is itself up to 1.8e-5 from exact here (convergence, not precision: 12 of 40 seeds were
     # over 1e-5 in float32 too), while TF32 with every product split adds at most 1.1e-6.
     W = decaying((1024, 768), 0.5, random.randrange(2**31)).float()
+    exact = reference(W, 32)
     start = randomized_svd(W, 32, method="randomized", n_iter=2).V if warm else None
     in_float32 = randomized_svd(W, 32, method="randomized", n_iter=6, init=start)
     with tf32_matmuls(monkeypatch):
