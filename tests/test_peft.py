@@ -609,6 +609,59 @@ def test_layer_steps_chart_draws_one_line_per_layer() -> None:
         metric_vs_steps_by_layer(_rows(values), role="K")
 
 
+def test_the_live_figures_of_an_adapted_run_draw_the_update_rank_and_its_stable_rank(
+    tmp_path: Any,
+) -> None:
+    from tensorboard.backend.event_processing import event_accumulator
+
+    from spectral_callbacks import SpectralTracker
+    from spectral_callbacks.monitor import dashboards
+    from spectral_callbacks.monitor.figures import draw_figures
+
+    model = adapted("llama", random_b=False)
+    tracker = SpectralTracker(
+        model,
+        logdir=tmp_path,
+        every_n_steps=4,
+        log_spaced_until=0,
+        figure_roles=["Q", "V"],
+        synchronous=True,
+    )
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    tokens = torch.randint(0, 64, (8, 2, 16), generator=torch.Generator().manual_seed(0))
+    for step, batch in enumerate(tokens, start=1):
+        model(input_ids=batch, labels=batch).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        tracker.step(step)
+    tracker.close(8)
+    rows = tracker._figure_rows()
+    assert dashboards.wait_for_figures(timeout=120)
+    reader = event_accumulator.EventAccumulator(str(tmp_path), size_guidance={"images": 0})
+    reader.Reload()
+    images = set(reader.Tags()["images"])
+    update = {
+        "spectral_figures/update_rank_vs_r",
+        "spectral_figures/update_stable_rank_vs_steps/Q",
+        "spectral_figures/update_stable_rank_vs_steps/V",
+    }
+    assert update <= images, images
+    (final,) = [i for i in reader.Images("spectral_figures/update_rank_vs_r") if i.step == 8]
+    assert final.width > 100
+    # What they draw: the last energy rank of every (layer, role) beside r = 8.
+    figure = draw_figures(rows, ("Q",))["spectral_figures/update_rank_vs_r"]
+    heights = sorted(patch.get_height() for patch in figure.axes[0].patches)
+    last = rows[(rows["metric"] == "update_energy_rank_90") & rows["layer"].notna()]
+    expected = last[last["step"] == 8]["value"].to_numpy(dtype=float)
+    assert heights == sorted(expected) and len(heights) == 14
+    # A dense fine-tune's update has no adapter r: no update-rank figure, the stable rank still.
+    dense = rows.copy()
+    dense.loc[dense["metric"] == "update_rank", "value"] = float("nan")
+    drawn = draw_figures(dense, ("Q",))
+    assert "spectral_figures/update_rank_vs_r" not in drawn
+    assert "spectral_figures/update_stable_rank_vs_steps/Q" in drawn
+
+
 def test_the_lora_example_logs_both_spectra_and_draws_the_update_rank(tmp_path: Any) -> None:
     import subprocess
     import sys

@@ -24,8 +24,11 @@ def draw_figures(rows: pd.DataFrame, roles: Sequence[str] | None = ("Q",)) -> di
     α vs relative depth and the compression heatmap (layer x step) for each of ``roles`` (``None``:
     every role), stable rank of the first layer vs steps, and final compression by layer x role.
     A chart whose metric has no finite value in ``rows`` is left out (never a chart of NaN). A
-    role of experts is drawn as the mean over experts with their min-max around it. Each
-    figure costs ~0.1-1 s of CPU to draw and render, hence few roles by default.
+    role of experts is drawn as the mean over experts with their min-max around it. A run that
+    logs an update (adapted layers, or ``delta=``) also gets the update's stable rank vs steps,
+    one line per layer, for each of ``roles`` that has it, and a run with adapters the update's
+    energy rank at 90 % beside each adapter's r. Each figure costs ~0.1-1 s of CPU to draw and
+    render, hence few roles by default.
     """
     from spectral_callbacks import charts  # matplotlib: imported where figures are drawn
 
@@ -35,6 +38,7 @@ def draw_figures(rows: pd.DataFrame, roles: Sequence[str] | None = ("Q",)) -> di
     # a layer's experts logged as their aggregates (role MLP_down/mean ...) are drawn as MLP_down
     logged_roles = rows["role"].dropna().astype(str) if len(rows) else pd.Series([], dtype=str)
     present = list(dict.fromkeys(logged_roles.str.replace(r"/(mean|min|max)$", "", regex=True)))
+    per_layer = rows[finite & rows["layer"].notna()] if len(rows) else rows
     chosen = present if roles is None else [role for role in roles if role in present]
     if "alpha" in metrics:
         for role in chosen:
@@ -52,6 +56,14 @@ def draw_figures(rows: pd.DataFrame, roles: Sequence[str] | None = ("Q",)) -> di
             figures[f"{FIGURE_SECTION}/compression_wave/{role}"] = charts.compression_wave(
                 rows, role=role
             )
+    updated = set(per_layer.loc[per_layer["metric"] == "update_stable_rank", "role"])
+    for role in (role for role in chosen if role in updated):
+        figures[f"{FIGURE_SECTION}/update_stable_rank_vs_steps/{role}"] = (
+            charts.metric_vs_steps_by_layer(rows, role=role, metric="update_stable_rank")
+        )
+    # An adapter's r is logged as update_rank (NaN for a dense fine-tune's delta=: no r to show).
+    if {"update_energy_rank_90", "update_rank"} <= set(per_layer["metric"]):
+        figures[f"{FIGURE_SECTION}/update_rank_vs_r"] = charts.update_rank_vs_r(rows)
     return figures
 
 
