@@ -20,6 +20,7 @@ from spectral_callbacks.monitor.options import ConfigurationError, MonitorOption
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import alert_thresholds  # noqa: E402
+from tiny_models import RecordingLogger  # noqa: E402
 
 TARGETS = [
     SimpleNamespace(name="q", layer=0, role="Q"),
@@ -134,6 +135,27 @@ def test_the_tracker_warns_writes_text_and_counts_and_calls_the_hook(tmp_path: P
     assert [event.step for event in texts] == [2]
     text = texts[0].tensor_proto.string_val[0].decode()
     assert "| 2 | sigma_growth | linear1.weight |" in text
+
+
+def test_a_resumed_run_counts_on_and_does_not_repeat_an_alert_within_its_window() -> None:
+    torch.manual_seed(0)
+    model = torch.nn.TransformerEncoderLayer(16, 2, dim_feedforward=32)
+    options = dict(figures=False, synchronous=True, alerts=AlertRules(after_step=0, window=10))
+    tracker = SpectralTracker(model, writers=[RecordingLogger()], **options)
+    tracker.step(1)
+    with torch.no_grad():
+        model.linear1.weight.mul_(4.0)  # one sigma_growth alert at step 2
+    tracker.step(2)
+    state = tracker.state_dict()
+    tracker.close()
+
+    resumed, seen = RecordingLogger(), []
+    tracker = SpectralTracker(
+        model, writers=[resumed], start_step=2, state=state, on_alert=seen.append, **options
+    )
+    tracker.close(3)  # sigma_1 is still 4x its value at step 1, one step after the alert
+    assert resumed.series("spectral_alerts/sigma_growth") == {3: 1.0}
+    assert seen == []
 
 
 def test_alerts_none_logs_no_alert_scalars(tmp_path: Path) -> None:

@@ -240,3 +240,15 @@ def test_the_compute_fits_the_esd_on_the_first_snapshot_and_every_nth_after() ->
     results = [compute(group, batch) for _ in range(7)]
     assert ["esd_alpha" in out for out in results] == [True, False, False, True, False, False, True]
     assert torch.equal(results[3]["esd_alpha"], esd_metrics(batch)["esd_alpha"])
+
+
+def test_a_resumed_compute_counts_on_from_the_snapshots_taken_before() -> None:
+    from spectral_callbacks.monitor.compute import SpectrumCompute
+    from spectral_callbacks.monitor.snapshot import ShapeGroup
+
+    compute = SpectrumCompute(k=4, esd=True, esd_every_n_snapshots=3)
+    compute.continue_after(5)  # snapshots 0-4 were taken before the resume
+    group = ShapeGroup("30x20/float32/cpu", ())
+    batch = spectra(1, 2, 30, 20).float()
+    results = [compute(group, batch) for _ in range(5)]  # snapshots 5-9: the ESD on 6 and 9
+    assert ["esd_alpha" in out for out in results] == [False, True, False, False, True]

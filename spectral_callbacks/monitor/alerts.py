@@ -174,6 +174,25 @@ class AlertWatch:
                 )
         return raised
 
+    def state_dict(self) -> dict[str, Any]:
+        """What a checkpoint keeps: the counts, each matrix's window of snapshots, its last alerts."""
+        return {
+            "counts": dict(self.counts),
+            "history": {name: [list(entry) for entry in h] for name, h in self._history.items()},
+            "last": [[kind, name, step] for (kind, name), step in self._last.items()],
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned: a resumed run counts on, compares with the
+        snapshots before the checkpoint and does not repeat an alert within its window."""
+        self.counts.update({kind: int(n) for kind, n in state.get("counts", {}).items()})
+        self._history.clear()
+        for name, entries in state.get("history", {}).items():
+            self._history[name] = collections.deque(
+                (int(step), float(rank), float(sigma)) for step, rank, sigma in entries
+            )
+        self._last = {(kind, name): int(step) for kind, name, step in state.get("last", [])}
+
     def count_scalars(self) -> dict[str, float]:
         """``spectral_alerts/<kind>``: the alerts of each kind raised so far."""
         return {alert_tag(kind): float(count) for kind, count in self.counts.items()}

@@ -88,8 +88,10 @@ class SpectrumCompute:
         self.esd = esd
         self.esd_every_n_snapshots = esd_every_n_snapshots
         # Snapshots seen per shape group: every group is in every snapshot, so the counts agree
-        # and the ESD lands on the same snapshots for all of them.
+        # and the ESD lands on the same snapshots for all of them. A resumed run counts on from
+        # the snapshots taken before it (continue_after).
         self._seen: dict[str, int] = {}
+        self._taken_before = 0
         self.warm_start = warm_start
         self._subspaces: dict[str, torch.Tensor] = {}
         self.seed = seed
@@ -121,13 +123,19 @@ class SpectrumCompute:
         update = getattr(batch, "update_spectrum", None)
         if update is not None:
             metrics.update(update_metrics(*update()))
-        seen = self._seen.get(group.key, 0)
+        seen = self._seen.get(group.key, self._taken_before)
         self._seen[group.key] = seen + 1
         if self.esd and seen % self.esd_every_n_snapshots == 0:
             # The ESD needs every eigenvalue: an adapted layer's effective W0 + s B A is formed.
             dense = getattr(batch, "dense", None)
             metrics.update(esd_metrics(dense() if callable(dense) else batch))
         return metrics
+
+    def continue_after(self, snapshots: int) -> None:
+        """Resume the ESD cadence: ``snapshots`` were taken before this run (the tracker counts
+        them), so the next snapshot seen is number ``snapshots`` of the run, not its first."""
+        self._seen.clear()
+        self._taken_before = snapshots
 
     def working_bytes(self, group: ShapeGroup, batch: int) -> int:
         """Upper bound of the bytes one call allocates on ``batch`` matrices of ``group`` (given in

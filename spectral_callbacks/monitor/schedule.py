@@ -60,6 +60,8 @@ class SnapshotSchedule:
         self.log_spaced_until = log_spaced_until
         self.max_overhead = max_overhead
         self.last_snapshot_step: int | None = None
+        #: Snapshots scheduled so far, skipped ones included (kept across a resume).
+        self.snapshots = 0
         # Budget mode state: the moving averages of one training step and of one snapshot's cost.
         self.step_seconds: float | None = None
         self.snapshot_seconds: float | None = None
@@ -107,6 +109,7 @@ class SnapshotSchedule:
     def record_snapshot(self, step: int) -> None:
         """Note that a snapshot was taken (or attempted: a skip also counts) at ``step``."""
         self.last_snapshot_step = step
+        self.snapshots += 1
 
     def record_step_time(self, seconds: float) -> None:
         """Feed the wall time of one optimizer step into the budget's moving average."""
@@ -119,9 +122,10 @@ class SnapshotSchedule:
     # --- resume -----------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
-        """What a checkpoint keeps: the last snapshot step and the budget's averages."""
+        """What a checkpoint keeps: the last snapshot step, the count, the budget's averages."""
         return {
             "last_snapshot_step": self.last_snapshot_step,
+            "snapshots": self.snapshots,
             "step_seconds": self.step_seconds,
             "snapshot_seconds": self.snapshot_seconds,
         }
@@ -129,6 +133,7 @@ class SnapshotSchedule:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what :meth:`state_dict` returned."""
         self.last_snapshot_step = state.get("last_snapshot_step")
+        self.snapshots = int(state.get("snapshots", 0))
         self.step_seconds = state.get("step_seconds")
         self.snapshot_seconds = state.get("snapshot_seconds")
 

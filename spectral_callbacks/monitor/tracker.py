@@ -356,14 +356,18 @@ class SpectralTracker:
     # --- resume --------------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
-        """What a checkpoint keeps: compression references, schedule, skip count, compute state.
+        """What a checkpoint keeps: compression references, schedule, skip count, compute state,
+        the alerts' counts and windows.
 
+        The results that have finished are logged first (so the saved alerts have read them).
         Saved before the first snapshot's result came back, it waits (bounded by
         ``drain_timeout``) for that result, so a resume keeps the compression reference.
         """
         engine = self._engine
         if engine is not None and not self._reporter.references and engine.awaiting_results:
             self._collect_and_log(wait_seconds=self.options.drain_timeout)
+        else:  # what has finished is logged (and read by the alerts) before it is saved
+            self._collect_and_log()
         state: dict[str, Any] = {
             **self._reporter.state_dict(),  # the compression references and their steps
             "schedule": self.schedule.state_dict(),
@@ -371,6 +375,8 @@ class SpectralTracker:
         }
         if callable(getattr(self.compute, "state_dict", None)):
             state["compute"] = self.compute.state_dict()
+        if self._alerts is not None:
+            state["alerts"] = self._alerts.state_dict()
         return state
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -389,6 +395,14 @@ class SpectralTracker:
         self._restored_skipped = int(state.get("skipped", 0))
         if "compute" in state and callable(getattr(self.compute, "load_state_dict", None)):
             self.compute.load_state_dict(state["compute"])
+        # The compute counts the snapshots it decomposes (its ESD cadence) on the worker, so at
+        # checkpoint time its own count misses those still in flight; the schedule's count of
+        # snapshots taken does not (counted here, on the main thread, when each was offered).
+        continue_after = getattr(self.compute, "continue_after", None)
+        if callable(continue_after) and "snapshots" in state.get("schedule", {}):
+            continue_after(self.schedule.snapshots - self._restored_skipped)
+        if self._alerts is not None and "alerts" in state:
+            self._alerts.load_state_dict(state["alerts"])
 
     # --- the work ------------------------------------------------------------------------------
 
