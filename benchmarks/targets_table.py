@@ -114,6 +114,22 @@ MODELS = {
     ),
     "OLMoE": lambda: T.OlmoeForCausalLM(T.OlmoeConfig(**MOE, intermediate_size=8, num_experts=4)),
     "DeepSeek-V3 (dense first layer)": lambda: T.DeepseekV3ForCausalLM(T.DeepseekV3Config(**DS)),
+    "Switch Transformers (experts as a list of MLPs)": lambda: (
+        T.SwitchTransformersForConditionalGeneration(
+            T.SwitchTransformersConfig(
+                vocab_size=64,
+                d_model=16,
+                d_kv=4,
+                d_ff=24,
+                num_layers=2,
+                num_decoder_layers=2,
+                num_heads=4,
+                num_experts=4,
+                encoder_sparse_step=2,
+                decoder_sparse_step=2,
+            )
+        )
+    ),
 }
 
 

@@ -21,7 +21,7 @@ from spectral_callbacks import SpectralMonitor, SpectralTracker
 from spectral_callbacks.functional import powerlaw_alpha
 from spectral_callbacks.hf import SpectralTrainerCallback
 from spectral_callbacks.names import histogram_tag, parse_tag, scalar_tag
-from spectral_callbacks.targets import TargetWarning, find_targets
+from spectral_callbacks.targets import TargetWarning, UnwatchedExpertWarning, find_targets
 
 transformers = pytest.importorskip("transformers")
 SMALL = dict(vocab_size=64, hidden_size=16, num_hidden_layers=3, num_attention_heads=4)
@@ -277,6 +277,30 @@ def test_experts_along_a_fit_match_exact_svd_and_the_aggregates_their_experts(
     check_experts(logdir, weights, targets)
 
 
+CALLERS = {
+    "tracker": "SpectralTracker",
+    "lightning": "SpectralMonitor",
+    "hf": "SpectralTrainerCallback",
+}
+
+
+@pytest.mark.parametrize("frontend", sorted(FRONTENDS))
+def test_experts_no_rule_reads_are_warned_about_once_when_training_starts(frontend, tmp_path):
+    model = mixtral()
+    unknown = torch.nn.Parameter(torch.randn(4, 8, 16))  # a layout no rule reads (and unused)
+    model.model.layers[0].mlp.experts.register_parameter("scale_proj", unknown)
+    with pytest.warns(UnwatchedExpertWarning):  # at build, by find_targets
+        (listed,) = find_targets(model).unwatched_experts
+    assert listed.startswith("model.layers.0.mlp.experts.scale_proj (4, 8, 16): 3-D")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        FRONTENDS[frontend](model, tmp_path / "runs", record=False)
+    said = [str(w.message) for w in caught if issubclass(w.category, UnwatchedExpertWarning)]
+    assert len(said) == 1, said  # once, by the frontend, not once more by find_targets
+    assert said[0].startswith(f"{CALLERS[frontend]}: MoE experts are not watched")
+    assert "model.layers.0.mlp.experts.scale_proj (4, 8, 16)" in said[0]
+
+
 def test_default_logs_aggregates_not_each_expert():
     model = mixtral()
     recorder = Recorder()
@@ -311,3 +335,84 @@ def test_qwen2_moes_one_row_shared_expert_gate_is_left_out_without_a_warning():
         ((1, 64), "MoE shared expert's gate (one row)")
     ] * SMALL["num_hidden_layers"]
     assert not [t.name for t in targets if "shared_expert_gate" in t.name]
+
+
+class _Expert(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w1, self.w3 = torch.nn.Linear(16, 24, bias=False), torch.nn.Linear(16, 24, bias=False)
+        self.w2 = torch.nn.Linear(24, 16, bias=False)
+
+
+class _Block(torch.nn.Module):
+    """Attention and a mixture whose experts are a list of MLPs, as Mixtral was first written."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.self_attn = torch.nn.Module()
+        for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            setattr(self.self_attn, name, torch.nn.Linear(16, 16, bias=False))
+        self.block_sparse_moe = torch.nn.Module()
+        self.block_sparse_moe.gate = torch.nn.Linear(16, 4, bias=False)
+        self.block_sparse_moe.experts = torch.nn.ModuleList(_Expert() for _ in range(4))
+
+
+def switch_transformers():
+    config = transformers.SwitchTransformersConfig(
+        vocab_size=64, d_model=16, d_kv=4, d_ff=24, num_layers=2, num_decoder_layers=2,
+        num_heads=4, num_experts=4, encoder_sparse_step=2, decoder_sparse_step=2,
+        expert_capacity=8,
+    )  # fmt: skip
+    return transformers.SwitchTransformersForConditionalGeneration(config)
+
+
+def test_experts_kept_as_a_list_of_mlps_are_each_a_target_of_its_own():
+    model = torch.nn.Module()
+    model.layers = torch.nn.ModuleList(_Block() for _ in range(2))
+    targets = _find(model)
+    for layer, block in enumerate(model.layers):
+        assert [t.role for t in targets if t.layer == layer and t.expert is None] == [
+            "Q", "K", "V", "O", "Router",
+        ]  # fmt: skip
+        for expert, mlp in enumerate(block.block_sparse_moe.experts):
+            found = {t.role: t for t in targets if (t.layer, t.expert) == (layer, expert)}
+            assert sorted(found) == ["MLP_down", "MLP_gate", "MLP_up"]
+            for role, linear in (("MLP_gate", mlp.w1), ("MLP_up", mlp.w3), ("MLP_down", mlp.w2)):
+                assert found[role].matrix().data_ptr() == linear.weight.data_ptr()
+    recorder = Recorder()
+    with SpectralTracker(
+        model, ["stable_rank"], writers=[recorder], synchronous=True, figures=False
+    ) as tracker:
+        tracker.step(1)
+    exact = [
+        _exact(mlp.w2.weight.detach(), k=32)[0] for mlp in model.layers[1].block_sparse_moe.experts
+    ]
+    logged = recorder.logged[0]
+    assert logged["spectral_stable_rank/L01/MLP_down/mean"] == pytest.approx(
+        sum(exact) / 4, rel=0.01
+    )
+    assert logged["spectral_stable_rank/L01/MLP_down/max"] == pytest.approx(max(exact), rel=0.01)
+
+
+def test_switch_transformers_experts_are_watched_in_each_stack():
+    model = switch_transformers()
+    targets = _find(model)
+    for stack, blocks in (("enc", model.encoder.block), ("dec", model.decoder.block)):
+        dense = blocks[0].layer[-1].mlp  # sparse_step=2: every other block holds experts
+        for role, linear in (("MLP_up", dense.wi), ("MLP_down", dense.wo)):
+            (found,) = [t for t in targets if (t.stack, t.layer, t.role) == (stack, 0, role)]
+            assert found.expert is None and found.matrix().data_ptr() == linear.weight.data_ptr()
+        for layer, block in enumerate(blocks):
+            if not block.is_sparse:
+                continue
+            experts = block.layer[-1].mlp.experts
+            for role, leaf in (("MLP_up", "wi"), ("MLP_down", "wo")):
+                found = sorted(
+                    (t.expert, t.matrix().data_ptr())
+                    for t in targets
+                    if (t.stack, t.layer, t.role) == (stack, layer, role)
+                )
+                expected = [
+                    (e, getattr(experts[f"expert_{e}"], leaf).weight.data_ptr()) for e in range(4)
+                ]
+                assert found == expected, (stack, layer, role)

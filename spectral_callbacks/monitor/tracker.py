@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import os
 import time
+import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -407,18 +408,26 @@ class SpectralTracker:
     # --- the work ------------------------------------------------------------------------------
 
     def _find_targets(self, model: torch.nn.Module) -> list[Any]:
-        from spectral_callbacks.targets import find_targets
-        from spectral_callbacks.targets.find import TargetError
+        from spectral_callbacks.targets import UnwatchedExpertWarning, find_targets
+        from spectral_callbacks.targets.find import TargetError, unwatched_experts_message
 
         refuse_partitioned(model, self.caller)  # FSDP1, ZeRO-3: no matrix on any rank
         options = self.options.target_options
         try:
-            targets = list(find_targets(model, **options))
+            with warnings.catch_warnings():  # said once below, as the frontend's own warning
+                warnings.simplefilter("ignore", UnwatchedExpertWarning)
+                found = find_targets(model, **options)
         except TargetError as error:  # nothing to watch, or a bad mapping: a configuration error
             raise ConfigurationError(
                 f"{self.caller}: {error}\n{self.caller}(roles=, include=, exclude=, mapping=) "
                 "passes these arguments on to find_targets."
             ) from error
+        if found.unwatched_experts:  # training starts without them: say so where it starts
+            rank_zero_warn(
+                f"{self.caller}: {unwatched_experts_message(found.unwatched_experts)}",
+                category=UnwatchedExpertWarning,
+            )
+        targets = list(found)
         if not targets:
             chosen = {key: value for key, value in options.items() if value is not None}
             raise ConfigurationError(

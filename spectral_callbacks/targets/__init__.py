@@ -10,6 +10,7 @@ from spectral_callbacks.targets.errors import (
     PartialTargetWarning,
     TargetError,
     TargetWarning,
+    UnwatchedExpertWarning,
 )
 from spectral_callbacks.targets.find import find_targets
 from spectral_callbacks.targets.matching import clean_name
@@ -38,6 +39,7 @@ __all__ = [
     "TargetError",
     "TargetList",
     "TargetWarning",
+    "UnwatchedExpertWarning",
     "clean_name",
     "find_targets",
     "format_targets",

@@ -17,3 +17,8 @@ class PartialTargetWarning(TargetWarning):
 
 class AmbiguousTargetWarning(TargetWarning):
     """A parameter matched several mapping patterns, or targets come from several lists of blocks."""
+
+
+class UnwatchedExpertWarning(PartialTargetWarning):
+    """A mixture's routed experts are not watched: stored in a layout no rule reads (describe
+    them with ``mapping=``). The frontends say it once more when training starts."""

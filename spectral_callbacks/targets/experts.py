@@ -1,4 +1,5 @@
-"""Mixture-of-experts weights stored as one 3-D tensor per layer: one target per expert's slice.
+"""Mixture-of-experts weights: one target per expert's slice of a 3-D tensor, or per expert's own
+Linear layer where the experts are a list of MLPs (``experts.3.w1``, :func:`listed_expert`).
 
 ``transformers`` 5 keeps a layer's routed experts as ``experts.gate_up_proj`` of shape
 ``(E, 2 I, H)`` (each expert's gate and up rows stacked, ``[gate; up]``) and ``experts.down_proj``
@@ -23,6 +24,7 @@ Example::
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 import torch
@@ -31,7 +33,7 @@ from torch import nn
 from spectral_callbacks.targets.rules import Skip
 from spectral_callbacks.targets.target import Rows, Target, check_role
 
-__all__ = ["ExpertTarget", "expert_parts"]
+__all__ = ["ExpertTarget", "expert_parts", "is_routed_expert", "listed_expert"]
 
 # The leaf name of each 3-D experts tensor and the roles its rows hold (equal parts, in order).
 _EXPERT_ROLES: dict[str, tuple[str, ...]] = {
@@ -43,6 +45,59 @@ _EXPERT_ROLES: dict[str, tuple[str, ...]] = {
     "w3": ("MLP_up",),
     "w2": ("MLP_down",),
 }
+
+
+def is_routed_expert(name: str) -> bool:
+    """Whether parameter ``name`` lies in a mixture's routed experts (``mlp.experts``,
+    ``block_sparse_moe.experts.3``), not its shared experts or router.
+
+    >>> is_routed_expert("mlp.experts.gate_up_proj"), is_routed_expert("mlp.shared_experts.up_proj.weight")
+    (True, False)
+    """
+    return any(
+        segment.endswith("experts") and not segment.startswith("shared")
+        for segment in name.split(".")[:-1]
+    )
+
+
+# The role of each Linear layer of one expert, by module name, where a mixture keeps its routed
+# experts as separate MLPs: experts.3.w1 (Mixtral as first written), experts.expert_3.wi (Switch).
+_LISTED_EXPERT_ROLES: dict[str, str] = {
+    "w1": "MLP_gate",
+    "w3": "MLP_up",
+    "w2": "MLP_down",
+    "gate_proj": "MLP_gate",
+    "up_proj": "MLP_up",
+    "down_proj": "MLP_down",
+    "wi": "MLP_up",
+    "wo": "MLP_down",
+    "wi_0": "MLP_gate",
+    "wi_1": "MLP_up",
+    "fc1": "MLP_up",
+    "fc2": "MLP_down",
+}
+
+
+def listed_expert(name: str) -> tuple[int, str | None] | None:
+    """``(expert, role)`` of one expert's weight in a list of expert MLPs (``role`` ``None`` for
+    a module name no rule reads), or ``None`` for a weight that is not in such a list.
+
+    >>> listed_expert("model.layers.0.block_sparse_moe.experts.3.w1.weight")
+    (3, 'MLP_gate')
+    >>> listed_expert("encoder.block.1.layer.1.mlp.experts.expert_2.wo.weight")
+    (2, 'MLP_down')
+    >>> listed_expert("mlp.experts.0.linear.weight"), listed_expert("mlp.shared_experts.w1.weight")
+    ((0, None), None)
+    """
+    segments = name.split(".")
+    if "experts" not in segments[:-2]:
+        return None
+    at = len(segments) - 1 - segments[::-1].index("experts")
+    index = re.fullmatch(r"(?:expert_?)?(\d+)", segments[at + 1])
+    if index is None:
+        return None
+    module = ".".join(segments[at + 2 : -1])
+    return int(index[1]), _LISTED_EXPERT_ROLES.get(module)
 
 
 def expert_parts(

@@ -26,15 +26,16 @@ from collections.abc import Iterable, Mapping
 
 from torch import nn
 
-from spectral_callbacks.messages import rank_zero_warn
+from spectral_callbacks.messages import count, rank_zero_warn
 from spectral_callbacks.targets.adapted import adapt
 from spectral_callbacks.targets.errors import (
     AmbiguousTargetWarning,
     PartialTargetWarning,
     TargetError,
     TargetWarning,
+    UnwatchedExpertWarning,
 )
-from spectral_callbacks.targets.experts import ExpertTarget
+from spectral_callbacks.targets.experts import ExpertTarget, is_routed_expert
 from spectral_callbacks.targets.matching import (
     Candidate,
     Patterns,
@@ -52,6 +53,7 @@ __all__ = [
     "PartialTargetWarning",
     "TargetError",
     "TargetWarning",
+    "UnwatchedExpertWarning",
     "find_targets",
 ]
 
@@ -119,6 +121,8 @@ def find_targets(
         PartialTargetWarning: a weight inside the blocks matched no rule, a fused weight had an
             unknown layout, or some layers lack roles that others have.
         AmbiguousTargetWarning: a weight matched several ``mapping`` patterns.
+        UnwatchedExpertWarning: a mixture's routed experts in a layout no rule reads (also
+            listed in ``.unwatched_experts``; the frontends warn again when training starts).
 
     Example::
 
@@ -151,6 +155,7 @@ def find_targets(
     blocks_with_targets = {c.block for c in candidates if c.parts and c.block}
     chosen: list[Candidate] = []
     unmapped: list[str] = []  # look like targets but could not be mapped: warned about below
+    unwatched_experts: list[str] = []  # routed experts no rule reads: warned about on their own
     for candidate in candidates:
         shape = tuple(candidate.parameter.shape)
         skip = candidate.skip
@@ -167,7 +172,10 @@ def find_targets(
             skipped.append(Skipped(candidate.name, shape, "not matched by include="))
         elif skip is not None:
             skipped.append(Skipped(candidate.name, shape, skip.reason))
-            unmapped.append(f"{candidate.name} {shape}: {skip.reason}")
+            experts = is_routed_expert(candidate.clean)
+            (unwatched_experts if experts else unmapped).append(
+                f"{candidate.name} {shape}: {skip.reason}"
+            )
         else:
             chosen.append(candidate)
 
@@ -184,6 +192,10 @@ def find_targets(
             "with exclude=.",
             category=PartialTargetWarning,
         )
+    if unwatched_experts:
+        rank_zero_warn(
+            unwatched_experts_message(unwatched_experts), category=UnwatchedExpertWarning
+        )
     # A tuner layer's base weight becomes an adapted target (its effective weight, its update).
     kept = [adapt(target, modules) for target in _number_layers(candidates, chosen)]
 
@@ -198,7 +210,20 @@ def find_targets(
     kept.sort(
         key=lambda t: (stack_order[t.stack], t.layer, role_sort_key(t.role), t.expert or 0, t.name)
     )
-    return TargetList(kept, skipped, low_dim)
+    return TargetList(kept, skipped, low_dim, unwatched_experts)
+
+
+def unwatched_experts_message(unwatched: list[str]) -> str:
+    """The warning that routed experts (``name shape: reason`` each) are not watched."""
+    listed = unwatched[:_MAX_LISTED] + (
+        [f"... and {len(unwatched) - _MAX_LISTED} more"] if len(unwatched) > _MAX_LISTED else []
+    )
+    return (
+        f"MoE experts are not watched (no spectra for them), {count(len(unwatched), 'weight')}:\n  "
+        + "\n  ".join(listed)
+        + "\nDescribe them with mapping={pattern: role or Split(...)}, or silence this with "
+        "exclude=."
+    )
 
 
 # The words that name a stack, first match wins: two towers, then encoder and decoder.
@@ -304,6 +329,7 @@ def _number_layers(candidates: list[Candidate], chosen: list[Candidate]) -> list
                 rows=rows,
                 fused=fused,
                 stack=stack_of[key],
+                expert=c.expert,
             )
             for role, rows in c.parts
         ]

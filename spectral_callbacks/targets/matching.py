@@ -16,7 +16,7 @@ from torch import nn
 
 from spectral_callbacks.messages import rank_zero_warn
 from spectral_callbacks.targets.errors import AmbiguousTargetWarning, TargetError
-from spectral_callbacks.targets.experts import expert_parts
+from spectral_callbacks.targets.experts import expert_parts, listed_expert
 from spectral_callbacks.targets.rules import (
     BUILTIN_RULES,
     Context,
@@ -78,6 +78,7 @@ class Candidate:
     skip: Skip | None
     block: tuple[str, int] | None  # (list path, index in list)
     experts: int = 0  # a 3-D experts tensor: its number of experts, each a target per part
+    expert: int | None = None  # one expert's own Linear in a list of expert MLPs: its index
 
 
 def as_patterns(value: Patterns, argument: str) -> list[Pattern]:
@@ -293,7 +294,8 @@ def decide(
             candidates.append(Candidate(name, ctx.name, parameter, [], decision, None))
             continue
         parts = parts_of(decision, ctx, name, from_user)
-        candidates.append(
-            Candidate(name, ctx.name, parameter, parts, None, block_of(name, matched, modules))
-        )
+        block = block_of(name, matched, modules)
+        listed = listed_expert(ctx.name)
+        expert = None if listed is None else listed[0]
+        candidates.append(Candidate(name, ctx.name, parameter, parts, None, block, expert=expert))
     return candidates, skipped, low_dim, position

@@ -358,7 +358,21 @@ def _cross(ctx: Context) -> Decision | None:
     return None
 
 
-_EXPERT = Skip("MoE expert (many per layer): not watched by default; use mapping= to watch")
+def _listed_expert(ctx: Context) -> Decision | None:
+    """One expert's Linear in a list of expert MLPs: its role (``find_targets`` numbers the
+    expert), or a warned skip for a module name no rule reads."""
+    from spectral_callbacks.targets.experts import listed_expert  # experts.py imports Skip here
+
+    found = listed_expert(ctx.name)
+    if found is not None and found[1] is not None:
+        return found[1]
+    return Skip(
+        "MoE expert of unknown layout (not w1/w2/w3, gate/up/down_proj, wi/wo, fc1/fc2); "
+        "describe it with mapping=",
+        warn=True,
+    )
+
+
 _ROUTER = Skip("MoE router")
 
 # (pattern, rule), first match wins. Shared leaf names (c_proj, dense, proj) carry their parent.
@@ -367,9 +381,9 @@ BUILTIN_RULES: tuple[tuple[str, Rule], ...] = (
     ("*", _adapter_part),
     # Left out on purpose: listed in the summary, not warned about.
     # Mixture of experts: the router, and shared experts under roles of their own (DeepSeek's
-    # shared_experts, Qwen2-MoE's shared_expert and its one-row gate). Routed experts stored as
-    # 3-D tensors are expert targets (targets/experts.py); as a list of Linear layers, left out.
-    ("experts.*", _EXPERT),
+    # shared_experts, Qwen2-MoE's shared_expert and its one-row gate). Routed experts are expert
+    # targets (targets/experts.py), stored as 3-D tensors or as a list of expert MLPs.
+    ("experts.*", _listed_expert),
     ("mlp.gate.weight", "Router"),
     ("block_sparse_moe.gate.weight", "Router"),
     ("router.*", _ROUTER),
@@ -499,6 +513,8 @@ BUILTIN_RULES: tuple[tuple[str, Rule], ...] = (
     ("DenseReluDense.wi_0.weight", "MLP_gate"),
     ("DenseReluDense.wi_1.weight", "MLP_up"),
     ("DenseReluDense.wo.weight", "MLP_down"),
+    ("mlp.wi.weight", "MLP_up"),  # Switch Transformers' dense layers (its experts: experts.*)
+    ("mlp.wo.weight", "MLP_down"),
     # MLA (DeepSeek-V2/V3), GLA (kv_b_proj per latent group), MFA (low-rank Q).
     ("q_a_proj.weight", "Q_down"),
     ("q_b_proj.weight", "Q_up"),

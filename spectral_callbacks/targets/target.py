@@ -170,13 +170,17 @@ class Target:
         rows: Rows | None = None,
         fused: bool = False,
         stack: str = "",
+        expert: int | None = None,
     ) -> Target:
-        """A target on ``parameter``; ``fused=True`` appends ``[role]`` to the name."""
+        """A target on ``parameter``; ``fused=True`` appends ``[role]`` to the name; ``expert``:
+        the expert whose own matrix it is (a mixture keeping its experts as separate modules)."""
         rows = rows or Rows()
         check_role(role, f"target {parameter_name}")
         shape = rows.shape_of(tuple(parameter.shape))  # no copy, even for interleaved rows
         name = f"{parameter_name}[{role}]" if fused else parameter_name
-        return cls(name, parameter_name, layer, num_layers, role, shape, parameter, rows, stack)
+        return cls(
+            name, parameter_name, layer, num_layers, role, shape, parameter, rows, stack, expert
+        )
 
     @property
     def depth(self) -> float:
@@ -227,15 +231,21 @@ class TargetList(list):  # type: ignore[type-arg]
     """``list[Target]`` that also remembers the parameters that were not watched (``.skipped``).
 
     ``low_dim`` counts parameters with fewer than 2 dimensions (biases, norm scales), which are
-    never targets and are only counted, not listed.
+    never targets and are only counted, not listed. ``unwatched_experts`` lists the mixture's
+    routed experts that are not watched because no rule reads them (``name (shape): reason``).
     """
 
     def __init__(
-        self, targets: Iterable[Target] = (), skipped: Iterable[Skipped] = (), low_dim: int = 0
+        self,
+        targets: Iterable[Target] = (),
+        skipped: Iterable[Skipped] = (),
+        low_dim: int = 0,
+        unwatched_experts: Iterable[str] = (),
     ) -> None:
         super().__init__(targets)
         self.skipped: list[Skipped] = list(skipped)
         self.low_dim = low_dim
+        self.unwatched_experts: list[str] = list(unwatched_experts)
 
 
 def _shape_text(shape: tuple[int, ...]) -> str:
