@@ -7,6 +7,7 @@ of a copy of the model, the update with PEFT's own ``get_delta_weight``.
 from __future__ import annotations
 
 import copy
+import re
 from typing import Any
 
 import pytest
@@ -731,3 +732,94 @@ def test_a_modules_to_save_copy_is_a_plain_target_and_its_original_is_left_out()
     reasons = {s.parameter_name: s.reason for s in targets.skipped}
     original = "base_model.model.model.layers.0.self_attn.q_proj.original_module.weight"
     assert reasons[original].startswith("original of a PEFT modules_to_save copy")
+
+
+# --- quantized bases --------------------------------------------------------------------------
+
+
+class Linear4bit(torch.nn.Linear):
+    """Stand-in for bitsandbytes' ``Linear4bit`` (a ``Linear`` subclass; here its weight stays
+    float, as the real one's does until it is moved to its device): known by its class."""
+
+
+class Linear8bitLt(torch.nn.Linear):
+    """Stand-in for bitsandbytes' ``Linear8bitLt``, whose weight is stored as int8."""
+
+    def __init__(self, linear: torch.nn.Linear) -> None:
+        super().__init__(linear.in_features, linear.out_features, bias=False)
+        scale = linear.weight.detach().abs().amax() / 127
+        packed = torch.round(linear.weight.detach() / scale).to(torch.int8)
+        self.weight = torch.nn.Parameter(packed, requires_grad=False)
+
+
+def _quantize(model: Any, names: dict[str, Any]) -> Any:
+    for layer in model.model.layers:
+        for path, kind in names.items():
+            owner, _, leaf = path.rpartition(".")
+            parent = layer.get_submodule(owner)
+            linear = getattr(parent, leaf)
+            if kind is Linear4bit:
+                swapped = Linear4bit(linear.in_features, linear.out_features, bias=False)
+                swapped.weight = torch.nn.Parameter(linear.weight.detach(), requires_grad=False)
+            else:
+                swapped = kind(linear)
+            setattr(parent, leaf, swapped)
+    return model
+
+
+def test_a_quantized_base_is_refused_in_one_line_naming_its_type() -> None:
+    torch.manual_seed(0)
+    model = _quantize(tiny_llama(), {"self_attn.q_proj": Linear4bit, "mlp.gate_proj": Linear8bitLt})
+    config = peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"])
+    qlora = peft.get_peft_model(model, config)
+    with pytest.warns(UserWarning) as caught:
+        targets = find_targets(qlora)
+    lines = [line.strip() for w in caught for line in str(w.message).splitlines()]
+    q = [line for line in lines if ".q_proj.base_layer.weight" in line]
+    assert len(q) == 2 and all(
+        "PEFT layer lora.Linear over a quantized base (Linear4bit, weight float32): not watched"
+        in line
+        for line in q
+    )
+    # Outside PEFT: the int8 weight of a quantized layer that no adapter wraps.
+    gate = [line for line in lines if ".mlp.gate_proj.weight" in line]
+    assert len(gate) == 2 and all(
+        "quantized layer (Linear8bitLt, weight int8): not watched" in line for line in gate
+    )
+    assert {t.role for t in targets} == {"K", "V", "O", "MLP_up", "MLP_down"}
+    assert all(isinstance(t, AdaptedTarget) for t in targets if t.role == "V")
+
+
+def test_a_real_bitsandbytes_qlora_base_is_refused_in_one_line_naming_its_type() -> None:
+    # bitsandbytes is not a dependency; where it is installed its CPU backend quantizes, so the
+    # QLoRA setup itself (4-bit NF4 and 8-bit bases under LoRA) is exercised.
+    bnb = pytest.importorskip("bitsandbytes")
+    torch.manual_seed(0)
+    model = tiny_llama()
+    for layer in model.model.layers:
+        q, gate = layer.self_attn.q_proj, layer.mlp.gate_proj
+        four = bnb.nn.Linear4bit(64, 64, bias=False, quant_type="nf4", compute_dtype=torch.float32)
+        four.weight = bnb.nn.Params4bit(q.weight.detach().clone(), requires_grad=False)
+        eight = bnb.nn.Linear8bitLt(64, 128, bias=False, has_fp16_weights=False)
+        eight.weight = bnb.nn.Int8Params(
+            gate.weight.detach().clone(), requires_grad=False, has_fp16_weights=False
+        )
+        layer.self_attn.q_proj, layer.mlp.gate_proj = four.to("cpu"), eight.to("cpu")  # quantizes
+    config = peft.LoraConfig(r=4, target_modules=["q_proj", "gate_proj", "v_proj"])
+    qlora = peft.get_peft_model(model, config)
+    tokens = torch.randint(0, 64, (2, 8))
+    assert torch.isfinite(qlora(input_ids=tokens).logits).all()  # a working QLoRA model
+    with pytest.warns(UserWarning) as caught:
+        targets = find_targets(qlora)
+    lines = [line.strip() for w in caught for line in str(w.message).splitlines()]
+    for module, kind, dtype in (
+        ("q_proj", "Linear4bit", "uint8"),
+        ("gate_proj", "Linear8bitLt", "int8"),
+    ):
+        found = [line for line in lines if f".{module}.base_layer.weight" in line]
+        # the tuner layer class is PEFT's choice (lora.Linear on this CPU backend)
+        expected = (
+            rf"PEFT layer lora\.\w+ over a quantized base \({kind}, weight {dtype}\): not watched"
+        )
+        assert len(found) == 2 and all(re.search(expected, line) for line in found), found
+    assert {t.role for t in targets} == {"K", "V", "O", "MLP_up", "MLP_down"}

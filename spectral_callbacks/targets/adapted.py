@@ -18,7 +18,7 @@ The other additive tuner types (LoHa, LoKr, VeRA, ...: :data:`ADDITIVE_TUNERS`) 
 read: a :class:`DenseAdaptedTarget` asks the layer for ``get_delta_weight(adapter)`` when the
 snapshot is taken (an ``m x n`` copy per matrix, on the training thread) and decomposes
 ``W_0 + dW`` on the live base. Types whose update is not added to the base (OFT, BOFT, HRA
-rotate it; IA3 scales it) are refused in one line naming the layer type.
+rotate it; IA3 scales it) and quantized bases are refused in one line naming the layer type.
 
 Nothing here imports ``peft``: a tuner layer is recognized by what it has (``base_layer``,
 ``get_base_layer``, ``active_adapters``, ``lora_A``/``lora_B``, ``get_delta_weight``).
@@ -43,6 +43,7 @@ __all__ = [
     "DenseAdaptedTarget",
     "adapt",
     "is_tuner_layer",
+    "quantized_base",
     "unsupported_reason",
 ]
 
@@ -52,6 +53,23 @@ __all__ = [
 #: ``merge_and_unload()`` in tests/test_peft.py. (LoRA itself is read as factors.)
 ADDITIVE_TUNERS = frozenset(
     {"loha", "lokr", "adalora", "vera", "randlora", "vblora", "fourierft", "c3a", "shira"}
+)
+
+# Layer and weight classes of quantization libraries (bitsandbytes, HQQ, GPTQ, AWQ): a weight
+# stored packed, whose matrix only a dequantization gives.
+_QUANTIZED_CLASSES = frozenset(
+    {
+        "Linear4bit",
+        "LinearNF4",
+        "LinearFP4",
+        "Linear8bitLt",
+        "Params4bit",
+        "Int8Params",
+        "HQQLinear",
+        "QuantLinear",
+        "WQLinear_GEMM",
+        "WQLinear_GEMV",
+    }
 )
 
 
@@ -87,16 +105,40 @@ def _active(layer: Any) -> list[str]:
     return [name for name in layer.active_adapters if any(name in store for store in stores)]
 
 
+def quantized_base(module: nn.Module) -> str | None:
+    """``"Linear4bit, weight uint8"`` when ``module`` holds its weight quantized, else ``None``.
+
+    Known by the class of the layer or of its weight (bitsandbytes ``Linear4bit``/``Params4bit``,
+    ``Linear8bitLt``/``Int8Params``, HQQ, GPTQ, AWQ), or by a weight that is not floating point or
+    is a one-byte float (float8 with a scale kept elsewhere).
+    """
+    weight = getattr(module, "weight", None)
+    classes = {cls.__name__ for cls in type(module).__mro__}
+    if isinstance(weight, torch.Tensor):
+        classes |= {cls.__name__ for cls in type(weight).__mro__}
+        packed = not weight.is_floating_point() or weight.element_size() == 1
+    else:
+        packed = False
+    if not (classes & _QUANTIZED_CLASSES or packed):
+        return None
+    dtype = str(weight.dtype).removeprefix("torch.") if isinstance(weight, torch.Tensor) else "-"
+    return f"{type(module).__name__}, weight {dtype}"
+
+
 def unsupported_reason(layer: nn.Module) -> str | None:
     """Why the adapted ``layer`` cannot be watched, or ``None`` if it can (one line)."""
     kind = f"{_tuner(layer)}.{type(layer).__name__}"
     base = layer.get_base_layer()  # type: ignore[operator]
     weight = getattr(base, "weight", None)
-    if not isinstance(weight, torch.Tensor) or weight.dim() != 2 or not weight.is_floating_point():
+    quantized = quantized_base(base)
+    if quantized is not None:
         return (
-            f"PEFT layer {kind} over a quantized or non-matrix base ({type(base).__name__}): "
-            "not watched (dequantizing it per snapshot is not supported)"
+            f"PEFT layer {kind} over a quantized base ({quantized}): not watched (its weight is "
+            "not a matrix until dequantized, which is not done per snapshot)"
         )
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
+        shape = tuple(weight.shape) if isinstance(weight, torch.Tensor) else None
+        return f"PEFT layer {kind} over a non-matrix base ({type(base).__name__}, {shape}): not watched"
     if _reads_delta(layer):
         if getattr(layer, "fan_in_fan_out", False):
             return (

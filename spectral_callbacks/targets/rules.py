@@ -30,7 +30,7 @@ from dataclasses import dataclass, replace
 import torch
 from torch import nn
 
-from spectral_callbacks.targets.adapted import is_tuner_layer, unsupported_reason
+from spectral_callbacks.targets.adapted import is_tuner_layer, quantized_base, unsupported_reason
 from spectral_callbacks.targets.target import Rows, check_role
 
 
@@ -327,6 +327,18 @@ def _adapter_part(ctx: Context) -> Skip | None:
     return None
 
 
+def _quantized(ctx: Context) -> Skip | None:
+    """The built-in rule for a weight stored quantized (bitsandbytes 4-/8-bit, HQQ, GPTQ, AWQ): its
+    packed storage is not the matrix, and it is not dequantized per snapshot (warned about, since
+    it looks like a target)."""
+    reason = quantized_base(ctx.modules[0])
+    if reason is None:
+        return None
+    return Skip(
+        f"quantized layer ({reason}): not watched (not dequantized per snapshot)", warn=True
+    )
+
+
 # A cross-attention module is written like the block's self-attention under another name: its
 # weights map by the self-attention's rule, with each role marked ``_cross``.
 _SELF_OF_CROSS = {
@@ -379,6 +391,8 @@ _ROUTER = Skip("MoE router")
 BUILTIN_RULES: tuple[tuple[str, Rule], ...] = (
     # PEFT tuner layers (targets/adapted.py): their adapter factors are watched through the base.
     ("*", _adapter_part),
+    # Quantized layers outside PEFT (inside it, _adapter_part refuses them naming the tuner layer).
+    ("*", _quantized),
     # Left out on purpose: listed in the summary, not warned about.
     # Mixture of experts: the router, and shared experts under roles of their own (DeepSeek's
     # shared_experts, Qwen2-MoE's shared_expert and its one-row gate). Routed experts are expert
