@@ -416,3 +416,19 @@ def test_switch_transformers_experts_are_watched_in_each_stack():
                     (e, getattr(experts[f"expert_{e}"], leaf).weight.data_ptr()) for e in range(4)
                 ]
                 assert found == expected, (stack, layer, role)
+
+
+def test_an_analyzed_mixture_logs_its_experts_aggregates_and_histograms(tmp_path):
+    from spectral_callbacks.offline.analysis import analyze_model, write_scalars
+
+    model = mixtral()
+    rows, num_layers = analyze_model(model)
+    write_scalars(rows, num_layers, tmp_path)
+    scalars, histograms = read_scalars(tmp_path), read_histograms(tmp_path)
+    down = [_exact(e, k=32)[0] for e in model.model.layers[1].mlp.experts.down_proj.detach()]
+    tag = "spectral_stable_rank/L01/MLP_down"
+    assert scalars[f"{tag}/mean"][0] == pytest.approx(sum(down) / 4, rel=0.01)
+    assert scalars[f"{tag}/min"][0] == pytest.approx(min(down), rel=0.01)
+    assert tag not in scalars  # one expert would have overwritten the next under one tag
+    assert histograms[tag][0].num == 4
+    assert histograms[tag][0].max == pytest.approx(max(down), rel=0.01)

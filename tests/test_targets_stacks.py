@@ -273,3 +273,19 @@ def test_the_dashboard_layout_draws_each_stacks_logged_tags():
     assert "spectral stable_rank dec by layer" in titles
     assert "spectral stable_rank enc by role" in titles
     assert drawn == set(logged)  # every logged tag drawn, none that is never logged
+
+
+def test_an_analyzed_model_has_relative_depth_within_each_stack(tmp_path):
+    from spectral_callbacks.offline.analysis import analyze_model, write_scalars
+    from spectral_callbacks.offline.events import read_runs
+
+    rows, num_layers = analyze_model(t5())  # 2 encoder layers, 3 decoder layers
+    assert num_layers == 3
+    tags = write_scalars(rows, num_layers, tmp_path)
+    assert {"spectral_monitor/num_layers/enc", "spectral_monitor/num_layers/dec"} <= set(tags)
+    read = read_runs([tmp_path]).rows
+    depth = read[read.layer.notna()].groupby(["stack", "layer"])["depth"].unique()
+    assert {key: list(value) for key, value in depth.items()} == {
+        ("dec", 0): [0.0], ("dec", 1): [0.5], ("dec", 2): [1.0],
+        ("enc", 0): [0.0], ("enc", 1): [1.0],
+    }  # fmt: skip

@@ -85,7 +85,12 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from spectral_callbacks.offline.analysis import analyze_model, check_logdir, write_scalars
+    from spectral_callbacks.offline.analysis import (
+        DESCRIPTION_COLUMNS,
+        analyze_model,
+        check_logdir,
+        write_scalars,
+    )
     from spectral_callbacks.offline.loading import load_model
 
     if args.step < 0:
@@ -99,7 +104,7 @@ def run(args: argparse.Namespace) -> int:
         )
     written = write_scalars(rows, num_layers, args.logdir, step=args.step)
     print_table(rows, title=f"{args.model}: stable rank / α by layer and role (step {args.step})")
-    metrics = rows.columns.difference(["layer", "role", "parameter", "shape"])
+    metrics = rows.columns.difference(list(DESCRIPTION_COLUMNS))
     unknown = rows[metrics].isna().sum()
     if unknown.any():
         left_out = ", ".join(

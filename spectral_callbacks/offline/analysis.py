@@ -18,11 +18,13 @@ from typing import Any
 import pandas as pd
 from torch import nn
 
-from spectral_callbacks.names import NUM_LAYERS_TAG, relative_depth
+from spectral_callbacks.names import relative_depth
 from spectral_callbacks.offline.loading import AnalysisError
 
 # Matrices analysed together; bounds the memory of the stacked copies for large models.
 BATCH_MATRICES = 8
+#: The columns of ``analyze_model`` rows that say which matrix a row is; the others are metrics.
+DESCRIPTION_COLUMNS = ("stack", "layer", "role", "expert", "num_layers", "parameter", "shape")
 
 
 def analyze_model(
@@ -42,8 +44,9 @@ def analyze_model(
         **options: passed to ``spectral_metrics`` (e.g. the SVD method).
 
     Returns:
-        Rows ``layer, role, parameter, shape, <metric>...`` in target order, and the number of
-        layers L of the model.
+        Rows ``stack, layer, role, expert, num_layers, parameter, shape, <metric>...`` in target
+        order (``num_layers``: of the row's stack; ``expert``: ``None`` outside experts), and the
+        number of layers L of the model's deepest stack.
     """
     from spectral_callbacks.functional import spectral_metrics, update_metrics
     from spectral_callbacks.monitor.snapshot import group_by_shape, take_snapshot
@@ -75,6 +78,8 @@ def analyze_model(
                 "stack": t.stack,
                 "layer": t.layer,
                 "role": t.role,
+                "expert": t.expert,
+                "num_layers": t.num_layers,
                 "parameter": t.name,
                 "shape": "x".join(map(str, t.shape)),
                 **results[t.name],
@@ -82,7 +87,7 @@ def analyze_model(
             for t in targets
         ]
     )
-    return rows, targets[0].num_layers
+    return rows, max(t.num_layers for t in targets)
 
 
 def check_logdir(logdir: str | Path) -> None:
@@ -99,10 +104,12 @@ def write_scalars(
 ) -> list[str]:
     """Write ``analyze_model`` rows to ``logdir`` as the callback's scalars at ``step``.
 
-    The scalars are built by the training run's ``Reporter`` - one per (metric, layer, role) and
-    the mean over the finite layers per (metric, role) - and written as one event like a
-    snapshot's, with ``spectral_monitor/num_layers``, so the names and means are the same by
-    construction. A value that is not finite is not written: at rest each tag holds one point, so
+    The scalars are built by the training run's ``Reporter`` - one per (metric, layer, role),
+    the mean over the finite layers per (metric, role), a layer's experts as their mean, min and
+    max (and their histogram) - and written as one event like a snapshot's, with
+    ``spectral_monitor/num_layers`` (one per stack where there are several: relative depth is
+    within a stack), so the names and means are the same by construction. ``num_layers`` is
+    used for rows without a ``num_layers`` column of their own. A value that is not finite is not written: at rest each tag holds one point, so
     a NaN (``energy_rank_90`` beyond the top k, a matrix with NaN entries) would be a chart with
     nothing on it; the caller counts what was left out.
 
@@ -115,28 +122,35 @@ def write_scalars(
     from types import SimpleNamespace
 
     from spectral_callbacks import tensorboard_adapter as tb
-    from spectral_callbacks.monitor.reporting import Reporter, num_layers_scalar
+    from spectral_callbacks.monitor.reporting import Reporter
 
-    metrics = [c for c in rows.columns if c not in ("stack", "layer", "role", "parameter", "shape")]
+    metrics = [c for c in rows.columns if c not in DESCRIPTION_COLUMNS]
     check_logdir(logdir)
-    targets = [
-        SimpleNamespace(
-            name=row.parameter,
-            stack=str(getattr(row, "stack", "")),
-            layer=int(row.layer),
-            role=str(row.role),
-            num_layers=num_layers,
-            depth=relative_depth(int(row.layer), num_layers),
+    targets = []
+    for row in rows.itertuples(index=False):
+        layers = int(getattr(row, "num_layers", num_layers))
+        expert: Any = getattr(row, "expert", None)
+        targets.append(
+            SimpleNamespace(
+                name=row.parameter,
+                stack=str(getattr(row, "stack", "")),
+                layer=int(row.layer),
+                role=str(row.role),
+                expert=None if pd.isna(expert) else int(expert),
+                num_layers=layers,
+                depth=relative_depth(int(row.layer), layers),
+            )
         )
-        for row in rows.itertuples(index=False)
-    ]
     values = {row["parameter"]: {m: float(row[m]) for m in metrics} for _, row in rows.iterrows()}
-    scalars = Reporter(targets, metrics).scalars(step, values)
+    reporter = Reporter(targets, metrics)
+    scalars = reporter.scalars(step, values)
     finite = {tag: value for tag, value in scalars.items() if math.isfinite(value)}
+    num_layers_scalars = reporter.num_layers_scalars()
     writer = tb.LogdirWriter(str(logdir))
     try:
-        tb.log_scalars([writer], num_layers_scalar(num_layers), step)
+        tb.log_scalars([writer], num_layers_scalars, step)
         tb.log_scalars([writer], finite, step)
+        tb.add_histograms([writer.experiment], reporter.expert_values(values), step)
     except OSError as error:
         raise AnalysisError(
             f"{logdir}: cannot create the log directory ({error.strerror or error}); give a "
@@ -145,4 +159,4 @@ def write_scalars(
         ) from error
     finally:
         writer.finalize()
-    return [NUM_LAYERS_TAG, *finite]
+    return [*num_layers_scalars, *finite]
