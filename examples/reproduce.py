@@ -19,9 +19,11 @@ Figures:
   ``attention_variants.py --inits gpt zero_out``, or ``--runs DIR`` holding ``<variant>/<init>``).
 
 Each writes ``<out>/<figure>.png`` and ``<out>/<figure>.csv``: exactly the plotted numbers as tidy
-rows ``panel, series, x, y``. Trained runs go to ``<out>/runs/<figure>``. ``--scale`` picks the
-sizes of ``SCALES``: ``cpu`` (default, minutes on 2 cores), ``reference`` (the study's width 768 and
-10K steps, for a GPU) or ``tiny`` (seconds, for tests).
+rows ``panel, series, x, y``. Trained runs go to ``<out>/runs/<figure>``; the lifecycle and
+alpha-depth runs also log the ESD family (every 10th snapshot), so ``spectral-callbacks
+rank-layers <out>/runs/lifecycle/D8`` ranks their layers. ``--scale`` picks the sizes of
+``SCALES``: ``cpu`` (default, minutes on 2 cores), ``reference`` (the study's width 768 and 10K
+steps, for a GPU) or ``tiny`` (seconds, for tests).
 """
 
 from __future__ import annotations
@@ -216,7 +218,7 @@ def train(args: argparse.Namespace, scale: Scale) -> list[Path]:
         print(f"[reproduce] training {name} (width {scale.width}, {scale.steps} steps)", flush=True)
         runs.append(
             train_gpt.main(
-                [*_common(args, scale), "--depth", str(depth), "--logdir", str(logdir)]
+                [*_common(args, scale), "--depth", str(depth), "--esd", "--logdir", str(logdir)]
                 + ["--name", name, "--version", ""]
             )
         )

@@ -31,6 +31,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch.utils.data import DataLoader
 
 from spectral_callbacks import SpectralMonitor
+from spectral_callbacks.monitor.options import DEFAULT_METRICS
 
 
 class GPTModule(L.LightningModule):
@@ -179,6 +180,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     logging.add_argument("--no-spectral", action="store_true", help="train without SpectralMonitor")
     logging.add_argument(
+        "--esd",
+        action="store_true",
+        help="also log the ESD family (esd_alpha: WeightWatcher's power-law fit of the full "
+        "spectrum) on every 10th snapshot, for `spectral-callbacks rank-layers RUN`",
+    )
+    logging.add_argument(
         "--progress", action=argparse.BooleanOptionalAction, default=True, help="progress bar"
     )
     return parser
@@ -246,7 +253,10 @@ def main(argv: list[str] | None = None) -> Path:
     logger = TensorBoardLogger(
         args.logdir, name=name, version=args.version, default_hp_metric=False
     )
-    callbacks = [] if args.no_spectral else [SpectralMonitor(every_n_steps=args.every_n_steps)]
+    metrics = (*DEFAULT_METRICS, "esd_alpha") if args.esd else DEFAULT_METRICS
+    callbacks = (
+        [] if args.no_spectral else [SpectralMonitor(metrics, every_n_steps=args.every_n_steps)]
+    )
     trainer = L.Trainer(
         max_steps=args.steps,
         # The stream of windows is endless, so the run is one epoch that max_steps ends; left

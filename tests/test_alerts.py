@@ -135,6 +135,12 @@ def test_the_tracker_warns_writes_text_and_counts_and_calls_the_hook(tmp_path: P
     assert [event.step for event in texts] == [2]
     text = texts[0].tensor_proto.string_val[0].decode()
     assert "| 2 | sigma_growth | linear1.weight |" in text
+    # The same rules replayed over the logged event files (the benchmark's reading of a run)
+    # raise the same alert.
+    replayed = alert_thresholds.replay(alert_thresholds.read_snapshots(tmp_path), rules)
+    assert [(a.kind, a.step, a.layer, a.role) for a in replayed] == [
+        (a.kind, a.step, a.layer, a.role) for a in seen
+    ]
 
 
 def test_a_resumed_run_counts_on_and_does_not_repeat_an_alert_within_its_window() -> None:
@@ -177,6 +183,7 @@ SPIKE_STEP = 150  # the first update at 30x is step 151
 def test_the_default_rules_raise_nothing_on_a_healthy_run(tmp_path: Path) -> None:
     run = alert_thresholds.train(**QUICK, logdir=tmp_path)
     assert run.alerts == []
+    assert alert_thresholds.replay(run.snapshots) == []
     assert max(run.snapshots) == QUICK["steps"]  # the run was watched to its end
 
 
@@ -187,3 +194,7 @@ def test_a_30x_learning_rate_spike_raises_an_alert_within_two_snapshots(tmp_path
     assert max(run.losses[s] for s in range(SPIKE_STEP + 1, SPIKE_STEP + 20)) > before + 1.0
     first = min(alert.step for alert in run.alerts)
     assert SPIKE_STEP < first <= SPIKE_STEP + 20  # snapshots every 10 steps: the 1st or 2nd after
+    replayed = alert_thresholds.replay(run.snapshots)
+    assert sorted((a.kind, a.step, a.layer, a.role) for a in replayed) == sorted(
+        (a.kind, a.step, a.layer, a.role) for a in run.alerts
+    )

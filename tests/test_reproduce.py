@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import attention_variants
@@ -13,6 +14,8 @@ import train_gpt
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from spectral_callbacks import charts
+from spectral_callbacks.cli import main as cli
+from spectral_callbacks.monitor.alerts import ALERT_KINDS
 from spectral_callbacks.offline.events import read_runs
 
 GLYPHS = ["Q", "K", "V", "O", "MLP↑", "MLP↓"]
@@ -231,3 +234,25 @@ def test_existing_runs_are_drawn_without_training(
     again = reproduce.main(["lifecycle", "--runs", str(run), "--out", str(tmp_path)])
     pd.testing.assert_frame_equal(pd.read_csv(again[1]), pd.read_csv(csv))
     assert not (tmp_path / "runs").exists()
+
+
+def test_the_lifecycle_run_counts_alerts_and_rank_layers_reads_its_esd(
+    lifecycle: tuple[Path, Path, Path], tmp_path: Path
+) -> None:
+    _, _, run = lifecycle
+    rows = read_runs([run], all_scalars=True).rows
+    counts = rows[rows.metric.str.startswith("spectral_alerts/")]
+    assert set(counts.metric) == {f"spectral_alerts/{kind}" for kind in ALERT_KINDS}
+    assert (counts.value == 0).all()  # logged at every snapshot, none raised
+    out = tmp_path / "ranks.json"
+    assert cli(["rank-layers", str(run), "--sparsity", "0.6", "--json", str(out)]) == 0
+    ranking = json.loads(out.read_text())
+    esd = rows[(rows.metric == "esd_alpha") & rows.layer.notna()]
+    assert ranking["where"] == f"logged at step {esd.step.max()}"
+    matrices = pd.DataFrame(ranking["matrices"])
+    assert len(matrices) == 2 * 6 and matrices["alpha"].is_monotonic_increasing
+    assert matrices["rank"].tolist() == list(range(1, 13))
+    blocks = pd.DataFrame(ranking["blocks"]).sort_values("block_alpha")
+    mean = (blocks.sparsity * blocks.params).sum() / blocks.params.sum()
+    assert mean == pytest.approx(0.6, rel=1e-12)
+    assert blocks.sparsity.is_monotonic_increasing and blocks.sparsity.iloc[-1] > 0.6
