@@ -52,6 +52,7 @@ import numpy as np
 import pandas as pd
 from matplotlib.axes import Axes
 from matplotlib.figure import Figure
+from matplotlib.lines import Line2D
 from matplotlib.ticker import MaxNLocator
 
 from spectral_callbacks.names import ROLES, relative_depth
@@ -730,10 +731,19 @@ def compression_by_layer(rows: pd.DataFrame, *, ax: Axes | None = None) -> Figur
         ax.set_title(f"Final compression by layer — {run}")
         ax.axhline(0.0, color="black", linewidth=0.8)
         ax.grid(axis="y", alpha=0.3)
-        if spread:
-            ax.plot([], [], color="black", linewidth=0.8, label=SPREAD_LABEL)
+        handles, labels = ax.get_legend_handles_labels()
+        if spread:  # after the roles
+            handles.append(Line2D([], [], color="black", linewidth=0.8))
+            labels.append(SPREAD_LABEL)
         # Right of the axes: inside, it would cover the first layers' bars (compression reaches ~90 %).
-        ax.legend(title="role", fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1.0))
+        ax.legend(
+            handles,
+            labels,
+            title="role",
+            fontsize="small",
+            loc="upper left",
+            bbox_to_anchor=(1.01, 1.0),
+        )
     _note_left_out(fig, left_out, fell_back)  # type: ignore[arg-type]
     return fig  # type: ignore[return-value]
 

@@ -453,6 +453,8 @@ def test_an_expert_role_is_drawn_as_its_mean_within_a_min_max_band(form: str) ->
     bars = charts.plotted_values(fig)
     mlp = bars[bars.series == "MLP↑"].set_index("x")["y"].sort_index()
     np.testing.assert_allclose(mlp, compression.groupby("layer")["value"].mean())
+    legend = [t.get_text() for t in ax.get_legend().get_texts()]
+    assert legend == ["Q", "MLP↑", charts.SPREAD_LABEL]
     (whiskers,) = ax.collections
     spans = sorted((seg[0][1], seg[1][1]) for seg in whiskers.get_segments())
     expected = compression.groupby("layer")["value"].agg(["min", "max"]).to_numpy()
