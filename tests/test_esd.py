@@ -11,6 +11,7 @@ import logging
 import math
 import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -20,6 +21,7 @@ from spectral_callbacks import SpectralTracker
 from spectral_callbacks.functional import esd
 from spectral_callbacks.functional.esd import esd_eigenvalues, esd_fit, esd_metrics
 from spectral_callbacks.names import scalar_tag
+from spectral_callbacks.offline.ranking import weightwatcher_label
 
 sys.path.insert(0, str(Path(__file__).parent))
 from tiny_models import read_scalars  # noqa: E402
@@ -142,12 +144,17 @@ def test_fewer_than_two_eigenvalues_above_the_threshold_is_no_fit() -> None:
 # --- the logged values against WeightWatcher's analyze() ---------------------------------------
 
 
-def weightwatcher_alphas(model: torch.nn.Module) -> dict[str, float]:
-    """``analyze()``'s alpha per layer name (WeightWatcher's ``longname``)."""
+def weightwatcher_details(model: torch.nn.Module) -> Any:
+    """``analyze()``'s table, one row per layer (WeightWatcher's ``longname``)."""
     weightwatcher = pytest.importorskip("weightwatcher")
     logging.getLogger("weightwatcher").setLevel(logging.ERROR)
     with contextlib.redirect_stdout(io.StringIO()):
-        details = weightwatcher.WeightWatcher(model=model).analyze()
+        return weightwatcher.WeightWatcher(model=model).analyze()
+
+
+def weightwatcher_alphas(model: torch.nn.Module) -> dict[str, float]:
+    """``analyze()``'s alpha per layer name (WeightWatcher's ``longname``)."""
+    details = weightwatcher_details(model)
     return dict(zip(details["longname"], details["alpha"], strict=True))
 
 
@@ -191,8 +198,14 @@ def test_logged_esd_alpha_equals_weightwatcher_on_the_pretrained_minilm(tmp_path
         pass  # the first snapshot (step 0) carries the ESD family
     logged = logged_esd_alpha(tracker, tmp_path, 0)
     assert len(logged) == 36  # 6 layers x Q, K, V, O, MLP_up, MLP_down
-    reference = weightwatcher_alphas(model)
-    assert_within(logged, reference, {name: name.removesuffix(".weight") for name in logged})
+    details = weightwatcher_details(model)
+    reference = dict(zip(details["longname"], details["alpha"], strict=True))
+    names = {name: name.removesuffix(".weight") for name in logged}
+    assert_within(logged, reference, names)
+    # rank-layers' label of each matrix is WeightWatcher's own `warning` column.
+    warnings_of = dict(zip(details["longname"], details["warning"], strict=True))
+    labels = {name: weightwatcher_label(alpha) for name, alpha in logged.items()}
+    assert labels == {name: warnings_of[names[name]] for name in logged}
 
 
 @pytest.mark.slow

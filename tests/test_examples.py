@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shlex
 import subprocess
@@ -19,6 +20,7 @@ import train_gpt
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from tensorboard.backend.event_processing import event_accumulator
 
+from spectral_callbacks.cli import main as cli
 from spectral_callbacks.offline.events import read_runs
 
 TINY = [
@@ -70,6 +72,24 @@ def test_train_gpt_checkpoint_rebuilds_the_trained_model(tiny_run: Path) -> None
     assert module.model.config.n_layer == 2 and module.hparams["max_steps"] == 4
     for name, value in module.state_dict().items():
         torch.testing.assert_close(value, saved[name])
+
+
+def test_rank_layers_on_the_runs_checkpoint_weighs_blocks_by_parameters(
+    tiny_run: Path, tmp_path: Path
+) -> None:
+    (checkpoint,) = (tiny_run / "checkpoints").glob("*.ckpt")
+    out = tmp_path / "ranks.json"
+    argv = ["rank-layers", str(checkpoint), "--arch", "train_gpt:GPTModule", "--json", str(out)]
+    assert cli(argv) == 0
+    ranking = json.loads(out.read_text())
+    assert ranking["where"] == "fitted now" and len(ranking["matrices"]) == 2 * 6
+    blocks = pd.DataFrame(ranking["blocks"]).sort_values("block_alpha")
+    # A block: Q, K, V, O of 32 x 32 (the fused c_attn split in three) and MLP 128 x 32, 32 x 128.
+    assert set(blocks.params) == {4 * 32 * 32 + 2 * 32 * 128}
+    mean = (blocks.sparsity * blocks.params).sum() / blocks.params.sum()
+    assert mean == pytest.approx(0.7, rel=1e-12)
+    assert blocks.sparsity.is_monotonic_increasing
+    assert blocks.sparsity.iloc[-1] > blocks.sparsity.iloc[0]
 
 
 def test_train_gpt_bad_flags_name_the_flag(tmp_path: Path) -> None:

@@ -74,9 +74,11 @@ def test_bad_targets_are_refused(kwargs: dict, match: str) -> None:
         block_sparsity(rows, **kwargs)
 
 
-def test_ranks_follow_alpha_with_nan_last() -> None:
-    rows = pd.DataFrame({"alpha": [4.0, float("nan"), 2.0]})
-    assert rank_matrices(rows)["alpha"].tolist()[:2] == [2.0, 4.0]
+def test_ranks_follow_alpha_with_nan_last_and_carry_weightwatchers_labels() -> None:
+    rows = pd.DataFrame({"alpha": [4.0, float("nan"), 2.0, 6.5, 1.5, 6.0]})
+    ranked = rank_matrices(rows)
+    assert ranked["alpha"].tolist()[:5] == [1.5, 2.0, 4.0, 6.0, 6.5]
+    assert ranked["warning"].tolist() == ["over-trained", "", "", "", "under-trained", ""]
 
 
 def test_rank_layers_reads_a_runs_latest_step(tmp_path: Path) -> None:
@@ -129,3 +131,17 @@ def test_rank_layers_on_the_pretrained_minilm_weights_blocks_by_parameters(tmp_p
     assert {b["params"] for b in blocks} == {4 * 384 * 384 + 2 * 384 * 1536}
     assert weighted_mean(blocks) == pytest.approx(0.7, rel=1e-12)
     assert_follows_alpha(blocks)
+
+
+def test_the_table_has_a_stack_column_only_for_models_with_several(capsys) -> None:
+    from spectral_callbacks.cli.rank_layers import print_ranking
+
+    rows = pd.DataFrame({"stack": ["enc", "dec"], "layer": 0, "role": "Q", "alpha": [1.5, 4.0],
+                         "params": 1})  # fmt: skip
+    blocks = block_sparsity(rows, 0.5)
+    ranked = rank_matrices(rows).merge(blocks, on=["stack", "layer"])
+    print_ranking(ranked, blocks, "T5")
+    table = capsys.readouterr().out
+    assert "stack" in table and "enc" in table and "over-trained" in table
+    print_ranking(ranked.assign(stack=""), blocks, "GPT")
+    assert "stack" not in capsys.readouterr().out

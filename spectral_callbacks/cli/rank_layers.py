@@ -83,8 +83,10 @@ def run(args: argparse.Namespace) -> int:
     weights = blocks["params"].astype(float)
     mean = float((blocks["sparsity"] * weights).sum() / weights.sum())
     matrices = count(len(ranked), "matrix", "matrices")
+    labelled = int((ranked["warning"] != "").sum())
     say("rank-layers", "done", f"{matrices}, {count(len(blocks), 'block')}; weighted mean "
-        f"sparsity {mean:.4f} (target {args.sparsity})")  # fmt: skip
+        f"sparsity {mean:.4f} (target {args.sparsity}); {labelled} of {len(ranked)} with α "
+        "outside WeightWatcher's 2-6")  # fmt: skip
     return 0
 
 
@@ -145,11 +147,16 @@ def print_ranking(ranked: pd.DataFrame, blocks: pd.DataFrame, title: str) -> Non
     from rich.console import Console
     from rich.table import Table
 
+    stacks = bool(ranked["stack"].ne("").any())  # a column only for models with several
     table = Table(title=title)
-    for column in ("rank", "stack", "layer", "role", "ESD α", "block α", "block sparsity"):
+    for column in ("rank", *(("stack",) if stacks else ()), "layer", "role", "ESD α"):
+        table.add_column(column, justify="right")
+    table.add_column("WeightWatcher", no_wrap=True)  # its label of the α
+    for column in ("block α", "block sparsity"):
         table.add_column(column, justify="right")
     for r in ranked.itertuples(index=False):
-        table.add_row(str(r.rank), r.stack or "-", str(r.layer), r.role, f"{r.alpha:.3f}",
+        where = (r.stack or "-",) if stacks else ()
+        table.add_row(str(r.rank), *where, str(r.layer), r.role, f"{r.alpha:.3f}", r.warning,
                       f"{r.block_alpha:.3f}", f"{r.sparsity:.3f}")  # fmt: skip
     Console().print(table)
 

@@ -11,6 +11,9 @@ gives each transformer block a sparsity from the mean ESD α of its matrices: a 
 3. rescaled so the parameter-weighted mean sparsity is the target:
    r = target · s · Σ p / Σ p s, with p the block's parameters.
 
+The ranked matrices also carry WeightWatcher's label of their α (``warning``: "over-trained" below
+2, "under-trained" above 6), as its ``analyze()`` writes it for a model at rest.
+
 Example::
 
     >>> import pandas as pd
@@ -79,7 +82,27 @@ def block_sparsity(rows: pd.DataFrame, sparsity: float, epsilon: float = 0.2) ->
 
 
 def rank_matrices(rows: pd.DataFrame) -> pd.DataFrame:
-    """``rows`` with ``rank``: 1 for the smallest ESD α (the most heavy-tailed), NaN α last."""
+    """``rows`` with ``rank`` (1 for the smallest ESD α, the most heavy-tailed; NaN α last) and
+    ``warning``, WeightWatcher's label (:func:`weightwatcher_label`)."""
     ranked = rows.sort_values("alpha", kind="stable", na_position="last").reset_index(drop=True)
     ranked["rank"] = range(1, len(ranked) + 1)
+    ranked["warning"] = ranked["alpha"].map(weightwatcher_label)
     return ranked
+
+
+#: WeightWatcher's thresholds (its ``analyze()`` column ``warning``), for a trained model.
+OVER_TRAINED_BELOW, UNDER_TRAINED_ABOVE = 2.0, 6.0
+
+
+def weightwatcher_label(alpha: float) -> str:
+    """WeightWatcher's label of a matrix by its ESD α: "over-trained" below 2, "under-trained"
+    above 6, none between (or for NaN), as its ``analyze()`` writes the column ``warning``.
+
+    >>> weightwatcher_label(1.9), weightwatcher_label(4.0), weightwatcher_label(6.1)
+    ('over-trained', '', 'under-trained')
+    """
+    if alpha < OVER_TRAINED_BELOW:
+        return "over-trained"
+    if alpha > UNDER_TRAINED_ABOVE:
+        return "under-trained"
+    return ""
