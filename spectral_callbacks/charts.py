@@ -635,16 +635,25 @@ def metric_vs_steps_by_layer(
     return fig
 
 
-def compression_rows(rows: pd.DataFrame) -> tuple[pd.DataFrame, dict[str, str]]:
+def compression_rows(
+    rows: pd.DataFrame, *, allow_none: bool = False
+) -> tuple[pd.DataFrame, dict[str, str]]:
     """Per-layer compression rows of each run, and the runs left out with the reason.
 
     A run's logged ``compression`` rows are used as they are; a run without them gets
     ``functional.compression`` of its ``stable_rank`` against each matrix's first finite stable
-    rank (the reference rule of the callback). A run with a single snapshot (an analyzed model) has
-    no reference to compress against and is left out.
+    rank (the reference rule of the callback; each stack's and expert's matrices their own). A
+    run with a single snapshot (an analyzed model) has no reference to compress against and is
+    left out.
+
+    Args:
+        rows: tidy rows.
+        allow_none: give no rows (and the reasons) where no run has compression, instead of
+            raising (the SPECTRAL tab says the reasons in its panels).
 
     Raises:
-        ValueError: neither ``compression`` nor ``stable_rank`` rows in any run.
+        ValueError: no run has compression (its reasons named, e.g. a single snapshot), or
+            neither ``compression`` nor ``stable_rank`` rows in any run; not with ``allow_none``.
     """
     per_layer = rows[rows["layer"].notna()]
     frames, left_out = [], {}
@@ -672,6 +681,11 @@ def compression_rows(rows: pd.DataFrame) -> tuple[pd.DataFrame, dict[str, str]]:
             )
         else:
             left_out[run] = "no compression or stable_rank rows"
+    if not frames and allow_none:
+        return per_layer.iloc[0:0], left_out
+    if not frames and left_out:  # say why, not "no stable_rank rows" of runs that have them
+        reasons = "; ".join(f"{run}: {why}" for run, why in left_out.items())
+        raise ValueError(f"compression: no run to draw — {reasons}")
     if not frames:
         _select(rows.iloc[0:0], metric="stable_rank", what="compression")  # raises, naming it
     return pd.concat(frames), left_out

@@ -7,6 +7,7 @@ TensorBoard), on two real training runs; downsampled views against a long synthe
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import textwrap
@@ -16,6 +17,7 @@ import numpy as np
 import pandas as pd
 import pytest
 from cli_runs import training_runs
+from tab_runs import several_models
 from tensorboard.backend import application
 from tensorboard.backend.event_processing import data_provider, plugin_event_multiplexer
 from tensorboard.plugins import base_plugin
@@ -23,6 +25,7 @@ from torch.utils.tensorboard import SummaryWriter
 from werkzeug import test as werkzeug_test
 from werkzeug import wrappers
 
+from spectral_callbacks.charts import _ordered_roles, compression_rows, compression_wave
 from spectral_callbacks.names import NUM_LAYERS_TAG, scalar_tag
 from spectral_callbacks.offline.events import read_runs
 from spectral_callbacks.tensorboard_plugin.plugin import SpectralPlugin
@@ -44,6 +47,9 @@ class CountingProvider:
         self.last_reads += 1
         return self.inner.read_last_scalars(*args, **kwargs)
 
+    def read_tensors(self, *args, **kwargs):  # the alerts' text entries
+        return self.inner.read_tensors(*args, **kwargs)
+
     def calls(self) -> tuple[int, int]:
         return self.reads, self.last_reads
 
@@ -54,7 +60,7 @@ class Tab:
     def __init__(self, logdir: Path) -> None:
         # tensor_size_guidance 0: keep every point (TensorBoard's server keeps 1,000 per series).
         self.multiplexer = plugin_event_multiplexer.EventMultiplexer(
-            tensor_size_guidance={"scalars": 0}
+            tensor_size_guidance={"scalars": 0, "text": 0}
         )
         self.multiplexer.AddRunsFromDirectory(str(logdir))
         self.multiplexer.Reload()
@@ -400,3 +406,129 @@ def test_serving_logged_compression_does_not_import_torch(tmp_path: Path) -> Non
         [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=True
     )
     assert done.stdout.strip() == "False", done.stdout + done.stderr
+
+
+# --- runs of different models: stacks, experts, one snapshot, alerts ---------------------------
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list]:
+    return several_models(tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def models_tab(models: tuple[Path, list]) -> Tab:
+    tab = Tab(models[0])
+    tab.get("runs")
+    return tab
+
+
+@pytest.fixture(scope="module")
+def models_exported(models: tuple[Path, list]) -> pd.DataFrame:
+    return read_runs([models[0]], all_scalars=True).rows
+
+
+def _line_of(rows: pd.DataFrame) -> tuple[list, list]:
+    rows = rows.sort_values("step", kind="stable")
+    return rows["step"].tolist(), nan_to_none(rows["value"])
+
+
+def test_a_layer_of_one_stack_is_that_stacks_layer(
+    models_tab: Tab, models_exported: pd.DataFrame
+) -> None:
+    # before: layer 0 of the encoder and of the decoder were one series per role (8 points)
+    rows = models_exported[
+        (models_exported["run"] == "2-t5")
+        & (models_exported["metric"] == "stable_rank")
+        & (models_exported["layer"] == 0)
+    ]
+    for stack in ("enc", "dec"):
+        series = models_tab.get("by_role", run="2-t5", layer=0, stack=stack)["series"]
+        of_stack = rows[rows["stack"] == stack]
+        assert [line["role"] for line in series] == _ordered_roles(of_stack["role"].unique())
+        assert ("Q_cross" in {line["role"] for line in series}) == (stack == "dec")
+        for line in series:
+            expected = _line_of(of_stack[of_stack["role"] == line["role"]])
+            assert (line["steps"], line["values"]) == expected
+    # a model with one stack is in either stack: the decoder-only run beside the T5 decoder
+    both = models_tab.get("by_layer", run=["1-gpt2", "2-t5"], role="Q", stack="dec")["series"]
+    assert [(line["run"], line["layer"]) for line in both] == [
+        ("1-gpt2", 0), ("1-gpt2", 1), ("1-gpt2", 2), ("2-t5", 0), ("2-t5", 1), ("2-t5", 2)
+    ]  # fmt: skip
+    assert [line["depth"] for line in both[3:]] == [0.0, 0.5, 1.0]
+
+
+def test_the_depth_profile_has_a_curve_per_stack_with_depth_within_it(
+    models_tab: Tab, models_exported: pd.DataFrame
+) -> None:
+    profile = models_tab.get("depth", run=["1-gpt2", "2-t5"])  # alpha of Q at the last step
+    assert [(p["run"], p["stack"]) for p in profile["runs"]] == [
+        ("1-gpt2", ""),
+        ("2-t5", "enc"),
+        ("2-t5", "dec"),
+    ]
+    alpha = models_exported[
+        (models_exported["metric"] == "alpha")
+        & (models_exported["role"] == "Q")
+        & models_exported["layer"].notna()
+    ]
+    for entry in profile["runs"]:
+        rows = alpha[(alpha["run"] == entry["run"]) & (alpha["stack"] == entry["stack"])]
+        rows = rows[rows["step"] == rows["step"].max()].sort_values("layer")
+        layers = len(rows)
+        assert entry["layers"] == list(range(layers))  # 2 encoder blocks, 3 decoder blocks
+        assert entry["depths"] == [i / (layers - 1) for i in range(layers)]
+        assert entry["values"] == rows["value"].tolist()
+
+
+def test_a_role_of_experts_is_its_mean_with_the_min_and_max_beside_it(
+    models_tab: Tab, models_exported: pd.DataFrame
+) -> None:
+    # before: the mean, min and max were three roles ("MLP_up/mean", ...) and took spare colours
+    (entry,) = [e for e in models_tab.get("runs")["runs"] if e["run"] == "3-mixtral"]
+    assert not [role for role in entry["roles"] if "/" in role]
+    assert set(entry["expert_roles"]) >= {"MLP_up", "MLP_down"}
+    assert entry["role_colors"]["MLP_up"] == "#9467bd"  # the CLI's MLP_up colour
+    rows = models_exported[
+        (models_exported["run"] == "3-mixtral")
+        & (models_exported["metric"] == "stable_rank")
+        & (models_exported["layer"] == 1)
+    ]
+    series = models_tab.get("by_role", run="3-mixtral", layer=1)["series"]
+    for line in series:
+        if line["role"] not in entry["expert_roles"]:
+            assert "low" not in line
+            continue
+        role = line["role"]
+        for key, aggregate in (("values", "mean"), ("low", "min"), ("high", "max")):
+            steps, values = _line_of(rows[rows["role"] == f"{role}/{aggregate}"])
+            assert (line["steps"], line[key]) == (steps, values), (role, aggregate)
+        assert all(
+            lo <= m <= hi
+            for lo, m, hi in zip(line["low"], line["values"], line["high"], strict=True)
+        )
+    bars = models_tab.get("bars", run="3-mixtral", metric="stable_rank")["runs"][0]
+    last = rows["step"].max()
+    for role, spread in bars["spread"].items():
+        at = rows[rows["step"] == last]
+        assert spread["high"][1] == at.loc[at["role"] == f"{role}/max", "value"].item()
+        assert spread["low"][1] == at.loc[at["role"] == f"{role}/min", "value"].item()
+
+
+def test_one_snapshot_has_no_compression_and_says_why_as_the_command_line_does(
+    models_tab: Tab, models_exported: pd.DataFrame
+) -> None:
+    analyzed = models_exported[models_exported["run"] == "4-analyzed"]
+    reason = compression_rows(analyzed, allow_none=True)[1]["4-analyzed"]
+    assert reason == "one snapshot (step 0), nothing to compress against"
+    # the command line says the same (before: "compression-wave needs per-layer `stable_rank`
+    # rows; the rows hold: nothing", of a run that holds them)
+    with pytest.raises(ValueError, match=re.escape(f"no run to draw — 4-analyzed: {reason}")):
+        compression_wave(analyzed)
+    wave = models_tab.get("wave", run="4-analyzed")
+    assert (wave["steps"], wave["left_out"]) == ([], reason)
+    (panel,) = models_tab.get("bars", run="4-analyzed")["runs"]
+    assert (panel["layers"], panel["left_out"]) == ([], reason)
+    # its metrics are one point per matrix (drawn as markers by the page)
+    series = models_tab.get("by_role", run="4-analyzed", layer=0)["series"]
+    assert series and all(line["steps"] == [0] for line in series)

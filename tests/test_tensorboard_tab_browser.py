@@ -8,9 +8,12 @@ where Debian's chromium/chromium-driver or selenium are missing.
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -24,6 +27,7 @@ from browser import (
     wait_for_points,
 )
 from cli_runs import training_runs
+from tab_runs import several_models
 
 pytestmark = [
     pytest.mark.slow,
@@ -219,4 +223,100 @@ def test_an_empty_logdir_sends_no_failing_request_and_a_new_run_clears_the_page(
         assert [m for m in messages if m] == [
             "tick at least two runs: the baseline and one to compare"
         ], messages
+        assert severe(driver) == []
+
+
+# Every select of the tab and whether it shows one of its options (a blank select has none).
+BLANK_SELECTS = """
+return [...document.querySelectorAll('section.panel select')]
+  .filter((s) => s.selectedIndex < 0)
+  .map((s) => s.closest('section').dataset.view + ' ' + s.parentElement.firstChild.textContent.trim());
+"""
+
+
+TEXTS = "return [...document.querySelectorAll(arguments[0])].map((e) => e.textContent);"
+
+
+def _until(condition: Callable[[], object], timeout: float = 30.0) -> None:
+    """Wait until ``condition()`` holds (the page redraws on its next poll); fail after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "the page did not get there in time"
+        time.sleep(0.2)
+
+
+def _shoot(driver: object, name: str) -> None:
+    """With SPECTRAL_TAB_SHOTS set, a screenshot of each view into that directory (to look at)."""
+    folder = os.environ.get("SPECTRAL_TAB_SHOTS")
+    if not folder:
+        return
+    from selenium.webdriver.common.by import By
+
+    Path(folder).mkdir(parents=True, exist_ok=True)
+    size = driver.get_window_size()  # type: ignore[attr-defined]
+    driver.set_window_size(size["width"], 3200)  # type: ignore[attr-defined]  # whole panels
+    driver.execute_script("document.querySelector('header').style.position = 'static'")  # type: ignore[attr-defined]
+    time.sleep(0.5)
+    for panel in driver.find_elements(By.CSS_SELECTOR, "section.panel"):  # type: ignore[attr-defined]
+        panel.screenshot(str(Path(folder) / f"{name}_{panel.get_attribute('data-view')}.png"))
+    driver.execute_script("document.querySelector('header').style.position = ''")  # type: ignore[attr-defined]
+    driver.set_window_size(size["width"], size["height"])  # type: ignore[attr-defined]
+
+
+def test_runs_of_different_models_ticked_together(
+    installed: dict[str, str], tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """A decoder-only fit, a T5 (encoder and decoder stacks), a Mixtral (experts), analyze's one
+    snapshot and a fifth run, ticked together, then the one-snapshot run alone."""
+    logdir, _ = several_models(tmp_path_factory)
+    from selenium.webdriver.common.by import By
+
+    with (
+        tensorboard(logdir, command=[str(TENSORBOARD)], env=installed) as url,
+        chromium(1400, 1000) as driver,
+    ):
+        open_tab(driver, url)
+        wait_for_points(driver, ("byRole", "depth"), timeout=60)
+        tick = "document.querySelector(`#run-selector input[value='${arguments[0]}']`).click()"
+        driver.execute_script(tick, "5-alerts")  # in one go: the list is redrawn after a click
+        wait_for_points(driver, ("byRole", "byLayer", "depth", "bars"), timeout=60)
+
+        def inside(view: str, css: str) -> list:
+            return driver.find_elements(By.CSS_SELECTOR, f'section[data-view="{view}"] {css}')
+
+        def texts(view: str, css: str) -> list[str]:  # in one go: a redraw replaces elements
+            return driver.execute_script(TEXTS, f'section[data-view="{view}"] {css}')
+
+        # one curve per run and stack (before: T5's five blocks were one curve, depths 0-1 twice)
+        _until(lambda: len(texts("depth", ".legend-item")) == 6)  # the fifth run drawn too
+        labels = [e.text for e in inside("depth", ".legend-item")]
+        assert [label.split(" (")[0] for label in labels] == [
+            "1-gpt2", "2-t5 · enc", "2-t5 · dec", "3-mixtral", "4-analyzed", "5-alerts"
+        ], labels  # fmt: skip
+        dashes = {e.get_attribute("stroke-dasharray") for e in inside("depth", "svg path.line")}
+        assert "7 3" in dashes  # the decoder's fixed line style
+        # the views of one layer or role pick a stack; nothing stands blank
+        stack = inside("byRole", "select")[1]
+        assert [o.text for o in stack.find_elements(By.TAG_NAME, "option")] == ["enc", "dec"]
+        assert driver.execute_script(BLANK_SELECTS) == []
+        # experts: a band around the mean in the line views, a whisker on the bars
+        assert inside("byRole", "path.band") and inside("bars", "line.whisker")
+        from selenium.webdriver.support.ui import Select
+
+        Select(inside("depth", "select")[1]).select_by_value("MLP_up")  # the depth view's role
+        _until(lambda: texts("depth", "path.band"))  # Mixtral's band over its experts
+        _shoot(driver, "several")
+        # the one-snapshot run alone: markers, filled selects, and the wave says why it is empty
+        for run in ("1-gpt2", "2-t5", "3-mixtral", "5-alerts"):
+            driver.execute_script(tick, run)
+        why = (
+            "no compression of Q in 4-analyzed: one snapshot (step 0), nothing to compress against"
+        )
+        _until(lambda: texts("wave", ".plot") == [why])
+        _until(lambda: len(texts("byLayer", "circle.marker")) == 3)  # Q of its 3 layers
+        assert len(texts("byRole", "circle.marker")) == 6  # Q K V O MLP↑ MLP↓ of layer 0
+        assert driver.execute_script(BLANK_SELECTS) == []  # before: wave and bars stood blank
+        bars = texts("bars", ".plot")
+        assert bars == [why.replace(" of Q", "")], bars
+        _shoot(driver, "analyzed")
         assert severe(driver) == []

@@ -7,14 +7,18 @@ TensorBoard in an iframe) asks these routes, under ``data/plugin/spectral/``, fo
 =============  ========================================================================
 route          what it returns (query parameters; ``run`` repeatable)
 =============  ========================================================================
-``/runs``      what each run logged: spectral metrics, roles, layers, other scalars
+``/runs``      what each run logged: spectral metrics, roles, layers, stacks, other scalars
 ``/wave``      heatmap layer x step (``run``, ``metric`` = compression, ``role`` = Q)
 ``/by_role``   metric of one layer vs step, a series per role (``layer`` = 0)
 ``/by_layer``  metric of one role vs step, a series per layer with its depth
-``/depth``     metric vs relative depth at ``step`` (default: the last) per run
+``/depth``     metric vs relative depth at ``step`` (default: the last) per run and stack
 ``/bars``      metric (compression) by layer x role at ``step`` per run
 ``/diff``      metric minus the ``baseline`` run vs ``x`` (step or a scalar such as tokens)
 =============  ========================================================================
+
+The views of one layer or one role take ``stack`` (default ``""``: a model with one stack), the
+stack of an encoder-decoder or two-tower run to show; a run with one stack is shown whatever
+the stack asked (see ``views.py``).
 
 Lines carry at most ``max_points`` points per series (default 2,000; first, last, min and max
 of each bucket kept), heatmaps at most ``max_columns`` columns (default 400). Scalars are read
@@ -36,7 +40,7 @@ from tensorboard.backend import http_util
 from tensorboard.plugins import base_plugin
 from werkzeug import Request, Response
 
-from spectral_callbacks.names import SpectralTag, parse_tag
+from spectral_callbacks.names import SpectralTag, check_stack, parse_tag
 from spectral_callbacks.tensorboard_plugin import views
 from spectral_callbacks.tensorboard_plugin.source import SCALARS_PLUGIN, ScalarSource
 
@@ -94,30 +98,33 @@ class SpectralPlugin(base_plugin.TBPlugin):
         run = _one(request, "run")
         metric = request.args.get("metric", "compression")
         role = request.args.get("role", "Q")
-        wanted = self._wanted(
-            request, [run], lambda p: p.metric == metric and p.role == role, metric
-        )
-        rows = self._source.rows(*_where(request), wanted)
+        stack = _stack(request)
+        keep = lambda p: p.metric == metric and p.role == role and _of(p, stack)  # noqa: E731
+        rows = self._source.rows(*_where(request), self._wanted(request, [run], keep, metric))
         columns = _int(request, "max_columns", MAX_COLUMNS, least=2)
-        return _json(request, views.compression_wave(rows, run, metric, role, columns))
+        return _json(request, views.compression_wave(rows, run, metric, role, columns, stack))
 
     def _by_role(self, request: Request) -> Response:
         runs = _runs_of(request)
         metric = request.args.get("metric", "stable_rank")
         layer = _int(request, "layer", 0, least=0)
-        keep = lambda p: p.metric == metric and p.layer == layer  # noqa: E731
+        stack = _stack(request)
+        keep = lambda p: p.metric == metric and p.layer == layer and _of(p, stack)  # noqa: E731
         rows = self._source.rows(*_where(request), self._wanted(request, runs, keep, metric))
         points = _int(request, "max_points", MAX_POINTS, least=4)
-        return _json(request, {"series": views.curves_by_role(rows, runs, metric, layer, points)})
+        series = views.curves_by_role(rows, runs, metric, layer, points, stack)
+        return _json(request, {"series": series})
 
     def _by_layer(self, request: Request) -> Response:
         runs = _runs_of(request)
         metric = request.args.get("metric", "stable_rank")
         role = request.args.get("role", "Q")
-        keep = lambda p: p.metric == metric and p.role == role  # noqa: E731
+        stack = _stack(request)
+        keep = lambda p: p.metric == metric and p.role == role and _of(p, stack)  # noqa: E731
         rows = self._source.rows(*_where(request), self._wanted(request, runs, keep, metric))
         points = _int(request, "max_points", MAX_POINTS, least=4)
-        return _json(request, {"series": views.curves_by_layer(rows, runs, metric, role, points)})
+        series = views.curves_by_layer(rows, runs, metric, role, points, stack)
+        return _json(request, {"series": series})
 
     def _depth(self, request: Request) -> Response:
         runs = _runs_of(request)
@@ -134,9 +141,10 @@ class SpectralPlugin(base_plugin.TBPlugin):
         runs = _runs_of(request)
         metric = request.args.get("metric", "compression")
         step = _optional_int(request, "step", least=0)
-        wanted = self._wanted(request, runs, lambda p: p.metric == metric, metric)
+        stack = _stack(request)
+        wanted = self._wanted(request, runs, lambda p: p.metric == metric and _of(p, stack), metric)
         rows, steps = self._at_step(request, wanted, metric, step)
-        return _json(request, views.bars_by_layer(rows, runs, metric, step, steps))
+        return _json(request, views.bars_by_layer(rows, runs, metric, step, steps, stack))
 
     def _diff(self, request: Request) -> Response:
         runs = _runs_of(request)
@@ -145,27 +153,31 @@ class SpectralPlugin(base_plugin.TBPlugin):
         x = request.args.get("x", "step")
         layer = _optional_int(request, "layer", least=0)
         role = request.args.get("role") or None
+        stack = _stack(request)
         directory = self._source.directory(*_where(request), [baseline, *runs])
         wanted = {
             run: [
-                t for t in directory.get(run, ()) if t in (metric, x) or _is(t, metric, layer, role)
+                t
+                for t in directory.get(run, ())
+                if t in (metric, x) or _is(t, metric, layer, role, stack)
             ]
             for run in dict.fromkeys([baseline, *runs])
         }
         if baseline in directory and not [t for t in wanted[baseline] if t != x]:
-            what = metric if layer is None else f"{metric} of layer {layer} {role}"
+            where = f"{stack} layer {layer}" if stack else f"layer {layer}"
+            what = metric if layer is None else f"{metric} of {where} {role}"
             raise errors.InvalidArgumentError(
                 f"the baseline {baseline!r} has no {what}; pick a baseline that logged it"
             )
         rows = self._source.rows(*_where(request), wanted)
         points = _int(request, "max_points", MAX_POINTS, least=4)
         try:
-            series = views.difference(
-                rows, metric, baseline, x=x, layer=layer, role=role, max_points=points
+            body = views.difference(
+                rows, metric, baseline, x=x, layer=layer, role=role, max_points=points, stack=stack
             )
         except ValueError as error:
             raise errors.InvalidArgumentError(str(error)) from None
-        return _json(request, {"baseline": baseline, "metric": metric, "x": x, "series": series})
+        return _json(request, {"baseline": baseline, "metric": metric, "x": x, **body})
 
     def _static(self, request: Request) -> Response:
         """A file of ``static/``; anything outside it (``..``) is not found."""
@@ -190,7 +202,11 @@ class SpectralPlugin(base_plugin.TBPlugin):
         wanted: dict[str, list[str]] = {}
         for run in runs:
             parsed = {tag: parse_tag(tag) for tag in sorted(directory.get(run, ()))}
-            spectral = {t: p for t, p in parsed.items() if p is not None and p.layer is not None}
+            spectral = {  # a layer's experts are read through their mean, min and max
+                t: p
+                for t, p in parsed.items()
+                if p is not None and p.layer is not None and p.expert is None
+            }
             tags = [t for t, p in spectral.items() if keep(p)]
             if not tags and metric == "compression":
                 ranks = {
@@ -221,15 +237,36 @@ class SpectralPlugin(base_plugin.TBPlugin):
         return self._source.last_rows(*where, wanted)
 
 
-def _is(tag: str, metric: str, layer: int | None, role: str | None) -> bool:
-    """Whether ``tag`` is a per-layer (or mean) series of spectral ``metric`` at ``layer``/``role``."""
+def _is(
+    tag: str, metric: str, layer: int | None, role: str | None, stack: str | None = None
+) -> bool:
+    """Whether ``tag`` is a per-layer (or mean) series of spectral ``metric`` at ``layer``/``role``
+    (of ``stack`` when given), not of one expert."""
     parsed = parse_tag(tag)
     return (
         parsed is not None
         and parsed.metric == metric
+        and parsed.expert is None
         and (layer is None or parsed.layer == layer)
         and (role is None or parsed.role == role)
+        and (stack is None or _of(parsed, stack))
     )
+
+
+def _of(parsed: SpectralTag, stack: str) -> bool:
+    """Whether a tag is of ``stack``: a tag of a model with one stack is of every stack."""
+    return parsed.stack in ("", stack)
+
+
+def _stack(request: Request) -> str:
+    """The ``stack`` parameter (``""`` when absent: a model with one stack)."""
+    stack = request.args.get("stack", "")
+    try:
+        return check_stack(stack)
+    except ValueError:
+        raise errors.InvalidArgumentError(
+            f"`stack` must be a stack a run logged (e.g. enc, dec, text, vision), got {stack!r}"
+        ) from None
 
 
 def _where(request: Request) -> tuple[object, str]:

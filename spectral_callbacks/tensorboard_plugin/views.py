@@ -1,8 +1,14 @@
 """The JSON of each chart of the SPECTRAL tab, computed from tidy rows.
 
 Each function takes the rows ``spectral-callbacks export --all-scalars`` gives (columns ``run,
-step, metric, layer, depth, role, value, wall_time``) and returns plain lists and dicts, values
-as float or ``None`` for NaN (JSON has no NaN). Lines are downsampled with
+step, metric, stack, layer, depth, role, expert, value, wall_time``) and returns plain lists and
+dicts, values as float or ``None`` for NaN (JSON has no NaN).
+
+Stacks (encoder and decoder, text and vision towers) stay apart: a view of one layer or one
+role is of one ``stack``, which a model with one stack (``""``) is in whatever the stack asked,
+so a decoder-only run is drawn beside either stack of an encoder-decoder; the depth profile draws
+one curve per (run, stack). A role of a mixture-of-experts layer, logged as its mean, min and max
+over the layer's experts, is drawn as the mean with ``low``/``high`` (the min and max) beside it. Lines are downsampled with
 :func:`~spectral_callbacks.tensorboard_plugin.downsample.keep_extremes`; with ``max_points`` at
 least the series' length every row is returned as exported. Charts that the command line also
 draws reuse its definitions (``spectral_callbacks.charts``): compression computed from
@@ -21,6 +27,7 @@ Example::
 from __future__ import annotations
 
 import warnings
+import zlib
 from collections.abc import Iterable, Mapping, Sequence
 
 import numpy as np
@@ -49,31 +56,102 @@ def _floats(values: Iterable[float]) -> list[float | None]:
     return with_none.tolist()
 
 
-def _line(steps: np.ndarray, values: np.ndarray, max_points: int) -> dict[str, list]:
-    keep = keep_extremes(values, max_points)
-    return {"steps": steps[keep].tolist(), "values": _floats(values[keep])}
+# Stacks in the order a reader expects them; any other stack name after these, sorted.
+STACK_ORDER = ("enc", "dec", "text", "vision", "audio", "top")
+# The line style of a stack where colour says the run (the depth profile), fixed by its name as
+# a role's colour is: the first stack of each kind of model solid, its partner dashed.
+STACK_DASHES = {"": "", "enc": "", "dec": "7 3", "text": "", "vision": "7 3", "audio": "2 3"}
+_SPARE_DASHES = ("2 3", "9 3 2 3", "4 2", "1 2")
 
 
-def _metric_rows(rows: pd.DataFrame, metric: str) -> pd.DataFrame:
-    """Per-layer rows of ``metric``; ``compression`` is computed from ``stable_rank`` when not logged."""
+def stack_dash(stack: str) -> str:
+    """The SVG dash pattern of ``stack`` in every view, whichever stacks a chart holds.
+
+    >>> stack_dash("enc"), stack_dash("dec"), stack_dash("tower_b") == stack_dash("tower_b")
+    ('', '7 3', True)
+    """
+    if stack in STACK_DASHES:
+        return STACK_DASHES[stack]
+    return _SPARE_DASHES[zlib.crc32(stack.encode()) % len(_SPARE_DASHES)]
+
+
+def _ordered_stacks(stacks: Iterable[str]) -> list[str]:
+    """The named stacks among ``stacks`` (not ``""``, the one stack of most models), in order."""
+    present = {stack for stack in stacks if stack}
+    return [s for s in STACK_ORDER if s in present] + sorted(present - set(STACK_ORDER))
+
+
+def _metric_rows(rows: pd.DataFrame, metric: str) -> tuple[pd.DataFrame, dict[str, str]]:
+    """Per-layer rows of ``metric`` with ``low``/``high`` (see :func:`_with_spread`), and the runs
+    left out with the reason; ``compression`` is computed from ``stable_rank`` when not logged
+    (a run of one snapshot, an analyzed model, has nothing to compress against: left out, as the
+    command line leaves it out)."""
+    rows = rows.assign(stack=rows["stack"].fillna("")) if "stack" in rows else rows.assign(stack="")
+    left_out: dict[str, str] = {}
     if metric == "compression":
-        try:
-            return compression_rows(rows)[0]
-        except ValueError:
-            return rows.iloc[0:0]
-    return rows[(rows["metric"] == metric) & rows["layer"].notna()]
+        chosen, left_out = compression_rows(rows, allow_none=True)
+    else:
+        chosen = rows[(rows["metric"] == metric) & rows["layer"].notna()]
+    return _with_spread(chosen), left_out
+
+
+def _with_spread(rows: pd.DataFrame) -> pd.DataFrame:
+    """One row per (run, stack, layer, role, step) with columns ``low`` and ``high``: NaN for a
+    plain matrix; for a role of a layer's experts (rows ``MLP_up/mean``, ``/min``, ``/max``) the
+    row of its mean, role ``MLP_up``, with the min and max over the experts. Per-expert rows
+    (``experts="each"``) are left out: the aggregates stand for them."""
+    if "expert" in rows:
+        rows = rows[rows["expert"].isna()]
+    roles = rows["role"].astype(str)
+    over_experts = roles.str.contains("/", regex=False)
+    if not over_experts.any():
+        return rows.assign(low=np.nan, high=np.nan)
+    parts = roles[over_experts].str.rsplit("/", n=1, expand=True)
+    experts = rows[over_experts].assign(role=parts[0], aggregate=parts[1])
+    keys = ["run", "stack", "layer", "role", "step"]
+
+    def side(aggregate: str, name: str) -> pd.DataFrame:
+        of = experts[experts["aggregate"] == aggregate].drop_duplicates(keys, keep="last")
+        return of[[*keys, "value"]].rename(columns={"value": name})
+
+    means = experts[experts["aggregate"] == "mean"].drop(columns="aggregate")
+    means = means.merge(side("min", "low"), on=keys, how="left")
+    means = means.merge(side("max", "high"), on=keys, how="left")
+    plain = rows[~over_experts].assign(low=np.nan, high=np.nan)
+    return pd.concat([plain, means], ignore_index=True) if not plain.empty else means
+
+
+def _in_stack(rows: pd.DataFrame, stack: str) -> pd.DataFrame:
+    """Rows of ``stack``, and every row of a run with one stack (``""``): a decoder-only model is
+    compared with either stack of an encoder-decoder."""
+    named = set(rows.loc[rows["stack"] != "", "run"])
+    return rows[(rows["stack"] == stack) | ~rows["run"].isin(named)]
+
+
+def _spread(line: pd.DataFrame, keep: np.ndarray | slice = slice(None)) -> dict[str, list]:
+    """``low``/``high`` of a line of an experts' role (nothing for a plain matrix's)."""
+    low, high = line["low"].to_numpy(float), line["high"].to_numpy(float)
+    if np.isnan(low).all() and np.isnan(high).all():
+        return {}
+    return {"low": _floats(low[keep]), "high": _floats(high[keep])}
 
 
 def catalog(index: Mapping[str, Iterable[str]]) -> list[dict]:
-    """What each run logged, from its tags: spectral metrics, roles, layers and other scalars.
+    """What each run logged, from its tags: spectral metrics, roles, layers, stacks (with the
+    layers of each: ``""`` for a model with one stack), the roles logged over experts, and other
+    scalars.
 
-    Each role comes with its colour (:func:`~spectral_callbacks.charts.role_color`, the CLI's), so
-    a role has the same colour whichever runs are ticked.
+    Each role comes with its colour (:func:`~spectral_callbacks.charts.role_color`, the CLI's) and
+    each stack with its line style (:func:`stack_dash`), so neither depends on the runs ticked.
 
     >>> entry = catalog({"a": ["spectral_alpha/L01/Q", "spectral_alpha/mean/Q", "train/loss"]})
-    >>> entry
-    [{'run': 'a', 'metrics': ['alpha'], 'roles': ['Q'], 'layers': [1], 'scalars': ['train/loss'], \
-'role_colors': {'Q': '#1f77b4'}}]
+    >>> entry[0]["roles"], entry[0]["layers"], entry[0]["stacks"], entry[0]["stack_layers"]
+    (['Q'], [1], [], {'': [1]})
+    >>> entry[0]["scalars"], entry[0]["role_colors"]
+    (['train/loss'], {'Q': '#1f77b4'})
+    >>> moe = catalog({"m": ["spectral_alpha/dec/L00/MLP_up/max", "spectral_alpha/enc/L02/Q"]})[0]
+    >>> moe["roles"], moe["expert_roles"], moe["stacks"], moe["stack_layers"]
+    (['Q', 'MLP_up'], ['MLP_up'], ['enc', 'dec'], {'enc': [2], 'dec': [0]})
     """
     runs = []
     for run, tags in index.items():
@@ -81,33 +159,55 @@ def catalog(index: Mapping[str, Iterable[str]]) -> list[dict]:
         spectral = [p for _, p in parsed if p is not None]
         if not spectral:
             continue
+        per_layer = [(p.stack, p.layer) for p in spectral if p.layer is not None]
+        stacks = _ordered_stacks(p.stack for p in spectral)
+        roles = _ordered_roles([p.role for p in spectral])
+        scalars = sorted(tag for tag, p in parsed if p is None)
         runs.append(
             {
                 "run": run,
                 "metrics": sorted({p.metric for p in spectral}),
-                "roles": _ordered_roles([p.role for p in spectral]),
-                "layers": sorted({p.layer for p in spectral if p.layer is not None}),
-                "scalars": sorted(tag for tag, p in parsed if p is None),
-                "role_colors": {p.role: role_color(p.role) for p in spectral},
+                "roles": roles,
+                "layers": sorted({layer for _, layer in per_layer}),
+                "stacks": stacks,
+                "stack_layers": {
+                    stack: sorted({layer for of, layer in per_layer if of == stack})
+                    for stack in stacks or [""]
+                },
+                "expert_roles": _ordered_roles([p.role for p in spectral if p.aggregate]),
+                "scalars": scalars,
+                "role_colors": {role: role_color(role) for role in roles},
+                "stack_dashes": {stack: stack_dash(stack) for stack in stacks},
             }
         )
     return sorted(runs, key=lambda entry: entry["run"])
 
 
 def compression_wave(
-    rows: pd.DataFrame, run: str, metric: str, role: str, max_columns: int
+    rows: pd.DataFrame, run: str, metric: str, role: str, max_columns: int, stack: str = ""
 ) -> dict:
-    """Heatmap of ``metric`` of ``role`` over layer x step for one run.
+    """Heatmap of ``metric`` of ``role`` over layer x step for one run (and ``stack``).
 
-    Column ``j`` is the value logged at ``steps[j]`` (the last write there); with more steps than
-    ``max_columns`` the columns are the first step and the last step of each of ``max_columns - 1``
-    buckets, and ``low`` / ``high`` give the minimum and maximum over the steps a column stands for
-    (after the previous column, up to its own), so no extreme is hidden.
+    Column ``j`` is the value logged at ``steps[j]`` (the last write there; an experts' role: the
+    mean over the experts); with more steps than ``max_columns`` the columns are the first step
+    and the last step of each of ``max_columns - 1`` buckets, and ``low`` / ``high`` give the
+    minimum and maximum over the steps a column stands for (after the previous column, up to its
+    own), so no extreme is hidden. A run left out (compression of one snapshot) says why in
+    ``left_out``.
     """
-    chosen = _metric_rows(rows, metric)
-    chosen = chosen[(chosen["run"] == run) & (chosen["role"] == role)]
+    chosen, left_out = _metric_rows(rows, metric)
+    chosen = _in_stack(chosen[(chosen["run"] == run) & (chosen["role"] == role)], stack)
     if chosen.empty:
-        return {"run": run, "metric": metric, "role": role, "layers": [], "steps": [], "values": []}
+        return {
+            "run": run,
+            "stack": stack,
+            "metric": metric,
+            "role": role,
+            "layers": [],
+            "steps": [],
+            "values": [],
+            "left_out": left_out.get(run),
+        }
     grid = layer_step_grid(chosen).sort_index()
     values = grid.to_numpy(dtype=float)
     steps = grid.columns.to_numpy()
@@ -125,6 +225,7 @@ def compression_wave(
         high = np.stack([np.nanmax(span, axis=1) for span in spans], axis=1)
     return {
         "run": run,
+        "stack": stack,
         "metric": metric,
         "role": role,
         "layers": grid.index.astype(int).tolist(),
@@ -136,33 +237,52 @@ def compression_wave(
 
 
 def curves_by_role(
-    rows: pd.DataFrame, runs: Sequence[str], metric: str, layer: int, max_points: int
+    rows: pd.DataFrame,
+    runs: Sequence[str],
+    metric: str,
+    layer: int,
+    max_points: int,
+    stack: str = "",
 ) -> list[dict]:
-    """``metric`` of one layer vs step: one series per (run, role), roles in chart order."""
-    chosen = _metric_rows(rows, metric)
-    chosen = chosen[chosen["layer"] == layer].sort_values("step", kind="stable")
+    """``metric`` of one layer (of ``stack``) vs step: one series per (run, role), roles in chart
+    order; an experts' role with ``low``/``high``, its min and max over the experts."""
+    chosen = _metric_rows(rows, metric)[0]
+    chosen = _in_stack(chosen[chosen["layer"] == layer], stack).sort_values("step", kind="stable")
     series = []
     for run in runs:
         lines = {role: line for role, line in chosen[chosen["run"] == run].groupby("role")}
         for role in _ordered_roles(list(lines)):
-            line = lines[role]
-            points = _line(line["step"].to_numpy(), line["value"].to_numpy(float), max_points)
-            series.append({"run": run, "role": role, **points})
+            series.append({"run": run, "role": role, **_points(lines[role], max_points)})
     return series
 
 
+def _points(line: pd.DataFrame, max_points: int) -> dict[str, list]:
+    """A line's steps and values, downsampled, with its spread over experts if it has one."""
+    values = line["value"].to_numpy(float)
+    keep = keep_extremes(values, max_points)
+    points = {"steps": line["step"].to_numpy()[keep].tolist(), "values": _floats(values[keep])}
+    return {**points, **_spread(line, keep)}
+
+
 def curves_by_layer(
-    rows: pd.DataFrame, runs: Sequence[str], metric: str, role: str, max_points: int
+    rows: pd.DataFrame,
+    runs: Sequence[str],
+    metric: str,
+    role: str,
+    max_points: int,
+    stack: str = "",
 ) -> list[dict]:
-    """``metric`` of one role vs step: one series per (run, layer), with the layer's depth."""
-    chosen = _metric_rows(rows, metric)
-    chosen = chosen[chosen["role"] == role].sort_values("step", kind="stable")
+    """``metric`` of one role vs step: one series per (run, layer) of ``stack``, with the layer's
+    depth within its stack (and an experts' spread as in :func:`curves_by_role`)."""
+    chosen = _metric_rows(rows, metric)[0]
+    chosen = _in_stack(chosen[chosen["role"] == role], stack).sort_values("step", kind="stable")
     series = []
     for run in runs:
         for layer, line in chosen[chosen["run"] == run].groupby("layer", sort=True):
-            points = _line(line["step"].to_numpy(), line["value"].to_numpy(float), max_points)
             depth = float(line["depth"].iloc[0])
-            series.append({"run": run, "layer": int(layer), "depth": depth, **points})
+            series.append(
+                {"run": run, "layer": int(layer), "depth": depth, **_points(line, max_points)}
+            )
     return series
 
 
@@ -181,26 +301,31 @@ def depth_profile(
     step: int | None,
     steps: Iterable[int] | None = None,
 ) -> dict:
-    """``metric`` of ``role`` vs relative depth at ``step`` (default: each run's last), per run.
+    """``metric`` of ``role`` vs relative depth at ``step`` (default: each run's last), one
+    profile per run and stack (depth within the stack), an experts' role with its spread.
 
     ``steps`` (default: those of ``rows``) lists the logged steps, for the slider; each point
-    carries the step it comes from.
+    carries the step it comes from. A run without the series has one empty profile.
     """
-    chosen = _metric_rows(rows, metric)
+    chosen = _metric_rows(rows, metric)[0]
     chosen = chosen[(chosen["role"] == role) & chosen["run"].isin(runs)]
     profiles = []
     for run in runs:
-        at = _at_step(chosen[chosen["run"] == run], step, ["layer"])
-        at = at.sort_values("layer") if not at.empty else at
-        profiles.append(
-            {
-                "run": run,
-                "layers": at["layer"].astype(int).tolist() if not at.empty else [],
-                "depths": _floats(at["depth"]) if not at.empty else [],
-                "values": _floats(at["value"]) if not at.empty else [],
-                "steps": at["step"].astype(int).tolist() if not at.empty else [],
-            }
-        )
+        at = _at_step(chosen[chosen["run"] == run], step, ["stack", "layer"])
+        stacks = (_ordered_stacks(at["stack"]) or [""]) if not at.empty else [""]
+        for stack in stacks:
+            of = at[at["stack"] == stack].sort_values("layer") if not at.empty else at
+            profiles.append(
+                {
+                    "run": run,
+                    "stack": stack,
+                    "layers": of["layer"].astype(int).tolist() if not of.empty else [],
+                    "depths": _floats(of["depth"]) if not of.empty else [],
+                    "values": _floats(of["value"]) if not of.empty else [],
+                    "steps": of["step"].astype(int).tolist() if not of.empty else [],
+                    **(_spread(of) if not of.empty else {}),
+                }
+            )
     steps = chosen["step"].unique() if steps is None else steps
     return {
         "metric": metric,
@@ -217,28 +342,40 @@ def bars_by_layer(
     metric: str,
     step: int | None,
     steps: Iterable[int] | None = None,
+    stack: str = "",
 ) -> dict:
-    """``metric`` by layer x role at ``step`` (None: each run's last), a panel per run.
+    """``metric`` by layer x role of ``stack`` at ``step`` (None: each run's last), a panel per
+    run; an experts' role with ``low``/``high`` (its min and max over the experts) per layer.
 
-    ``steps`` (default: those of ``rows``) lists the logged steps, for the slider.
+    ``steps`` (default: those of ``rows``) lists the logged steps, for the slider. A run left
+    out (compression of one snapshot) says why in its panel's ``left_out``.
     """
-    chosen = _metric_rows(rows, metric)
-    chosen = chosen[chosen["run"].isin(runs)]
+    chosen, left_out = _metric_rows(rows, metric)
+    chosen = _in_stack(chosen[chosen["run"].isin(runs)], stack)
     panels: list[dict[str, object]] = []
     for run in runs:
         at = _at_step(chosen[chosen["run"] == run], step, ["layer", "role"])
         if at.empty:
-            panels.append({"run": run, "layers": [], "roles": [], "values": {}})
+            panels.append(
+                {"run": run, "layers": [], "roles": [], "values": {}, "left_out": left_out.get(run)}
+            )
             continue
         layers = sorted(int(layer) for layer in at["layer"].unique())
         roles = _ordered_roles(at["role"].unique())
-        table = at.pivot(index="layer", columns="role", values="value").reindex(layers)
+        table = at.pivot(index="layer", columns="role", values=["value", "low", "high"])
+        table = table.reindex(layers)
+        spread = {
+            role: {"low": _floats(table["low"][role]), "high": _floats(table["high"][role])}
+            for role in roles
+            if table["low"][role].notna().any() or table["high"][role].notna().any()
+        }
         panels.append(
             {
                 "run": run,
                 "layers": layers,
                 "roles": roles,
-                "values": {role: _floats(table[role].to_numpy(float)) for role in roles},
+                "values": {role: _floats(table["value"][role].to_numpy(float)) for role in roles},
+                "spread": spread,
                 "step": int(at["step"].max()),
             }
         )
@@ -246,6 +383,7 @@ def bars_by_layer(
     return {
         "metric": metric,
         "step": step,
+        "stack": stack,
         "steps": sorted(int(s) for s in set(steps)),
         "runs": panels,
     }
@@ -260,16 +398,32 @@ def difference(
     layer: int | None,
     role: str | None,
     max_points: int,
-) -> list[dict]:
-    """Each run's ``metric`` minus ``baseline``'s vs ``x``, aligned as ``plot --kind metric-diff``.
+    stack: str = "",
+) -> dict:
+    """Each run's ``metric`` minus ``baseline``'s vs ``x``, aligned as ``plot --kind metric-diff``
+    (``series``); a spectral metric's layer is one of ``stack`` (a run with one stack: its own).
+    A baseline with one point of the series (an analyzed model) is no curve to subtract: no
+    series, and ``left_out`` says why in the command line's words.
 
     Raises:
         ValueError: as :func:`spectral_callbacks.offline.differences.diff_curves`.
     """
-    curves = diff_curves(rows, metric, baseline, x=x, layer=layer, role=role).curves
+    if layer is not None and "stack" in rows:  # the other stacks' layers are other series
+        stacks, per_layer = rows["stack"].fillna(""), rows["layer"].notna()
+        named = set(rows.loc[per_layer & (stacks != ""), "run"])
+        rows = rows[~per_layer | (stacks == stack) | ~rows["run"].isin(named)]
+    base = rows[(rows["run"] == baseline) & (rows["metric"] == metric)]
+    base = base if layer is None else base[base["layer"] == layer]
+    base = base if role is None else base[base["role"] == role]
+    try:
+        curves = diff_curves(rows, metric, baseline, x=x, layer=layer, role=role).curves
+    except ValueError as error:
+        if base["step"].nunique() == 1:
+            return {"series": [], "left_out": str(error)}
+        raise
     series = []
     for run, diff in curves.items():
         keep = keep_extremes(diff.to_numpy(float), max_points)
         xs = diff.index.to_numpy(float)[keep]
         series.append({"run": run, "x": xs.tolist(), "values": _floats(diff.to_numpy(float)[keep])})
-    return series
+    return {"series": series, "left_out": None}

@@ -105,19 +105,23 @@ function showTip(container, tip, event, html) {
 }
 
 /**
- * Lines: series = [{label, color, dash, xs, ys, markers}]. Hover shows the nearest point of each
- * line. A series of one point (a model at rest, written by `analyze`) is drawn as a marker, as
- * `spectral-callbacks plot` does: a path of one point draws nothing.
+ * Lines: series = [{label, color, dash, xs, ys, markers, low, high}]. Hover shows the nearest point
+ * of each line. A series of one point (a model at rest, written by `analyze`) is drawn as a
+ * marker, as `spectral-callbacks plot` does: a path of one point draws nothing. `low`/`high`
+ * (a role of experts: the min and max over a layer's experts) draw a band around the line, a
+ * whisker at a lone point.
  */
 export function lineChart(container, {series, xLabel, yLabel, width = 620, height = 300, zeroLine = false}) {
   container.textContent = '';
-  const xs = series.flatMap((s) => s.xs), ys = series.flatMap((s) => s.ys);
+  const xs = series.flatMap((s) => s.xs);
+  const ys = series.flatMap((s) => [...s.ys, ...(s.low || []), ...(s.high || [])]);
   if (zeroLine) ys.push(0);
   const f = frame(container, width, height, xs, ys, xLabel, yLabel);
   if (zeroLine) {
     el('line', {x1: MARGIN.left, x2: MARGIN.left + f.w, y1: f.sy(0), y2: f.sy(0), class: 'zero'}, f.svg);
   }
   let points = 0;
+  for (const s of series) if (s.low && s.high) band(f, s);
   for (const s of series) {
     let d = '', pen = false, finite = 0;
     s.xs.forEach((x, i) => {
@@ -154,7 +158,8 @@ export function lineChart(container, {series, xLabel, yLabel, width = 620, heigh
       });
       if (best >= 0 && dist < 40) {
         at = s.xs[best];
-        rows.push(`<span style="color:${s.color}">■</span> ${s.label}: ${format(s.ys[best])}` +
+        const range = s.low && finiteNumber(s.low[best]) ? ` [${format(s.low[best])} … ${format(s.high[best])}]` : '';
+        rows.push(`<span style="color:${s.color}">■</span> ${s.label}: ${format(s.ys[best])}${range}` +
                   ` <small>@ ${format(s.xs[best])}</small>`);
       }
     }
@@ -165,6 +170,29 @@ export function lineChart(container, {series, xLabel, yLabel, width = 620, heigh
   });
   f.svg.addEventListener('mouseleave', () => { tip.style.display = 'none'; cursor.setAttribute('visibility', 'hidden'); });
   return points;
+}
+
+const finiteNumber = (v) => v !== null && v !== undefined && Number.isFinite(v);
+
+/** The spread of a line: a band from `low` to `high` where both are known, a whisker at a point
+ * with no known neighbour. */
+function band(f, s) {
+  const runs = [[]];
+  s.xs.forEach((x, i) => {
+    if (finiteNumber(s.low[i]) && finiteNumber(s.high[i])) runs[runs.length - 1].push([f.sx(x), f.sy(s.low[i]), f.sy(s.high[i])]);
+    else if (runs[runs.length - 1].length) runs.push([]);
+  });
+  for (const part of runs) {
+    if (part.length === 1) {
+      const [x, lo, hi] = part[0];
+      el('line', {x1: x, x2: x, y1: lo, y2: hi, stroke: s.color, 'stroke-width': 2, class: 'band whisker'}, f.svg);
+      for (const y of [lo, hi]) el('line', {x1: x - 4, x2: x + 4, y1: y, y2: y, stroke: s.color, class: 'band'}, f.svg);
+    } else if (part.length > 1) {
+      const top = part.map(([x, , hi], i) => (i ? 'L' : 'M') + x.toFixed(1) + ',' + hi.toFixed(1)).join('');
+      const bottom = part.slice().reverse().map(([x, lo]) => 'L' + x.toFixed(1) + ',' + lo.toFixed(1)).join('');
+      el('path', {d: top + bottom + 'Z', fill: s.color, 'fill-opacity': 0.18, stroke: 'none', class: 'band'}, f.svg);
+    }
+  }
 }
 
 /** A legend: items = [{label, color, dash}]. */
@@ -258,11 +286,12 @@ export function heatmap(container, {layers, steps, values, low, high, label, wid
 }
 
 /**
- * Grouped bars: groups (layers) along x, one bar per key (role) in each, values[key][group].
+ * Grouped bars: groups (layers) along x, one bar per key (role) in each, values[key][group];
+ * spread[key] = {low, high} (a role of experts) adds a whisker from the min to the max.
  */
-export function barChart(container, {groups, keys, values, colors, xLabel, yLabel, width = 620, height = 260}) {
+export function barChart(container, {groups, keys, values, spread = {}, colors, xLabel, yLabel, width = 620, height = 260}) {
   container.textContent = '';
-  const all = keys.flatMap((k) => values[k]).concat([0]);
+  const all = keys.flatMap((k) => [...values[k], ...(spread[k] ? [...spread[k].low, ...spread[k].high] : [])]).concat([0]);
   const xs = [-0.5, groups.length - 0.5];
   const f = frame(container, width, height, [], all, xLabel, yLabel, xs);
   // Replace the numeric x ticks by the group labels.
@@ -286,7 +315,14 @@ export function barChart(container, {groups, keys, values, colors, xLabel, yLabe
       const y = f.sy(Math.max(v, 0)), y0 = f.sy(Math.min(v, 0));
       const bar = el('rect', {x: gx + ki * bw, y, width: Math.max(bw - 0.5, 0.5), height: Math.max(y0 - y, 0.5),
                               fill: colors[key], class: 'bar'}, f.svg);
-      bar.addEventListener('mousemove', (event) => showTip(container, tip, event, `layer ${group} · ${key}: <b>${format(v)}</b>`));
+      const range = spread[key] && finiteNumber(spread[key].low[gi]) && finiteNumber(spread[key].high[gi])
+        ? [spread[key].low[gi], spread[key].high[gi]] : null;
+      if (range) {
+        const x = gx + ki * bw + bw / 2;
+        el('line', {x1: x, x2: x, y1: f.sy(range[0]), y2: f.sy(range[1]), stroke: '#222', class: 'whisker'}, f.svg);
+      }
+      const spreadText = range ? `<br><small>experts: ${format(range[0])} … ${format(range[1])}</small>` : '';
+      bar.addEventListener('mousemove', (event) => showTip(container, tip, event, `layer ${group} · ${key}: <b>${format(v)}</b>${spreadText}`));
       bar.addEventListener('mouseleave', () => { tip.style.display = 'none'; });
       points += 1;
     });

@@ -13,18 +13,21 @@ const ROLE_ORDER = ['Q', 'K', 'V', 'O', 'MLP_up', 'MLP_down'];
 const roleRank = (role) => (ROLE_ORDER.includes(role) ? ROLE_ORDER.indexOf(role) : ROLE_ORDER.length);
 const glyph = (role) => GLYPHS[role] || role;
 
+// Each view's choices; `stack` is the stack (enc, dec, text, vision...) a view of one layer or
+// one role shows where a ticked run has several (a run with one stack is shown in any).
 const state = {
   catalog: [],
   runs: [],
-  wave: {metric: 'compression', role: 'Q'},
-  byRole: {metric: 'stable_rank', layer: 0},
-  byLayer: {metric: 'stable_rank', role: 'Q'},
+  wave: {metric: 'compression', role: 'Q', stack: ''},
+  byRole: {metric: 'stable_rank', layer: 0, stack: ''},
+  byLayer: {metric: 'stable_rank', role: 'Q', stack: ''},
   depth: {metric: 'alpha', role: 'Q', step: null},
-  bars: {metric: 'compression', step: null},
-  diff: {metric: null, baseline: null, x: 'step', layer: 0, role: 'Q'},
+  bars: {metric: 'compression', step: null, stack: ''},
+  diff: {metric: null, baseline: null, x: 'step', layer: 0, role: 'Q', stack: ''},
 };
 const drawn = {}; // view -> the JSON last drawn, to skip redraws of unchanged data
 const panels = {};
+const oneStep = new Set(); // [run, metric, where] of series the server said have one point
 let polling = false;
 
 export async function render() {
@@ -100,12 +103,68 @@ function roleColor(role) {
   return '#444';
 }
 
+/** A run's colour: fixed by its place among the logdir's runs (as its border in the run list),
+ * so ticking another run recolours nothing. */
+function runColor(run) {
+  const index = state.catalog.findIndex((r) => r.run === run);
+  return PALETTE[Math.max(index, 0) % PALETTE.length];
+}
+
+/** A stack's line style (the server's, fixed by name). */
+function stackDash(stack) {
+  for (const entry of state.catalog) if (entry.stack_dashes && stack in entry.stack_dashes) return entry.stack_dashes[stack];
+  return '';
+}
+
+function ticked() { return state.catalog.filter((r) => state.runs.includes(r.run)); }
+
 function union(key) {
-  const chosen = state.catalog.filter((r) => state.runs.includes(r.run));
+  const chosen = ticked();
   const values = new Set(chosen.flatMap((r) => r[key]));
   const order = chosen.length ? chosen[0][key] : [];
   return [...order.filter((v) => values.has(v)), ...[...values].filter((v) => !order.includes(v)).sort()];
 }
+
+/** The metrics a view can show: the logged ones, and compression where stable rank is logged
+ * (the server computes it, as the command line does). */
+function metricsOf(compression = false) {
+  const metrics = union('metrics');
+  return compression && metrics.includes('stable_rank') && !metrics.includes('compression') ? [...metrics, 'compression'] : metrics;
+}
+
+/** `value` when `options` offer it, else the first of `preferred` they offer, else their first:
+ * a select never stands blank on a value the ticked runs do not have. */
+function valid(value, options, ...preferred) {
+  const values = options.map((o) => (Array.isArray(o) ? o[0] : o));
+  if (values.some((v) => v === value)) return value;
+  return preferred.find((p) => values.includes(p)) ?? (values.length ? values[0] : value);
+}
+
+/** The named stacks of the ticked runs, each run's in the server's order (enc before dec). */
+function stacksTicked() { return [...new Set(ticked().flatMap((r) => r.stacks))]; }
+
+/** The stack a view shows: its choice while a ticked run has it, else the first ('' where no
+ * ticked run has several stacks). */
+function stackOf(s) {
+  const stacks = stacksTicked();
+  s.stack = valid(s.stack, stacks, 'dec', 'text');
+  if (!stacks.length) s.stack = '';
+  return s.stack;
+}
+
+function stackSelect(view) {
+  const stacks = stacksTicked();
+  return stacks.length ? [select('stack', stacks, state[view].stack, setter(view, 'stack'))] : [];
+}
+
+/** The layers of the ticked runs in `stack` (a run with one stack: all its layers). */
+function layersIn(stack) {
+  const layers = new Set(ticked().flatMap((r) => r.stack_layers[r.stacks.length ? stack : ''] || []));
+  return [...layers].sort((a, b) => a - b);
+}
+
+/** "dec L3" for a layer of a named stack, "L3" else. */
+function place(stack, layer) { return (stack ? stack + ' ' : '') + 'L' + layer; }
 
 function drawRunSelector(names) {
   const box = document.getElementById('run-selector');
@@ -113,7 +172,7 @@ function drawRunSelector(names) {
   if (box.dataset.key === key) return;
   box.dataset.key = key;
   box.innerHTML = '<b>Runs</b>';
-  names.forEach((name, i) => {
+  names.forEach((name) => {
     const label = document.createElement('label');
     const input = document.createElement('input');
     input.type = 'checkbox';
@@ -126,7 +185,7 @@ function drawRunSelector(names) {
     };
     label.appendChild(input);
     label.append(' ' + name);
-    label.style.borderColor = PALETTE[i % PALETTE.length];
+    label.style.borderColor = runColor(name);
     box.appendChild(label);
   });
 }
@@ -232,20 +291,30 @@ async function fetchAndDraw(view, route, params, draw) {
 const VIEWS = {
   async wave() {
     const s = state.wave;
-    controls('wave', [s, union('metrics'), union('roles')], () => [
-      select('metric', union('metrics'), s.metric, setter('wave', 'metric')),
-      select('role', union('roles').map((r) => [r, glyph(r)]), s.role, setter('wave', 'role')),
+    const metrics = metricsOf(true), roles = union('roles');
+    s.metric = valid(s.metric, metrics, 'compression', 'stable_rank');
+    s.role = valid(s.role, roles, 'Q');
+    const stack = stackOf(s);
+    controls('wave', [s, metrics, roles, stacksTicked()], () => [
+      select('metric', metrics, s.metric, setter('wave', 'metric')),
+      select('role', roles.map((r) => [r, glyph(r)]), s.role, setter('wave', 'role')),
+      ...stackSelect('wave'),
     ]);
     const runs = state.runs.slice(0, MAX_PANELS);
-    const all = await Promise.all(runs.map((run) => getJson('wave', {run, metric: s.metric, role: s.role})));
+    const all = await Promise.all(runs.map((run) => getJson('wave', {run, metric: s.metric, role: s.role, stack})));
     const key = JSON.stringify([s, all]);
     if (drawn.wave === key) return;
     drawn.wave = key;
     plots('wave').textContent = '';
     let points = 0;
     for (const json of all) {
-      const box = plotBox(plots('wave'), json.run);
-      if (!json.steps.length) { box.textContent = `no ${s.metric} of ${glyph(s.role)} in ${json.run}`; continue; }
+      const named = (ticked().find((r) => r.run === json.run) || {stacks: []}).stacks.length;
+      const box = plotBox(plots('wave'), named ? `${json.run} · ${stack}` : json.run);
+      if (!json.steps.length) {
+        // as `spectral-callbacks plot` says when it leaves a run out (one snapshot: no reference)
+        box.textContent = `no ${s.metric} of ${glyph(s.role)} in ${json.run}` + (json.left_out ? `: ${json.left_out}` : '');
+        continue;
+      }
       points += heatmap(box, {...json, label: s.metric, height: Math.min(420, 60 + 14 * json.layers.length)});
     }
     panels.wave.dataset.points = points;
@@ -254,73 +323,98 @@ const VIEWS = {
 
   async byRole() {
     const s = state.byRole;
-    controls('byRole', [s, union('metrics'), union('layers')], () => [
-      select('metric', union('metrics'), s.metric, setter('byRole', 'metric')),
-      select('layer', union('layers'), s.layer, setter('byRole', 'layer', Number)),
+    const metrics = metricsOf();
+    s.metric = valid(s.metric, metrics, 'stable_rank');
+    const stack = stackOf(s);
+    const layers = layersIn(stack);
+    s.layer = valid(s.layer, layers, 0);
+    controls('byRole', [s, metrics, layers, stacksTicked()], () => [
+      select('metric', metrics, s.metric, setter('byRole', 'metric')),
+      ...stackSelect('byRole'),
+      select('layer', layers, s.layer, setter('byRole', 'layer', Number)),
     ]);
-    await fetchAndDraw('byRole', 'by_role', {run: state.runs, metric: s.metric, layer: s.layer}, ({series}) => {
+    const where = place(stack, s.layer);
+    await fetchAndDraw('byRole', 'by_role', {run: state.runs, metric: s.metric, layer: s.layer, stack}, ({series}) => {
       // Chart order (Q, K, V, O, MLP↑, MLP↓, then the others), whichever run comes first.
       const roles = [...new Set(series.map((x) => x.role))].sort((p, q) => roleRank(p) - roleRank(q) || p.localeCompare(q));
       const lines = series.map((x) => ({
         label: `${state.runs.length > 1 ? x.run + ' · ' : ''}${glyph(x.role)}`,
-        color: roleColor(x.role),
+        color: roleColor(x.role), low: x.low, high: x.high,
         dash: DASHES[state.runs.indexOf(x.run) % DASHES.length], xs: x.steps, ys: x.values}));
       panels.byRole.dataset.points = lineChart(plotBox(plots('byRole')), {
-        series: lines, xLabel: 'optimizer step', yLabel: `${s.metric} of layer ${s.layer}`});
+        series: lines, xLabel: 'optimizer step', yLabel: `${s.metric} of ${where}`});
       legend(plots('byRole'), roles.map((r) => ({label: glyph(r), color: roleColor(r)})), 'role');
+      spreadNote('byRole', series);
       runLegend('byRole');
-      if (!series.length) message('byRole', `no ${s.metric} at layer ${s.layer}`);
+      if (!series.length) message('byRole', `no ${s.metric} at ${where}`);
     });
   },
 
   async byLayer() {
     const s = state.byLayer;
-    controls('byLayer', [s, union('metrics'), union('roles')], () => [
-      select('metric', union('metrics'), s.metric, setter('byLayer', 'metric')),
-      select('role', union('roles').map((r) => [r, glyph(r)]), s.role, setter('byLayer', 'role')),
+    const metrics = metricsOf(), roles = union('roles');
+    s.metric = valid(s.metric, metrics, 'stable_rank');
+    s.role = valid(s.role, roles, 'Q');
+    const stack = stackOf(s);
+    controls('byLayer', [s, metrics, roles, stacksTicked()], () => [
+      select('metric', metrics, s.metric, setter('byLayer', 'metric')),
+      select('role', roles.map((r) => [r, glyph(r)]), s.role, setter('byLayer', 'role')),
+      ...stackSelect('byLayer'),
     ]);
-    await fetchAndDraw('byLayer', 'by_layer', {run: state.runs, metric: s.metric, role: s.role}, ({series}) => {
+    await fetchAndDraw('byLayer', 'by_layer', {run: state.runs, metric: s.metric, role: s.role, stack}, ({series}) => {
       const lines = series.map((x) => ({
         label: `${state.runs.length > 1 ? x.run + ' · ' : ''}L${x.layer}`, color: viridis(x.depth),
+        low: x.low, high: x.high,
         dash: DASHES[state.runs.indexOf(x.run) % DASHES.length], xs: x.steps, ys: x.values}));
       panels.byLayer.dataset.points = lineChart(plotBox(plots('byLayer')), {
-        series: lines, xLabel: 'optimizer step', yLabel: `${s.metric} of ${glyph(s.role)}`});
-      depthBar(plots('byLayer'), 'relative depth i/(L−1)');
+        series: lines, xLabel: 'optimizer step', yLabel: `${s.metric} of ${glyph(s.role)}${stack ? ' in ' + stack : ''}`});
+      depthBar(plots('byLayer'), `relative depth i/(L−1)${stack ? ' within the stack' : ''}`);
+      spreadNote('byLayer', series);
       runLegend('byLayer');
-      if (!series.length) message('byLayer', `no ${s.metric} of ${glyph(s.role)}`);
+      if (!series.length) message('byLayer', `no ${s.metric} of ${glyph(s.role)}${stack ? ' in ' + stack : ''}`);
     });
   },
 
   async depth() {
     const s = state.depth;
+    const metrics = metricsOf(), roles = union('roles');
+    s.metric = valid(s.metric, metrics, 'alpha', 'stable_rank');
+    s.role = valid(s.role, roles, 'Q');
     const params = {run: state.runs, metric: s.metric, role: s.role, step: s.step};
     const json = await getJson('depth', params);
-    controls('depth', [s, union('metrics'), union('roles'), json.steps], () => [
-      select('metric', union('metrics'), s.metric, setter('depth', 'metric')),
-      select('role', union('roles').map((r) => [r, glyph(r)]), s.role, setter('depth', 'role')),
+    controls('depth', [s, metrics, roles, json.steps], () => [
+      select('metric', metrics, s.metric, setter('depth', 'metric')),
+      select('role', roles.map((r) => [r, glyph(r)]), s.role, setter('depth', 'role')),
       slider('step', json.steps, s.step, setter('depth', 'step')),
     ]);
     const key = JSON.stringify([params, json]);
     if (drawn.depth === key) return;
     drawn.depth = key;
     plots('depth').textContent = '';
+    // One curve per run and stack: the run's colour, the stack's line style.
     const lines = json.runs.map((r) => ({
-      label: r.run + (r.steps.length ? ` (step ${Math.max(...r.steps)})` : ''),
-      color: PALETTE[state.runs.indexOf(r.run) % PALETTE.length], xs: r.depths, ys: r.values, markers: true}));
+      label: r.run + (r.stack ? ` · ${r.stack}` : '') + (r.steps.length ? ` (step ${Math.max(...r.steps)})` : ''),
+      color: runColor(r.run), dash: stackDash(r.stack), low: r.low, high: r.high,
+      xs: r.depths, ys: r.values, markers: true}));
     panels.depth.dataset.points = lineChart(plotBox(plots('depth')), {
-      series: lines, xLabel: 'relative depth i / (L − 1)', yLabel: `${s.metric} of ${glyph(s.role)}`});
-    const drawnRuns = lines.filter((l) => l.ys.length);
-    legend(plots('depth'), drawnRuns.map((l) => ({label: l.label, color: l.color})), 'run');
-    const missing = json.runs.filter((r) => !r.values.length).map((r) => r.run);
+      series: lines, xLabel: 'relative depth i / (L − 1) within each stack', yLabel: `${s.metric} of ${glyph(s.role)}`});
+    const drawnLines = lines.filter((l) => l.ys.length);
+    legend(plots('depth'), drawnLines.map((l) => ({label: l.label, color: l.color, dash: l.dash})), 'run');
+    spreadNote('depth', json.runs);
+    const missing = [...new Set(json.runs.filter((r) => !r.values.length).map((r) => r.run))];
     message('depth', missing.length ? `no ${s.metric} of ${glyph(s.role)} in ${missing.join(', ')}` : '');
   },
 
   async bars() {
     const s = state.bars;
-    const params = {run: state.runs.slice(0, MAX_PANELS), metric: s.metric, step: s.step};
+    const metrics = metricsOf(true);
+    s.metric = valid(s.metric, metrics, 'compression', 'stable_rank');
+    const stack = stackOf(s);
+    const params = {run: state.runs.slice(0, MAX_PANELS), metric: s.metric, step: s.step, stack};
     const json = await getJson('bars', params);
-    controls('bars', [s, union('metrics'), json.steps], () => [
-      select('metric', union('metrics'), s.metric, setter('bars', 'metric')),
+    controls('bars', [s, metrics, json.steps, stacksTicked()], () => [
+      select('metric', metrics, s.metric, setter('bars', 'metric')),
+      ...stackSelect('bars'),
       slider('step', json.steps, s.step, setter('bars', 'step')),
     ]);
     const key = JSON.stringify([params, json]);
@@ -332,51 +426,76 @@ const VIEWS = {
     const roles = union('roles').filter((r) => json.runs.some((panel) => panel.roles.includes(r)));
     const colors = Object.fromEntries(roles.map((r) => [r, roleColor(r)]));
     for (const panel of json.runs) {
-      const box = plotBox(plots('bars'), panel.layers.length ? `${panel.run} · step ${panel.step}` : panel.run);
-      if (!panel.layers.length) { box.textContent = `no ${s.metric} in ${panel.run}`; continue; }
-      points += barChart(box, {groups: panel.layers, keys: panel.roles, values: panel.values, colors,
-                               xLabel: 'layer', yLabel: s.metric, height: 220});
+      const named = (ticked().find((r) => r.run === panel.run) || {stacks: []}).stacks.length;
+      const title = named ? `${panel.run} · ${stack}` : panel.run;
+      const box = plotBox(plots('bars'), panel.layers.length ? `${title} · step ${panel.step}` : title);
+      if (!panel.layers.length) {
+        box.textContent = `no ${s.metric} in ${title}` + (panel.left_out ? `: ${panel.left_out}` : '');
+        continue;
+      }
+      points += barChart(box, {groups: panel.layers, keys: panel.roles, values: panel.values, spread: panel.spread,
+                               colors, xLabel: 'layer', yLabel: s.metric, height: 220});
     }
     panels.bars.dataset.points = points;
     legend(plots('bars'), roles.map((r) => ({label: glyph(r), color: colors[r]})), 'role');
+    if (json.runs.some((panel) => Object.keys(panel.spread || {}).length)) {
+      note('bars', 'a bar of experts is their mean, its whisker the min … max over the layer’s experts');
+    }
   },
 
   async diff() {
     const s = state.diff;
-    const scalars = union('scalars').filter((t) => !t.startsWith('spectral_monitor/') && t !== 'epoch');
+    const scalars = union('scalars').filter((t) => !t.startsWith('spectral_monitor/') && !t.startsWith('spectral_alerts/') && t !== 'epoch');
     const metrics = union('metrics');
-    if (s.metric === null) s.metric = scalars.find((t) => /loss/.test(t)) || scalars[0] || metrics[0] || null;
+    s.metric = valid(s.metric, [...scalars, ...metrics], scalars.find((t) => /loss/.test(t)), scalars[0], metrics[0]);
+    if (s.metric === undefined) s.metric = null;
     const spectral = metrics.includes(s.metric) && !scalars.includes(s.metric);
+    const stack = stackOf(s);
+    const layers = layersIn(stack);
+    if (spectral) s.layer = valid(s.layer, layers, 0);
     // Only runs that logged the chosen series can be the baseline or be compared: asking for a
     // difference against a run without it could only fail.
     const has = (run) => {
       const entry = state.catalog.find((r) => r.run === run);
       if (!entry) return false;
       if (!spectral) return entry.scalars.includes(s.metric);
-      return entry.metrics.includes(s.metric) && entry.layers.includes(s.layer) && entry.roles.includes(s.role);
+      const own = entry.stack_layers[entry.stacks.length ? stack : ''] || [];
+      return entry.metrics.includes(s.metric) && own.includes(s.layer) && entry.roles.includes(s.role);
     };
     const able = state.runs.filter(has);
-    if (!able.includes(s.baseline)) s.baseline = able[0] || null;
+    // A run with one point of the series (an analyzed model) is no baseline curve: once the
+    // server has said so, another run is the default baseline (unless this one was picked).
+    const seriesKey = (run) => JSON.stringify([run, s.metric, spectral ? [stack, s.layer, s.role] : null]);
+    const curves = able.filter((run) => !oneStep.has(seriesKey(run)));
+    if (!able.includes(s.baseline) || (!s.picked && oneStep.has(seriesKey(s.baseline)) && curves.length)) {
+      s.baseline = curves[0] || able[0] || null;
+      s.picked = false;
+    }
     const xs = ['step', ...scalars.filter((t) => t !== s.metric)];
     if (!xs.includes(s.x)) s.x = 'step';
-    controls('diff', [s, scalars, metrics, state.runs, union('layers'), union('roles')], () => [
+    controls('diff', [s, scalars, metrics, state.runs, layers, union('roles'), stacksTicked()], () => [
       select('metric', [...scalars, ...metrics], s.metric, setter('diff', 'metric')),
-      ...(spectral ? [select('layer', union('layers'), s.layer, setter('diff', 'layer', Number)),
+      ...(spectral ? [...stackSelect('diff'), select('layer', layers, s.layer, setter('diff', 'layer', Number)),
                       select('role', union('roles').map((r) => [r, glyph(r)]), s.role, setter('diff', 'role'))] : []),
-      select('baseline', able, s.baseline, setter('diff', 'baseline')),
+      select('baseline', able, s.baseline, (run) => { s.picked = true; setter('diff', 'baseline')(run); }),
       select('x', xs, s.x, setter('diff', 'x')),
     ]);
-    const what = spectral ? `${s.metric} of L${s.layer} ${glyph(s.role)}` : s.metric;
+    const what = spectral ? `${s.metric} of ${place(stack, s.layer)} ${glyph(s.role)}` : s.metric;
     if (able.length < 2 || s.metric === null) {
       clear('diff', state.runs.length < 2 ? 'tick at least two runs: the baseline and one to compare'
         : `fewer than two ticked runs have ${what}: tick another, or pick another metric`);
       return;
     }
     const params = {run: able, baseline: s.baseline, metric: s.metric, x: s.x,
-                    layer: spectral ? s.layer : null, role: spectral ? s.role : null};
-    await fetchAndDraw('diff', 'diff', params, ({series}) => {
-      const lines = series.map((x) => ({label: x.run, color: PALETTE[state.runs.indexOf(x.run) % PALETTE.length],
-                                        xs: x.x, ys: x.values}));
+                    layer: spectral ? s.layer : null, role: spectral ? s.role : null, stack: spectral ? stack : null};
+    await fetchAndDraw('diff', 'diff', params, ({series, left_out: leftOut}) => {
+      if (leftOut) {  // the baseline has one point: say so, and default to another next time
+        oneStep.add(seriesKey(s.baseline));
+        message('diff', leftOut);
+        panels.diff.dataset.points = 0;
+        return;
+      }
+      const lines = series.map((x) => ({label: x.run, color: runColor(x.run), xs: x.x, ys: x.values}));
       panels.diff.dataset.points = lineChart(plotBox(plots('diff')), {
         series: lines, xLabel: s.x === 'step' ? 'optimizer step' : s.x,
         yLabel: `Δ ${what} (run − ${s.baseline})`, zeroLine: true});
@@ -384,7 +503,20 @@ const VIEWS = {
                              ...lines.map((l) => ({label: l.label, color: l.color}))], 'run');
     });
   },
+
 };
+
+/** Under a chart with a role of experts: how its spread is drawn. */
+function spreadNote(view, series) {
+  if (series.some((x) => x.low)) note(view, 'a role of experts: the line is their mean, the band their min … max');
+}
+
+function note(view, text) {
+  const line = document.createElement('p');
+  line.className = 'blurb note';
+  line.textContent = text;
+  plots(view).appendChild(line);
+}
 
 function runLegend(view) {
   if (state.runs.length < 2) return;
