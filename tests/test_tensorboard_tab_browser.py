@@ -316,7 +316,6 @@ def test_runs_of_different_models_ticked_together(
         _until(lambda: len(texts("byLayer", "circle.marker")) == 3)  # Q of its 3 layers
         assert len(texts("byRole", "circle.marker")) == 6  # Q K V O MLP↑ MLP↓ of layer 0
         assert driver.execute_script(BLANK_SELECTS) == []  # before: wave and bars stood blank
-        bars = texts("bars", ".plot")
-        assert bars == [why.replace(" of Q", "")], bars
+        _until(lambda: texts("bars", ".plot") == [why.replace(" of Q", "")])
         _shoot(driver, "analyzed")
         assert severe(driver) == []
