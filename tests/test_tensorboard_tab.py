@@ -532,3 +532,47 @@ def test_one_snapshot_has_no_compression_and_says_why_as_the_command_line_does(
     # its metrics are one point per matrix (drawn as markers by the page)
     series = models_tab.get("by_role", run="4-analyzed", layer=0)["series"]
     assert series and all(line["steps"] == [0] for line in series)
+
+
+def test_alerts_lists_each_runs_alerts_newest_first(
+    models: tuple[Path, list], models_tab: Tab
+) -> None:
+    raised = models[1]
+    assert [(a.step, a.kind, a.matrix) for a in raised] == [
+        (2, "sigma_growth", "linear1.weight"),
+        (3, "sigma_growth", "linear2.weight"),
+    ]
+    answer = {
+        e["run"]: e
+        for e in models_tab.get("alerts", run=["5-alerts", "1-gpt2", "4-analyzed"])["runs"]
+    }
+    alerts = answer["5-alerts"]
+    assert (alerts["counted"], alerts["total"], alerts["counts"]["sigma_growth"]) == (True, 2, 2)
+    rows = alerts["alerts"]
+    assert [(r["step"], r["kind"], r["matrix"], r["layer"], r["role"]) for r in rows] == [
+        (a.step, a.kind, a.matrix, a.layer, a.role) for a in reversed(raised)
+    ]
+    for row, alert in zip(rows, reversed(raised), strict=True):
+        assert row["value"] == pytest.approx(alert.value, rel=1e-3)  # the table's 4 digits
+        assert (row["threshold"], row["since_step"]) == (alert.threshold, alert.since_step)
+    # a healthy run counts none; analyze's output counts nothing (no alert rules ran)
+    assert (answer["1-gpt2"]["counted"], answer["1-gpt2"]["total"]) == (True, 0)
+    assert answer["1-gpt2"]["alerts"] == []
+    assert (answer["4-analyzed"]["counted"], answer["4-analyzed"]["alerts"]) == (False, [])
+    (alone,) = models_tab.get("alerts", run="4-analyzed")["runs"]  # no run with alert counts
+    assert (alone["counted"], alone["total"]) == (False, 0)
+
+
+def test_a_baseline_of_one_snapshot_is_no_curve_and_the_answer_says_so(models_tab: Tab) -> None:
+    # before: 400 ("... at one step only ..."), a request the page sent by default and on every
+    # poll once analyze's output was the first ticked run with the series
+    params = {"run": ["4-analyzed", "1-gpt2"], "metric": "alpha", "layer": 0, "role": "Q"}
+    body = models_tab.get("diff", baseline="4-analyzed", **params)
+    assert body["series"] == []
+    assert body["left_out"] == (
+        "the baseline '4-analyzed' has `alpha` at one step only (0): a difference needs a "
+        "baseline curve; pick a trained run as the baseline"
+    )
+    (line,) = models_tab.get("diff", baseline="1-gpt2", **params)["series"]
+    assert (line["run"], line["x"]) == ("4-analyzed", [0.0])  # one point against a curve
+    assert models_tab.get("diff", baseline="1-gpt2", **params)["left_out"] is None

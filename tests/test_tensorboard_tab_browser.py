@@ -91,7 +91,11 @@ def test_tab_shows_every_view_with_data_and_no_console_error(
             "MLP↓",
         ]
         messages = driver.find_elements(By.CSS_SELECTOR, "section.panel .message")
-        assert len(messages) == len(VIEWS) and all(not e.text for e in messages)
+        assert len(messages) == len(VIEWS) + 1 and all(not e.text for e in messages)  # + alerts
+        assert [e.text for e in inside("alerts", "h3")] == [
+            "a · no alerts up to step 30",
+            "b · no alerts up to step 30",
+        ]
         assert severe(driver) == []
 
 
@@ -267,8 +271,8 @@ def test_runs_of_different_models_ticked_together(
     installed: dict[str, str], tmp_path_factory: pytest.TempPathFactory
 ) -> None:
     """A decoder-only fit, a T5 (encoder and decoder stacks), a Mixtral (experts), analyze's one
-    snapshot and a fifth run, ticked together, then the one-snapshot run alone."""
-    logdir, _ = several_models(tmp_path_factory)
+    snapshot and a run with alerts, ticked together, then the one-snapshot run alone."""
+    logdir, raised = several_models(tmp_path_factory)
     from selenium.webdriver.common.by import By
 
     with (
@@ -279,7 +283,7 @@ def test_runs_of_different_models_ticked_together(
         wait_for_points(driver, ("byRole", "depth"), timeout=60)
         tick = "document.querySelector(`#run-selector input[value='${arguments[0]}']`).click()"
         driver.execute_script(tick, "5-alerts")  # in one go: the list is redrawn after a click
-        wait_for_points(driver, ("byRole", "byLayer", "depth", "bars"), timeout=60)
+        wait_for_points(driver, ("byRole", "byLayer", "depth", "bars", "alerts"), timeout=60)
 
         def inside(view: str, css: str) -> list:
             return driver.find_elements(By.CSS_SELECTOR, f'section[data-view="{view}"] {css}')
@@ -305,6 +309,14 @@ def test_runs_of_different_models_ticked_together(
 
         Select(inside("depth", "select")[1]).select_by_value("MLP_up")  # the depth view's role
         _until(lambda: texts("depth", "path.band"))  # Mixtral's band over its experts
+        # the alerts view: the alerts run's two rows, the others' states
+        rows = [e.text for e in inside("alerts", "tr.alert")]
+        assert len(rows) == len(raised) == 2, rows
+        assert rows[0].startswith("3 sigma_growth linear2.weight 0")  # newest first
+        headings = [e.text for e in inside("alerts", "h3")]
+        assert "5-alerts · 2 alerts (sigma_growth 2)" in headings
+        assert "1-gpt2 · no alerts up to step 6" in headings
+        assert "4-analyzed · alerts off (no spectral_alerts counts)" in headings
         _shoot(driver, "several")
         # the one-snapshot run alone: markers, filled selects, and the wave says why it is empty
         for run in ("1-gpt2", "2-t5", "3-mixtral", "5-alerts"):

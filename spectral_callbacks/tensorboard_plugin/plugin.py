@@ -14,6 +14,7 @@ route          what it returns (query parameters; ``run`` repeatable)
 ``/depth``     metric vs relative depth at ``step`` (default: the last) per run and stack
 ``/bars``      metric (compression) by layer x role at ``step`` per run
 ``/diff``      metric minus the ``baseline`` run vs ``x`` (step or a scalar such as tokens)
+``/alerts``    the alerts each run's monitor raised (its ``spectral_alerts`` text entries)
 =============  ========================================================================
 
 The views of one layer or one role take ``stack`` (default ``""``: a model with one stack), the
@@ -75,6 +76,7 @@ class SpectralPlugin(base_plugin.TBPlugin):
             "/depth": self._depth,
             "/bars": self._bars,
             "/diff": self._diff,
+            "/alerts": self._alerts,
             "/static/*": self._static,
         }
         return {path: Request.application(handler) for path, handler in routes.items()}
@@ -178,6 +180,19 @@ class SpectralPlugin(base_plugin.TBPlugin):
         except ValueError as error:
             raise errors.InvalidArgumentError(str(error)) from None
         return _json(request, {"baseline": baseline, "metric": metric, "x": x, **body})
+
+    def _alerts(self, request: Request) -> Response:
+        runs = _runs_of(request)
+        where = _where(request)
+        directory = self._source.directory(*where, runs)
+        counted = {run: sorted(views.ALERT_COUNT_TAGS & directory.get(run, set())) for run in runs}
+        counts, _ = self._source.last_rows(*where, counted)
+        counts = counts[counts["metric"].isin(views.ALERT_COUNT_TAGS)]  # not the num_layers rows
+        raised = counts.loc[counts["value"] > 0, "run"].unique().tolist()
+        # Text entries only where a count says there are some: most polls of a healthy run
+        # then cost no read of the text plugin.
+        texts = self._source.texts(*where, raised, views.ALERT_TEXT_TAGS) if raised else {}
+        return _json(request, {"runs": views.alerts(runs, texts, counts)})
 
     def _static(self, request: Request) -> Response:
         """A file of ``static/``; anything outside it (``..``) is not found."""

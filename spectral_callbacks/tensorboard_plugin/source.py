@@ -44,6 +44,7 @@ from spectral_callbacks.names import (
 from spectral_callbacks.offline.events import COLUMNS, empty_rows
 
 SCALARS_PLUGIN = "scalars"
+TEXT_PLUGIN = "text"
 # read_scalars must be given a limit; this one is above anything the provider keeps per series
 # (TensorBoard keeps 1,000 scalars per series unless --samples_per_plugin scalars=0), so nothing
 # is dropped here: the views downsample what they draw themselves.
@@ -152,6 +153,30 @@ class ScalarSource:
         }
         first_rows = self._frame(experiment_id, self._current(ctx, experiment_id, first, last))
         return self._frame(experiment_id, points), first_rows["step"].unique().tolist()
+
+    def texts(
+        self, ctx: object, experiment_id: str, runs: Sequence[str], tags: Sequence[str]
+    ) -> dict[str, list[tuple[int, str]]]:
+        """The text entries ``(step, text)`` of ``tags`` of each of ``runs``, in step order, read
+        through the provider's ``read_tensors`` of the text plugin (not cached: a run writes a
+        few, and TensorBoard keeps at most 10 per tag unless ``--samples_per_plugin text=0``)."""
+        read = self._provider.read_tensors(
+            ctx,
+            experiment_id=experiment_id,
+            plugin_name=TEXT_PLUGIN,
+            downsample=READ_LIMIT,
+            run_tag_filter=provider.RunTagFilter(runs=list(runs), tags=list(tags)),
+        )
+        entries: dict[str, list[tuple[int, str]]] = {}
+        for run, of_run in read.items():
+            found = [
+                (int(datum.step), item.decode() if isinstance(item, bytes) else str(item))
+                for data in of_run.values()
+                for datum in data
+                for item in np.asarray(datum.numpy).ravel()
+            ]
+            entries[run] = sorted(found, key=lambda entry: entry[0])
+        return entries
 
     def _known(
         self, ctx: object, experiment_id: str, wanted: Mapping[str, Iterable[str]]

@@ -26,6 +26,7 @@ Example::
 
 from __future__ import annotations
 
+import math
 import warnings
 import zlib
 from collections.abc import Iterable, Mapping, Sequence
@@ -40,7 +41,8 @@ from spectral_callbacks.charts import (
     layer_step_grid,
     role_color,
 )
-from spectral_callbacks.names import parse_tag
+from spectral_callbacks.monitor.alerts import ALERT_KINDS
+from spectral_callbacks.names import ALERT_SECTION, alert_tag, parse_tag
 from spectral_callbacks.offline.differences import diff_curves
 from spectral_callbacks.tensorboard_plugin.downsample import keep_extremes
 
@@ -138,8 +140,8 @@ def _spread(line: pd.DataFrame, keep: np.ndarray | slice = slice(None)) -> dict[
 
 def catalog(index: Mapping[str, Iterable[str]]) -> list[dict]:
     """What each run logged, from its tags: spectral metrics, roles, layers, stacks (with the
-    layers of each: ``""`` for a model with one stack), the roles logged over experts, and other
-    scalars.
+    layers of each: ``""`` for a model with one stack), the roles logged over experts, the kinds
+    of alert it counts, and other scalars.
 
     Each role comes with its colour (:func:`~spectral_callbacks.charts.role_color`, the CLI's) and
     each stack with its line style (:func:`stack_dash`), so neither depends on the runs ticked.
@@ -175,6 +177,7 @@ def catalog(index: Mapping[str, Iterable[str]]) -> list[dict]:
                     for stack in stacks or [""]
                 },
                 "expert_roles": _ordered_roles([p.role for p in spectral if p.aggregate]),
+                "alert_kinds": [k for k in ALERT_KINDS if alert_tag(k) in scalars],
                 "scalars": scalars,
                 "role_colors": {role: role_color(role) for role in roles},
                 "stack_dashes": {stack: stack_dash(stack) for stack in stacks},
@@ -427,3 +430,82 @@ def difference(
         xs = diff.index.to_numpy(float)[keep]
         series.append({"run": run, "x": xs.tolist(), "values": _floats(diff.to_numpy(float)[keep])})
     return {"series": series, "left_out": None}
+
+
+#: The tags of the alerts' text entries: ``add_text("spectral_alerts", ...)`` of torch's
+#: SummaryWriter is read back as ``spectral_alerts/text_summary``.
+ALERT_TEXT_TAGS: tuple[str, ...] = (f"{ALERT_SECTION}/text_summary", ALERT_SECTION)
+
+
+#: The tags of the alert counts, ``spectral_alerts/<kind>``.
+ALERT_COUNT_TAGS: frozenset[str] = frozenset(alert_tag(kind) for kind in ALERT_KINDS)
+
+
+def alert_rows(text: str) -> list[dict]:
+    r"""The alerts of one text entry: the Markdown table the monitor writes (``alert_table``), one
+    dict per row keyed by its header (``step``, ``kind``, ``matrix``, ``value``, ``threshold``,
+    ...); numbers as numbers (NaN as ``None``), an empty cell as ``None``.
+
+    >>> table = "| step | kind | matrix | value | since step |\n|---|---|---|---|---|\n"
+    >>> alert_rows(table + "| 300 | sigma_growth | h.0.q | 2.5 |  |")
+    [{'step': 300, 'kind': 'sigma_growth', 'matrix': 'h.0.q', 'value': 2.5, 'since_step': None}]
+    """
+    lines = [line.strip() for line in text.splitlines() if line.strip().startswith("|")]
+    if len(lines) < 2:
+        return []
+    header = [cell.replace(" ", "_") for cell in _cells(lines[0])]
+    return [dict(zip(header, map(_cell_value, _cells(line)), strict=False)) for line in lines[2:]]
+
+
+def _cells(line: str) -> list[str]:
+    return [cell.strip() for cell in line.strip("|").split("|")]
+
+
+def _cell_value(cell: str) -> object:
+    if cell == "":
+        return None
+    for kind in (int, float):
+        try:
+            number = kind(cell)
+        except ValueError:
+            continue
+        return number if math.isfinite(number) else None  # NaN: a non_finite alert's value
+    return cell
+
+
+def alerts(
+    runs: Sequence[str], texts: Mapping[str, Sequence[tuple[int, str]]], counts: pd.DataFrame
+) -> list[dict]:
+    r"""Per run: whether it counts alerts (``counted``: False where alerts were off), the count of
+    each kind at its last snapshot (``counts``), their ``total``, and the alerts read from its
+    text entries, newest first (``alerts``: fewer than ``total`` where TensorBoard kept only some
+    of the entries).
+
+    >>> counts = pd.DataFrame({"run": ["a"], "metric": ["spectral_alerts/sigma_growth"],
+    ...                        "step": [20], "value": [1.0]})
+    >>> text = "| step | kind | matrix |\n|---|---|---|\n| 20 | sigma_growth | h.0.q |"
+    >>> alerts(["a", "b"], {"a": [(20, text)]}, counts)  # doctest: +NORMALIZE_WHITESPACE
+    [{'run': 'a', 'counted': True, 'counts': {'sigma_growth': 1}, 'total': 1, 'step': 20,
+      'alerts': [{'step': 20, 'kind': 'sigma_growth', 'matrix': 'h.0.q'}]},
+     {'run': 'b', 'counted': False, 'counts': {}, 'total': 0, 'step': None, 'alerts': []}]
+    """
+    answer = []
+    for run in runs:
+        of_run = counts[(counts["run"] == run) & counts["metric"].isin(ALERT_COUNT_TAGS)]
+        latest = of_run.sort_values("step", kind="stable").groupby("metric").tail(1)
+        found = {
+            tag.removeprefix(f"{ALERT_SECTION}/"): int(value)
+            for tag, value in zip(latest["metric"], latest["value"], strict=True)
+        }
+        rows = [row for step, text in texts.get(run, ()) for row in alert_rows(text)]
+        answer.append(
+            {
+                "run": run,
+                "counted": bool(found),
+                "counts": {kind: found[kind] for kind in ALERT_KINDS if kind in found},
+                "total": sum(found.values()),
+                "step": int(latest["step"].max()) if found else None,
+                "alerts": sorted(rows, key=lambda row: -(row.get("step") or 0)),
+            }
+        )
+    return answer

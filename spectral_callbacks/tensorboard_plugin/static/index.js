@@ -3,10 +3,11 @@
 // ticked in the run selector and redraws; a poll every POLL_MS ms redraws what changed, so a run
 // being written gains points while the page is open.
 
-import {PALETTE, barChart, depthBar, heatmap, legend, lineChart, viridis} from './chart.js';
+import {PALETTE, barChart, depthBar, format, heatmap, legend, lineChart, viridis} from './chart.js';
 
 const POLL_MS = 3000;
 const MAX_PANELS = 4; // heatmaps and bar panels drawn per view (one per run)
+const MAX_ALERT_ROWS = 200; // rows of the alerts table per run
 const DASHES = ['', '7 3', '2 3', '9 3 2 3', '4 2', '1 2'];
 const GLYPHS = {MLP_up: 'MLP↑', MLP_down: 'MLP↓'};
 const ROLE_ORDER = ['Q', 'K', 'V', 'O', 'MLP_up', 'MLP_down'];
@@ -24,6 +25,7 @@ const state = {
   depth: {metric: 'alpha', role: 'Q', step: null},
   bars: {metric: 'compression', step: null, stack: ''},
   diff: {metric: null, baseline: null, x: 'step', layer: 0, role: 'Q', stack: ''},
+  alerts: {},
 };
 const drawn = {}; // view -> the JSON last drawn, to skip redraws of unchanged data
 const panels = {};
@@ -47,9 +49,10 @@ export async function render() {
     ['depth', 'Metric vs relative depth', 'at the step of the slider (default: the last), runs overlaid'],
     ['bars', 'Metric by layer × role', 'at the step of the slider (default: the last), a panel per run'],
     ['diff', 'Difference against a baseline run', 'aligned as spectral-callbacks plot --kind metric-diff aligns it'],
+    ['alerts', 'Alerts', 'what the monitor’s alert rules raised in each ticked run, newest first'],
   ]) {
     const panel = document.createElement('section');
-    panel.className = 'panel' + (view === 'wave' ? ' wide' : '');
+    panel.className = 'panel' + (view === 'wave' || view === 'alerts' ? ' wide' : '');
     panel.dataset.view = view;
     panel.innerHTML = `<h2>${title}</h2><p class="blurb">${blurb}</p><div class="controls"></div>
       <div class="plots"></div><div class="message"></div>`;
@@ -504,7 +507,59 @@ const VIEWS = {
     });
   },
 
+  async alerts() {
+    await fetchAndDraw('alerts', 'alerts', {run: state.runs}, ({runs}) => {
+      let shown = 0;
+      for (const entry of runs) {
+        const kinds = Object.entries(entry.counts).filter(([, n]) => n > 0).map(([k, n]) => `${k} ${n}`);
+        const head = !entry.counted ? `${entry.run} · alerts off (no spectral_alerts counts)`
+          : entry.total ? `${entry.run} · ${entry.total} alert${entry.total > 1 ? 's' : ''} (${kinds.join(', ')})`
+          : `${entry.run} · no alerts up to step ${entry.step}`;
+        const box = plotBox(plots('alerts'), head);
+        if (!entry.alerts.length) continue;
+        shown += alertTable(box, entry.alerts.slice(0, MAX_ALERT_ROWS));
+        if (entry.alerts.length < entry.total) {
+          const more = document.createElement('p');
+          more.className = 'blurb';
+          more.textContent = `${entry.alerts.length} of ${entry.total} shown: TensorBoard keeps 10 text entries per run ` +
+            'unless started with --samples_per_plugin text=0';
+          box.appendChild(more);
+        }
+      }
+      panels.alerts.dataset.points = shown;
+      // An empty state, not an error: said in the panel, not in its (red) message line.
+      if (!runs.some((r) => r.counted)) note('alerts', 'no ticked run counts alerts: they were off (alerts=None), or the run was written without them');
+      else if (!shown) note('alerts', 'no alerts in the ticked runs');
+    });
+  },
 };
+
+const ALERT_COLUMNS = [['step', 'step'], ['kind', 'kind'], ['matrix', 'matrix'], ['layer', 'layer'], ['role', 'role'],
+                       ['value', 'value'], ['threshold', 'threshold'], ['since_step', 'since step']];
+
+/** The alerts of one run as a table (step, kind, matrix, layer, role, value, threshold, since). */
+function alertTable(box, alerts) {
+  const table = document.createElement('table');
+  table.className = 'alerts';
+  const extra = Object.keys(alerts[0]).filter((k) => !ALERT_COLUMNS.some(([c]) => c === k));
+  const columns = [...ALERT_COLUMNS, ...extra.map((k) => [k, k.replace(/_/g, ' ')])];
+  table.innerHTML = '<thead><tr>' + columns.map(([, t]) => `<th>${t}</th>`).join('') + '</tr></thead>';
+  const body = document.createElement('tbody');
+  for (const alert of alerts) {
+    const row = document.createElement('tr');
+    row.className = 'alert';
+    for (const [key] of columns) {
+      const cell = document.createElement('td');
+      const v = alert[key];
+      cell.textContent = v === null || v === undefined ? '' : typeof v === 'number' && !Number.isInteger(v) ? format(v) : v;
+      row.appendChild(cell);
+    }
+    body.appendChild(row);
+  }
+  table.appendChild(body);
+  box.appendChild(table);
+  return alerts.length;
+}
 
 /** Under a chart with a role of experts: how its spread is drawn. */
 function spreadNote(view, series) {
