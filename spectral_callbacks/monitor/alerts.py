@@ -61,14 +61,15 @@ class AlertRules:
 
     Args:
         rank_drop: ``rank_collapse`` when the stable rank falls by more than this fraction of its
-            highest value within the window. Default ``0.7`` (the demo's healthy run fell at most
-            0.39 within 50 steps from step 100; its 30x lr spike 0.94).
+            highest value within the window. Default ``0.7`` (the healthy demo and lifecycle
+            runs fell at most 0.50 within 50 steps from step 100; their 30x lr spikes 0.83-0.92).
         sigma_growth: ``sigma_growth`` when σ₁ exceeds this factor times its lowest value within
-            the window. Default ``3.0`` (healthy at most 1.33x; the spike 9.2x).
+            the window. Default ``3.0`` (healthy at most 1.53x; the spikes 8.3-10.3x).
         esd_alpha_low: ``esd_alpha_low`` below this ESD α; ``2.0`` is WeightWatcher's
-            "over-trained" label. Default ``None`` (off: the demo's healthy run reaches 1.67).
+            "over-trained" label. Default ``None`` (off: healthy runs end with a third of their
+            matrices below 2; docs/callback.md, Alerts).
         esd_alpha_high: ``esd_alpha_high`` above this ESD α; ``6.0`` is WeightWatcher's
-            "under-trained" label. Default ``None`` (off: the healthy run reaches 7.86).
+            "under-trained" label. Default ``None`` (off, as ``esd_alpha_low``).
         window: steps the comparisons look back, and the least gap between two alerts of one kind
             for one matrix. Default ``50``.
         after_step: the first step whose snapshot the window and ESD rules read (``non_finite`` is
