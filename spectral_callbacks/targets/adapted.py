@@ -18,7 +18,11 @@ The other additive tuner types (LoHa, LoKr, VeRA, ...: :data:`ADDITIVE_TUNERS`) 
 read: a :class:`DenseAdaptedTarget` asks the layer for ``get_delta_weight(adapter)`` when the
 snapshot is taken (an ``m x n`` copy per matrix, on the training thread) and decomposes
 ``W_0 + dW`` on the live base. Types whose update is not added to the base (OFT, BOFT, HRA
-rotate it; IA3 scales it) and quantized bases are refused in one line naming the layer type.
+rotate it; IA3 scales it) are refused in one line naming the layer type.
+
+A LoRA layer over a bitsandbytes 4-/8-bit base (QLoRA) has its base dequantized at each snapshot
+by the library's own functions (:func:`dequantizer`): an ``m x n`` copy, like a dense matrix.
+Other quantized bases are refused in one line naming the layer type.
 
 Nothing here imports ``peft``: a tuner layer is recognized by what it has (``base_layer``,
 ``get_base_layer``, ``active_adapters``, ``lora_A``/``lora_B``, ``get_delta_weight``).
@@ -26,7 +30,9 @@ Nothing here imports ``peft``: a tuner layer is recognized by what it has (``bas
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import copy
+import sys
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -35,6 +41,7 @@ from torch import nn
 
 from spectral_callbacks.functional.delta import DenseUpdateMatrices
 from spectral_callbacks.functional.lowrank import AdaptedMatrices
+from spectral_callbacks.targets.errors import TargetError
 from spectral_callbacks.targets.target import Target
 
 __all__ = [
@@ -43,6 +50,7 @@ __all__ = [
     "DenseAdaptedTarget",
     "adapt",
     "is_tuner_layer",
+    "dequantizer",
     "quantized_base",
     "unsupported_reason",
 ]
@@ -125,18 +133,58 @@ def quantized_base(module: nn.Module) -> str | None:
     return f"{type(module).__name__}, weight {dtype}"
 
 
+def dequantizer(module: nn.Module) -> Callable[[], torch.Tensor] | None:
+    """How to read the matrix of a quantized layer, where its library offers it on the weight's
+    device, else ``None``: bitsandbytes 4-bit (``dequantize_4bit`` with the weight's
+    ``quant_state``, NF4 or FP4) and 8-bit (``int8_vectorwise_dequant`` with its row scales
+    ``SCB``). The library is the one the model already imported (never imported here)."""
+    weight: Any = getattr(module, "weight", None)
+    if (
+        not isinstance(weight, torch.Tensor)
+        or type(weight).__module__.partition(".")[0] != "bitsandbytes"
+    ):
+        return None
+    functional: Any = sys.modules.get("bitsandbytes.functional")
+    if getattr(weight, "quant_state", None) is not None and hasattr(functional, "dequantize_4bit"):
+
+        def four_bit() -> torch.Tensor:
+            data, state = weight.data, weight.quant_state  # type: ignore[attr-defined]
+            if getattr(state, "packing_format_for_cpu", False):
+                # The CPU backend repacks a 4-bit weight at its first forward in eval mode; undo
+                # that as bitsandbytes' own modules do, on a copy of the state (the inverse
+                # rewrites the state it is given, which the layer's forward goes on using).
+                unpack = functional._convert_weight_packed_for_cpu_inverse
+                data, state = unpack(data, copy.copy(state))
+            return functional.dequantize_4bit(data, state)
+
+        return four_bit
+    if weight.dtype == torch.int8 and hasattr(functional, "int8_vectorwise_dequant"):
+
+        def eight_bit() -> torch.Tensor:
+            # The row scales sit on the weight until the first forward moves them to the state.
+            scales = getattr(weight, "SCB", None)
+            if scales is None:
+                scales = getattr(getattr(module, "state", None), "SCB", None)
+            if scales is None:
+                raise RuntimeError(f"{type(module).__name__} has no row scales (SCB) to dequantize")
+            return functional.int8_vectorwise_dequant(weight.data, scales)
+
+        return eight_bit
+    return None
+
+
 def unsupported_reason(layer: nn.Module) -> str | None:
     """Why the adapted ``layer`` cannot be watched, or ``None`` if it can (one line)."""
     kind = f"{_tuner(layer)}.{type(layer).__name__}"
     base = layer.get_base_layer()  # type: ignore[operator]
     weight = getattr(base, "weight", None)
     quantized = quantized_base(base)
-    if quantized is not None:
+    if quantized is not None and not (_is_lora(layer) and dequantizer(base) is not None):
         return (
             f"PEFT layer {kind} over a quantized base ({quantized}): not watched (its weight is "
             "not a matrix until dequantized, which is not done per snapshot)"
         )
-    if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
+    if quantized is None and (not isinstance(weight, torch.Tensor) or weight.dim() != 2):
         shape = tuple(weight.shape) if isinstance(weight, torch.Tensor) else None
         return f"PEFT layer {kind} over a non-matrix base ({type(base).__name__}, {shape}): not watched"
     if _reads_delta(layer):
@@ -259,7 +307,15 @@ class AdaptedTarget(Target):
         rows = replace(self.rows, transposed=False)  # rows of the (out, ...) factors
         active = _active(lora)
         weight = self.parameter.detach()
-        base = copy(self.rows.take(weight)) if _base_changes(self) else self.rows.take(weight)
+        read = dequantizer(lora.get_base_layer())
+        if read is not None:  # a quantized base: its matrix, dequantized (a dense copy)
+            base = copy(read())
+        elif quantized_base(lora.get_base_layer()) is not None:  # packed, no longer readable
+            raise RuntimeError(f"{self.name}: its quantized base cannot be dequantized any more")
+        elif _base_changes(self):
+            base = copy(self.rows.take(weight))
+        else:
+            base = self.rows.take(weight)
         if not active:
             empty = weight.new_zeros((self.shape[0], 0))
             return base, empty, weight.new_zeros((0, self.shape[1])), None, False
@@ -409,4 +465,16 @@ def adapt(target: Target, modules: Mapping[str, nn.Module]) -> Target:
     else:
         return target
     fields = {name: getattr(target, name) for name in target.__dataclass_fields__}
+    base = layer.get_base_layer()  # type: ignore[operator]
+    if quantized_base(base) is not None:
+        # The rules saw the packed storage: the matrix is (out_features, in_features), whole.
+        rows = target.rows
+        whole = rows.start == 0 and rows.stop in (None, target.parameter.shape[0])
+        if not whole or rows.groups != 1 or rows.transposed:
+            raise TargetError(
+                f"{target.name}: a part of a quantized weight cannot be watched (only whole "
+                "quantized matrices are dequantized); leave it out with exclude="
+            )
+        fields["shape"] = (int(base.out_features), int(base.in_features))
+        fields["rows"] = type(rows)()
     return kind(**fields, layer_module=layer, adapters=tuple(_active(layer)), rank=rank)

@@ -328,12 +328,12 @@ def _adapter_part(ctx: Context) -> Skip | None:
 
 
 def _quantized(ctx: Context) -> Skip | None:
-    """The built-in rule for a weight stored quantized (bitsandbytes 4-/8-bit, HQQ, GPTQ, AWQ): its
-    packed storage is not the matrix, and it is not dequantized per snapshot (warned about, since
-    it looks like a target)."""
+    """The built-in rule for a weight stored quantized (bitsandbytes 4-/8-bit, HQQ, GPTQ, AWQ) that
+    no adapter wraps: its packed storage is not the matrix, and only a LoRA layer's base is
+    dequantized per snapshot (warned about, since it looks like a target)."""
     reason = quantized_base(ctx.modules[0])
-    if reason is None:
-        return None
+    if reason is None or any(is_tuner_layer(module) for module in ctx.modules[1:]):
+        return None  # a tuner layer's base: _adapter_part decided (dequantized, or refused)
     return Skip(
         f"quantized layer ({reason}): not watched (not dequantized per snapshot)", warn=True
     )
