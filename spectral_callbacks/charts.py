@@ -114,18 +114,36 @@ PALETTE: tuple[str, ...] = (
 )  # fmt: skip
 
 
+# Roles that sit beside a canonical one in the same model, in tab20's light partner of a
+# canonical colour: a decoder's cross-attention beside its self-attention (T5, BART, Whisper),
+# the gate beside MLP_up (Llama, Mixtral's experts). Hashed into the four spare colours they
+# met each other (K_cross, Q_cross and a Mixtral's Router were all C9).
+PARTNER_COLORS: dict[str, str] = {
+    "Q_cross": "#aec7e8",
+    "K_cross": "#ffbb78",
+    "V_cross": "#98df8a",
+    "O_cross": "#ff9896",
+    "MLP_gate": "#c5b0d5",
+}
+
+
 def role_color(role: str) -> str:
     """The colour of ``role`` in every chart, whichever roles a chart holds.
 
-    The six canonical roles own the first six colours; any other role (a variant's ``Q_down``,
-    ``Q_cross``, ``Router``, ...) gets one of the remaining four by a hash of its name, so it too
-    keeps its colour from chart to chart and run to run.
+    The six canonical roles own the first six colours; the cross-attention roles and
+    ``MLP_gate`` the light partner of Q, K, V, O and MLP_up (``PARTNER_COLORS``); any other role
+    (a variant's ``Q_down``, ``Router``, ...) gets one of the remaining four by a hash of its
+    name, so it too keeps its colour from chart to chart and run to run.
 
-    >>> role_color("Q"), role_color("MLP_down"), role_color("Q_down") == role_color("Q_down")
-    ('#1f77b4', '#8c564b', True)
+    >>> role_color("Q"), role_color("MLP_down"), role_color("Q_cross")
+    ('#1f77b4', '#8c564b', '#aec7e8')
+    >>> role_color("Q_down") == role_color("Q_down")
+    True
     """
     if role in ROLES:
         return PALETTE[ROLES.index(role)]
+    if role in PARTNER_COLORS:
+        return PARTNER_COLORS[role]
     spare = PALETTE[len(ROLES) :]
     return spare[zlib.crc32(role.encode()) % len(spare)]
 

@@ -576,3 +576,10 @@ def test_a_baseline_of_one_snapshot_is_no_curve_and_the_answer_says_so(models_ta
     (line,) = models_tab.get("diff", baseline="1-gpt2", **params)["series"]
     assert (line["run"], line["x"]) == ("4-analyzed", [0.0])  # one point against a curve
     assert models_tab.get("diff", baseline="1-gpt2", **params)["left_out"] is None
+
+
+def test_every_role_of_a_t5_and_of_a_mixtral_has_a_colour_of_its_own(models_tab: Tab) -> None:
+    # before: K_cross, Q_cross and Router took the same spare colour (C9), V_cross and MLP_gate C7
+    for entry in models_tab.get("runs")["runs"]:
+        colors = entry["role_colors"]
+        assert len(set(colors.values())) == len(colors), (entry["run"], colors)

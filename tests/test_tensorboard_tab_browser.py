@@ -152,7 +152,8 @@ ROLE_SWATCHES = """
 const out = {};
 for (const item of document.querySelectorAll(
     `section[data-view="${arguments[0]}"] .legend-item`)) {
-  out[item.textContent] = getComputedStyle(item.querySelector('i')).backgroundColor;
+  const swatch = item.querySelector('i');  // a filled swatch: a role (runs are dashed lines)
+  if (swatch) out[item.textContent] = getComputedStyle(swatch).backgroundColor;
 }
 return out;
 """
@@ -238,6 +239,16 @@ return [...document.querySelectorAll('section.panel select')]
 """
 
 
+# Legend label -> the dash pattern of its swatch, for the entries drawn as a dashed line.
+DASH_SWATCHES = """
+const out = {};
+for (const item of document.querySelectorAll(
+    `section[data-view="${arguments[0]}"] .legend-item`)) {
+  const line = item.querySelector('svg.swatch line');
+  if (line) out[item.textContent] = line.getAttribute('stroke-dasharray');
+}
+return out;
+"""
 TEXTS = "return [...document.querySelectorAll(arguments[0])].map((e) => e.textContent);"
 
 
@@ -298,7 +309,9 @@ def test_runs_of_different_models_ticked_together(
             "1-gpt2", "2-t5 · enc", "2-t5 · dec", "3-mixtral", "4-analyzed", "5-alerts"
         ], labels  # fmt: skip
         dashes = {e.get_attribute("stroke-dasharray") for e in inside("depth", "svg path.line")}
-        assert "7 3" in dashes  # the decoder's fixed line style
+        assert "7 3" in dashes  # the decoder's fixed line style, and its legend swatch
+        swatches = driver.execute_script(DASH_SWATCHES, "depth")
+        assert swatches["2-t5 · dec (step 6)"] == "7 3" and "2-t5 · enc (step 6)" not in swatches
         # the views of one layer or role pick a stack; nothing stands blank
         stack = inside("byRole", "select")[1]
         assert [o.text for o in stack.find_elements(By.TAG_NAME, "option")] == ["enc", "dec"]

@@ -203,8 +203,11 @@ export function legend(container, items, title = '') {
   for (const item of items) {
     const entry = document.createElement('span');
     entry.className = 'legend-item';
-    const swatch = item.dash ? `border-top:2px dashed ${item.color}` : `background:${item.color}`;
-    entry.innerHTML = `<i style="${swatch}"></i>${item.label}`;
+    // A dashed line's swatch is that dash pattern (the runs, the stacks), not any dashes.
+    entry.innerHTML = (item.dash
+      ? `<svg class="swatch" width="22" height="6"><line x1="0" x2="22" y1="3" y2="3" stroke="${item.color}" ` +
+        `stroke-width="2" stroke-dasharray="${item.dash}"></line></svg>`
+      : `<i style="background:${item.color}"></i>`) + item.label;
     box.appendChild(entry);
   }
   container.appendChild(box);
