@@ -133,6 +133,7 @@ def test_an_error_on_one_rank_ends_every_rank_within_the_group_timeout(tmp_path)
 def test_a_rank_that_falls_behind_raises_instead_of_waiting(tmp_path) -> None:
     for outcome in run_ranks(cases.falling_behind, 2, tmp_path):
         assert outcome["error"] is not None and "fell behind" in outcome["error"]
+        assert "1 snapshot was still not decomposed" in outcome["error"]  # max_pending=1
 
 
 def test_placements_uneven_replicated_and_per_head_fused(tmp_path) -> None:

@@ -69,7 +69,7 @@ import torch.distributed as dist
 
 from spectral_callbacks.functional.metrics import metrics_from_spectrum
 from spectral_callbacks.functional.sharded_svd import sharded_randomized_svd
-from spectral_callbacks.messages import rank_zero_warn
+from spectral_callbacks.messages import count, rank_zero_warn
 from spectral_callbacks.monitor.engine import SnapshotResult
 from spectral_callbacks.monitor.reporting import health_scalars
 from spectral_callbacks.monitor.shards import LocalPiece, local_piece, mesh_ranks
@@ -453,11 +453,13 @@ class ShardedEngine:
         while not self.synchronous and self._unfinished() >= self.max_pending:
             self._raise_if_failed()
             if time.monotonic() >= deadline:
+                waiting = count(self.max_pending, "snapshot")
+                verb = "was" if self.max_pending == 1 else "were"
                 self._fail(
                     ShardedEngineError(
-                        f"the sharded spectral engine fell behind: {self.max_pending} snapshots "
-                        f"were still not decomposed {self.behind_timeout} s after step {step} was "
-                        "due; snapshot less often (every_n_steps) or raise behind_timeout"
+                        f"the sharded spectral engine fell behind: {waiting} {verb} still not "
+                        f"decomposed {self.behind_timeout} s after step {step} was due; snapshot "
+                        "less often (every_n_steps) or raise behind_timeout"
                     )
                 )
                 self._raise_if_failed()
