@@ -816,6 +816,18 @@ def test_a_real_bitsandbytes_qlora_model_is_read_through_its_dequantized_bases()
     qlora = peft.get_peft_model(qlora_llama(bnb), config)  # train mode, as in a QLoRA fit
     targets = find_targets(qlora)
     assert {t.role for t in targets} == {"Q", "K", "V", "O", "MLP_gate", "MLP_up", "MLP_down"}
+
+    def independent(layer: Any) -> torch.Tensor:
+        """W_deq + s B A in float64, dequantized by bitsandbytes' functions directly."""
+        weight = layer.get_base_layer().weight
+        if weight.dtype == torch.uint8:
+            dequantized = bnb.functional.dequantize_4bit(weight.data, weight.quant_state)
+        else:
+            scales = weight.SCB if weight.SCB is not None else layer.get_base_layer().state.SCB
+            dequantized = bnb.functional.int8_vectorwise_dequant(weight.data, scales)
+        lora = layer.lora_B["default"].weight.double() @ layer.lora_A["default"].weight.double()
+        return dequantized.double() + layer.scaling["default"] * lora.detach()
+
     checked = 0
     for target in targets:
         if target.role not in ("Q", "MLP_gate"):
@@ -825,14 +837,7 @@ def test_a_real_bitsandbytes_qlora_model_is_read_through_its_dequantized_bases()
             target.layer_module.in_features,
         )
         layer = target.layer_module
-        weight = layer.get_base_layer().weight
-        if weight.dtype == torch.uint8:
-            dequantized = bnb.functional.dequantize_4bit(weight.data, weight.quant_state)
-        else:
-            dequantized = bnb.functional.int8_vectorwise_dequant(weight.data, weight.SCB)
-        scale = layer.scaling["default"]
-        lora = layer.lora_B["default"].weight.double() @ layer.lora_A["default"].weight.double()
-        expected = dequantized.double() + scale * lora
+        expected = independent(layer)
         batch = target.stack_batch([target])
         effective = batch.dense(torch.float64)[0]
         assert torch.allclose(effective, expected, atol=1e-6, rtol=0), target.name
@@ -858,12 +863,36 @@ def test_a_real_bitsandbytes_qlora_model_is_read_through_its_dequantized_bases()
         assert batch.nbytes == target.snapshot_bytes()  # the dequantized base and the factors
         checked += 1
     assert checked == 4
-    # Through the engine: the logged stable rank of the dequantized effective weight.
-    logger = RecordingLogger()
-    with SpectralTracker(qlora, writers=[logger], figures=False, synchronous=True) as tracker:
-        tracker.step(0)
-    for target in targets:
-        if target.role in ("Q", "MLP_gate"):
-            matrix = target.stack_batch([target]).dense(torch.float64)[0]
-            tag = scalar_tag("stable_rank", target.layer, target.role, target.num_layers)
-            assert logger.series(tag)[0] == pytest.approx(_exact(matrix)[0], rel=0.01)
+    # A QLoRA fit through the engine (a fresh model, never in eval mode: no repacking), the
+    # logged effective weight against the independent dequantization at every scheduled step.
+    qlora = peft.get_peft_model(qlora_llama(bnb), config)
+    watched = [t for t in find_targets(qlora) if t.role in ("Q", "MLP_gate")]
+
+    def exact() -> dict[str, tuple[float, float]]:
+        return {t.name: _exact(independent(t.layer_module)) for t in watched}
+
+    logger, expected_at = RecordingLogger(), {}
+    tracker = SpectralTracker(
+        qlora, writers=[logger], every_n_steps=5, log_spaced_until=0, figures=False,
+        synchronous=True,
+    )  # fmt: skip
+    expected_at[0] = exact()
+    optimizer = torch.optim.AdamW([p for p in qlora.parameters() if p.requires_grad], lr=1e-2)
+    batches = torch.randint(0, 64, (10, 2, 16), generator=torch.Generator().manual_seed(0))
+    for step, batch in enumerate(batches, start=1):
+        qlora(input_ids=batch, labels=batch).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        if step % 5 == 0:
+            expected_at[step] = exact()
+        tracker.step(step)
+    tracker.close(10)
+    for target in watched:
+        tag = scalar_tag("stable_rank", target.layer, target.role, target.num_layers)
+        alphas = logger.series(scalar_tag("alpha", target.layer, target.role, target.num_layers))
+        assert sorted(logger.series(tag)) == [0, 5, 10]
+        for step, value in logger.series(tag).items():
+            stable_rank, alpha = expected_at[step][target.name]
+            assert value == pytest.approx(stable_rank, rel=0.01), (target.name, step)
+            assert alphas[step] == pytest.approx(alpha, abs=0.02), (target.name, step)
+    assert expected_at[10] != expected_at[0]  # the adapters trained
