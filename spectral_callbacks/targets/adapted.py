@@ -299,17 +299,24 @@ class AdaptedTarget(Target):
             return tensor.detach()
 
         with torch.no_grad():
-            self._snapshot(count, count)
+            self._snapshot(count, count, dequantize=False)
         return counted
 
-    def _snapshot(self, copy: Any, copy_shared: Any) -> tuple[Any, ...]:
+    def _snapshot(self, copy: Any, copy_shared: Any, dequantize: bool = True) -> tuple[Any, ...]:
         lora: Any = self.layer_module
         rows = replace(self.rows, transposed=False)  # rows of the (out, ...) factors
         active = _active(lora)
         weight = self.parameter.detach()
         read = dequantizer(lora.get_base_layer())
         if read is not None:  # a quantized base: its matrix, dequantized (a dense copy)
-            base = copy(read())
+            # Counting (dequantize=False) takes the copy's size from a meta tensor, not a read.
+            state = getattr(self.parameter, "quant_state", None)
+            packed = getattr(state, "packing_format_for_cpu", False)  # see dequantizer()
+            # 8-bit has no state: int8_vectorwise_dequant gives float32
+            dtype = getattr(state, "original_dtype" if packed else "dtype", None) or torch.float32
+            base = copy(
+                read() if dequantize else torch.empty(self.shape, dtype=dtype, device="meta")
+            )
         elif quantized_base(lora.get_base_layer()) is not None:  # packed, no longer readable
             raise RuntimeError(f"{self.name}: its quantized base cannot be dequantized any more")
         elif _base_changes(self):
