@@ -318,6 +318,27 @@ def _runs(rows: pd.DataFrame) -> list[str]:
     return rows["run"].unique().tolist()  # first-seen order, the order the user named the runs
 
 
+def _stacks(rows: pd.DataFrame) -> list[str]:
+    """The stacks of ``rows`` in first-seen order (``[""]`` for a model with one stack)."""
+    return rows["stack"].unique().tolist() if "stack" in rows and len(rows) else [""]
+
+
+def _panels(rows: pd.DataFrame) -> list[tuple[str, str, pd.DataFrame]]:
+    """One panel per run and stack (an encoder's layer 0 is not its decoder's): ``(run, stack,
+    rows)``, runs in the order named, a run's stacks in first-seen order."""
+    return [
+        (run, stack, of_run[of_run["stack"] == stack] if "stack" in of_run else of_run)
+        for run in _runs(rows)
+        for of_run in [rows[rows["run"] == run]]
+        for stack in _stacks(of_run)
+    ]
+
+
+def _of(run: str, stack: str) -> str:
+    """A panel's name: the run, and its stack where it has one (``t5 · dec``)."""
+    return f"{run} · {stack}" if stack else run
+
+
 # One point of a chart: a matrix, or a layer's experts of one role, at one step.
 _POINT = ["run", "stack", "layer", "role", "step", "metric"]
 
@@ -517,21 +538,22 @@ def rank_vs_steps(
     """
     chosen = _select_points(rows, metric=metric, what="rank-steps", layer=layer)
     colors = _role_colors(chosen["role"].unique())
-    runs = _runs(chosen)
+    panels = _panels(chosen)  # each run and stack its line style: the layer of each stack
     fig, ax = _axes(ax, (6.5, 4.0))
-    for run_index, run in enumerate(runs):
-        of_run = chosen[chosen["run"] == run]
+    for index, (run, stack, of_panel) in enumerate(panels):
         for role in colors:
-            line = _final(of_run[of_run["role"] == role], ["step"])
+            line = _final(of_panel[of_panel["role"] == role], ["step"])
             if line.empty:
                 continue
-            label = role_glyph(role) if len(runs) == 1 else f"{run} · {role_glyph(role)}"
+            label = (
+                role_glyph(role) if len(panels) == 1 else f"{_of(run, stack)} · {role_glyph(role)}"
+            )
             steps = line["step"].to_numpy(dtype=float)
             ax.plot(
                 steps,
                 line["value"].to_numpy(),
                 color=colors[role],
-                linestyle=_LINE_STYLES[run_index % len(_LINE_STYLES)],
+                linestyle=_LINE_STYLES[index % len(_LINE_STYLES)],
                 marker="o" if len(line) == 1 else None,
                 label=label,
             )
@@ -540,7 +562,9 @@ def rank_vs_steps(
     ax.set_ylabel(metric_label(metric))
     ax.set_title(f"{metric_label(metric).split(' $')[0]} of layer {layer} vs steps")
     ax.grid(alpha=0.3)
-    _legend(ax, "role" if len(runs) == 1 else "run · role", outside=len(runs) > 1)
+    several = len(panels) > 1  # then each label names its run and stack, as the title says
+    named = [name for name, shown in (("run", len(_runs(chosen)) > 1), ("stack", several)) if shown]
+    _legend(ax, " · ".join([*named, "role"]), outside=several)
     return fig
 
 
@@ -628,23 +652,27 @@ def metric_vs_steps_by_layer(
     chosen = _select_points(rows, metric=metric, what="layer-steps", role=role, run=run)
     run = run if run is not None else _runs(chosen)[0]
     chosen = chosen[chosen["run"] == run]
-    layers = sorted(int(layer) for layer in chosen["layer"].unique())
     fig, ax = _axes(ax, (6.5, 4.0))
     import matplotlib
 
     cmap = matplotlib.colormaps["viridis"]
-    for i, layer in enumerate(layers):
-        line = _final(chosen[chosen["layer"] == layer], ["step"])
-        shade = cmap(0.9 * i / max(1, len(layers) - 1))
-        steps = line["step"].to_numpy(dtype=float)
-        ax.plot(
-            steps,
-            line["value"].to_numpy(),
-            color=shade,
-            label=f"L{layer}",
-            marker="o" if len(line) == 1 else None,
-        )
-        _spread_band(ax, steps, line, shade, f"L{layer}")
+    # Each stack its line style, each layer its shade within its stack (darker = deeper).
+    for index, (_, stack, of_stack) in enumerate(_panels(chosen)):
+        layers = sorted(int(layer) for layer in of_stack["layer"].unique())
+        for i, layer in enumerate(layers):
+            line = _final(of_stack[of_stack["layer"] == layer], ["step"])
+            shade = cmap(0.9 * i / max(1, len(layers) - 1))
+            steps = line["step"].to_numpy(dtype=float)
+            label = f"{stack} L{layer}" if stack else f"L{layer}"
+            ax.plot(
+                steps,
+                line["value"].to_numpy(),
+                color=shade,
+                linestyle=_LINE_STYLES[index % len(_LINE_STYLES)],
+                label=label,
+                marker="o" if len(line) == 1 else None,
+            )
+            _spread_band(ax, steps, line, shade, label)
     ax.set_xlabel("optimizer step")
     ax.set_ylabel(metric_label(metric))
     ax.set_title(f"{metric_label(metric).split(' $')[0]} of {role_glyph(role)} vs steps")
@@ -731,18 +759,19 @@ def compression_by_layer(rows: pd.DataFrame, *, ax: Axes | None = None) -> Figur
     """
     logged, left_out = compression_rows(rows)
     chosen = one_per_layer(logged)
-    final = _final(chosen, ["run", "layer", "role"])
+    final = _final(chosen, ["run", "stack", "layer", "role"])
     fell_back = _fallbacks(chosen, final)
-    runs = _runs(final)
+    panels = _panels(final)  # one per run and stack
     if ax is not None:
-        if len(runs) > 1:
-            raise ValueError(f"compression_by_layer draws one run into `ax`, got {len(runs)}")
+        if len(panels) > 1:
+            raise ValueError(
+                f"compression_by_layer draws one run of one stack into `ax`, got {len(panels)}"
+            )
         fig, axes = ax.figure, [ax]
     else:
-        fig = Figure(figsize=(7.0, 3.2 * len(runs)), layout="constrained")
-        axes = list(fig.subplots(len(runs), 1, squeeze=False)[:, 0])
-    for ax, run in zip(axes, runs, strict=True):
-        of_run = final[final["run"] == run]
+        fig = Figure(figsize=(7.0, 3.2 * len(panels)), layout="constrained")
+        axes = list(fig.subplots(len(panels), 1, squeeze=False)[:, 0])
+    for ax, (run, stack, of_run) in zip(axes, panels, strict=True):
         layers = np.sort(of_run["layer"].unique()).astype(int)
         colors = _role_colors(of_run["role"].unique())  # this run's roles: no gap, no stray entry
         width = 0.8 / len(colors)
@@ -760,7 +789,7 @@ def compression_by_layer(rows: pd.DataFrame, *, ax: Axes | None = None) -> Figur
         ax.set_xticks(np.arange(len(layers)), [str(layer) for layer in layers])
         ax.set_xlabel("layer")
         ax.set_ylabel("final compression (%)")
-        ax.set_title(f"Final compression by layer — {run}")
+        ax.set_title(f"Final compression by layer — {_of(run, stack)}")
         ax.axhline(0.0, color="black", linewidth=0.8)
         ax.grid(axis="y", alpha=0.3)
         handles, labels = ax.get_legend_handles_labels()
@@ -791,11 +820,11 @@ def compression_wave(rows: pd.DataFrame, role: str = "Q") -> Figure:
     chosen = _select(of_all, metric="compression", what="compression-wave", role=role)
     experts = bool(np.isfinite(chosen["low"].to_numpy(dtype=float)).any())
     left_out = {**_missing(of_all, chosen, f"no compression of {role_glyph(role)}"), **left_out}
-    runs = _runs(chosen)
-    fig = Figure(figsize=(7.0, 3.0 * len(runs)), layout="constrained")
-    axes = fig.subplots(len(runs), 1, squeeze=False)[:, 0]
-    for ax, run in zip(axes, runs, strict=True):
-        grid = layer_step_grid(chosen[chosen["run"] == run]).sort_index()
+    panels = _panels(chosen)  # one per run and stack
+    fig = Figure(figsize=(7.0, 3.0 * len(panels)), layout="constrained")
+    axes = fig.subplots(len(panels), 1, squeeze=False)[:, 0]
+    for ax, (run, stack, of_panel) in zip(axes, panels, strict=True):
+        grid = layer_step_grid(of_panel).sort_index()
         steps = grid.columns.to_numpy(dtype=float)
         layers = grid.index.to_numpy(dtype=float)
         # Cell edges halfway between snapshots: the schedule is dense early, sparse late.
@@ -812,7 +841,7 @@ def compression_wave(rows: pd.DataFrame, role: str = "Q") -> Figure:
         ax.yaxis.set_major_locator(MaxNLocator(integer=True))
         ax.invert_yaxis()  # L0 on the first row, as in the SPECTRAL tab
         of_experts = ", mean over experts" if experts else ""
-        ax.set_title(f"Compression wave of {role_glyph(role)}{of_experts} — {run}")
+        ax.set_title(f"Compression wave of {role_glyph(role)}{of_experts} — {_of(run, stack)}")
     _note_left_out(fig, left_out)
     return fig
 

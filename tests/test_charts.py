@@ -459,3 +459,55 @@ def test_an_expert_role_is_drawn_as_its_mean_within_a_min_max_band(form: str) ->
     spans = sorted((seg[0][1], seg[1][1]) for seg in whiskers.get_segments())
     expected = compression.groupby("layer")["value"].agg(["min", "max"]).to_numpy()
     np.testing.assert_allclose(sorted(map(tuple, expected)), spans)
+
+
+def _two_stack_rows(seed: int) -> pd.DataFrame:
+    """A T5-like run: encoder and decoder of 2 layers each, Q (and Q_cross in the decoder), with
+    stable rank and compression at steps 0, 10, 20: every layer number is in both stacks."""
+    rng = np.random.default_rng(seed)
+    records = []
+    for step in (0, 10, 20):
+        for stack, roles in (("enc", ("Q",)), ("dec", ("Q", "Q_cross"))):
+            for layer in range(2):
+                for role in roles:
+                    for metric in ("stable_rank", "compression"):
+                        value = rng.uniform(1, 9)
+                        depth = relative_depth(layer, 2)
+                        records.append(("t5", step, metric, stack, layer, depth, role, value))
+    columns = ["run", "step", "metric", "stack", "layer", "depth", "role", "value"]
+    frame = pd.DataFrame.from_records(records, columns=columns)
+    return frame.assign(expert=pd.NA, wall_time=0.0).astype({"layer": "Int64", "expert": "Int64"})
+
+
+def test_charts_of_a_two_stack_run_keep_its_encoder_and_decoder_apart() -> None:
+    rows = _two_stack_rows(seed=5)
+    last = rows[rows.step == 20].set_index(["stack", "layer", "role", "metric"])["value"]
+
+    drawn = charts.plotted_values(charts.rank_vs_steps(rows, layer=0))
+    lines = {series: group.set_index("x")["y"] for series, group in drawn.groupby("series")}
+    assert set(lines) == {"t5 · enc · Q", "t5 · dec · Q", "t5 · dec · Q_cross"}
+    for stack, role in (("enc", "Q"), ("dec", "Q"), ("dec", "Q_cross")):
+        assert lines[f"t5 · {stack} · {role}"][20.0] == last[(stack, 0, role, "stable_rank")]
+
+    bars = charts.plotted_values(charts.compression_by_layer(rows))
+    assert set(bars.panel) == {
+        f"Final compression by layer — t5 · {stack}" for stack in ("enc", "dec")
+    }
+    for row in bars.itertuples():
+        stack = row.panel.rsplit(" · ", 1)[1]
+        role = {"Q": "Q", "Q_cross": "Q_cross"}[row.series]
+        assert row.y == last[(stack, int(row.x), role, "compression")]
+
+    wave = charts.compression_wave(rows, role="Q")
+    assert [ax.get_title() for ax in wave.axes if ax.get_title()] == [
+        f"Compression wave of Q — t5 · {stack}" for stack in ("enc", "dec")
+    ]
+    for ax in (ax for ax in wave.axes if ax.get_title()):
+        stack = ax.get_title().rsplit(" · ", 1)[1]
+        cells = ax.collections[0].get_array().reshape(2, 3)  # layers x steps
+        assert cells[0, -1] == last[(stack, 0, "Q", "compression")]
+
+    steps = charts.plotted_values(
+        charts.metric_vs_steps_by_layer(rows, role="Q", metric="stable_rank")
+    )
+    assert set(steps.series) == {"enc L0", "enc L1", "dec L0", "dec L1"}
