@@ -228,6 +228,8 @@ def test_an_empty_logdir_sends_no_failing_request_and_a_new_run_clears_the_page(
         assert [m for m in messages if m] == [
             "tick at least two runs: the baseline and one to compare"
         ], messages
+        status = driver.find_element(By.ID, "status").text
+        assert status.startswith("1 of 1 run · updated"), status  # not "1 of 1 runs"
         assert severe(driver) == []
 
 

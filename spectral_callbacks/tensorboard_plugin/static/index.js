@@ -88,7 +88,7 @@ async function refresh() {
       for (const view of Object.keys(panels)) clear(view);
       return;
     } else {
-      setStatus(`${state.runs.length} of ${names.length} runs · updated ${new Date().toLocaleTimeString()}`);
+      setStatus(`${state.runs.length} of ${names.length} run${names.length === 1 ? '' : 's'} · updated ${new Date().toLocaleTimeString()}`);
     }
     await Promise.all(Object.keys(panels).map((view) => update(view)));
   } catch (error) {
