@@ -30,8 +30,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from spectral_callbacks.targets.rules import Skip
-from spectral_callbacks.targets.target import Rows, Target, check_role
+from spectral_callbacks.targets.target import Rows, Skip, Target, check_role
 
 __all__ = ["ExpertTarget", "expert_parts", "is_routed_expert", "listed_expert"]
 

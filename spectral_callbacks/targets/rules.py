@@ -31,7 +31,8 @@ import torch
 from torch import nn
 
 from spectral_callbacks.targets.adapted import is_tuner_layer, quantized_base, unsupported_reason
-from spectral_callbacks.targets.target import Rows, check_role
+from spectral_callbacks.targets.experts import listed_expert
+from spectral_callbacks.targets.target import Rows, Skip, check_role
 
 
 @dataclass(frozen=True)
@@ -98,18 +99,6 @@ class Split:
                 result.append((role, Rows(start, start + size, self.groups, transposed)))
             start += size
         return result
-
-
-@dataclass(frozen=True)
-class Skip:
-    """A parameter deliberately not watched; ``reason`` is shown in the summary.
-
-    ``warn=True`` marks something that looks like a target but could not be mapped (for example a
-    fused projection of unknown layout): ``find_targets`` then warns as well.
-    """
-
-    reason: str
-    warn: bool = False
 
 
 @dataclass(frozen=True)
@@ -373,8 +362,6 @@ def _cross(ctx: Context) -> Decision | None:
 def _listed_expert(ctx: Context) -> Decision | None:
     """One expert's Linear in a list of expert MLPs: its role (``find_targets`` numbers the
     expert), or a warned skip for a module name no rule reads."""
-    from spectral_callbacks.targets.experts import listed_expert  # experts.py imports Skip here
-
     found = listed_expert(ctx.name)
     if found is not None and found[1] is not None:
         return found[1]

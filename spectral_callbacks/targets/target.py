@@ -328,3 +328,15 @@ def format_targets(targets: Iterable[Target]) -> str:
             f"and {count(low_dim, 'parameter')} with fewer than 2 dims (biases, norms), never watched"
         )
     return "\n".join(lines)
+
+
+@dataclass(frozen=True)
+class Skip:
+    """A parameter deliberately not watched; ``reason`` is shown in the summary.
+
+    ``warn=True`` marks something that looks like a target but could not be mapped (for example a
+    fused projection of unknown layout): ``find_targets`` then warns as well.
+    """
+
+    reason: str
+    warn: bool = False
