@@ -60,14 +60,10 @@ def is_routed_expert(name: str) -> bool:
 
 
 # The role of each Linear layer of one expert, by module name, where a mixture keeps its routed
-# experts as separate MLPs: experts.3.w1 (Mixtral as first written), experts.expert_3.wi (Switch).
+# experts as separate MLPs: experts.3.w1 (Mixtral as first written), experts.expert_3.wi (Switch);
+# the one-role names of the 3-D tensors, and the names of T5-style and fc MLPs.
 _LISTED_EXPERT_ROLES: dict[str, str] = {
-    "w1": "MLP_gate",
-    "w3": "MLP_up",
-    "w2": "MLP_down",
-    "gate_proj": "MLP_gate",
-    "up_proj": "MLP_up",
-    "down_proj": "MLP_down",
+    **{leaf: roles[0] for leaf, roles in _EXPERT_ROLES.items() if len(roles) == 1},
     "wi": "MLP_up",
     "wo": "MLP_down",
     "wi_0": "MLP_gate",
