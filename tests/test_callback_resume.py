@@ -77,15 +77,18 @@ def esd_steps(logger: RecordingLogger) -> list[int]:
     return sorted({step for step, row in logger.records if any("esd_alpha/" in tag for tag in row)})
 
 
+# Snapshots on a plain grid, the ESD on every 3rd of them.
+ESD_OPTIONS: dict = dict(
+    metrics=("stable_rank", "esd_alpha"),
+    log_spaced_until=0,
+    esd_every_n_snapshots=3,
+    figures=False,
+    max_pending=8,
+)
+
+
 def _esd_monitor() -> SpectralMonitor:
-    return SpectralMonitor(
-        metrics=("stable_rank", "esd_alpha"),
-        every_n_steps=2,
-        log_spaced_until=0,
-        esd_every_n_snapshots=3,
-        figures=False,
-        max_pending=8,
-    )
+    return SpectralMonitor(**ESD_OPTIONS, every_n_steps=2)
 
 
 def test_the_esd_cadence_continues_after_a_resume_from_a_checkpoint(tmp_path: Path) -> None:
@@ -124,15 +127,7 @@ def test_a_checkpoint_taken_while_a_snapshot_is_in_flight_keeps_the_esd_cadence(
     # The snapshot of step 4 is still on the worker when the state is saved: the worker's own
     # count says 4 snapshots (or fewer), the run has taken 5. Snapshots every step, the ESD on
     # every 3rd: steps 0, 3, 6, 9.
-    options = dict(
-        metrics=("stable_rank", "esd_alpha"),
-        every_n_steps=1,
-        log_spaced_until=0,
-        esd_every_n_snapshots=3,
-        figures=False,
-        max_pending=8,
-        synchronous=False,
-    )
+    options = {**ESD_OPTIONS, "every_n_steps": 1, "synchronous": False}
     torch.manual_seed(0)
     model = torch.nn.TransformerEncoderLayer(16, 2, dim_feedforward=32)
     compute = HeldCompute(k=4, esd=True, esd_every_n_snapshots=3)

@@ -170,24 +170,20 @@ class RecordingLogger(Logger):
 
 def read_scalars(logdir: Path | str) -> dict[str, dict[int, float]]:
     """Every scalar of the event files in ``logdir``: tag -> step -> value (all points kept)."""
-    reader = event_accumulator.EventAccumulator(
-        str(logdir), size_guidance={event_accumulator.SCALARS: 0}
-    )
-    reader.Reload()
-    return {
-        tag: {event.step: event.value for event in reader.Scalars(tag)}
-        for tag in reader.Tags()["scalars"]
-    }
+    return _read_all(logdir, event_accumulator.SCALARS, "scalars", lambda event: event.value)
 
 
 def read_histograms(logdir: Path | str) -> dict[str, dict[int, Any]]:
     """Every histogram of the event files in ``logdir``: tag -> step -> ``HistogramValue``
     (``min``, ``max``, ``num``, ``sum``, ``sum_squares``, ``bucket_limit``, ``bucket``)."""
-    reader = event_accumulator.EventAccumulator(
-        str(logdir), size_guidance={event_accumulator.HISTOGRAMS: 0}
+    return _read_all(
+        logdir, event_accumulator.HISTOGRAMS, "histograms", lambda event: event.histogram_value
     )
+
+
+def _read_all(logdir: Path | str, kind: str, tags: str, value: Any) -> dict[str, dict[int, Any]]:
+    """Every event of ``kind`` in ``logdir`` (none dropped by TensorBoard's sampling)."""
+    reader = event_accumulator.EventAccumulator(str(logdir), size_guidance={kind: 0})
     reader.Reload()
-    return {
-        tag: {event.step: event.histogram_value for event in reader.Histograms(tag)}
-        for tag in reader.Tags()["histograms"]
-    }
+    items = reader.Scalars if kind == event_accumulator.SCALARS else reader.Histograms
+    return {tag: {event.step: value(event) for event in items(tag)} for tag in reader.Tags()[tags]}
