@@ -29,7 +29,7 @@ Example::
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import Tensor
@@ -97,7 +97,7 @@ def _dense_spectrum(
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """What ``functional.update_metrics`` takes for a ``(B, m, n)`` dense update: its top-k
     singular values (randomized SVD), ``||W_0||_F``, the adapter rank and the exact ``||dW||_F^2``."""
-    S = randomized_svd(update, min(k, *update.shape[-2:])).S
+    S = randomized_svd(update, k).S  # k clamped to the smaller side there
     return S, base_frobenius.to(S.device), rank.to(S.device), frobenius_norm_sq(update)
 
 
@@ -153,6 +153,15 @@ class DenseUpdateMatrices(AdaptedMatrices):
         return DenseUpdateMatrices.of(
             self.bases[index], self.updates[index], self.adds[index], self.ranks[index], (), self.k
         )
+
+    def to(self, dtype: torch.dtype) -> DenseUpdateMatrices:
+        """The updates in ``dtype`` with the factors (converted once here, not at each of the
+        Krylov products; the bases stay as they are, converted per product)."""
+        converted = super().to(dtype)
+        if converted is self:
+            return self
+        assert isinstance(converted, DenseUpdateMatrices)  # replace() keeps the class
+        return replace(converted, updates=tuple(update.to(dtype) for update in self.updates))
 
     def _update(self, i: int, dtype: torch.dtype) -> Tensor:
         update = self.updates[i]

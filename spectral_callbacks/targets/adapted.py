@@ -465,12 +465,11 @@ def adapt(target: Target, modules: Mapping[str, nn.Module]) -> Target:
         return target
     if _is_lora(layer):
         kind: type[AdaptedTarget] = AdaptedTarget
-        lora: Any = layer
-        rank = sum(int(lora.r[a]) for a in _active(lora))
     elif _reads_delta(layer):
-        kind, rank = DenseAdaptedTarget, _rank(layer)
+        kind = DenseAdaptedTarget
     else:
         return target
+    rank = _rank(layer)  # the sum over the active adapters of their r
     fields = {name: getattr(target, name) for name in target.__dataclass_fields__}
     base = layer.get_base_layer()  # type: ignore[operator]
     if quantized_base(base) is not None:
