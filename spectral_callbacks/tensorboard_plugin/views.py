@@ -39,6 +39,7 @@ from spectral_callbacks.charts import (
     _ordered_roles,
     compression_rows,
     layer_step_grid,
+    one_per_layer,
     role_color,
 )
 from spectral_callbacks.monitor.alerts import ALERT_KINDS
@@ -84,43 +85,18 @@ def _ordered_stacks(stacks: Iterable[str]) -> list[str]:
 
 
 def _metric_rows(rows: pd.DataFrame, metric: str) -> tuple[pd.DataFrame, dict[str, str]]:
-    """Per-layer rows of ``metric`` with ``low``/``high`` (see :func:`_with_spread`), and the runs
-    left out with the reason; ``compression`` is computed from ``stable_rank`` when not logged
-    (a run of one snapshot, an analyzed model, has nothing to compress against: left out, as the
-    command line leaves it out)."""
+    """Per-layer rows of ``metric``, a layer's experts as one row with ``low``/``high`` (as the
+    command line draws them: ``charts.one_per_layer``), and the runs left out with the reason;
+    ``compression`` is computed from ``stable_rank`` when not logged (a run of one snapshot, an
+    analyzed model, has nothing to compress against: left out, as the command line leaves it
+    out)."""
     rows = rows.assign(stack=rows["stack"].fillna("")) if "stack" in rows else rows.assign(stack="")
     left_out: dict[str, str] = {}
     if metric == "compression":
         chosen, left_out = compression_rows(rows, allow_none=True)
     else:
         chosen = rows[(rows["metric"] == metric) & rows["layer"].notna()]
-    return _with_spread(chosen), left_out
-
-
-def _with_spread(rows: pd.DataFrame) -> pd.DataFrame:
-    """One row per (run, stack, layer, role, step) with columns ``low`` and ``high``: NaN for a
-    plain matrix; for a role of a layer's experts (rows ``MLP_up/mean``, ``/min``, ``/max``) the
-    row of its mean, role ``MLP_up``, with the min and max over the experts. Per-expert rows
-    (``experts="each"``) are left out: the aggregates stand for them."""
-    if "expert" in rows:
-        rows = rows[rows["expert"].isna()]
-    roles = rows["role"].astype(str)
-    over_experts = roles.str.contains("/", regex=False)
-    if not over_experts.any():
-        return rows.assign(low=np.nan, high=np.nan)
-    parts = roles[over_experts].str.rsplit("/", n=1, expand=True)
-    experts = rows[over_experts].assign(role=parts[0], aggregate=parts[1])
-    keys = ["run", "stack", "layer", "role", "step"]
-
-    def side(aggregate: str, name: str) -> pd.DataFrame:
-        of = experts[experts["aggregate"] == aggregate].drop_duplicates(keys, keep="last")
-        return of[[*keys, "value"]].rename(columns={"value": name})
-
-    means = experts[experts["aggregate"] == "mean"].drop(columns="aggregate")
-    means = means.merge(side("min", "low"), on=keys, how="left")
-    means = means.merge(side("max", "high"), on=keys, how="left")
-    plain = rows[~over_experts].assign(low=np.nan, high=np.nan)
-    return pd.concat([plain, means], ignore_index=True) if not plain.empty else means
+    return one_per_layer(chosen), left_out
 
 
 def _in_stack(rows: pd.DataFrame, stack: str) -> pd.DataFrame:
@@ -415,12 +391,12 @@ def difference(
         stacks, per_layer = rows["stack"].fillna(""), rows["layer"].notna()
         named = set(rows.loc[per_layer & (stacks != ""), "run"])
         rows = rows[~per_layer | (stacks == stack) | ~rows["run"].isin(named)]
-    base = rows[(rows["run"] == baseline) & (rows["metric"] == metric)]
-    base = base if layer is None else base[base["layer"] == layer]
-    base = base if role is None else base[base["role"] == role]
     try:
         curves = diff_curves(rows, metric, baseline, x=x, layer=layer, role=role).curves
     except ValueError as error:
+        base = rows[(rows["run"] == baseline) & (rows["metric"] == metric)]
+        base = base if layer is None else base[base["layer"] == layer]
+        base = base if role is None else base[base["role"] == role]
         if base["step"].nunique() == 1:
             return {"series": [], "left_out": str(error)}
         raise
