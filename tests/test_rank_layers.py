@@ -145,3 +145,15 @@ def test_the_table_has_a_stack_column_only_for_models_with_several(capsys) -> No
     assert "stack" in table and "enc" in table and "over-trained" in table
     print_ranking(ranked.assign(stack=""), blocks, "GPT")
     assert "stack" not in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(("flag", "value"), [("--sparsity", "1.5"), ("--epsilon", "-0.1")])
+def test_a_bad_target_is_refused_before_the_source_is_read(
+    flag: str, value: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # A run without esd_alpha: reading it first answered "the run logged no esd_alpha" and the
+    # bad option only after a (possibly long) load of a model.
+    run = Path(__file__).parent / "data" / "run-before-stacks"
+    assert main(["rank-layers", str(run), flag, value]) == 1
+    error = capsys.readouterr().err.strip()
+    assert f"(set with {flag})" in error and "esd_alpha" not in error, error

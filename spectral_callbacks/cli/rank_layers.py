@@ -48,10 +48,16 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from spectral_callbacks.offline.ranking import RankingError, block_sparsity, rank_matrices
+    from spectral_callbacks.offline.ranking import (
+        RankingError,
+        block_sparsity,
+        check_allocation,
+        rank_matrices,
+    )
 
-    rows, where = matrix_alphas(args.source, args.arch, args.base)
     try:
+        check_allocation(args.sparsity, args.epsilon)  # before a model is loaded, not after
+        rows, where = matrix_alphas(args.source, args.arch, args.base)
         blocks = block_sparsity(rows, args.sparsity, args.epsilon)
     except RankingError as error:
         flag = {"sparsity": "--sparsity", "epsilon": "--epsilon"}.get(error.argument or "")

@@ -37,6 +37,14 @@ class RankingError(ValueError):
         self.argument = argument
 
 
+def check_allocation(sparsity: float, epsilon: float) -> None:
+    """Refuse a target sparsity outside (0, 1) or an ε outside [0, 1) (``RankingError``)."""
+    if not 0 < sparsity < 1:
+        raise RankingError(f"`sparsity` must be a fraction in (0, 1), got {sparsity!r}", "sparsity")
+    if not 0 <= epsilon < 1:
+        raise RankingError(f"`epsilon` must be in [0, 1), got {epsilon!r}", "epsilon")
+
+
 def block_sparsity(rows: pd.DataFrame, sparsity: float, epsilon: float = 0.2) -> pd.DataFrame:
     """AlphaPruning's sparsity per block (see the module docstring).
 
@@ -53,10 +61,7 @@ def block_sparsity(rows: pd.DataFrame, sparsity: float, epsilon: float = 0.2) ->
         RankingError: a target or ε out of range, no finite α, or a result above 1 (the band is
             too wide for the target).
     """
-    if not 0 < sparsity < 1:
-        raise RankingError(f"`sparsity` must be a fraction in (0, 1), got {sparsity!r}", "sparsity")
-    if not 0 <= epsilon < 1:
-        raise RankingError(f"`epsilon` must be in [0, 1), got {epsilon!r}", "epsilon")
+    check_allocation(sparsity, epsilon)
     finite = rows[rows["alpha"].notna() & (rows["alpha"] != float("inf"))]
     if finite.empty:
         raise RankingError("no matrix has a finite ESD α to rank", "alpha")
