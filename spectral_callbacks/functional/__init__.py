@@ -2,7 +2,8 @@
 
 ``randomized_svd`` computes a top-k spectrum; the metric functions turn a spectrum (and the exact
 squared Frobenius norm) into the numbers of DESIGN.md section 2; ``spectral_metrics`` does both.
-``esd`` fits the power-law tail of the full eigenvalue spectrum as WeightWatcher does.
+``esd`` fits the power-law tail of the full eigenvalue spectrum as WeightWatcher does;
+``circuit_metrics`` gives the per-head QK and OV circuit spectra of an attention layer.
 
 Example::
 
@@ -12,6 +13,7 @@ Example::
     (tensor(4.), tensor(1.))
 """
 
+from spectral_callbacks.functional.circuits import CIRCUIT_METRICS, circuit_metrics
 from spectral_callbacks.functional.esd import (
     ESD_METRICS,
     EVALS_THRESHOLD,
@@ -46,6 +48,8 @@ from spectral_callbacks.functional.svd import (
 )
 
 __all__ = [
+    "CIRCUIT_METRICS",
+    "circuit_metrics",
     "AdaptedMatrices",
     "UPDATE_METRICS",
     "low_rank_singular_values",

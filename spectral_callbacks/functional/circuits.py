@@ -1,0 +1,209 @@
+r"""Per-head QK and OV circuits of an attention layer, exact from their ``d_h``-wide factors.
+
+Head :math:`h` of an attention layer (Elhage et al. 2021, "A Mathematical Framework for Transformer
+Circuits") reads its attention logits through the QK circuit and writes to the residual stream
+through the OV circuit:
+
+.. math::
+
+    W_{QK}^h = W_Q^{h\top} W_K^{g(h)}, \qquad W_{OV}^h = W_O^h W_V^{g(h)},
+
+with :math:`W_Q^h, W_K^g, W_V^g` the ``(d_h, d)`` rows of head :math:`h` (K/V head :math:`g(h)`
+of its group under GQA/MQA), :math:`W_O^h` the ``(d, d_h)`` columns of the output projection.
+Both are ``d x d`` of rank at most ``d_h``. The logit of head :math:`h` between tokens i and j is
+:math:`x_i^\top W_{QK}^h x_j / \sqrt{d_h}`, so
+
+.. math:: |\mathrm{logit}_{ij}| \le \frac{\sigma_1(W_{QK}^h)}{\sqrt{d_h}} \lVert x_i \rVert \lVert x_j \rVert,
+
+``qk_spectral_norm`` is that bound per unit input norms.
+
+The spectrum of a product :math:`A B^\top` of tall factors (``(..., m, r)`` and ``(..., n, r)``)
+is exact without an ``m x n`` matrix: with reduced QRs :math:`A = Q_A R_A` and
+:math:`B = Q_B R_B`, :math:`A B^\top = Q_A (R_A R_B^\top) Q_B^\top`, so its nonzero singular values
+are those of the ``r x r`` matrix :math:`R_A R_B^\top` (the same path as the LoRA update in
+``lowrank.low_rank_singular_values``, batched over heads). Cost :math:`O((m + n) r^2)` per head.
+
+Example::
+
+    >>> torch.manual_seed(0) and None
+    >>> q, k = torch.randn(2 * 4, 6), torch.randn(2 * 4, 6)  # 2 heads of d_h = 4, d = 6
+    >>> S = circuit_singular_values(query_factors(q, 2), key_factors(k, 2, 2))
+    >>> formed = q[:4].double().T @ k[:4].double()  # head 0's (6, 6) product, for the check
+    >>> torch.allclose(S[0], torch.linalg.svdvals(formed)[:4])
+    True
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "CIRCUIT_METRICS",
+    "circuit_metrics",
+    "circuit_singular_values",
+    "key_factors",
+    "output_factors",
+    "query_factors",
+]
+
+#: The per-head metrics, logged as ``spectral_<name>`` (docs/logged-names.md).
+CIRCUIT_METRICS: tuple[str, ...] = (
+    "qk_spectral_norm",
+    "qk_stable_rank",
+    "ov_spectral_norm",
+    "ov_stable_rank",
+)
+
+
+def circuit_singular_values(left: Tensor, right: Tensor) -> Tensor:
+    r"""Exact singular values of each :math:`A B^\top`, float64, descending, never forming it.
+
+    .. math:: A B^\top = Q_A (R_A R_B^\top) Q_B^\top, \quad
+        \sigma(A B^\top) = \sigma(R_A R_B^\top) \text{ (reduced QRs of } A, B)
+
+    Args:
+        left: ``(..., m, r)`` factors :math:`A`.
+        right: ``(..., n, r)`` factors :math:`B` (the same batch shape and ``r``).
+
+    Returns:
+        ``(..., min(m, n, r))`` float64: every nonzero singular value of :math:`A B^\top` (its rank
+        is at most ``r``), zeros where it has fewer.
+
+    Raises:
+        ValueError: the factors' batch shapes or widths ``r`` differ.
+
+    Example::
+
+        >>> A = torch.tensor([[3.0, 0.0], [0.0, 1.0], [0.0, 0.0]])  # (3, 2)
+        >>> circuit_singular_values(A, torch.eye(2))
+        tensor([3., 1.], dtype=torch.float64)
+    """
+    if left.shape[:-2] != right.shape[:-2] or left.shape[-1] != right.shape[-1]:
+        raise ValueError(
+            "`left` (..., m, r) and `right` (..., n, r) must share the batch shape and r, got "
+            f"{tuple(left.shape)!r} and {tuple(right.shape)!r}"
+        )
+    # 1. Reduced QR of each tall factor: only the (r, r) triangles are kept (mode="r").
+    R_left = torch.linalg.qr(left.detach().double(), mode="r").R  # (..., min(m, r), r)
+    R_right = torch.linalg.qr(right.detach().double(), mode="r").R  # (..., min(n, r), r)
+    # 2. The small core R_A R_B^T has the nonzero spectrum of A B^T.
+    return torch.linalg.svdvals(R_left @ R_right.mT)  # (..., min(m, n, r))
+
+
+def query_factors(query: Tensor, num_heads: int) -> Tensor:
+    r"""The ``(H, d, d_h)`` factors :math:`W_Q^{h\top}` of a ``(H * d_h, d)`` query projection whose
+    rows are head-major (head 0's ``d_h`` rows first).
+
+    >>> query_factors(torch.arange(8.0).reshape(4, 2), 2)[1]  # head 1: rows 2, 3, transposed
+    tensor([[4., 6.],
+            [5., 7.]])
+    """
+    rows, d = query.shape[-2:]
+    _check_heads(rows, num_heads, "query")
+    return query.reshape(*query.shape[:-2], num_heads, rows // num_heads, d).mT  # (..., H, d, d_h)
+
+
+def key_factors(key: Tensor, num_kv_heads: int, num_heads: int) -> Tensor:
+    r"""The ``(H, d, d_h)`` factors :math:`W_K^{g(h)\top}` (or :math:`W_V^{g(h)\top}`) of a
+    ``(G * d_h, d)`` key (value) projection, repeated for the ``H / G`` query heads of each group.
+
+    GQA (Ainslie et al. 2023) groups query heads ``g * H/G .. (g + 1) * H/G - 1`` on K/V head ``g``
+    (as ``repeat_interleave`` does in the model's forward); MQA is ``G = 1``, MHA ``G = H``.
+
+    >>> key_factors(torch.arange(4.0).reshape(2, 2), 1, 3).shape  # MQA: one head for 3 queries
+    torch.Size([3, 2, 2])
+    """
+    rows, d = key.shape[-2:]
+    _check_heads(rows, num_kv_heads, "key/value")
+    if num_heads % num_kv_heads:
+        raise ValueError(
+            f"`num_heads` ({num_heads}) must be a multiple of the K/V heads ({num_kv_heads})"
+        )
+    factors = key.reshape(*key.shape[:-2], num_kv_heads, rows // num_kv_heads, d).mT
+    return factors.repeat_interleave(num_heads // num_kv_heads, dim=-3)  # (..., H, d, d_h)
+
+
+def output_factors(output: Tensor, num_heads: int) -> Tensor:
+    r"""The ``(H, d, d_h)`` factors :math:`W_O^h` of a ``(d, H * d_h)`` output projection (head
+    ``h`` reads columns ``h * d_h .. (h + 1) * d_h - 1``).
+
+    >>> output_factors(torch.arange(8.0).reshape(2, 4), 2)[1]  # head 1: columns 2, 3
+    tensor([[2., 3.],
+            [6., 7.]])
+    """
+    d, columns = output.shape[-2:]
+    _check_heads(columns, num_heads, "output")
+    return output.reshape(*output.shape[:-2], d, num_heads, columns // num_heads).movedim(-2, -3)
+
+
+def circuit_metrics(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    output: Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+    *,
+    scale: float | None = None,
+) -> dict[str, Tensor]:
+    r"""Per head: ``qk_spectral_norm``, ``qk_stable_rank``, ``ov_spectral_norm``, ``ov_stable_rank``.
+
+    .. math::
+
+        \mathrm{qk\_spectral\_norm}_h = s\,\sigma_1(W_{QK}^h), \quad
+        \mathrm{qk\_stable\_rank}_h = \frac{\sum_i \sigma_i(W_{QK}^h)^2}{\sigma_1(W_{QK}^h)^2},
+
+    and likewise for :math:`W_{OV}^h` (its norm unscaled); the spectra are complete (rank at most
+    ``d_h``), so the Frobenius norms are exact sums. :math:`s` is the attention's logit scale,
+    :math:`1/\sqrt{d_h}` by default.
+
+    Args:
+        query: ``(..., H * d_h, d)`` query rows, head-major.
+        key: ``(..., G * d_h, d)`` key rows.
+        value: ``(..., G * d_v, d)`` value rows.
+        output: ``(..., d, H * d_v)`` output projection.
+        num_heads: ``H`` query heads.
+        num_kv_heads: ``G`` K/V heads (``H`` for MHA, 1 for MQA).
+        scale: the logit scale; default ``None`` is ``1 / sqrt(d_h)``.
+
+    Returns:
+        metric name -> ``(..., H)`` float64.
+
+    Example::
+
+        >>> eye = torch.eye(4)
+        >>> out = circuit_metrics(2 * eye, eye, eye, eye, num_heads=2, num_kv_heads=2)
+        >>> out["qk_spectral_norm"], out["qk_stable_rank"]  # sigma = (2, 2), d_h = 2
+        (tensor([1.4142, 1.4142], dtype=torch.float64), tensor([2., 2.], dtype=torch.float64))
+    """
+    head_dim = query.shape[-2] // num_heads
+    scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
+    qk = circuit_singular_values(
+        query_factors(query, num_heads), key_factors(key, num_kv_heads, num_heads)
+    )  # (..., H, d_h)
+    ov = circuit_singular_values(
+        output_factors(output, num_heads), key_factors(value, num_kv_heads, num_heads)
+    )  # (..., H, d_v)
+    return {
+        "qk_spectral_norm": scale * qk[..., 0],
+        "qk_stable_rank": _stable_rank(qk),
+        "ov_spectral_norm": ov[..., 0],
+        "ov_stable_rank": _stable_rank(ov),
+    }
+
+
+def _stable_rank(S: Tensor) -> Tensor:
+    """``sum S^2 / S_1^2`` of complete spectra; NaN for a zero circuit."""
+    top = S[..., 0].square()
+    return torch.where(top > 0, S.square().sum(-1) / top, torch.full_like(top, float("nan")))
+
+
+def _check_heads(size: int, heads: int, what: str) -> None:
+    if not isinstance(heads, int) or heads < 1 or size % heads:
+        raise ValueError(
+            f"the {what} projection's {size} head channels do not split into {heads!r} heads: "
+            "give the head count of this layer (heads=...)"
+        )
