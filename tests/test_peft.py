@@ -189,6 +189,82 @@ def test_a_merged_layer_is_not_added_twice() -> None:
         assert torch.allclose(batch.dense(torch.float64)[0], expected, atol=1e-5, rtol=0)
 
 
+def two_active_adapters() -> Any:
+    """A tiny Llama with LoRA adapters "first" (r=8, every projection) and "second" (r=4, q and v) both
+    active, B away from zero."""
+    torch.manual_seed(0)
+    config = peft.LoraConfig(
+        r=8, lora_alpha=16, target_modules=LLAMA_MODULES, init_lora_weights=False
+    )
+    model = peft.get_peft_model(tiny_llama(), config, adapter_name="first")
+    extra = peft.LoraConfig(
+        r=4, lora_alpha=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False
+    )
+    model.add_adapter("second", extra)
+    model.base_model.set_adapter(["first", "second"])
+    return model
+
+
+def test_every_tensor_a_batch_of_two_active_adapters_reads_is_owned_or_a_parameter() -> None:
+    model = two_active_adapters()
+    targets = find_targets(model)
+    assert {t.adapters for t in targets} == {("first",), ("first", "second")}
+    live = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    for batch in take_snapshot(group_by_shape(targets), step=0).tensors.values():
+        owned = {o.untyped_storage().data_ptr() for o in batch.owned}
+        read = [
+            *batch.bases,
+            *batch.ups,
+            *batch.downs,
+            *(g for g in batch.magnitudes if g is not None),
+        ]
+        # What the compute stream reads is either a live parameter or a copy the batch owns
+        # (record_stream marks only the owned ones: anything else could be reused by training).
+        loose = [t for t in read if t.untyped_storage().data_ptr() not in owned | live]
+        assert loose == []
+    reference = merged_matrices(model)
+    for target in targets:
+        batch = target.stack_batch([target])
+        assert batch.ups[0].shape[1] == target.rank == (12 if target.role in ("Q", "V") else 8)
+        expected = reference[(target.layer, target.role)]
+        assert torch.allclose(batch.dense(torch.float64)[0], expected, atol=1e-5, rtol=0)
+        assert batch.nbytes == target.snapshot_bytes()
+
+
+def test_a_lora_layer_with_no_active_adapter_is_a_plain_target_with_a_nan_update_family() -> None:
+    torch.manual_seed(0)
+    config = peft.LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj"], init_lora_weights=False)
+    model = peft.get_peft_model(tiny_llama(), config)
+    extra = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["v_proj"], init_lora_weights=False)
+    model.add_adapter("b", extra)
+    model.base_model.set_adapter("b")  # q_proj keeps its "default" adapter, inactive now
+    logger = RecordingLogger()
+    tracker = SpectralTracker(
+        model,
+        writers=[logger],
+        every_n_steps=1,
+        log_spaced_until=0,
+        figures=False,
+        synchronous=True,
+    )
+    tracker.step(0)
+    model.base_model.set_adapter(["default", "b"])  # active again: its update is logged again
+    tracker.step(1)
+    tracker.close(1)
+    base = model.base_model.model.model.layers[0].self_attn.q_proj.base_layer.weight.detach()
+    effective = merged_matrices(model)[(0, "Q")]
+    for step, weight in ((0, base.double()), (1, effective)):
+        exact = torch.linalg.svdvals(weight)
+        expected = float(exact.square().sum() / exact[0] ** 2)
+        found = logger.series(scalar_tag("stable_rank", 0, "Q"))[step]
+        assert found == pytest.approx(expected, rel=1e-3)
+    update = logger.series(scalar_tag("update_stable_rank", 0, "Q"))
+    assert set(update) == {0, 1}
+    assert update[0] != update[0] and update[1] == update[1]  # NaN while inactive, then a value
+    assert logger.series(scalar_tag("update_rank", 0, "Q"))[1] == 8
+    assert logger.series(scalar_tag("update_rank", 0, "V"))[0] == 4
+
+
 # The additive tuner types without factors, each on q, k, v, o, gate, up, down of a tiny Llama
 # (width 64: every in/out size is a multiple of 16, as C3A's block_size and VB-LoRA's vectors need).
 DENSE_TUNERS = {

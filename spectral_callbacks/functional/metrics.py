@@ -338,7 +338,8 @@ def update_metrics(
         S: ``(B, r)`` singular values of each update, descending: every nonzero one for a low-rank
             update (zero-padded), the top k of a dense one.
         base_frobenius: ``(B,)`` :math:`\lVert W_0 \rVert_F`.
-        rank: ``(B,)`` the adapter's rank r (NaN where there is no adapter, a dense fine-tune).
+        rank: ``(B,)`` the adapter's rank r (NaN where there is no adapter, a dense fine-tune; 0
+            where the layer has no active adapter: the whole family is NaN there).
         frobenius_sq: ``(B,)`` exact :math:`\lVert \Delta W \rVert_F^2` when ``S`` is only a top-k
             (a dense update); default ``None``: ``S`` is the whole spectrum, summed.
         energy: the energy fraction of ``update_energy_rank_90``.
@@ -354,6 +355,8 @@ def update_metrics(
         (tensor([1.2500]), tensor([0.2236]), tensor([1.]))
     """
     S = S.to(torch.float64)
+    if S.shape[-1] == 0:  # no layer of the batch has an active adapter: zero-width factors
+        S = S.new_zeros((*S.shape[:-1], 1))
     if frobenius_sq is None:
         frobenius_sq = S.square().sum(-1)  # exact: S is the whole spectrum of the update
     frobenius_sq = frobenius_sq.to(torch.float64)
@@ -368,7 +371,8 @@ def update_metrics(
     }
     for i in range(1, UPDATE_TOP + 1):
         out[f"update_sv_{i}"] = S[..., i - 1] if S.shape[-1] >= i else nan
-    return {name: value.float() for name, value in out.items()}
+    absent = rank.to(torch.float64) == 0  # a layer whose adapters are all inactive: no update
+    return {name: torch.where(absent, nan, value).float() for name, value in out.items()}
 
 
 # Rows converted to float64 at a time: a bounded transient (32 MiB) whatever the size of W, where

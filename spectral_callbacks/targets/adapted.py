@@ -261,49 +261,37 @@ class AdaptedTarget(Target):
         copied once; the base is referenced, not copied, unless it changes (merged into, or
         trained).
         """
-        shared: dict[int, torch.Tensor] = {}
-        owned: list[torch.Tensor] = []
-
-        def copy(tensor: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
-            out = tensor.detach().clone() if scale == 1.0 else tensor.detach() * scale
-            owned.append(out)
-            return out
-
-        def copy_shared(tensor: torch.Tensor) -> torch.Tensor:
-            if id(tensor) not in shared:
-                shared[id(tensor)] = copy(tensor)
-            return shared[id(tensor)]
-
+        copies = _Copies()
         bases, ups, downs, magnitudes, adds = [], [], [], [], []
         with torch.no_grad():
             for target in targets:
-                base, up, down, magnitude, add = target._snapshot(copy, copy_shared)
+                base, up, down, magnitude, add = target._snapshot(copies)
                 bases.append(base)
                 ups.append(up)
                 downs.append(down)
                 magnitudes.append(magnitude)
                 adds.append(add)
         return AdaptedMatrices(
-            tuple(bases), tuple(ups), tuple(downs), tuple(magnitudes), tuple(adds), tuple(owned)
+            tuple(bases),
+            tuple(ups),
+            tuple(downs),
+            tuple(magnitudes),
+            tuple(adds),
+            tuple(copies.owned),
         )
 
     def snapshot_bytes(self) -> int:
         """The bytes :meth:`stack_batch` copies for this target: its adapter factors (and the base
         only where it changes), counted by the same walk without copying (a factor shared by
         several targets is counted for each: an upper bound)."""
-        counted = 0
-
-        def count(tensor: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
-            nonlocal counted
-            counted += tensor.numel() * tensor.element_size()
-            return tensor.detach()
-
+        counting = _Copies(count_only=True)
         with torch.no_grad():
-            self._snapshot(count, count, dequantize=False)
-        return counted
+            self._snapshot(counting, dequantize=False)
+        return counting.counted
 
-    def _snapshot(self, copy: Any, copy_shared: Any, dequantize: bool = True) -> tuple[Any, ...]:
+    def _snapshot(self, copies: _Copies, dequantize: bool = True) -> tuple[Any, ...]:
         lora: Any = self.layer_module
+        copy = copies.copy
         rows = replace(self.rows, transposed=False)  # rows of the (out, ...) factors
         active = _active(lora)
         weight = self.parameter.detach()
@@ -324,14 +312,19 @@ class AdaptedTarget(Target):
         else:
             base = self.rows.take(weight)
         if not active:
-            empty = weight.new_zeros((self.shape[0], 0))
-            return base, empty, weight.new_zeros((0, self.shape[1])), None, False
-        ups = [
-            copy(rows.take(lora.lora_B[a].weight.detach()), float(lora.scaling[a])) for a in active
-        ]
-        downs = [copy_shared(lora.lora_A[a].weight) for a in active]
-        up = ups[0] if len(ups) == 1 else torch.cat(ups, dim=1)
-        down = downs[0] if len(downs) == 1 else torch.cat(downs, dim=0)
+            # No active adapter on this layer (another one is set): a plain dense target, its
+            # effective weight the base; the zero-width factors make its update family NaN.
+            up = copy(weight.new_zeros((self.shape[0], 0)))
+            down = copy(weight.new_zeros((0, self.shape[1])))
+            return base, up, down, None, False
+        # Several active adapters: their factors side by side, each written once into one copy
+        # (a concatenation of copies would be a second tensor the batch reads but does not own).
+        up = copies.concat(
+            [rows.take(lora.lora_B[a].weight.detach()) for a in active],
+            [float(lora.scaling[a]) for a in active],
+            dim=1,
+        )
+        down = copies.concat([lora.lora_A[a].weight for a in active], dim=0, shared=True)
         magnitude = None
         if active[0] in lora.lora_magnitude_vector:
             magnitude = copy(
@@ -406,7 +399,8 @@ class DenseAdaptedTarget(AdaptedTarget):
                 deltas.append(update)
                 adds.append(not layer.merged and not layer.disable_adapters)
                 rank = _rank(layer)
-                ranks.append(float(rank) if rank else float("nan"))
+                # 0: no active adapter (the update family is NaN); NaN: a type without an r.
+                ranks.append(float(rank) if rank or not _active(layer) else float("nan"))
         return DenseUpdateMatrices.of(bases, deltas, adds, ranks, owned)
 
     def snapshot_bytes(self) -> int:
@@ -423,6 +417,54 @@ class DenseAdaptedTarget(AdaptedTarget):
         )
         base = m * n * self.parameter.element_size() if _base_changes(self) else 0
         return m * n * adapter.element_size() + base
+
+
+class _Copies:
+    """What a snapshot of adapter factors copies, on the calling thread / current stream.
+
+    Every tensor a batch reads that is not a parameter's storage is made here and kept in
+    ``owned``: those are what ``AdaptedMatrices.record_stream`` marks in use on the compute stream
+    (on CUDA a fresh allocation it does not know of could be handed back to training while the
+    SVD still reads it). ``count_only``: count the bytes without copying (``snapshot_bytes``).
+    """
+
+    def __init__(self, count_only: bool = False) -> None:
+        self.count_only = count_only
+        self.owned: list[torch.Tensor] = []
+        self.counted = 0
+        self._shared: dict[tuple[int, ...], torch.Tensor] = {}
+
+    def copy(self, tensor: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+        """A copy of ``tensor`` times ``scale``."""
+        return self.concat([tensor], [scale], dim=0)
+
+    def concat(
+        self,
+        parts: Sequence[torch.Tensor],
+        scales: Sequence[float] | None = None,
+        dim: int = 0,
+        shared: bool = False,
+    ) -> torch.Tensor:
+        """One copy of ``parts`` side by side along ``dim``, part i times ``scales[i]``;
+        ``shared``: the same parts (a factor several targets share: the ``A`` of a fused
+        ``c_attn`` split into Q, K, V) are copied once."""
+        key = tuple(id(part) for part in parts)
+        if shared and key in self._shared:
+            return self._shared[key]
+        if self.count_only:
+            self.counted += sum(part.numel() * part.element_size() for part in parts)
+            return parts[0].detach()
+        out = torch.cat([part.detach() for part in parts], dim=dim)  # a fresh tensor
+        offset = 0
+        for part, scale in zip(parts, scales or [1.0] * len(parts), strict=True):
+            width = part.shape[dim]
+            if scale != 1.0:
+                out.narrow(dim, offset, width).mul_(scale)
+            offset += width
+        self.owned.append(out)
+        if shared:
+            self._shared[key] = out
+        return out
 
 
 def _base_changes(target: AdaptedTarget) -> bool:
