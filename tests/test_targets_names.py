@@ -76,28 +76,102 @@ FALCON = {
 }
 
 
+def _rows_of(fused: torch.Tensor, part: torch.Tensor) -> torch.Tensor:
+    """Where each row of ``part`` sits among the rows of ``fused`` (random rows are unique)."""
+    found = [(fused == row).all(dim=1).nonzero().flatten() for row in part]
+    assert all(len(index) == 1 for index in found), "a split row is not one row of the fused weight"
+    return torch.cat(found)
+
+
+def _attend(model, ids: torch.Tensor, edit=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Layer 1's fused query_key_value output and what its attention hands to ``dense``.
+
+    Read through forward hooks on the two public submodules, so this is what the attention's
+    own ``forward`` computes from the fused rows; ``edit(fused)`` may change that output first.
+    """
+    attention, seen = model.h[1].self_attention, {}
+
+    def on_fused(_module, _args, output):
+        output = output.clone() if edit is None else edit(output.clone())
+        seen["fused"] = output
+        return output
+
+    def on_dense(_module, args):
+        seen["heads"] = args[0]
+
+    hooks = [
+        attention.query_key_value.register_forward_hook(on_fused),
+        attention.dense.register_forward_pre_hook(on_dense),
+    ]
+    try:
+        with torch.no_grad():
+            model(ids)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return seen["fused"].reshape(ids.shape[1], -1), seen["heads"].reshape(ids.shape[1], -1)
+
+
 @pytest.mark.parametrize("layout", sorted(FALCON))
 def test_falcon_query_key_value_is_split_as_the_attention_reads_it(layout: str) -> None:
+    """The fused rows named Q, K and V are the ones FalconAttention's forward uses as such.
+
+    Compared through its public behaviour only (hooks on ``query_key_value`` and ``dense``):
+    with causal attention the first token attends to itself alone, so its output per head is
+    exactly its own value rows of that head's K/V group, whatever the queries and keys; changing
+    the first token's query rows changes nothing, while changing its key rows of K/V group g
+    changes the later tokens' outputs of the heads in g only, and changing the last token's
+    query rows of head h changes that token's output of head h only.
+    """
     config = transformers.FalconConfig(
         vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=8, **FALCON[layout]
     )
-    model = transformers.FalconModel(config)
+    torch.manual_seed(0)
+    model = transformers.FalconModel(config).eval()
     targets = _find(model)
     assert {t.role for t in targets} == {"Q", "K", "V", "O", "MLP_up", "MLP_down"}
     attention = model.h[1].self_attention
+    heads, kv_heads, head_dim = attention.num_heads, attention.num_kv_heads, attention.head_dim
+    group = heads // kv_heads  # query heads per K/V head
+    weight = attention.query_key_value.weight.detach()
+    rows = {
+        t.role: _rows_of(weight, t.matrix()) for t in targets if t.layer == 1 and t.role in "QKV"
+    }
+    assert len(rows["Q"]) == heads * head_dim and len(rows["K"]) == len(rows["V"])
+    assert len(torch.cat(list(rows.values())).unique()) == len(weight)  # each row named once
+
+    ids = torch.tensor([[5, 17, 33, 2]])
+    fused, out = _attend(model, ids)
+    values = fused[0, rows["V"]].reshape(kv_heads, head_dim)
+    torch.testing.assert_close(out[0], values.repeat_interleave(group, dim=0).flatten())
+
+    def heads_changed(role: str, token: int, block: int) -> list[int]:
+        """The (later token, head) outputs that change when one block of ``role``'s rows does."""
+        index = rows[role].reshape(-1, head_dim)[block]
+
+        def edit(output: torch.Tensor) -> torch.Tensor:
+            output[0, token, index] += 30.0 * torch.randn(head_dim, generator=generator)
+            return output
+
+        _, edited = _attend(model, ids, edit)
+        differs = ~torch.isclose(edited, out, atol=1e-5, rtol=1e-4)
+        return sorted(
+            {
+                (t, h)
+                for t, h in differs.reshape(len(out), heads, head_dim).any(2).nonzero().tolist()
+            }
+        )
+
+    generator = torch.Generator().manual_seed(0)
+    last = ids.shape[1] - 1
+    for head in range(heads):
+        assert heads_changed("Q", 0, head) == []  # the first token's query meets one key alone
+        assert heads_changed("Q", last, head) == [(last, head)]
+    for kv in range(kv_heads):
+        assert heads_changed("K", 0, kv) == [
+            (t, h) for t in range(1, last + 1) for h in range(kv * group, (kv + 1) * group)
+        ]
     of = {t.role: t for t in targets if t.layer == 1}
-    x = torch.randn(1, 3, 32)
-    with torch.no_grad():
-        fused = attention.query_key_value(x)
-        query, key, value = attention._split_heads(fused)  # the model's own reading
-        heads, kv_heads, head_dim = attention.num_heads, attention.num_kv_heads, attention.head_dim
-        if attention.new_decoder_architecture:  # key/value are broadcast over each group's heads
-            group = heads // kv_heads
-            key = key.reshape(1, 3, kv_heads, group, head_dim)[:, :, :, 0]
-            value = value.reshape(1, 3, kv_heads, group, head_dim)[:, :, :, 0]
-        for role, expected in (("Q", query), ("K", key), ("V", value)):
-            got = x @ of[role].matrix().t()
-            torch.testing.assert_close(got, expected.reshape(1, 3, -1))
     assert of["K"].shape[0] == (
         head_dim
         if attention.multi_query and not attention.new_decoder_architecture

@@ -201,7 +201,7 @@ def _per_head_qkv(ctx: Context) -> Decision:
 
 
 def _falcon_qkv(ctx: Context) -> Decision | None:
-    """Falcon ``query_key_value``, split as ``FalconAttention._split_heads`` reads it.
+    """Falcon ``query_key_value``, split as ``FalconAttention.forward`` reads it.
 
     ``new_decoder_architecture`` (40B/180B): per K/V group ``[q x heads/kv_heads; k; v]``;
     ``multi_query`` (7B): ``[q x heads; k; v]`` with one K/V head; else per head ``[q; k; v]``.
