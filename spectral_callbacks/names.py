@@ -18,12 +18,17 @@ Tags:
   The per-expert values of one (layer, role) are also a TensorBoard *histogram* (the distribution
   over experts at each snapshot) under the tag a lone matrix's scalar would have,
   ``spectral_<metric>/L<layer>/<role>`` (:func:`histogram_tag`); no scalar of an expert role has it.
+* Attention heads (``circuits=True``): the QK/OV circuit metrics of each query head under the role
+  ``heads`` (``heads_cross`` for cross-attention), ``spectral_<metric>/L<layer>/H<head>/heads``
+  (head index zero-padded to 2 digits), their ``mean``, ``min`` and ``max`` over the layer's heads,
+  ``spectral_<metric>/L<layer>/heads/<mean|min|max>``, and the histogram over heads at
+  ``spectral_<metric>/L<layer>/heads``.
 * ``spectral_monitor/<name>`` - the callback's own health (main-thread ms, SVD ms, pending, skipped;
   ``sent_bytes`` with sharded weights)
   and ``spectral_monitor/num_layers`` (``spectral_monitor/num_layers/<stack>`` per stack where there
   are several), which lets readers compute relative depth within a stack.
 * ``spectral_alerts/<kind>`` - how many alerts of one kind were raised so far (``rank_collapse``,
-  ``sigma_growth``, ``esd_alpha_low``, ``esd_alpha_high``, ``non_finite``); each alert is also a
+  ``sigma_growth``, ``esd_alpha_low``, ``esd_alpha_high``, ``non_finite``, ``logit_growth``); each alert is also a
   text entry under ``spectral_alerts``.
 * ``spectral_monitor/reference_step/[<stack>/]L<layer>/[E<expert>/]<role>`` - the step of the snapshot whose stable rank
   is that matrix's compression reference (0 normally; later for a matrix that starts at zero).
@@ -33,7 +38,7 @@ Example::
     >>> scalar_tag("stable_rank", 7, "MLP_down")
     'spectral_stable_rank/L07/MLP_down'
     >>> parse_tag("spectral_alpha/L12/Q")
-    SpectralTag(metric='alpha', layer=12, role='Q', stack='', expert=None, aggregate='')
+    SpectralTag(metric='alpha', layer=12, role='Q', stack='', expert=None, aggregate='', head=None)
     >>> parse_tag("spectral_alpha/mean/Q").layer is None
     True
     >>> scalar_tag("stable_rank", 3, "Q_cross", stack="dec")
@@ -44,6 +49,8 @@ Example::
     ('spectral_stable_rank/L03/MLP_down/max', 'spectral_alpha/L03/E007/MLP_up')
     >>> parse_tag("spectral_alpha/L03/E007/MLP_up").expert, parse_tag("spectral_alpha/L03/MLP_up/min").aggregate
     (7, 'min')
+    >>> scalar_tag("qk_spectral_norm", 0, "heads", head=3), parse_tag("spectral_qk_spectral_norm/L00/H03/heads").head
+    ('spectral_qk_spectral_norm/L00/H03/heads', 3)
     >>> parse_tag("train/loss") is None
     True
     >>> parse_tag(reference_step_tag(3, "O"))[:3]
@@ -69,7 +76,8 @@ ROLES: tuple[str, ...] = ("Q", "K", "V", "O", "MLP_up", "MLP_down")
 
 # The columns of tidy rows (the callback's figure history, export, charts), in this order.
 # ``stack`` is "" for a model with one stack; ``expert`` is empty (<NA>) outside experts, and an
-# aggregate over experts is a row whose role carries it (``MLP_down/mean``).
+# aggregate over experts is a row whose role carries it (``MLP_down/mean``); ``head`` is the query
+# head of a per-head circuit value (``heads`` role), else empty.
 TIDY_COLUMNS: tuple[str, ...] = (
     "run",
     "step",
@@ -79,6 +87,7 @@ TIDY_COLUMNS: tuple[str, ...] = (
     "depth",
     "role",
     "expert",
+    "head",
     "value",
     "wall_time",
 )
@@ -86,10 +95,11 @@ TIDY_COLUMNS: tuple[str, ...] = (
 EXPERT_AGGREGATES: tuple[str, ...] = ("mean", "min", "max")
 _STACK = r"(?:(?P<stack>[a-z][a-z0-9_]*)/)?"
 _EXPERT = r"(?:E(?P<expert>\d+)/)?"
+_HEAD = r"(?:H(?P<head>\d+)/)?"
 _ROLE = r"(?P<role>[A-Za-z0-9_]+)(?:/(?P<aggregate>mean|min|max))?"
 
 _TAG = re.compile(
-    rf"^spectral_(?P<metric>[a-z0-9_]+)/{_STACK}(?:L(?P<layer>\d+)|(?P<mean>mean))/{_EXPERT}{_ROLE}$"
+    rf"^spectral_(?P<metric>[a-z0-9_]+)/{_STACK}(?:L(?P<layer>\d+)|(?P<mean>mean))/{_EXPERT}{_HEAD}{_ROLE}$"
 )
 
 _REFERENCE_STEP_TAG = re.compile(
@@ -102,7 +112,8 @@ class SpectralTag(NamedTuple):
     """A parsed spectral tag; ``layer`` is ``None`` for the mean over layers.
 
     ``stack`` is ``""`` for a model with one stack; ``expert`` the expert index of a per-expert
-    tag; ``aggregate`` ``"mean"``/``"min"``/``"max"`` for an aggregate over experts, else ``""``.
+    tag; ``aggregate`` ``"mean"``/``"min"``/``"max"`` for an aggregate over experts (or heads),
+    else ``""``; ``head`` the query head of a per-head circuit tag.
     """
 
     metric: str
@@ -111,6 +122,7 @@ class SpectralTag(NamedTuple):
     stack: str = ""
     expert: int | None = None
     aggregate: str = ""
+    head: int | None = None
 
     @property
     def series_role(self) -> str:
@@ -140,11 +152,18 @@ def check_stack(stack: str) -> str:
     return stack
 
 
-def _where(stack: str, layer: int | None, num_layers: int | None, expert: int | None) -> str:
+def _where(
+    stack: str,
+    layer: int | None,
+    num_layers: int | None,
+    expert: int | None,
+    head: int | None = None,
+) -> str:
     where = MEAN if layer is None else layer_label(layer, num_layers)
     if stack:
         where = f"{stack}/{where}"
-    return where if expert is None else f"{where}/E{expert:03d}"
+    where = where if expert is None else f"{where}/E{expert:03d}"
+    return where if head is None else f"{where}/H{head:02d}"
 
 
 def scalar_tag(
@@ -156,14 +175,17 @@ def scalar_tag(
     stack: str = "",
     expert: int | None = None,
     aggregate: str = "",
+    head: int | None = None,
 ) -> str:
     """The tag of one metric of one (layer, role); ``layer=None`` gives the mean over layers.
 
     ``stack`` names the stack where a model has several; ``expert`` gives a per-expert tag and
-    ``aggregate`` (``mean``/``min``/``max``) the aggregate over a layer's experts.
+    ``aggregate`` (``mean``/``min``/``max``) the aggregate over a layer's experts (or heads);
+    ``head`` a per-head circuit tag (``spectral_qk_spectral_norm/L00/H03/heads``).
     """
     tail = f"/{aggregate}" if aggregate else ""
-    return f"{METRIC_PREFIX}{metric}/{_where(stack, layer, num_layers, expert)}/{role}{tail}"
+    where = _where(stack, layer, num_layers, expert, head)
+    return f"{METRIC_PREFIX}{metric}/{where}/{role}{tail}"
 
 
 def histogram_tag(
@@ -241,8 +263,15 @@ def parse_tag(tag: str) -> SpectralTag | None:
 
 def _parsed(metric: str, match: re.Match[str], layer: int | None) -> SpectralTag:
     expert = None if match["expert"] is None else int(match["expert"])
+    head = match.groupdict().get("head")
     return SpectralTag(
-        metric, layer, match["role"], match["stack"] or "", expert, match["aggregate"] or ""
+        metric,
+        layer,
+        match["role"],
+        match["stack"] or "",
+        expert,
+        match["aggregate"] or "",
+        None if head is None else int(head),
     )
 
 

@@ -313,7 +313,19 @@ def test_final_charts_say_when_nan_makes_them_fall_back_to_an_earlier_step() -> 
         for layer in (0, 1):
             for metric, scale in (("alpha", 1.0), ("compression", 100.0)):
                 records.append(
-                    ("nanrun", step, metric, "", layer, layer / 1, "Q", None, value * scale, 0.0)
+                    (
+                        "nanrun",
+                        step,
+                        metric,
+                        "",
+                        layer,
+                        layer / 1,
+                        "Q",
+                        None,
+                        None,
+                        value * scale,
+                        0.0,
+                    )
                 )
     rows = pd.DataFrame.from_records(records, columns=list(TIDY_COLUMNS))
     for fig in (charts.alpha_vs_depth(rows), charts.compression_by_layer(rows)):

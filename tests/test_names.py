@@ -10,7 +10,7 @@ from spectral_callbacks.names import TIDY_COLUMNS, layer_label, parse_tag, scala
 @pytest.mark.parametrize("role", ["Q", "MLP_down", "KV_down"])
 def test_tag_round_trip(layer: int, role: str) -> None:
     tag = scalar_tag("energy_rank_90", layer, role, num_layers=100)
-    assert parse_tag(tag) == ("energy_rank_90", layer, role, "", None, "")
+    assert parse_tag(tag) == ("energy_rank_90", layer, role, "", None, "", None)
 
 
 @pytest.mark.parametrize("stack", ["", "enc", "dec", "vision"])
@@ -20,9 +20,19 @@ def test_stack_and_expert_tags_round_trip(stack: str, expert: int | None, aggreg
     if expert is not None and aggregate:
         return  # an aggregate is over experts, never of one
     tag = scalar_tag("alpha", 3, "MLP_down", 12, stack=stack, expert=expert, aggregate=aggregate)
-    assert parse_tag(tag) == ("alpha", 3, "MLP_down", stack, expert, aggregate)
+    assert parse_tag(tag) == ("alpha", 3, "MLP_down", stack, expert, aggregate, None)
     mean = scalar_tag("alpha", None, "Q_cross", stack=stack)
-    assert parse_tag(mean) == ("alpha", None, "Q_cross", stack, None, "")
+    assert parse_tag(mean) == ("alpha", None, "Q_cross", stack, None, "", None)
+
+
+@pytest.mark.parametrize("stack", ["", "dec"])
+@pytest.mark.parametrize("head", [0, 7, 63])
+def test_head_tags_round_trip(stack: str, head: int) -> None:
+    tag = scalar_tag("qk_spectral_norm", 3, "heads", 12, stack=stack, head=head)
+    assert tag == f"spectral_qk_spectral_norm/{stack + '/' if stack else ''}L03/H{head:02d}/heads"
+    assert parse_tag(tag) == ("qk_spectral_norm", 3, "heads", stack, None, "", head)
+    biggest = scalar_tag("qk_spectral_norm", 3, "heads", 12, stack=stack, aggregate="max")
+    assert parse_tag(biggest) == ("qk_spectral_norm", 3, "heads", stack, None, "max", None)
 
 
 def test_one_stack_keeps_the_decoder_only_names() -> None:

@@ -102,6 +102,10 @@ class SpectrumCompute:
         self.calibration = MethodCalibration()
 
     def __call__(self, group: ShapeGroup, batch: torch.Tensor) -> dict[str, torch.Tensor]:
+        # A batch of attention heads (targets/circuits.py) has exact spectra of its own: no SVD.
+        circuits = getattr(batch, "circuit_metrics", None)
+        if circuits is not None:
+            return circuits()
         # ‖W‖_F² exactly from the snapshot, never from the truncated spectrum (DESIGN.md §2).
         frobenius_sq = frobenius_norm_sq(batch)
         k = min(self.k, *batch.shape[-2:])
@@ -139,7 +143,11 @@ class SpectrumCompute:
 
     def working_bytes(self, group: ShapeGroup, batch: int) -> int:
         """Upper bound of the bytes one call allocates on ``batch`` matrices of ``group`` (given in
-        float32, or float64): ``functional.memory.svd_working_bytes`` with these SVD options."""
+        float32, or float64): ``functional.memory.svd_working_bytes`` with these SVD options, or
+        what a kind of target that computes its own metrics says (attention heads)."""
+        own = getattr(group.targets[0], "working_bytes", None)
+        if own is not None:
+            return int(own(batch))
         m, n = group.shape
         dtype = torch.float64 if group.dtype == torch.float64 else torch.float32
         return svd_working_bytes(
@@ -155,8 +163,8 @@ class SpectrumCompute:
 
     def kept_bytes(self, group: ShapeGroup) -> int:
         """The bytes of the warm-start subspace kept for ``group`` between snapshots."""
-        if not self.warm_start:
-            return 0
+        if not self.warm_start or hasattr(group.targets[0], "working_bytes"):
+            return 0  # nothing kept (attention heads: no subspace)
         m, n = group.shape
         dtype = torch.float64 if group.dtype == torch.float64 else torch.float32
         width = self.k + self.svd_options.get("n_oversamples", DEFAULT_N_OVERSAMPLES)

@@ -26,14 +26,16 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from spectral_callbacks.functional.circuits import CIRCUIT_METRICS
 from spectral_callbacks.functional.esd import ESD_METRICS
 from spectral_callbacks.functional.metrics import MIN_FIT_POINTS, UPDATE_METRICS
 from spectral_callbacks.functional.svd import METHODS
 from spectral_callbacks.monitor.alerts import AlertRules
 
 #: Metrics the SVD path produces, ``compression`` derived from ``stable_rank``, the update family
-#: of adapted layers (logged for them by default: see ``tracker.py``) and the ESD family of the
-#: full eigenvalue spectrum (computed on every ``esd_every_n_snapshots``-th snapshot).
+#: of adapted layers (logged for them by default: see ``tracker.py``), the ESD family of the
+#: full eigenvalue spectrum (computed on every ``esd_every_n_snapshots``-th snapshot) and the
+#: per-head circuits (with ``circuits``).
 KNOWN_METRICS: tuple[str, ...] = (
     "stable_rank",
     "alpha",
@@ -44,6 +46,7 @@ KNOWN_METRICS: tuple[str, ...] = (
     "compression",
     *UPDATE_METRICS,
     *ESD_METRICS,
+    *CIRCUIT_METRICS,
 )
 
 # Every metric defined on the default settings and cheap at every snapshot: not the ESD family
@@ -53,7 +56,7 @@ KNOWN_METRICS: tuple[str, ...] = (
 DEFAULT_METRICS: tuple[str, ...] = tuple(
     name
     for name in KNOWN_METRICS
-    if name not in (*ESD_METRICS, "energy_rank_90") and name not in UPDATE_METRICS
+    if name not in (*ESD_METRICS, "energy_rank_90", *UPDATE_METRICS, *CIRCUIT_METRICS)
 )
 
 # The default asks for the Q figures where there is a Q (a model without one, e.g. MLA's Q_down /
@@ -179,6 +182,14 @@ class MonitorOptions:
             model's ``state_dict`` or the path of one (``.safetensors``, ``.pt``, a model
             directory). Keeps one copy of every watched matrix on its device for the whole run,
             refused at construction when it does not fit (docs/fine-tuning.md). Default ``None``.
+        circuits: also log the QK and OV circuits of every attention head
+            (``qk_spectral_norm``, the bound on a head's attention logit per unit input norms,
+            ``qk_stable_rank``, ``ov_spectral_norm``, ``ov_stable_rank``; docs/logged-names.md),
+            computed exactly from the snapshot's copies of Q/K/V/O off the training thread.
+            ``True`` reads each layer's head count from its module or config; a dict
+            ``{pattern: num_heads}`` gives it for the attention modules it matches (fnmatch, as
+            ``mapping``). Default ``False`` (the copies of Q/K/V/O are taken a second time:
+            benchmarks/circuits_cost.py).
 
     Raises:
         ConfigurationError: an argument out of range or of the wrong type, named in the message.
@@ -213,6 +224,7 @@ class MonitorOptions:
     on_alert: Any = None
     compute: Any = None
     delta: Any = None
+    circuits: bool | Mapping[str, int] = False
 
     def __post_init__(self) -> None:
         metrics = self.metrics
@@ -324,6 +336,16 @@ class MonitorOptions:
             or isinstance(delta, str | os.PathLike)
             and bool(str(delta)),
             "None, 'first', a state_dict of the base weights or the path of one",
+        )
+        circuits = self.circuits
+        require(
+            "circuits",
+            circuits,
+            isinstance(circuits, bool)
+            or isinstance(circuits, Mapping)
+            and bool(circuits)
+            and all(isinstance(p, str) and is_int(n, 1) for p, n in circuits.items()),
+            "True, False or a dict {pattern: number of query heads}, e.g. {'*.attn': 12}",
         )
 
     def _check_fit_ranks(self) -> None:

@@ -70,7 +70,9 @@ class Reporter:
     ``role`` and ``expert`` (``None`` outside a mixture of experts); what kind of matrix it is
     does not matter here. The experts of one (stack, layer, role) are logged as their mean, min
     and max; each expert's own scalar only with ``experts="each"``; every expert's values are in
-    :meth:`rows` and :meth:`expert_values` (the histograms over experts) either way.
+    :meth:`rows` and :meth:`expert_values` (the histograms over experts) either way. The query
+    heads of a layer's circuits (``head``) are aggregated alike, and each head's own scalar is
+    always logged (``spectral_qk_spectral_norm/L00/H03/heads``).
 
     Args:
         targets: the watched matrices (``name``, ``layer``, ``num_layers``, ``role``, ``depth``,
@@ -116,7 +118,7 @@ class Reporter:
         self._of_experts: dict[tuple[str, int, str], list[str]] = collections.defaultdict(list)
         for target in targets:
             self._of_role[(stack_of(target), target.role)].append(target.name)
-            if expert_of(target) is not None:
+            if _member_of(target) is not None:
                 self._of_experts[_experts_key(target)].append(target.name)
 
     def tag(self, target: Any, metric: str) -> str:
@@ -129,6 +131,7 @@ class Reporter:
             self.num_layers_of[stack],
             stack=stack,
             expert=expert_of(target),
+            head=head_of(target),
         )
 
     def scalars(self, step: int, values: Mapping[str, Mapping[str, float]]) -> dict[str, float]:
@@ -212,7 +215,7 @@ class Reporter:
         touched = {
             _experts_key(self.targets[name])
             for name in names
-            if expert_of(self.targets[name]) is not None
+            if _member_of(self.targets[name]) is not None
         }
         for key in sorted(touched):
             for metric, values in self._latest_of(self._of_experts[key]).items():
@@ -266,12 +269,13 @@ class Reporter:
                                 target.depth,
                                 target.role,
                                 expert_of(target),
+                                head_of(target),
                                 float(row[metric]),
                                 wall_time,
                             )
                         )
         frame = pd.DataFrame.from_records(records, columns=list(TIDY_COLUMNS))
-        return frame.astype({"layer": "Int64", "expert": "Int64"})
+        return frame.astype({"layer": "Int64", "expert": "Int64", "head": "Int64"})
 
     def state_dict(self) -> dict[str, Any]:
         """The compression references and their steps (what a resume must keep)."""
@@ -310,6 +314,18 @@ def expert_of(target: Any) -> int | None:
     """The expert a target is a slice of, or ``None``."""
     expert = getattr(target, "expert", None)
     return None if expert is None else int(expert)
+
+
+def head_of(target: Any) -> int | None:
+    """The query head of a per-head circuit target (``targets/circuits.py``), or ``None``."""
+    head = getattr(target, "head", None)
+    return None if head is None else int(head)
+
+
+def _member_of(target: Any) -> int | None:
+    """The expert or head a target is, within its (layer, role): aggregated over its layer."""
+    expert = expert_of(target)
+    return expert if expert is not None else head_of(target)
 
 
 def _experts_key(target: Any) -> tuple[str, int, str]:

@@ -32,7 +32,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from spectral_callbacks import tensorboard_adapter as tb
-from spectral_callbacks.functional import ESD_METRICS
+from spectral_callbacks.functional import CIRCUIT_METRICS, ESD_METRICS
 from spectral_callbacks.functional.metrics import UPDATE_METRICS
 from spectral_callbacks.messages import rank_zero_info, rank_zero_warn
 from spectral_callbacks.monitor import dashboards
@@ -145,6 +145,8 @@ class SpectralTracker:
         self.targets = self._find_targets(model)
         if options.delta is not None:
             self.targets = self._with_references(self.targets, options.delta)
+        if options.circuits is not False:
+            self.targets = self.targets + self._find_circuits(model, self.targets)
         found = list(dict.fromkeys(target.role for target in self.targets))
         figure_roles = options.figure_roles
         require(
@@ -205,6 +207,8 @@ class SpectralTracker:
             getattr(target, "has_update", False) for target in self.targets
         ):
             self.metrics += UPDATE_METRICS
+        if options.circuits is not False:  # asked for by name: logged whatever `metrics` lists
+            self.metrics += tuple(name for name in CIRCUIT_METRICS if name not in self.metrics)
         self._alerts = AlertWatch(self.targets, options.alerts) if options.alerts else None
         self._reporter = Reporter(
             self.targets, self.metrics, options.history_size, experts=options.experts
@@ -435,6 +439,17 @@ class SpectralTracker:
                 "`spectral_callbacks.format_targets(find_targets(model))`, then pass `mapping=`"
             )
         return targets
+
+    def _find_circuits(self, model: torch.nn.Module, targets: list[Any]) -> list[Any]:
+        """The heads of every attention layer among ``targets`` (``circuits=``)."""
+        from spectral_callbacks.targets.circuits import find_circuits
+        from spectral_callbacks.targets.errors import TargetError
+
+        heads = self.options.circuits if isinstance(self.options.circuits, Mapping) else None
+        try:
+            return list(find_circuits(model, targets, heads))
+        except TargetError as error:
+            raise ConfigurationError(f"{self.caller}: {error}") from error
 
     def _with_references(self, targets: list[Any], delta: Any) -> list[Any]:
         """The dense targets as ``DeltaTarget``s keeping their reference (``delta=``)."""

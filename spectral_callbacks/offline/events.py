@@ -17,6 +17,7 @@ depth      relative depth layer / (L - 1) within the stack, L from ``spectral_mo
 role       ``Q``, ``K``, ``V``, ``O``, ``MLP_up``, ``MLP_down`` or a variant role; empty otherwise;
            an aggregate over a layer's experts carries it: ``MLP_down/mean``, ``/min``, ``/max``
 expert     the expert's index for a per-expert value (nullable int), else empty
+head       the query head of a per-head circuit value (role ``heads``; nullable int), else empty
 value      the logged value (float32 in the event file, widened exactly to float64)
 wall_time  seconds since the epoch when it was logged
 =========  ==================================================================================
@@ -232,12 +233,13 @@ def _tidy(run: str, points: list[tuple[str, int, float, float]], all_scalars: bo
                     parsed.layer,
                     parsed.series_role,
                     parsed.expert,
+                    parsed.head,
                     value,
                     wall_time,
                 )
             )
         elif all_scalars:
-            records.append((run, step, tag, None, None, None, None, value, wall_time))
+            records.append((run, step, tag, None, None, None, None, None, value, wall_time))
     frame = pd.DataFrame.from_records(
         records, columns=[column for column in COLUMNS if column != "depth"]
     )
@@ -246,6 +248,7 @@ def _tidy(run: str, points: list[tuple[str, int, float, float]], all_scalars: bo
             "step": "int64",
             "layer": "Int64",
             "expert": "Int64",
+            "head": "Int64",
             "value": "float64",
             "wall_time": "float64",
         }

@@ -254,8 +254,8 @@ class ScalarSource:
         builds them: the tag parsed once per series, not once per point."""
         with self._lock:
             directory = self._directories.get(experiment_id, (0.0, {}))[1]
-        # (metric, stack, layer, role, expert) per series
-        labels: list[tuple[str, str | None, int | None, str | None, int | None]] = []
+        # (metric, stack, layer, role, expert, head) per series
+        labels: list[tuple[str, str | None, int | None, str | None, int | None, int | None]] = []
         runs, depths, parts = [], [], []
         for run, of_run in series.items():
             of_run = [(tag, copy) for tag, copy in of_run if len(copy.step)]
@@ -264,11 +264,20 @@ class ScalarSource:
             for tag, copy in of_run:
                 parsed = parse_tag(tag)  # other scalars: the tag is the metric, as export has it
                 if parsed is None:
-                    labels.append((tag, None, None, None, None))
+                    labels.append((tag, None, None, None, None, None))
                     depths.append(np.nan)
                 else:
                     stack, layer = parsed.stack, parsed.layer
-                    labels.append((parsed.metric, stack, layer, parsed.series_role, parsed.expert))
+                    labels.append(
+                        (
+                            parsed.metric,
+                            stack,
+                            layer,
+                            parsed.series_role,
+                            parsed.expert,
+                            parsed.head,
+                        )
+                    )
                     num_layers = _num_layers(logged.get(num_layers_tag(stack)), tags, stack)
                     depths.append(
                         np.nan if layer is None else relative_depth(layer, num_layers or 1)
@@ -282,7 +291,7 @@ class ScalarSource:
         def each_point(values: list, dtype: type = object) -> np.ndarray:
             return np.repeat(np.array(values, dtype=dtype), counts)
 
-        metrics, stacks, layers, roles, experts = (
+        metrics, stacks, layers, roles, experts, heads = (
             list(column) for column in zip(*labels, strict=True)
         )
 
@@ -301,6 +310,7 @@ class ScalarSource:
             "depth": each_point(depths, np.float64),
             "role": each_point(roles),
             "expert": nullable(experts),
+            "head": nullable(heads),
             "value": np.concatenate([copy.value for copy in parts]),
             "wall_time": np.concatenate([copy.wall_time for copy in parts]),
         }

@@ -1,0 +1,438 @@
+r"""The heads of each attention layer, as targets of their own: the QK and OV circuits per head.
+
+``find_circuits`` reads the attention layers out of the targets ``find_targets`` found, one
+``AttentionLayout`` per layer: which targets form its query, key, value and output, how many query
+heads ``H`` and K/V heads ``G`` it has. Each query head becomes a ``HeadCircuit`` target (role
+``heads``, or ``heads_cross`` for cross-attention) that knows how to copy what its circuit needs
+(``stack_batch``: the layer's Q/K/V/O, copied on the caller's thread like any snapshot) and whose
+batch computes ``functional.circuits.circuit_metrics`` off the training thread. The engine and the
+reporting see one more kind of target; the per-head values are logged like a mixture's experts
+(the mean, min and max over a layer's heads, the histogram over them, each head's own scalar).
+
+Covered layouts (the factors of head ``h``, ``g(h)`` its K/V head):
+
+* separate or fused projections (GPT-2 ``c_attn``, GPT-NeoX ``query_key_value``, Falcon,
+  ``nn.MultiheadAttention``, Llama-style ``q/k/v/o_proj``), MHA, GQA and MQA alike: rows
+  ``h * d_h .. (h + 1) * d_h`` of Q (K/V: of group ``g``), columns of O;
+* factored (MLA, MFA): the query is ``Q_up @ Q_down`` where there is a ``Q_down``, K and V are
+  ``K @ KV_down`` / ``V @ KV_down`` where they read the latent (their inputs are not ``d``); the
+  rotary channels of the query (its last ``qk_rope_head_dim`` per head, beside ``K_rope``) are left
+  out, as are the normalizations between the factors: the circuit is that of the content (``nope``)
+  channels of the linear maps;
+* the effective weights of adapted (LoRA) layers (``Target.matrix()`` forms ``W_0 + s B A``).
+
+Refused, in one line naming the layer: tied or per-group latent K/V (GTA's ``KV``, GLA's ``K_g*``),
+TPA factors, experts, sharded (DTensor) weights, and a layer whose head count cannot be read
+(give it with ``circuits={pattern: num_heads}``, matched like ``find_targets``' ``mapping``).
+
+With RoPE, ``W_Q^{h\top} W_K^h`` is the circuit at relative distance 0; at other distances a rotation
+sits between the factors, so :math:`\sigma_1` is still the bound of the unrotated channels only.
+
+Example::
+
+    >>> import torch
+    >>> from spectral_callbacks.targets import find_targets
+    >>> layer = torch.nn.TransformerEncoderLayer(d_model=8, nhead=2, dim_feedforward=16)
+    >>> model = torch.nn.TransformerEncoder(layer, num_layers=2, enable_nested_tensor=False)
+    >>> heads = find_circuits(model, find_targets(model))
+    >>> [(h.layer, h.head, h.role) for h in heads][:3], heads[0].layout.num_kv_heads
+    ([(0, 0, 'heads'), (0, 1, 'heads'), (1, 0, 'heads')], 2)
+    >>> batch = HeadCircuit.stack_batch(heads)
+    >>> sorted(batch.circuit_metrics()), batch.circuit_metrics()["qk_spectral_norm"].shape
+    (['ov_spectral_norm', 'ov_stable_rank', 'qk_spectral_norm', 'qk_stable_rank'], torch.Size([4]))
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from spectral_callbacks.functional.circuits import circuit_metrics
+from spectral_callbacks.messages import rank_zero_warn
+from spectral_callbacks.names import relative_depth
+from spectral_callbacks.targets.errors import PartialTargetWarning, TargetError
+from spectral_callbacks.targets.matching import matches
+from spectral_callbacks.targets.rules import HEADS, KV_HEADS
+
+__all__ = ["AttentionLayout", "CircuitBatch", "HeadCircuit", "find_circuits"]
+
+#: The role of a layer's heads in logged tags (``spectral_qk_spectral_norm/L00/heads/max``).
+HEADS_ROLE = "heads"
+#: Roles that are not a plain Q/K/V/O: a layer holding one has a layout the circuits do not read.
+_REFUSED_ROLES = {"KV": "tied K/V (GTA)", "Q_A": "TPA factors", "K_A": "TPA factors"}
+_ROPE_DIM = ("qk_rope_head_dim", "rope_dim")
+
+
+@dataclass(frozen=True)
+class AttentionLayout:
+    """How one attention layer's heads are read from its targets.
+
+    Attributes:
+        query, key, value: the targets whose product is each ``(rows, d)`` projection, applied
+            right to left (``(Q_up, Q_down)``: ``Q_up @ Q_down``); one target for a plain one.
+        output: the ``(d, H * d_v)`` output projection.
+        num_heads: ``H`` query heads.
+        num_kv_heads: ``G`` K/V heads.
+        query_rows: rows of each query head that meet the key (``d_h``; fewer than the head's
+            rows where its last ones are rotary).
+        scale: the logit scale, ``1 / sqrt(query head rows)`` as the attention applies it.
+        name: the attention module's name (``transformer.h.0.attn``).
+    """
+
+    query: tuple[Any, ...]
+    key: tuple[Any, ...]
+    value: tuple[Any, ...]
+    output: Any
+    num_heads: int
+    num_kv_heads: int
+    query_rows: int
+    scale: float
+    name: str
+
+    def parts(self) -> tuple[Any, ...]:
+        """Every target this layout copies, each once."""
+        return tuple(dict.fromkeys((*self.query, *self.key, *self.value, self.output)))
+
+    def copy_bytes(self) -> int:
+        """What one copy of the layer's parts costs (their shapes in their dtypes)."""
+        return sum(part.snapshot_bytes() for part in self.parts())
+
+
+@dataclass(frozen=True)
+class HeadCircuit:
+    """One query head's QK and OV circuits: a target the snapshot copies and the engine batches.
+
+    Attributes:
+        name: ``<attention module>[head <h>]``.
+        layer, num_layers, stack: where the layer sits, as its Q target says.
+        role: ``heads`` (``heads_cross`` for cross-attention).
+        head: the query head's index ``h``.
+        layout: the layer's ``AttentionLayout`` (shared by its heads).
+    """
+
+    name: str
+    layer: int
+    num_layers: int
+    role: str
+    head: int
+    layout: AttentionLayout = field(repr=False, compare=False)
+    stack: str = ""
+    expert: int | None = None  # never an expert's slice: read by the reporting like any target
+
+    @property
+    def depth(self) -> float:
+        return relative_depth(self.layer, self.num_layers)
+
+    @property
+    def parameter(self) -> Tensor:
+        """The query's parameter (its device and dtype are the batch's)."""
+        return self.layout.query[0].parameter
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """``(d, d)``: the circuit's shape (never formed)."""
+        d = self.layout.output.shape[0]
+        return (d, d)
+
+    def batch_key(self) -> tuple[str, str]:
+        """Layers of one layout (shapes, heads, dtype, device) are one batch."""
+        layout = self.layout
+        shapes = "|".join("x".join(map(str, part.shape)) for part in layout.parts())
+        device = str(self.parameter.device)
+        dtype = str(self.parameter.dtype).removeprefix("torch.")
+        key = f"circuits/{layout.num_heads}h{layout.num_kv_heads}g/{shapes}/{dtype}/{device}"
+        return key, device
+
+    def snapshot_bytes(self) -> int:
+        """This head's share of its layer's copies (the heads of a layer add up to them)."""
+        total, heads = self.layout.copy_bytes(), self.layout.num_heads
+        return total // heads + (total % heads if self.head == 0 else 0)
+
+    def working_bytes(self, batch: int) -> int:
+        """An upper bound of what computing ``batch`` heads allocates: the float64 factors of each
+        head (query and K/V repeated per head, four of ``d x d_h``) and the projections formed
+        from factors (``Q_up @ Q_down``), float64."""
+        layout = self.layout
+        d = self.shape[0]
+        widest = max(part.shape[0] for part in (*layout.query, *layout.key, *layout.value))
+        per_head = 8 * (4 * d * max(widest // layout.num_heads, 1) + 4 * d)
+        formed = 8 * 3 * widest * d * math.ceil(batch / layout.num_heads)
+        return batch * per_head + formed
+
+    @staticmethod
+    def stack_batch(targets: Sequence[HeadCircuit]) -> CircuitBatch:
+        """Copies of the Q/K/V/O parts of the layers ``targets`` belong to (on the calling
+        thread, like every snapshot copy), and which head of which layer each target is."""
+        layers: dict[int, int] = {}  # id(layout) -> index in the batch
+        layouts: list[AttentionLayout] = []
+        for target in targets:
+            if id(target.layout) not in layers:
+                layers[id(target.layout)] = len(layouts)
+                layouts.append(target.layout)
+        first = layouts[0]
+        with torch.no_grad():
+            copies = {
+                id(part): torch.stack([_copy(layout.parts()[i]) for layout in layouts])
+                for i, part in enumerate(first.parts())
+            }  # (L, rows, columns) per part
+        index = [(layers[id(t.layout)], t.head) for t in targets]
+        return CircuitBatch(first, tuple(copies.values()), tuple(index))
+
+
+def _copy(target: Any) -> Tensor:
+    """A fresh copy of one target's current matrix (``copy_into`` where it has one)."""
+    out = torch.empty(target.shape, dtype=target.parameter.dtype, device=target.parameter.device)
+    copy_into = getattr(target, "copy_into", None)
+    if copy_into is not None:
+        return copy_into(out)
+    return out.copy_(target.matrix())
+
+
+@dataclass
+class CircuitBatch:
+    """The copies a batch of heads needs, tensor-like where the engine needs it.
+
+    Attributes:
+        layout: the layout every layer in the batch shares (its parts in ``layout.parts()`` order).
+        copies: per part, the ``(L, rows, columns)`` copies of the batch's ``L`` layers.
+        index: per target, ``(layer in the batch, head)``.
+    """
+
+    layout: AttentionLayout
+    copies: tuple[Tensor, ...]
+    index: tuple[tuple[int, int], ...]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.copies[0].dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.copies[0].device
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        d = self.layout.output.shape[0]
+        return (len(self.index), d, d)
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+    def float(self) -> CircuitBatch:
+        """Itself: the circuits convert to float64 where they factor."""
+        return self
+
+    def __getitem__(self, index: slice) -> CircuitBatch:
+        return CircuitBatch(self.layout, self.copies, self.index[index])
+
+    def record_stream(self, stream: Any) -> None:
+        for copy in self.copies:
+            copy.record_stream(stream)
+
+    def circuit_metrics(self) -> dict[str, Tensor]:
+        """``functional.circuits.circuit_metrics`` of every layer, then each target's head:
+        metric -> ``(B,)`` in the targets' order."""
+        query, key, value, output = self.projections()
+        layout = self.layout
+        metrics = circuit_metrics(
+            query, key, value, output, layout.num_heads, layout.num_kv_heads, scale=layout.scale
+        )  # metric -> (L, H)
+        layer = torch.tensor([i for i, _ in self.index])
+        head = torch.tensor([h for _, h in self.index])
+        return {name: value[layer, head] for name, value in metrics.items()}
+
+    def projections(self) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """The float64 ``(L, H * d_h, d)`` query (content rows), key, value and ``(L, d, H * d_v)``
+        output of the batch's layers, formed from their factors where they are factored."""
+        layout = self.layout
+        by_part = dict(zip(layout.parts(), self.copies, strict=True))
+
+        def product(parts: tuple[Any, ...]) -> Tensor:
+            # 1. A factored projection formed from its factors (d_h-wide at most: never d x d).
+            matrix = by_part[parts[0]].double()
+            for part in parts[1:]:
+                matrix = matrix @ by_part[part].double()  # (L, rows, ...) @ (L, ..., d)
+            return matrix
+
+        query = product(layout.query)  # (L, H * rows per head, d)
+        if layout.query_rows * layout.num_heads != query.shape[-2]:
+            # 2. The rotary rows of each query head do not meet the key's content rows.
+            per_head = query.shape[-2] // layout.num_heads
+            heads = query.unflatten(-2, (layout.num_heads, per_head))
+            query = heads[..., : layout.query_rows, :].flatten(-3, -2)
+        output = by_part[layout.output].double()
+        return query, product(layout.key), product(layout.value), output
+
+
+Heads = Mapping[str, int]
+
+
+def find_circuits(
+    model: nn.Module, targets: Sequence[Any], heads: Heads | None = None
+) -> list[HeadCircuit]:
+    """One ``HeadCircuit`` per query head of every attention layer among ``targets``.
+
+    Args:
+        model: the model ``targets`` were found in (its modules carry the head counts).
+        targets: from ``find_targets``.
+        heads: ``{pattern: num_heads}`` for layers whose head count the modules do not carry
+            (patterns as in ``find_targets``' ``mapping``, matched on the attention module's
+            name); default ``None``.
+
+    Returns:
+        The heads in (stack, layer, head) order; layers that cannot be read are left out with one
+        ``PartialTargetWarning`` naming each and why.
+
+    Raises:
+        TargetError: ``heads`` is not a mapping of patterns to positive ints, or no attention
+            layer could be read.
+    """
+    if heads is not None and not (
+        isinstance(heads, Mapping)
+        and all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in heads.values())
+    ):
+        raise TargetError(
+            f"`heads` must be a dict {{pattern: number of query heads}}, e.g. "
+            f"{{'*.attn': 12}}, got {heads!r}"
+        )
+    modules = dict(model.named_modules())
+    by_layer: dict[tuple[str, int, str], dict[str, Any]] = defaultdict(dict)
+    for target in targets:
+        role = target.role
+        suffix = "_cross" if role.endswith("_cross") else ""
+        by_layer[(target.stack, target.layer, suffix)][role.removesuffix(suffix)] = target
+    found: list[HeadCircuit] = []
+    refused: list[str] = []
+    for (stack, layer, suffix), roles in by_layer.items():
+        if "O" not in roles:
+            continue  # no attention here (an MLP-only layer, or roles= left its O out)
+        try:
+            layout = _layout(roles, modules, heads or {})
+        except _Refused as refusal:
+            where = f"{stack} " if stack else ""
+            refused.append(f"{where}layer {layer} ({_attention_name(roles)}): {refusal}")
+            continue
+        first = roles["O"]
+        found += [
+            HeadCircuit(
+                f"{layout.name}[head {h}]" if not suffix else f"{layout.name}[cross head {h}]",
+                layer,
+                first.num_layers,
+                HEADS_ROLE + suffix,
+                h,
+                layout,
+                stack,
+            )
+            for h in range(layout.num_heads)
+        ]
+    if refused:
+        rank_zero_warn(
+            "QK/OV circuits are not computed for "
+            + "; ".join(refused)
+            + ". Where a head count is missing, give it with circuits={pattern: num_heads}.",
+            category=PartialTargetWarning,
+        )
+    if not found and by_layer:
+        raise TargetError(
+            "circuits: no attention layer could be read"
+            + (f" ({refused[0]})" if refused else " (no layer has an O target)")
+        )
+    return found
+
+
+class _Refused(Exception):
+    """A layer whose circuits are not read; the message says why."""
+
+
+def _attention_name(roles: Mapping[str, Any]) -> str:
+    """The attention module's name: the common dotted prefix of its query's and output's modules
+    (``transformer.h.0.attn`` of ``attn.c_attn`` and ``attn.c_proj``)."""
+    query = roles.get("Q", roles.get("Q_up"))
+    if query is None:  # no query target: the output projection's owner
+        return roles["O"].parameter_name.rpartition(".")[0].rpartition(".")[0]
+    names = [t.parameter_name.rpartition(".")[0].split(".") for t in (query, roles["O"])]
+    common: list[str] = []
+    for first, second in zip(*names, strict=False):
+        if first != second:
+            break
+        common.append(first)
+    return ".".join(common)
+
+
+def _lookup(modules: Mapping[str, nn.Module], name: str, attributes: tuple[str, ...]) -> int | None:
+    """The first int under ``attributes`` on module ``name``, its ancestors or their ``config``."""
+    path = name.split(".") if name else []
+    for depth in range(len(path), -1, -1):
+        module = modules.get(".".join(path[:depth]))
+        for source in (module, getattr(module, "config", None)):
+            if source is None:
+                continue
+            for attribute in attributes:
+                value = getattr(source, attribute, None)
+                if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+                    return value
+    return None
+
+
+def _layout(
+    roles: Mapping[str, Any], modules: Mapping[str, nn.Module], heads: Heads
+) -> AttentionLayout:
+    """The layout of one layer from its role -> target, or ``_Refused`` with the reason."""
+    for role, reason in _REFUSED_ROLES.items():
+        if role in roles:
+            raise _Refused(f"{reason} is not a layout the circuits read")
+    if any(role.startswith(("K_g", "V_g")) for role in roles):
+        raise _Refused("per-group latent K/V (GLA) is not a layout the circuits read")
+    missing = [role for role in ("K", "V") if role not in roles]
+    if not {"Q", "Q_up"} & set(roles):
+        missing.insert(0, "Q")
+    if missing:
+        raise _Refused(f"no {'/'.join(missing)} target")
+    for target in roles.values():
+        if getattr(target, "expert", None) is not None:
+            raise _Refused("experts' attention is not read")
+        if type(target.parameter).__name__ == "DTensor":
+            raise _Refused("sharded (DTensor) weights are not gathered for circuits")
+    name = _attention_name(roles)
+    query: tuple[Any, ...] = (roles.get("Q") or roles["Q_up"],)
+    if "Q_up" in roles and "Q_down" in roles:
+        query = (roles["Q_up"], roles["Q_down"])
+    d = roles["O"].shape[0]
+    latent = roles.get("KV_down")
+    key: tuple[Any, ...] = (roles["K"],)
+    value: tuple[Any, ...] = (roles["V"],)
+    if roles["K"].shape[1] != d:  # K and V read the latent
+        if latent is None or latent.shape[0] != roles["K"].shape[1]:
+            raise _Refused(f"K reads {roles['K'].shape[1]} inputs, neither d={d} nor a KV_down")
+        key, value = (roles["K"], latent), (roles["V"], latent)
+    given = next((n for pattern, n in heads.items() if matches([pattern], name) is not None), None)
+    num_heads = given or _lookup(modules, name, HEADS)
+    if num_heads is None:
+        raise _Refused("its head count is not on the module or its config")
+    q_rows, k_rows, v_rows = query[0].shape[0], key[0].shape[0], value[0].shape[0]
+    o_columns = roles["O"].shape[1]
+    if q_rows % num_heads or o_columns % num_heads:
+        raise _Refused(f"{q_rows} query rows or {o_columns} output columns per {num_heads} heads")
+    per_head = q_rows // num_heads
+    kv_heads = _lookup(modules, name, KV_HEADS) if given is None else None
+    if kv_heads is None or k_rows % kv_heads:
+        kv_heads = k_rows // per_head if k_rows % per_head == 0 else num_heads
+    rope = _lookup(modules, name, _ROPE_DIM) or 0
+    k_head = k_rows // kv_heads if k_rows % kv_heads == 0 else 0
+    rotary = "K_rope" in roles and per_head - rope == k_head
+    if not k_head or num_heads % kv_heads or not (per_head == k_head or rotary):
+        raise _Refused(
+            f"{k_rows} key rows do not fit {num_heads} heads of {per_head} query rows "
+            f"(K/V heads: {kv_heads})"
+        )
+    if v_rows % kv_heads or o_columns // num_heads != v_rows // kv_heads:
+        raise _Refused(f"{v_rows} value rows do not fit {kv_heads} K/V heads and O's columns")
+    return AttentionLayout(
+        query, key, value, roles["O"], num_heads, kv_heads, k_head, 1.0 / math.sqrt(per_head), name
+    )
