@@ -371,3 +371,92 @@ def cuda_engine(rank: int, world_size: int) -> dict[str, Any]:
         "own_stream": compute.cuda_stream != training.cuda_stream,
         "fulls": fulls,
     }
+
+
+def tiny_qwen3_moe() -> Any:
+    """A tiny Qwen3-MoE (3-D experts tensors ``(E, 2I, H)`` and ``(E, H, I)``), 3 experts so that
+    ``fully_shard`` over 2 ranks splits them unevenly (2 and 1)."""
+    import transformers
+
+    config = transformers.Qwen3MoeConfig(
+        vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, intermediate_size=48, moe_intermediate_size=16,
+        num_experts=3, num_experts_per_tok=2,
+    )  # fmt: skip
+    return transformers.Qwen3MoeForCausalLM(config)
+
+
+def moe_experts(rank: int, world_size: int) -> dict[str, Any]:
+    """A tiny Qwen3-MoE under ``fully_shard`` (each decoder layer, then the root): every expert's
+    matrices decomposed where their shards live, at step 0 and after two optimizer steps, beside
+    the float64 reference of each expert's gathered slice (test-only ``full_tensor()``)."""
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = tiny_qwen3_moe()
+    mesh = init_device_mesh("cpu", (world_size,))
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    targets = find_targets(model)
+    experts = [t for t in targets if t.expert is not None]
+    engine = ShardedEngine(targets, group=svd_group(timeout_seconds=60), k=K)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    weights = {}
+    for step in range(3):
+        if step in (0, 2):
+            engine.offer(step)
+            weights[step] = {t.name: full_matrix(t) for t in experts}
+        if step == 2:
+            break
+        tokens = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(step))
+        model(input_ids=tokens, labels=tokens).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    results = drain(engine, 2, timeout=120)
+    pieces = {p.target.name: p.rows for g in engine.groups.values() for p in g.pieces}
+    engine.close()
+    return {
+        "results": [(r.step, r.metrics) for r in results],
+        "weights": weights,
+        "rows": {t.name: pieces[t.name] for t in experts},
+    }
+
+
+class _Discard:
+    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+        pass
+
+
+def sharded_updates(rank: int, world_size: int) -> dict[str, str]:
+    """A tiny PEFT LoRA Llama and a plain model with ``delta="first"``, each under ``fully_shard``
+    on every decoder layer and the root: what ``SpectralTracker`` says when it is built."""
+    import peft
+    import transformers
+    from torch.distributed.fsdp import fully_shard
+
+    from spectral_callbacks import SpectralTracker
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    messages = {}
+    for case in ("lora", "delta"):
+        torch.manual_seed(0)
+        config = transformers.LlamaConfig(
+            vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2,
+        )  # fmt: skip
+        model = transformers.LlamaForCausalLM(config)
+        options: dict[str, Any] = {"delta": "first"} if case == "delta" else {}
+        if case == "lora":
+            lora = peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"])
+            model = peft.get_peft_model(model, lora)
+        base = model.get_base_model() if case == "lora" else model
+        for layer in base.model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        try:
+            SpectralTracker(model, writers=[_Discard()], figures=False, **options).close(0)
+            messages[case] = "no error"
+        except Exception as error:  # noqa: BLE001 - the message is what the test reads
+            messages[case] = f"{type(error).__name__}: {error}"
+    return messages

@@ -152,6 +152,8 @@ def full_matrix(target: Any) -> torch.Tensor:
     """The whole current matrix of a target, gathered (test-only: a training-group collective)."""
     parameter = target.parameter.detach()
     whole = parameter.full_tensor() if isinstance(parameter, DTensor) else parameter
+    if whole.dim() == 3:  # a 3-D experts tensor: the target's expert's slice
+        whole = whole[target.expert]
     return target.rows.take(whole).double().clone()
 
 

@@ -234,3 +234,36 @@ def test_scattered_rows_are_gathered_with_indices_already_on_the_device(tmp_path
         assert outcome["moves"] == []  # block() moves nothing between devices
         expected = outcome["local"].index_select(0, outcome["select"])
         assert torch.equal(outcome["block"], expected) and len(expected) == 25
+
+
+def test_each_expert_of_a_fully_sharded_moe_matches_float64(tmp_path) -> None:
+    # Qwen3-MoE's (E, 2I, H) / (E, H, I) experts tensors, Shard(0) over 2 ranks: 3 experts, 2 and 1.
+    ranks = run_ranks(cases.moe_experts, 2, tmp_path)
+    for outcome in ranks:
+        held = {name: rows for name, rows in outcome["rows"].items() if rows}
+        assert held  # each rank holds whole experts, and only those
+        assert all(rows in (8, 16, 32) for rows in held.values())
+    assert set(ranks[0]["rows"]) == set(ranks[1]["rows"])
+    assert all(bool(ranks[0]["rows"][n]) != bool(ranks[1]["rows"][n]) for n in ranks[0]["rows"])
+    results, weights = ranks[0]["results"], ranks[0]["weights"]
+    assert [step for step, _ in results] == [0, 2]
+    other = ranks[1]["results"][0][1]  # every rank has every expert's values
+    assert {n: m["stable_rank"] for n, m in results[0][1].items()} == {
+        n: m["stable_rank"] for n, m in other.items()
+    }
+    assert len(weights[0]) == 2 * 3 * 3  # 2 layers x 3 experts x (gate, up, down)
+    for step, metrics in results:
+        for name, matrix in weights[step].items():
+            expected = exact(matrix)["stable_rank"]
+            assert metrics[name]["stable_rank"] == pytest.approx(expected, rel=0.01), (step, name)
+    moved = [weights[2][name] - weights[0][name] for name in weights[0]]
+    assert all(float(delta.abs().max()) > 0 for delta in moved)
+
+
+def test_adapters_and_delta_on_sharded_weights_are_refused_in_one_line(tmp_path) -> None:
+    # The shards hold the frozen base only: decomposing them would chart W0, not W0 + s B A.
+    for messages in run_ranks(cases.sharded_updates, 2, tmp_path):
+        for case, roles in (("lora", "self_attn.q_proj"), ("delta", "self_attn.q_proj")):
+            message = messages[case]
+            assert message.startswith("ShardingError: sharded (DTensor) weights with an update")
+            assert roles in message and "\n" not in message and "exclude=" in message

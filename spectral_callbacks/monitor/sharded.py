@@ -72,7 +72,7 @@ from spectral_callbacks.functional.sharded_svd import sharded_randomized_svd
 from spectral_callbacks.messages import count, rank_zero_warn
 from spectral_callbacks.monitor.engine import SnapshotResult
 from spectral_callbacks.monitor.reporting import health_scalars
-from spectral_callbacks.monitor.shards import LocalPiece, local_piece, mesh_ranks
+from spectral_callbacks.monitor.shards import LocalPiece, ShardingError, local_piece, mesh_ranks
 from spectral_callbacks.monitor.snapshot import Snapshot
 from spectral_callbacks.monitor.streams import ComputeStreams, record_event
 from spectral_callbacks.targets.target import Target
@@ -179,7 +179,9 @@ class ShardedEngine:
 
     Raises:
         ValueError: an argument is out of range, or this rank is not in ``group``.
-        ShardingError: a parameter is sharded in a way the engine cannot decompose.
+        ShardingError: a parameter is sharded in a way the engine cannot decompose, or a target
+            carries an update (a PEFT adapter's effective weight, ``delta=``): not decomposed
+            where the shards live yet.
     """
 
     def __init__(
@@ -207,6 +209,7 @@ class ShardedEngine:
             raise ValueError("`targets` is empty: pass what find_targets returned for the model")
         if not behind_timeout > 0:
             raise ValueError(f"`behind_timeout` must be positive seconds, got {behind_timeout!r}")
+        _refuse_updates(targets)
         group_rank = dist.get_rank(group)
         if group_rank < 0:
             raise ValueError("this rank is not in `group`: build it with svd_group() on every rank")
@@ -476,6 +479,23 @@ class ShardedEngine:
     def _raise_if_failed(self) -> None:
         if self._error is not None:
             raise self._error
+
+
+def _refuse_updates(targets: Sequence[Target]) -> None:
+    """Refuse targets that carry an update: the shards hold the frozen base ``W_0`` only, so the
+    blocks this engine decomposes would be the base's, not the effective ``W_0 + s B A``, and the
+    update family would stay empty. Until the worker assembles the (small) factors over the SVD
+    group, such a run is stopped at setup rather than charted as something it is not."""
+    updates = [target.name for target in targets if getattr(target, "has_update", False)]
+    if updates:
+        shown = ", ".join(updates[:3]) + (
+            f" and {len(updates) - 3} more" if len(updates) > 3 else ""
+        )
+        raise ShardingError(
+            f"sharded (DTensor) weights with an update are not decomposed yet: {shown} (PEFT "
+            "adapters or delta=); their base would be charted instead of the effective weight. "
+            "Watch them unsharded, or leave them out with exclude="
+        )
 
 
 def _group(pieces: Any) -> dict[str, ShardGroup]:

@@ -26,6 +26,12 @@ src_data_rank=None)`` of a small index vector with the parameter's placements (n
   some rows and some columns, with their global positions (the SVD then needs two all-reduces per
   Krylov step instead of one).
 
+A mixture's 3-D experts tensor ``(E, out, in)`` (``targets/experts.py``) is indexed by the expert
+first, then as the expert's matrix: FSDP2 shards the expert dimension (``Shard(0)``), so a rank
+holds some experts whole and the others not at all; a rank that does not hold the target's expert
+takes part with an empty block, and sharding of the two matrix dimensions (tensor parallel
+experts) is read as for a 2-D weight.
+
 Example (one process, a 1-rank mesh: the whole matrix is the local block)::
 
     >>> import torch
@@ -66,6 +72,8 @@ class LocalPiece:
         rows: how many rows of the split orientation this rank holds (0 for an empty block).
         row_index, col_index: for ``"tiles"``, the positions in the matrix of the tile's rows and
             columns (``None`` otherwise).
+        expert: for one expert of a 3-D experts tensor, its position in this rank's local block
+            (``None`` for a 2-D weight).
 
     Index tensors live on the local block's device, put there once when the piece is built:
     moving them at each snapshot would be a host-to-device copy (a sync) on the training thread.
@@ -78,6 +86,7 @@ class LocalPiece:
     _select: slice | torch.Tensor  # positions along the local output dimension, on its device
     row_index: torch.Tensor | None = None
     col_index: torch.Tensor | None = None
+    expert: int | None = None
 
     def block(self) -> torch.Tensor:
         """The current ``(rows, d)`` local block: a view where the rows are contiguous.
@@ -88,6 +97,8 @@ class LocalPiece:
         local = (parameter.to_local() if isinstance(parameter, DTensor) else parameter).detach()
         if self.rows == 0:
             return local.new_empty((0, 0 if self.split == "tiles" else self.shape[1]))
+        if self.expert is not None:
+            local = local[self.expert]  # the expert's (out, in) or (in, out) slice: a view
         matrix = local.t() if self.target.rows.transposed else local  # (local out, local in)
         if isinstance(self._select, slice):
             own = matrix[self._select]
@@ -109,20 +120,25 @@ def local_piece(target: Target, group_rank: int) -> LocalPiece:
         ShardingError: the parameter is ``Partial`` on a mesh dimension.
     """
     parameter = target.parameter
-    out_dim = 1 if target.rows.transposed else 0
+    # A 3-D experts tensor (E, out, in): the expert first, then its matrix's dimensions.
+    expert = target.expert if parameter.dim() == 3 else None
+    first = 0 if expert is None else 1
+    out_dim = first + (1 if target.rows.transposed else 0)
+    in_dim = 2 * first + 1 - out_dim
     if not isinstance(parameter, DTensor):
         select: slice | torch.Tensor = slice(None) if group_rank == 0 else slice(0, 0)
-        return _piece(target, "rows", select, rows=target.shape[0] if group_rank == 0 else 0)
+        whole = target.shape[0] if group_rank == 0 else 0
+        return _piece(target, "rows", select, rows=whole, expert=expert)
     placements = parameter.placements
     if any(placement.is_partial() for placement in placements):
         raise ShardingError(
             f"{target.parameter_name} is Partial on its mesh ({placements}): a parameter must be "
             "Shard or Replicate to be watched; redistribute it, or exclude it with exclude="
         )
-    sharded = {_shard_dim(placement) for placement in placements} - {None}
-    if sharded == {0, 1}:
+    sharded = {_shard_dim(placement) for placement in placements} & {out_dim, in_dim}
+    if sharded == {out_dim, in_dim}:
         split = "tiles"
-    elif 1 - out_dim in sharded:  # the input dimension
+    elif in_dim in sharded:
         split = "columns"
     else:
         split = "rows"
@@ -131,6 +147,11 @@ def local_piece(target: Target, group_rank: int) -> LocalPiece:
         placement.is_replicate() and coordinate[mesh_dim] != 0
         for mesh_dim, placement in enumerate(placements)
     )
+    position = None
+    if expert is not None:  # where the expert lies in the local block, if this rank holds it
+        found = (_local_indices(parameter, 0) == expert).nonzero().flatten()
+        replica = replica or len(found) == 0  # another rank holds it: an empty block here
+        position = int(found[0]) if len(found) else None
     held = _local_indices(parameter, out_dim)  # global output indices of the local rows
     rows = target.rows
     chunk = (parameter.shape[out_dim]) // rows.groups
@@ -144,7 +165,7 @@ def local_piece(target: Target, group_rank: int) -> LocalPiece:
         kept = within[positions]  # the role's rows of each chunk, in matrix order
         group = held[positions] // chunk
         role_rows = group * (stop - rows.start) + (kept - rows.start)
-        columns = _local_indices(parameter, 1 - out_dim)
+        columns = _local_indices(parameter, in_dim)
         return _piece(
             target,
             split,
@@ -152,12 +173,11 @@ def local_piece(target: Target, group_rank: int) -> LocalPiece:
             rows=len(positions),
             row_index=role_rows,
             col_index=columns,
+            expert=position,
         )
-    if split == "rows":
-        count = len(positions)
-    else:
-        count = int(_local_indices(parameter, 1 - out_dim).numel())
-    return _piece(target, split, _as_slice(positions), rows=count)
+    held_columns = None if split == "rows" else _local_indices(parameter, in_dim)
+    count = len(positions) if held_columns is None else int(held_columns.numel())
+    return _piece(target, split, _as_slice(positions), rows=count, expert=position)
 
 
 def mesh_ranks(targets: list[Target]) -> list[int]:
@@ -179,7 +199,9 @@ def mesh_ranks(targets: list[Target]) -> list[int]:
     return sorted(meshes.pop()) if meshes else []
 
 
-def _piece(target: Target, split: str, select: Any, rows: int, **indices: Any) -> LocalPiece:
+def _piece(
+    target: Target, split: str, select: Any, rows: int, expert: int | None = None, **indices: Any
+) -> LocalPiece:
     m, n = target.shape
     shape = (n, m) if split == "columns" else (m, n)
     parameter = target.parameter
@@ -187,7 +209,7 @@ def _piece(target: Target, split: str, select: Any, rows: int, **indices: Any) -
     if isinstance(select, torch.Tensor):
         select = select.to(device)
     moved = {name: None if index is None else index.to(device) for name, index in indices.items()}
-    return LocalPiece(target, split, shape, rows, select, **moved)
+    return LocalPiece(target, split, shape, rows, select, **moved, expert=expert)
 
 
 def _shard_dim(placement: Any) -> int | None:
@@ -206,7 +228,7 @@ def _local_indices(parameter: DTensor, dim: int) -> torch.Tensor:
         placement if _shard_dim(placement) == dim else Replicate()
         for placement in parameter.placements
     ]
-    shape = [1, 1]
+    shape = [1] * parameter.dim()
     shape[dim] = parameter.shape[dim]
     proxy = torch.arange(parameter.shape[dim]).view(shape)
     local = distribute_tensor(proxy, parameter.device_mesh, placements, src_data_rank=None)
