@@ -40,8 +40,10 @@ class TinyTransformer(L.LightningModule):
         for module in self.net.modules():  # the encoder deep-copies one layer: make them differ
             if isinstance(module, nn.Linear):
                 module.reset_parameters()
-            elif isinstance(module, nn.MultiheadAttention):
-                module._reset_parameters()
+            elif isinstance(module, nn.MultiheadAttention):  # as its own initialization does
+                nn.init.xavier_uniform_(module.in_proj_weight)
+                nn.init.zeros_(module.in_proj_bias)
+                nn.init.zeros_(module.out_proj.bias)
 
     def training_step(self, batch: list[torch.Tensor], _: int) -> torch.Tensor:
         (x,) = batch

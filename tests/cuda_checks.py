@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 from lightning.pytorch import Callback
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode  # torch's docs import it from here
 
 from spectral_callbacks.functional import metrics_from_spectrum
 from spectral_callbacks.integrations.lightning import SpectralMonitor
@@ -28,7 +28,9 @@ _CYCLES_PER_MS: float | None = None
 def sleep_ms(milliseconds: float) -> None:
     """Enqueue a kernel that keeps the current stream busy for about ``milliseconds``.
 
-    ``torch.cuda._sleep`` spins for a number of clock cycles; the rate is measured once.
+    ``torch.cuda._sleep`` spins for a number of clock cycles; the rate is measured once. torch has
+    no public kernel that holds a stream for a set time, and this is the one torch's own stream
+    tests use; a GPU-only helper (tests marked ``gpu``).
     """
     global _CYCLES_PER_MS
     if _CYCLES_PER_MS is None:
@@ -132,6 +134,7 @@ class SyncDetector:
         return wrapper
 
 
+# ATen operator names (as a dispatch mode sees them), not private attributes: these two begin with _.
 _TO_COPY = torch.ops.aten._to_copy.default
 _COPY = torch.ops.aten.copy_.default
 _SCALAR = torch.ops.aten._local_scalar_dense.default

@@ -21,7 +21,7 @@ import signal
 import subprocess
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +31,18 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 TIMEOUT_SECONDS = 180.0
+
+
+def _leaves(value: Any) -> Iterator[Any]:
+    """The non-container values inside nested tuples, lists and dicts (a torch function's args)."""
+    if isinstance(value, (tuple, list)):
+        for item in value:
+            yield from _leaves(item)
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from _leaves(item)
+    else:
+        yield value
 
 
 class LargestTensor(torch.overrides.TorchFunctionMode):
@@ -48,7 +60,7 @@ class LargestTensor(torch.overrides.TorchFunctionMode):
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
-        inputs = {_storage(value) for value in torch.utils._pytree.tree_leaves((args, kwargs))}
+        inputs = {_storage(value) for value in _leaves((args, kwargs))}
         for value in out if isinstance(out, tuple) else (out,):
             if not isinstance(value, torch.Tensor) or _storage(value) in inputs:
                 continue

@@ -43,6 +43,8 @@ class DDPLike(nn.Module):
 def test_wrapped_models_map_like_the_bare_network(wrap):
     model = NanoGPT(n_layer=2)
     bare = find_targets(model)
+    # torch.compile keeps the model as `_orig_mod`: the prefix users see in its parameter names
+    # and state_dict, so the names are compared with it.
     if wrap == "compile":
         wrapped, prefix = torch.compile(model), "_orig_mod."
     elif wrap == "ddp":

@@ -182,7 +182,7 @@ ARCHITECTURES = {
 
 def run_with_probes(model, targets):
     """Forward once at position 0; return per-layer attention states and per-module (input, output)."""
-    model.config._attn_implementation = "spectral_capture"
+    model.set_attn_implementation("spectral_capture")  # the one AttentionInterface registered
     model.eval()
     io: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
     handles = []
