@@ -23,6 +23,7 @@ import fnmatch
 import re
 from collections import Counter, defaultdict
 from collections.abc import Iterable, Mapping
+from typing import Any
 
 from torch import nn
 
@@ -45,8 +46,11 @@ from spectral_callbacks.targets.matching import (
     matches,
     reason_not_matched,
 )
-from spectral_callbacks.targets.rules import Context
+from spectral_callbacks.targets.reconcile import NAMES, Reconciled, reconcile
+from spectral_callbacks.targets.roles import FlowMap, discover_roles
+from spectral_callbacks.targets.rules import Context, Skip
 from spectral_callbacks.targets.target import Rows, Skipped, Target, TargetList, role_sort_key
+from spectral_callbacks.targets.verify import computes_weight
 
 __all__ = [
     "AmbiguousTargetWarning",
@@ -85,6 +89,8 @@ def find_targets(
     exclude: Patterns = None,
     mapping: UserMapping | None = None,
     builtin_rules: bool = True,
+    example_input: Any = None,
+    flow: FlowMap | None = None,
 ) -> TargetList:
     """The Q/K/V/O/MLP matrices of ``model``, one ``Target`` per (layer, role), in layer order.
 
@@ -107,19 +113,28 @@ def find_targets(
             callable ``(parameter_name, parameter) -> role | Split | Skip | None`` (None: no
             opinion); or one such callable for every parameter. Default ``None``.
         builtin_rules: apply the built-in rules after ``mapping``; default ``True``.
+        example_input: a batch for one forward of ``model`` (a tensor, a tuple of arguments or a
+            dict of keyword arguments) from which roles, fused layouts and layers are read
+            (``targets/roles.py``); the pass runs without gradients and leaves the random state
+            as it was. Default ``None``: the rules alone.
+        flow: roles already read from a forward (``discover_roles``, or the recording of a
+            training forward) instead of ``example_input``; default ``None``.
 
     Returns:
         A ``TargetList`` (a ``list[Target]``) sorted by (layer, role); ``.skipped`` lists the
-        weights that are not watched and why.
+        weights that are not watched and why, ``.sources`` where each target's role came from
+        (``"names"``, ``"data flow"``, or ``"names = data flow"`` where both agree).
 
     Raises:
         TargetError: (a ``ValueError``) no target found (the message lists the 2-D weights and
             shows how to pass ``mapping=``), two targets with the same layer and role, an
-            unusable ``Split``, or a bad argument.
+            unusable ``Split``, a rule that disagrees with the forward, or a bad argument.
 
     Warns:
         PartialTargetWarning: a weight inside the blocks matched no rule, a fused weight had an
-            unknown layout, or some layers lack roles that others have.
+            unknown layout, some layers lack roles that others have, a module does not compute
+            ``x W^T`` for the weight it owns (refused), or layers whose forward could not be
+            followed (their roles from the names alone).
         AmbiguousTargetWarning: a weight matched several ``mapping`` patterns.
         UnwatchedExpertWarning: a mixture's routed experts in a layout no rule reads (also
             listed in ``.unwatched_experts``; the frontends warn again when training starts).
@@ -151,6 +166,9 @@ def find_targets(
 
     modules = dict(model.named_modules(remove_duplicate=False))
     candidates, skipped, low_dim, position = decide(model, modules, mapping, builtin_rules)
+    if flow is None and example_input is not None:
+        flow = discover_roles(model, example_input)
+    reconciled = reconcile(candidates, flow, modules) if flow is not None else Reconciled()
 
     blocks_with_targets = {c.block for c in candidates if c.parts and c.block}
     chosen: list[Candidate] = []
@@ -176,6 +194,9 @@ def find_targets(
             (unwatched_experts if experts else unmapped).append(
                 f"{candidate.name} {shape}: {skip.reason}"
             )
+        elif (refused := _not_its_matrix(candidate, modules)) is not None:
+            skipped.append(Skipped(candidate.name, shape, refused.reason))
+            unmapped.append(f"{candidate.name} {shape}: {refused.reason}")
         else:
             chosen.append(candidate)
 
@@ -206,11 +227,49 @@ def find_targets(
     if role_patterns is not None:
         kept = _filter_roles(kept, role_patterns, skipped)
     _check_unique(kept)
+    if flow is not None:
+        _warn_unfollowed(kept, reconciled, flow)
     stack_order = {stack: i for i, stack in enumerate(dict.fromkeys(t.stack for t in kept))}
     kept.sort(
         key=lambda t: (stack_order[t.stack], t.layer, role_sort_key(t.role), t.expert or 0, t.name)
     )
-    return TargetList(kept, skipped, low_dim, unwatched_experts)
+    found = TargetList(kept, skipped, low_dim, unwatched_experts)
+    found.sources = {
+        t.name: reconciled.sources.get(t.parameter_name, NAMES) for t in kept
+    }
+    return found
+
+
+def _not_its_matrix(candidate: Candidate, modules: Mapping[str, nn.Module]) -> Skip | None:
+    """A skip when the weight's module does not compute ``x W^T`` for it (``verify.py``)."""
+    if candidate.experts or not candidate.parts:
+        return None
+    path = candidate.name.rpartition(".")[0]
+    owner = modules.get(path)
+    if owner is None:
+        return None
+    reason = computes_weight(owner, candidate.parameter, candidate.parts[0][1].transposed)
+    if reason is None:
+        return None
+    roles = "/".join(role for role, _ in candidate.parts)
+    return Skip(f"{path or 'the model'} ({type(owner).__name__}): {reason}; {roles} not watched")
+
+
+def _warn_unfollowed(targets: list[Target], reconciled: Reconciled, flow: FlowMap) -> None:
+    """One line naming the layers whose roles came from the names alone, and why."""
+    by_flow = {t.name for t in targets if reconciled.sources.get(t.parameter_name, NAMES) != NAMES}
+    followed = {(t.stack, t.layer) for t in targets if t.name in by_flow}
+    by_names = sorted({(t.stack, t.layer) for t in targets} - followed)
+    if not by_names and not reconciled.unfollowed:
+        return
+    layers = ", ".join(f"{stack + ' ' if stack else ''}layer {layer}" for stack, layer in by_names)
+    why = "; ".join(reconciled.unfollowed[:3])
+    rank_zero_warn(
+        f"the forward could not be followed for {layers or 'some attention calls'} (a compiled "
+        f"graph or a custom kernel?){': ' + why if why else ''}; their roles come from the "
+        "names alone",
+        category=PartialTargetWarning,
+    )
 
 
 def unwatched_experts_message(unwatched: list[str]) -> str:

@@ -23,6 +23,7 @@ Example::
 from __future__ import annotations
 
 import re
+from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -246,6 +247,9 @@ class TargetList(list):  # type: ignore[type-arg]
         self.skipped: list[Skipped] = list(skipped)
         self.low_dim = low_dim
         self.unwatched_experts: list[str] = list(unwatched_experts)
+        #: Where each target's role came from, by target name: ``"names"`` (the rules),
+        #: ``"data flow"`` (the forward, ``targets/roles.py``) or ``"names = data flow"``.
+        self.sources: dict[str, str] = {}
 
 
 def _shape_text(shape: tuple[int, ...]) -> str:
@@ -302,6 +306,13 @@ def format_targets(targets: Iterable[Target]) -> str:
             rows = [(*rows[0], "adapter")] + [
                 (*row, text) for row, text in zip(rows[1:], described, strict=True)
             ]
+        # Roles read from a forward say so (``find_targets(..., example_input=...)``).
+        sources = getattr(targets, "sources", {})
+        if any(source != "names" for source in sources.values()):
+            rows = [(*rows[0], "from")] + [
+                (*row, sources.get(t.name, "names"))
+                for t, row in zip(targets, rows[1:], strict=True)
+            ]
         lines += _table(rows, right_align=(0 if stacks == [""] else 1,))
         roles = sorted({t.role for t in targets}, key=role_sort_key)
         layers_of = {t.stack: t.num_layers for t in targets}
@@ -311,6 +322,11 @@ def format_targets(targets: Iterable[Target]) -> str:
             else ", ".join(f"{stack} {count(layers_of[stack], 'layer')}" for stack in stacks)
         )
         lines.append(f"{count(len(targets), 'target')} in {where}; roles: {' '.join(roles)}")
+        if any(source != "names" for source in sources.values()):
+            tally = Counter(sources.get(t.name, "names") for t in targets)
+            lines.append(
+                "roles from: " + ", ".join(f"{source} {tally[source]}" for source in sorted(tally))
+            )
     else:
         lines.append("no targets")
     skipped = getattr(targets, "skipped", [])

@@ -1,0 +1,358 @@
+"""A record of one forward pass: which torch functions ran on which tensors, and which modules.
+
+Names say what a weight is only by convention; the forward pass says it by use. ``record`` wraps a
+forward the model makes anyway (or one on an example input) and writes down, without changing
+anything it computes, each torch function call as an :class:`Op` whose inputs and outputs are
+:class:`Value` nodes, plus each module call's input and output values (forward hooks). Nothing is
+copied and no tensor is kept alive: a tensor is found again by ``id`` and checked by a weak
+reference, so the record costs a few Python objects per call, never activation memory.
+
+``targets/roles.py`` reads roles from the record (attention calls, the projections feeding them,
+gated MLPs); ``targets/provenance.py`` replays the shape operations between a projection and an
+attention call on index tensors to find which rows of a fused weight land where.
+
+What the record cannot see: functions called inside a Python function of ``torch.nn.functional``
+that is dispatched whole (``multi_head_attention_forward``), a compiled graph, custom kernels. The
+roles of such layers come from the name rules (``find_targets`` says which, naming the layer).
+
+Example::
+
+    >>> import torch
+    >>> layer = torch.nn.Linear(4, 6)
+    >>> with record(layer) as rec:
+    ...     _ = layer(torch.randn(2, 4)).relu()
+    >>> [op.name for op in rec.ops]
+    ['linear', 'relu']
+    >>> rec.ops[0].weight
+    Weight(name='weight', transposed=False)
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+__all__ = ["ModuleCall", "Op", "Recording", "Value", "Weight", "record"]
+
+# Functions that only move, select or join elements: replayed on index tensors as they ran.
+SHAPE_OPS = frozenset(
+    {
+        "view",
+        "reshape",
+        "view_as",
+        "reshape_as",
+        "transpose",
+        "swapaxes",
+        "swapdims",
+        "permute",
+        "movedim",
+        "moveaxis",
+        "t",
+        "split",
+        "split_with_sizes",
+        "tensor_split",
+        "chunk",
+        "unbind",
+        "__getitem__",
+        "unflatten",
+        "flatten",
+        "expand",
+        "expand_as",
+        "repeat_interleave",
+        "repeat",
+        "narrow",
+        "select",
+        "squeeze",
+        "unsqueeze",
+        "cat",
+        "concat",
+        "concatenate",
+        "stack",
+        "roll",
+        "flip",
+        "index_select",
+        "T",
+        "mT",
+        "__setitem__",
+    }
+)
+# Functions whose output keeps each element's place (dtype casts, copies, norms within a head,
+# rotary products, scaling, masking): an index passes through them unchanged.
+PASS_OPS = frozenset(
+    {"to", "float", "half", "bfloat16", "double", "type", "type_as", "contiguous", "clone"}
+    | {"detach", "data", "dropout", "layer_norm", "rms_norm", "group_norm", "neg", "__neg__"}
+)
+# A product with a weight: a projection whose output features are rows of that weight.
+LINEAR_OPS = frozenset({"linear", "matmul", "__matmul__", "__rmatmul__", "mm", "bmm", "addmm"})
+SOFTMAX_OPS = frozenset({"softmax", "_softmax", "log_softmax"})
+ATTENTION_OPS = frozenset({"scaled_dot_product_attention", "flex_attention"})
+ACTIVATION_OPS = frozenset(
+    {"gelu", "silu", "relu", "relu6", "sigmoid", "tanh", "mish", "elu", "selu", "celu"}
+    | {"leaky_relu", "softplus", "hardswish", "hardsigmoid", "gelu_", "relu_", "silu_"}
+)
+MUL_OPS = frozenset({"mul", "__mul__", "__rmul__", "multiply", "mul_"})
+# New tensors shaped like an input but holding none of its data: provenance stops there.
+CREATION_OPS = frozenset(
+    {"new_empty", "new_zeros", "new_ones", "new_full", "new_tensor", "zeros_like", "ones_like"}
+    | {"empty_like", "full_like", "rand_like", "randn_like", "randint_like"}
+)
+# Functions that return no new data and need no record (shape queries, grad mode, ...).
+_IGNORED = frozenset({"size", "dim", "numel", "_set_grad_enabled", "__len__", "stride"})
+
+
+@dataclass(frozen=True)
+class Weight:
+    """The parameter a projection multiplies by, and whether it is used as ``(in, out)``."""
+
+    name: str
+    transposed: bool
+
+
+@dataclass(eq=False)
+class Value:
+    """One tensor of the forward: the op that made it (``None`` for inputs and parameters)."""
+
+    index: int
+    shape: tuple[int, ...]
+    op: Op | None = None
+    parameter: Weight | None = None  # a parameter, or a view / cast of one (``W.t()``, ``W.to``)
+    consumers: list[Op] = field(default_factory=list, repr=False)
+    made_by: list[ModuleCall] = field(default_factory=list, repr=False)  # innermost first
+    fed_to: list[ModuleCall] = field(default_factory=list, repr=False)
+
+
+@dataclass(eq=False)
+class Op:
+    """One torch function call: its name, input values (tensors in argument order), outputs.
+
+    ``template`` and ``spec`` rebuild the call's arguments with other tensors in place of the
+    recorded ones (``provenance.py`` replays shape operations on index tensors); the tensors of
+    other arguments are kept only for shape operations (an index of ``__getitem__``), never the
+    data of arithmetic.
+    """
+
+    index: int
+    name: str
+    func: Callable[..., Any] = field(repr=False)
+    inputs: list[Value | None] = field(repr=False)  # None: an argument that is not a tensor slot
+    outputs: list[Value] = field(repr=False)
+    template: list[Any] = field(repr=False)
+    spec: Any = field(repr=False)
+    weight: Weight | None = None  # set for a projection by a parameter
+    modules: tuple[str, ...] = ()  # the module calls it ran inside, outermost first
+
+    @property
+    def data_inputs(self) -> list[Value]:
+        """The inputs that are not parameters (the activations it computes on)."""
+        return [v for v in self.inputs if v is not None and v.parameter is None]
+
+
+@dataclass(eq=False)
+class ModuleCall:
+    """One module's forward: its name, the values it was given and the value(s) it returned."""
+
+    name: str
+    module: nn.Module = field(repr=False)
+    inputs: list[Value] = field(repr=False)
+    outputs: list[Value] = field(repr=False)
+
+
+class Recording:
+    """The ops and module calls of one forward, in the order they ran (see :func:`record`)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self.ops: list[Op] = []
+        self.module_calls: list[ModuleCall] = []
+        self.values: list[Value] = []
+        self.parameter_names: dict[int, str] = {
+            id(p): name for name, p in model.named_parameters(remove_duplicate=True)
+        }
+        self._by_id: dict[int, tuple[weakref.ref[torch.Tensor], Value]] = {}
+        self._module_stack: list[str] = []
+
+    # --- building -------------------------------------------------------------------------------
+
+    def value_of(self, tensor: torch.Tensor) -> Value:
+        """The value recorded for ``tensor``, or a new input value (a parameter when it is one)."""
+        found = self._by_id.get(id(tensor))
+        if found is not None and found[0]() is tensor:
+            return found[1]
+        name = self.parameter_names.get(id(tensor))
+        value = self._new_value(tensor)
+        if name is not None:
+            value.parameter = Weight(name, transposed=False)
+        return value
+
+    def _new_value(self, tensor: torch.Tensor, op: Op | None = None) -> Value:
+        value = Value(len(self.values), tuple(tensor.shape), op)
+        self.values.append(value)
+        try:
+            self._by_id[id(tensor)] = (weakref.ref(tensor), value)
+        except TypeError:  # a tensor subclass without weak references: it is not found again
+            pass
+        return value
+
+    def add_op(self, func: Callable[..., Any], args: tuple, kwargs: dict, out: Any) -> None:
+        """Record ``func(*args, **kwargs) -> out`` (only calls that return new tensors)."""
+        name = op_name(func)
+        if name in _IGNORED:
+            return
+        results = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+        leaves, spec = tree_flatten((args, kwargs))
+        if name == "__setitem__" and leaves and isinstance(leaves[0], torch.Tensor):
+            results = [leaves[0]]  # ``x[key] = y`` writes into x: a new version of x
+        if not results:
+            return
+        if not any(isinstance(leaf, torch.Tensor) for leaf in leaves):
+            return  # a new tensor made from nothing (a mask, positions): an input when used
+        keep_tensors = name in SHAPE_OPS
+        inputs: list[Value | None] = []
+        template: list[Any] = []
+        for leaf in leaves:
+            if isinstance(leaf, torch.Tensor):
+                inputs.append(self.value_of(leaf))
+                template.append(leaf if keep_tensors else None)
+            else:
+                inputs.append(None)
+                template.append(leaf)
+        op = Op(len(self.ops), name, func, inputs, [], template, spec)
+        op.modules = tuple(self._module_stack)
+        fresh = {id(t) for t in leaves if isinstance(t, torch.Tensor)}
+        for tensor in results:
+            if id(tensor) in fresh and name != "__setitem__":
+                continue  # an in-place op returns its input: the value stays as made
+            value = self._new_value(tensor, op)
+            value.parameter = _derived_weight(name, op, inputs)
+            op.outputs.append(value)
+        if not op.outputs:
+            return
+        op.weight = _projection_weight(name, inputs, leaves)
+        for value in op.inputs:
+            if value is not None:
+                value.consumers.append(op)
+        self.ops.append(op)
+
+    # --- module hooks ---------------------------------------------------------------------------
+
+    def _enter(self, name: str) -> None:
+        self._module_stack.append(name)
+
+    def _leave(self, name: str, module: nn.Module, args: tuple, out: Any) -> None:
+        if self._module_stack and self._module_stack[-1] == name:
+            self._module_stack.pop()
+        given = [self.value_of(t) for t in tree_flatten(args)[0] if isinstance(t, torch.Tensor)]
+        made = [self.value_of(t) for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+        call = ModuleCall(name, module, given, made)
+        self.module_calls.append(call)
+        for value in given:
+            value.fed_to.append(call)
+        for value in made:
+            value.made_by.append(call)
+
+
+def op_name(func: Callable[..., Any]) -> str:
+    """The function's name; a property read (``x.T``, ``x.data``) gives the property's name."""
+    name = getattr(func, "__name__", "")
+    if name == "__get__":
+        return str(getattr(getattr(func, "__self__", None), "__name__", name))
+    return str(name)
+
+
+def _derived_weight(name: str, op: Op, inputs: list[Value | None]) -> Weight | None:
+    """A view or cast of a parameter is still that parameter (``W.t()`` is ``W`` transposed)."""
+    sources = [v for v in inputs if v is not None]
+    if len(sources) != 1 or sources[0].parameter is None:
+        return None
+    weight = sources[0].parameter
+    if name in PASS_OPS:
+        return weight
+    if name in ("t", "transpose", "mT", "T"):
+        return Weight(weight.name, not weight.transposed)
+    return None
+
+
+def _projection_weight(name: str, inputs: list[Value | None], leaves: list[Any]) -> Weight | None:
+    """The weight of ``F.linear(x, W)``, ``x @ W`` or ``addmm(b, x, W)``, as an ``(out, in)`` use.
+
+    ``F.linear`` uses ``W`` as ``(out, in)``; ``x @ W`` uses ``W`` as ``(in, out)`` (so a
+    parameter stored that way, like Hugging Face ``Conv1D``, reads ``transposed=True``).
+    """
+    if name not in LINEAR_OPS:
+        return None
+    tensors = [v for v in inputs if v is not None]
+    if name == "linear":
+        weight = tensors[1].parameter if len(tensors) >= 2 else None
+        if weight is None or tensors[0].parameter is not None:
+            return None
+        return weight
+    if name == "addmm":  # addmm(bias, x, W): x @ W + bias
+        tensors = tensors[1:]
+    if len(tensors) != 2:
+        return None
+    activation, weight = tensors
+    if weight.parameter is None or activation.parameter is not None:
+        return None
+    # x @ W multiplies by W as (in, out): the (out, in) matrix is W^T.
+    return Weight(weight.parameter.name, not weight.parameter.transposed)
+
+
+class _RecordingMode(TorchFunctionMode):
+    """Records every torch function call; returns exactly what the call returns."""
+
+    def __init__(self, recording: Recording) -> None:
+        super().__init__()
+        self.recording = recording
+
+    def __torch_function__(
+        self,
+        func: Callable[..., Any],
+        types: Any,
+        args: tuple = (),
+        kwargs: dict | None = None,
+    ) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        self.recording.add_op(func, args, kwargs, out)
+        return out
+
+
+@contextmanager
+def record(model: nn.Module) -> Iterator[Recording]:
+    """Record the forward passes run inside the ``with`` block (normally exactly one).
+
+    Module hooks (removed on exit) tell which module each call ran in and which values each
+    module returned; the function mode records each torch call. The computation is unchanged.
+    """
+    recording = Recording(model)
+    handles = []
+    for name, module in model.named_modules():
+        handles.append(
+            module.register_forward_pre_hook(lambda m, a, name=name: recording._enter(name))
+        )
+        handles.append(
+            module.register_forward_hook(
+                lambda m, a, out, name=name: recording._leave(name, m, a, out)
+            )
+        )
+    try:
+        with _RecordingMode(recording):
+            yield recording
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def rebuild(op: Op, replace: dict[int, torch.Tensor]) -> tuple[tuple, dict]:
+    """``op``'s arguments with ``replace[i]`` in tensor slot ``i`` (others as recorded)."""
+    leaves = [replace.get(i, leaf) for i, leaf in enumerate(op.template)]
+    args, kwargs = tree_unflatten(leaves, op.spec)
+    return args, kwargs

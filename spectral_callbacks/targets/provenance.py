@@ -1,0 +1,148 @@
+"""Which output rows of a projection land where: index provenance, replayed from a recording.
+
+A fused projection's layout (``[q; k; v]``, per head ``(heads, 3, head_dim)``, per group
+``[q x g; k; v]``, ``[up; gate]``) is whatever the model's forward does with its output: views,
+splits, transposes, ``repeat_interleave`` for grouped K/V, rotary products. Reading it from the
+recorded forward (``targets/dataflow.py``) instead of guessing it from head counts: the projection's
+output is replaced by an *index tensor* (element ``[..., j]`` holds ``j``), and the recorded
+operations between it and the consumer are replayed on it - shape operations exactly as they ran,
+element-wise ones (casts, norms, scaling, rotary mixing within a head) as the identity on the
+index. At the consumer each element then names the output row it came from; ``-1`` marks
+elements from elsewhere.
+
+Example::
+
+    >>> import torch
+    >>> from spectral_callbacks.targets.dataflow import record
+    >>> qkv = torch.nn.Linear(8, 24, bias=False)  # rows [q; k; v], 2 heads of 4
+    >>> with record(qkv) as rec:
+    ...     q, k, v = qkv(torch.randn(1, 3, 8)).view(1, 3, 3, 2, 4).permute(2, 0, 3, 1, 4)
+    >>> source = rec.ops[0].outputs[0]
+    >>> k_value = rec.ops[-1].outputs[1]
+    >>> heads_of(replay(rec, source, k_value), feature_axis=-1, token_axis=-2)
+    ((8, 9, 10, 11), (12, 13, 14, 15))
+"""
+
+from __future__ import annotations
+
+import torch
+
+from spectral_callbacks.targets.dataflow import (
+    ACTIVATION_OPS,
+    ATTENTION_OPS,
+    CREATION_OPS,
+    LINEAR_OPS,
+    SHAPE_OPS,
+    SOFTMAX_OPS,
+    Op,
+    Recording,
+    Value,
+    rebuild,
+)
+
+__all__ = ["heads_of", "replay"]
+
+# Operations an index never passes: they mix features (products, softmax) or are the consumers.
+_STOPS = (
+    LINEAR_OPS | ATTENTION_OPS | SOFTMAX_OPS | ACTIVATION_OPS | CREATION_OPS | {"einsum", "embedding"}
+)
+
+
+def replay(recording: Recording, source: Value, target: Value) -> torch.Tensor | None:
+    """The index tensor at ``target``: each element the row of ``source``'s last dimension it
+    came from (``-1``: not from ``source``), or ``None`` if ``target`` is not reached."""
+    features = source.shape[-1] if source.shape else 0
+    index: dict[int, torch.Tensor] = {
+        source.index: torch.arange(features).expand(source.shape)  # (..., out), no copy
+    }
+    if target.index == source.index:
+        return index[source.index]
+    start = source.op.index + 1 if source.op is not None else 0
+    stop = target.op.index + 1 if target.op is not None else 0
+    for op in recording.ops[start:stop]:
+        traced = {
+            slot: index[value.index]
+            for slot, value in enumerate(op.inputs)
+            if value is not None and value.index in index
+        }
+        if not traced or op.name in _STOPS:
+            continue
+        made = _propagate(op, traced)
+        if made is None:
+            continue
+        for value, tensor in zip(op.outputs, made, strict=False):
+            index[value.index] = tensor
+        if target.index in index:
+            return index[target.index]
+    return index.get(target.index)
+
+
+def _propagate(op: Op, traced: dict[int, torch.Tensor]) -> list[torch.Tensor] | None:
+    """The index tensors of ``op``'s outputs given those of its traced inputs."""
+    if op.name == "__setitem__":  # x[key] = y: x's index with y's written at key
+        base = traced.get(0)
+        written = torch.full(op.outputs[0].shape, -1, dtype=torch.long) if base is None else base
+        written = written.clone()
+        args, _ = rebuild(op, traced)
+        source = traced.get(len(op.template) - 1, -1)
+        try:
+            written[args[1]] = source
+        except (RuntimeError, TypeError, IndexError, ValueError):
+            return None
+        return [written]
+    if op.name in SHAPE_OPS:
+        # Other tensors in a join (``cat`` with a cached part) come from elsewhere: -1.
+        others = {
+            slot: torch.full(leaf.shape, -1, dtype=torch.long)
+            for slot, leaf in enumerate(op.template)
+            if isinstance(leaf, torch.Tensor) and slot not in traced and leaf.is_floating_point()
+        }
+        args, kwargs = rebuild(op, {**others, **traced})
+        func = torch.Tensor.reshape if op.name == "view" else op.func  # an expanded index
+        try:
+            out = func(*args, **kwargs)
+        except (RuntimeError, TypeError, IndexError, ValueError):
+            return None
+        made = [out] if isinstance(out, torch.Tensor) else list(out)
+        if len(made) != len(op.outputs) or any(
+            tuple(m.shape) != v.shape for m, v in zip(made, op.outputs, strict=True)
+        ):
+            return None
+        return made
+    # Element-wise: the index of the first traced input that covers the output's shape.
+    if len(op.outputs) != 1:
+        return None
+    shape = op.outputs[0].shape
+    for tensor in traced.values():
+        try:
+            if torch.broadcast_shapes(tuple(tensor.shape), shape) == torch.Size(shape):
+                return [tensor.expand(shape)]
+        except RuntimeError:
+            continue
+    return None
+
+
+def heads_of(
+    index: torch.Tensor | None, feature_axis: int, token_axis: int
+) -> tuple[tuple[int, ...], ...] | None:
+    """The source rows of each head of an attention operand, from its index tensor.
+
+    The operand is ``(..., tokens, features)`` with ``feature_axis`` and ``token_axis`` saying
+    where those are (a transposed key is ``(..., features, tokens)``); the leading axes are batch
+    and heads. Every token of a head must read the same rows (a projection applied per token) and
+    a repeated head (grouped K/V expanded with ``repeat_interleave``, or the batch) is one head.
+    Rows from elsewhere (``-1``) are left out. ``None`` when the index is missing or varies along
+    the tokens.
+    """
+    if index is None or index.dim() < 2:
+        return None
+    moved = index.movedim((token_axis, feature_axis), (-2, -1))  # (..., tokens, features)
+    flat = moved.reshape(-1, moved.shape[-2], moved.shape[-1])  # (batch * heads, tokens, feat)
+    if not bool((flat == flat[:, :1]).all()):
+        return None  # a row's source changes with the token: not a per-token projection
+    heads: dict[tuple[int, ...], None] = {}
+    for rows in flat[:, 0].tolist():
+        kept = tuple(int(r) for r in rows if r >= 0)
+        if kept:
+            heads.setdefault(kept, None)
+    return tuple(heads) if heads else None

@@ -1,0 +1,595 @@
+"""Roles read from the model's own forward pass: the attention calls and what feeds them.
+
+From a recording (``targets/dataflow.py``) of one forward:
+
+1. **Attention calls**: ``F.scaled_dot_product_attention`` (and ``flex_attention``) with their
+   query, key and value; or the written-out pattern ``softmax(q @ k^T ...) @ v``.
+2. **Q, K, V**: the projection whose output reaches each operand, walking back through shape
+   and element-wise operations (views, splits, rotary products, norms); the rows of that weight
+   each head reads come from index provenance (``provenance.py``), so a fused weight's layout is
+   read, not guessed. A call whose key and value come from another input than its query is
+   cross-attention (``Q_cross`` ...).
+3. **O**: the projection that first consumes the attention output.
+4. **MLP**: a projection whose output reaches an activation is ``MLP_up`` - or ``MLP_gate``
+   when the activated value is multiplied by another projection's output, which is then
+   ``MLP_up`` (``[up; gate]`` in one weight gives each its rows); the projection consuming the
+   result is ``MLP_down``.
+5. **Layers**: a block is the outermost entry of a ``ModuleList``/``Sequential``/``ModuleDict``
+   that holds one self-attention call; the blocks of one container are a stack, numbered by the
+   order of their attention calls. An MLP in a block without attention (interleaved entries)
+   belongs to the last attention call before it in its stack.
+
+A projection whose output is its weight's product plus other weights' (an adapter's ``B A x``) is
+*composite*: the role is reported on the module that returns the sum (``FlowRole.composite``),
+so it is never charted as its frozen base alone.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from spectral_callbacks.targets.dataflow import (
+    ACTIVATION_OPS,
+    ATTENTION_OPS,
+    CREATION_OPS,
+    LINEAR_OPS,
+    MUL_OPS,
+    SOFTMAX_OPS,
+    Op,
+    Recording,
+    Value,
+    record,
+)
+from spectral_callbacks.targets.provenance import heads_of, replay
+
+__all__ = ["FlowMap", "FlowRole", "discover_roles", "roles_from_recording"]
+
+_CONTAINERS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
+_STOPS = LINEAR_OPS | ATTENTION_OPS | SOFTMAX_OPS | CREATION_OPS | {"einsum", "embedding"}
+_MAX_WALK = 400  # values visited per walk: a block's worth, never the whole graph
+
+
+@dataclass(frozen=True)
+class FlowRole:
+    """One role read from the forward.
+
+    Attributes:
+        role: ``Q``, ``K``, ``V``, ``O``, ``MLP_gate``, ``MLP_up``, ``MLP_down`` (``_cross`` for
+            cross-attention).
+        parameter: the weight's name in the model; for a composite, its largest weight.
+        rows: the rows of the weight's ``(out, in)`` matrix this role reads, head by head;
+            ``None`` for all rows in stored order.
+        heads: how many heads ``rows`` holds (K/V: groups under GQA); 1 for O and MLP roles.
+        transposed: the weight is used as ``(in, out)`` (``x @ W``, Hugging Face ``Conv1D``).
+        stack: the path of the container of blocks (``""`` if the blocks are in none).
+        block: the path of the block.
+        layer: the block's number in its stack, by the order of attention calls.
+        module: the module whose output the role is (the projection, or the composite).
+        composite: that module adds other weights' products to ``W x`` (an adapter, for
+            example); watching ``parameter`` alone would chart the wrong matrix.
+    """
+
+    role: str
+    parameter: str
+    rows: tuple[int, ...] | None
+    heads: int
+    transposed: bool
+    stack: str
+    block: str
+    layer: int
+    module: str
+    composite: bool = False
+
+
+@dataclass
+class FlowMap:
+    """Everything one forward says about roles: the roles, the calls, what could not be read."""
+
+    roles: list[FlowRole] = field(default_factory=list)
+    attention_calls: int = 0
+    unfollowed: list[str] = field(default_factory=list)  # one line per call not followed
+
+    def of_parameter(self) -> dict[str, list[FlowRole]]:
+        """The roles of each parameter, by name."""
+        found: dict[str, list[FlowRole]] = defaultdict(list)
+        for role in self.roles:
+            found[role.parameter].append(role)
+        return dict(found)
+
+
+@dataclass
+class _Source:
+    """What produced an operand: a projection's output value and its weight, or a composite."""
+
+    value: Value
+    parameter: str
+    transposed: bool
+    module: str
+    composite: bool
+    input: Value | None  # the activation the projection read (self vs cross attention)
+    rows: tuple[int, ...] | None = None  # the rows an MLP part reads (None: all)
+
+
+@dataclass
+class _Call:
+    """One attention call: its operands (with the axes of features and tokens) and output."""
+
+    op: Op
+    operands: dict[str, tuple[Value, int, int]]  # role -> (value, feature axis, token axis)
+    output: Value
+
+
+def discover_roles(
+    model: nn.Module,
+    example_input: Any = None,
+    *,
+    forward: Callable[[nn.Module], Any] | None = None,
+) -> FlowMap:
+    """Run one forward of ``model`` under the recorder and read the roles from it.
+
+    Args:
+        model: the network.
+        example_input: what to call it with: a tensor, a tuple of positional arguments or a
+            dict of keyword arguments; default ``None`` (then ``forward`` must be given).
+        forward: ``forward(model)`` runs the pass instead (a loss, a custom call); default
+            ``None``.
+
+    The pass runs without gradients and with the random state restored after it, so it changes
+    neither the weights nor the run's random stream.
+
+    Raises:
+        ValueError: neither ``example_input`` nor ``forward`` given.
+    """
+    if forward is None:
+        if example_input is None:
+            raise ValueError(
+                "discover_roles needs `example_input` (a batch the model's forward takes) or "
+                "`forward` (a function running the model), got neither"
+            )
+
+        def forward(module: nn.Module) -> Any:
+            if isinstance(example_input, dict):
+                return module(**example_input)
+            if isinstance(example_input, tuple):
+                return module(*example_input)
+            return module(example_input)
+
+    runner = getattr(model, "_orig_mod", model)  # a compiled model: the code it compiles
+    devices = [p.device for p in model.parameters() if p.device.type == "cuda"]
+    with torch.random.fork_rng(devices=devices[:1]), torch.no_grad(), record(model) as rec:
+        forward(runner)
+    return roles_from_recording(rec)
+
+
+def roles_from_recording(recording: Recording) -> FlowMap:
+    """The roles a recorded forward shows (see the module docstring for how each is read)."""
+    flow = FlowMap()
+    calls = _attention_calls(recording)
+    flow.attention_calls = len(calls)
+    modules = dict(recording.model.named_modules())
+    entries = _container_entries(modules)
+    found: list[tuple[str, _Source, tuple[tuple[int, ...], ...] | None, Op]] = []
+    cross_of: dict[int, bool] = {}
+    for number, call in enumerate(calls):
+        sources = {}
+        for role, (value, feature_axis, token_axis) in call.operands.items():
+            source = _source_of(recording, value, modules)
+            if source is None:
+                break
+            heads = heads_of(replay(recording, source.value, value), feature_axis, token_axis)
+            if heads is None:
+                break
+            sources[role] = (source, heads)
+        if len(sources) != 3:
+            flow.unfollowed.append(
+                f"attention call {number} in {call.op.modules[-1] if call.op.modules else 'the model'}: "
+                "its query, key or value does not come from one projection the forward shows"
+            )
+            continue
+        query_input = sources["Q"][0].input
+        cross = any(_other_stream(sources[r][0].input, query_input) for r in ("K", "V"))
+        cross_of[call.op.index] = cross
+        suffix = "_cross" if cross else ""
+        for role, (source, heads) in sources.items():
+            found.append((role + suffix, source, heads, call.op))
+        output = _consumer(recording, call.output, modules)
+        if output is not None:
+            found.append(("O" + suffix, output, None, call.op))
+
+    in_attention = {s.parameter for _, s, _, _ in found}
+    seen: set[tuple[str, str, tuple[int, ...] | None]] = set()
+    for role, source, op in _mlp_roles(recording, modules):
+        key = (role, source.parameter, source.rows)
+        if source.parameter not in in_attention and key not in seen:
+            found.append((role, source, None, op))
+            seen.add(key)
+
+    _place(flow, found, calls, cross_of, entries)
+    return flow
+
+
+# --- attention calls ------------------------------------------------------------------------
+
+
+def _attention_calls(recording: Recording) -> list[_Call]:
+    calls = []
+    for op in recording.ops:
+        if op.name in ATTENTION_OPS:
+            data = [v for v in op.inputs if v is not None][:3]
+            if len(data) == 3 and op.outputs:
+                operands = {r: (v, -1, -2) for r, v in zip(("Q", "K", "V"), data, strict=True)}
+                calls.append(_Call(op, operands, op.outputs[0]))
+        elif op.name in SOFTMAX_OPS:
+            call = _written_attention(op)
+            if call is not None:
+                calls.append(call)
+    return calls
+
+
+def _written_attention(softmax: Op) -> _Call | None:
+    """``softmax(q @ k^T * scale + mask) @ v``: the two products around a softmax."""
+    scores = _walk_back_to(softmax.data_inputs[0] if softmax.data_inputs else None)
+    if scores is None or scores.weight is not None or len(scores.data_inputs) != 2:
+        return None
+    query, key = scores.data_inputs
+    mixed = _walk_forward_to(softmax.outputs[0])
+    if mixed is None or mixed.weight is not None or len(mixed.data_inputs) != 2:
+        return None
+    value = mixed.data_inputs[1]
+    # q is (..., T, d); k arrives transposed (..., d, T); v is (..., T, d).
+    operands = {"Q": (query, -1, -2), "K": (key, -2, -1), "V": (value, -1, -2)}
+    return _Call(softmax, operands, mixed.outputs[0])
+
+
+def _walk_back_to(value: Value | None) -> Op | None:
+    """The product a value came from through element-wise steps (scale, mask, cast)."""
+    for _ in range(16):
+        if value is None or value.op is None:
+            return None
+        op = value.op
+        if op.name in ("matmul", "__matmul__", "bmm", "baddbmm"):
+            return op
+        if op.name in _STOPS or len(op.data_inputs) < 1:
+            return None
+        full = [v for v in op.data_inputs if v.shape == value.shape]
+        value = full[0] if full else None
+    return None
+
+
+def _walk_forward_to(value: Value) -> Op | None:
+    """The product consuming a value as its first operand, through dropout and casts."""
+    for _ in range(16):
+        nxt = None
+        for op in value.consumers:
+            if op.name in ("matmul", "__matmul__", "bmm") and op.data_inputs[:1] == [value]:
+                return op
+            if op.name not in _STOPS and len(op.outputs) == 1 and op.outputs[0].shape == value.shape:
+                nxt = op.outputs[0]
+        if nxt is None:
+            return None
+        value = nxt
+    return None
+
+
+def _other_stream(key_input: Value | None, query_input: Value | None) -> bool:
+    """Whether the key's projection reads another stream than the query's (cross-attention).
+
+    Self-attention's projections read one hidden state, or values computed from it (latent
+    attention's down-projections): they share an ancestor reached without passing an attention
+    call. Cross-attention's keys read the encoder's output, which reaches the decoder's stream
+    only through attention calls: no such shared ancestor.
+    """
+    if key_input is None or query_input is None or key_input is query_input:
+        return False
+    return not (_ancestors(key_input) & _ancestors(query_input))
+
+
+def _ancestors(value: Value) -> set[int]:
+    """The values ``value`` was computed from, itself included, up to the attention calls
+    before it (their outputs are kept, their inputs not) and leaving parameters out."""
+    seen = {value.index}
+    frontier = [value]
+    while frontier:
+        current = frontier.pop()
+        op = current.op
+        if op is None or op.name in ATTENTION_OPS or _is_attention_product(op):
+            continue
+        for parent in op.data_inputs:
+            if parent.index not in seen:
+                seen.add(parent.index)
+                frontier.append(parent)
+    return seen
+
+
+def _is_attention_product(op: Op) -> bool:
+    """``probabilities @ v`` of a written-out attention: a product of two activations fed by a
+    softmax."""
+    if op.name not in ("matmul", "__matmul__", "bmm") or op.weight is not None:
+        return False
+    first = op.data_inputs[0] if op.data_inputs else None
+    for _ in range(4):
+        if first is None or first.op is None:
+            return False
+        if first.op.name in SOFTMAX_OPS:
+            return True
+        inputs = first.op.data_inputs
+        first = inputs[0] if inputs else None
+    return False
+
+
+# --- sources and consumers --------------------------------------------------------------------
+
+
+def _source_of(recording: Recording, value: Value, modules: dict[str, nn.Module]) -> _Source | None:
+    """The projection (or composite module) whose output reaches ``value``."""
+    producers: list[Op] = []
+    path: list[Value] = []
+    seen: set[int] = set()
+    frontier = [value]
+    while frontier and len(seen) < _MAX_WALK:
+        current = frontier.pop(0)
+        if current.index in seen:
+            continue
+        seen.add(current.index)
+        path.append(current)
+        op = current.op
+        if op is None:
+            continue
+        if op.weight is not None:
+            producers.append(op)
+            continue
+        if op.name in _STOPS or op.name in ACTIVATION_OPS:
+            continue
+        frontier += op.data_inputs
+    if not producers:
+        return None
+    weights = {op.weight.name for op in producers if op.weight is not None}
+    if len(producers) == 1 or len(weights) == 1:
+        op = producers[0]
+        index = replay(recording, op.outputs[0], value)
+        if index is None or bool((index < 0).any()):
+            return None  # part of the operand comes through steps the replay cannot follow
+        assert op.weight is not None
+        owner = op.weight.name.rpartition(".")[0]
+        data = op.data_inputs
+        return _Source(
+            op.outputs[0], op.weight.name, op.weight.transposed, owner, False, data[0] if data else None
+        )
+    # Several weights: joined side by side (MLA's key is [k_nope; k_rope]) the one that fills
+    # most of the operand is its projection; added up (an adapter's W x + B A x) the operand
+    # is the sum, read on the module that returns it, if one does.
+    reach = []
+    for op in producers:
+        index = replay(recording, op.outputs[0], value)
+        reach.append(None if index is None else index >= 0)
+    if all(mask is not None for mask in reach):
+        masks = [mask for mask in reach if mask is not None]
+        overlap = any(
+            bool((masks[i] & masks[j]).any())
+            for i in range(len(masks))
+            for j in range(i + 1, len(masks))
+            if producers[i].weight != producers[j].weight
+        )
+        covered = masks[0].clone()
+        for mask in masks[1:]:
+            covered |= mask
+        if not overlap and bool(covered.all()):
+            main = max(zip(producers, masks, strict=True), key=lambda pair: int(pair[1].sum()))[0]
+            assert main.weight is not None
+            data = main.data_inputs
+            return _Source(
+                main.outputs[0],
+                main.weight.name,
+                main.weight.transposed,
+                main.weight.name.rpartition(".")[0],
+                False,
+                data[0] if data else None,
+            )
+    for current in path:
+        for call in current.made_by:
+            prefix = f"{call.name}." if call.name else ""
+            if all(name.startswith(prefix) for name in weights):
+                largest = max(weights, key=lambda n: recording.model.get_parameter(n).numel())
+                main = next(op for op in producers if op.weight and op.weight.name == largest)
+                assert main.weight is not None
+                given = call.inputs[0] if call.inputs else None
+                return _Source(current, largest, main.weight.transposed, call.name, True, given)
+    return None
+
+
+def _consumer(recording: Recording, value: Value, modules: dict[str, nn.Module]) -> _Source | None:
+    """The projection (or composite module) that first consumes ``value``."""
+    found: list[Op] = []
+    path: list[Value] = []
+    seen: set[int] = set()
+    frontier = [value]
+    while frontier and len(seen) < _MAX_WALK:
+        current = frontier.pop(0)
+        if current.index in seen:
+            continue
+        seen.add(current.index)
+        path.append(current)
+        for op in current.consumers:
+            if op.weight is not None and current in op.data_inputs:
+                found.append(op)
+            elif op.name not in _STOPS and op.name not in ACTIVATION_OPS:
+                frontier += op.outputs
+    weights = {op.weight.name for op in found if op.weight is not None}
+    if not weights:
+        return None
+    if len(weights) == 1:
+        op = found[0]
+        assert op.weight is not None
+        owner = op.weight.name.rpartition(".")[0]
+        return _Source(op.outputs[0], op.weight.name, op.weight.transposed, owner, False, value)
+    for current in path:
+        for call in current.fed_to:
+            prefix = f"{call.name}." if call.name else ""
+            if all(name.startswith(prefix) for name in weights):
+                largest = max(weights, key=lambda n: recording.model.get_parameter(n).numel())
+                main = next(op for op in found if op.weight and op.weight.name == largest)
+                assert main.weight is not None
+                out = call.outputs[0] if call.outputs else main.outputs[0]
+                return _Source(out, largest, main.weight.transposed, call.name, True, value)
+    return None
+
+
+# --- MLPs -------------------------------------------------------------------------------------
+
+
+def _mlp_roles(
+    recording: Recording, modules: dict[str, nn.Module]
+) -> Iterable[tuple[str, _Source, Op]]:
+    """``(role, source, op)`` of each MLP: the activated projection, its gate partner, the down."""
+    for op in recording.ops:
+        if op.name not in ACTIVATION_OPS or not op.data_inputs:
+            continue
+        activated = _source_of(recording, op.data_inputs[0], modules)
+        if activated is None:
+            continue
+        rows_of_activated = _rows(recording, activated, op.data_inputs[0])
+        partner: tuple[_Source, tuple[int, ...] | None] | None = None
+        value = op.outputs[0]
+        down = None
+        for _ in range(32):  # forward through element-wise steps to the gate product and down
+            nxt = None
+            for consumer in value.consumers:
+                if consumer.weight is not None and value in consumer.data_inputs:
+                    down = consumer
+                    break
+                if consumer.name in MUL_OPS and len(consumer.data_inputs) == 2 and partner is None:
+                    other = next(v for v in consumer.data_inputs if v is not value)
+                    if other.shape == value.shape:
+                        source = _source_of(recording, other, modules)
+                        if source is not None:
+                            rows = _rows(recording, source, other)
+                            same = (source.parameter, source.module) == (
+                                activated.parameter,
+                                activated.module,
+                            ) and rows == rows_of_activated
+                            if not same:
+                                partner = (source, rows)
+                if consumer.name not in _STOPS and consumer.name not in ACTIVATION_OPS:
+                    if len(consumer.outputs) == 1:
+                        nxt = consumer.outputs[0]
+            if down is not None or nxt is None:
+                break
+            value = nxt
+        if down is None or down.weight is None:
+            continue
+        owner = down.weight.name.rpartition(".")[0]
+        down_source = _Source(
+            down.outputs[0], down.weight.name, down.weight.transposed, owner, False, value
+        )
+        composite_down = _consumer(recording, value, modules)
+        if composite_down is not None and composite_down.composite:
+            down_source = composite_down
+        if partner is None:
+            yield "MLP_up", _with_rows(activated, rows_of_activated), op
+        else:
+            yield "MLP_gate", _with_rows(activated, rows_of_activated), op
+            yield "MLP_up", _with_rows(partner[0], partner[1]), op
+        yield "MLP_down", down_source, down
+
+
+def _rows(recording: Recording, source: _Source, at: Value) -> tuple[int, ...] | None:
+    """The rows of ``source`` that every token of ``at`` (``(..., features)``) reads, in order."""
+    index = replay(recording, source.value, at)
+    if index is None or index.dim() == 0:
+        return None
+    flat = index.reshape(-1, index.shape[-1])  # (tokens, features)
+    if not bool((flat == flat[:1]).all()):
+        return None
+    return tuple(int(r) for r in flat[0].tolist() if r >= 0)
+
+
+def _with_rows(source: _Source, rows: tuple[int, ...] | None) -> _Source:
+    source.rows = rows
+    return source
+
+
+# --- layers -----------------------------------------------------------------------------------
+
+
+def _container_entries(modules: dict[str, nn.Module]) -> dict[str, str]:
+    """Each entry of a ModuleList/Sequential/ModuleDict: its path -> the container's path."""
+    entries = {}
+    for name, module in modules.items():
+        if isinstance(module, _CONTAINERS):
+            for key in module._modules:
+                entries[f"{name}.{key}" if name else key] = name
+    return entries
+
+
+def _place(
+    flow: FlowMap,
+    found: list[tuple[str, _Source, tuple[tuple[int, ...], ...] | None, Op]],
+    calls: list[_Call],
+    cross_of: dict[int, bool],
+    entries: dict[str, str],
+) -> None:
+    """Number the blocks of each stack by attention order; give every role its layer."""
+    # How many self-attention calls each module holds: a block is the outermost entry with one.
+    holding: dict[str, int] = defaultdict(int)
+    for call in calls:
+        if not cross_of.get(call.op.index, False):
+            for name in set(call.op.modules):
+                holding[name] += 1
+
+    def block_of(op: Op) -> tuple[str, str]:
+        for name in op.modules:
+            if name in entries and holding.get(name, 0) <= 1:
+                return entries[name], name
+        return "", ""
+
+    order: dict[str, dict[str, int]] = defaultdict(dict)  # stack -> block -> layer
+    call_layer: dict[int, tuple[str, str, int]] = {}
+    for number, call in enumerate(calls):
+        if call.op.index not in cross_of:
+            continue
+        stack, block = block_of(call.op)
+        if not block:
+            block = f"attention call {number}"
+        blocks = order[stack]
+        layer = blocks.setdefault(block, len(blocks))
+        call_layer[call.op.index] = (stack, block, layer)
+    ops_by_layer = sorted(call_layer.items())
+    for role, source, heads, op in found:
+        if op.index in call_layer:
+            stack, block, layer = call_layer[op.index]
+        else:  # an MLP: its own block's layer, else the last attention call before it
+            stack, block = block_of(op)
+            if block in order.get(stack, {}):
+                layer = order[stack][block]
+            else:
+                before = [v for k, v in ops_by_layer if k < op.index and v[0] == stack]
+                if not before:
+                    before = [v for k, v in ops_by_layer if k < op.index]
+                if not before:
+                    continue
+                stack, _, layer = before[-1]
+        if heads is not None:
+            rows: tuple[int, ...] | None = tuple(r for head in heads for r in head)
+            count = len(heads)
+        else:
+            rows, count = source.rows, 1
+        flow.roles.append(
+            FlowRole(
+                role=role,
+                parameter=source.parameter,
+                rows=rows,
+                heads=count,
+                transposed=source.transposed,
+                stack=stack,
+                block=block,
+                layer=layer,
+                module=source.module,
+                composite=source.composite,
+            )
+        )
