@@ -125,6 +125,10 @@ class MonitorOptions:
         roles, include, exclude, mapping: which matrices to watch; passed to
             :func:`spectral_callbacks.targets.find_targets` (which checks them). Default ``None``
             watches every Q, K, V, O, MLP_up and MLP_down matrix found.
+        example_input: a batch for one forward of the model (a tensor, a tuple of arguments or a
+            dict of keyword arguments): roles, fused layouts and layers are then read from that
+            forward, the name rules checked against it (``find_targets(example_input=)``).
+            Default ``None``: the name rules alone.
         every_n_steps: snapshot every this many optimizer steps. Default ``25``.
         log_spaced_until: also snapshot at the powers of two below this step (dense early points,
             where the stable rank collapses); ``0`` turns them off. Default ``1000``.
@@ -200,6 +204,7 @@ class MonitorOptions:
     include: Any = None
     exclude: Any = None
     mapping: Any = None
+    example_input: Any = dataclasses.field(default=None, compare=False, repr=False)
     every_n_steps: int = 25
     log_spaced_until: int = 1000
     max_overhead: float | None = None
@@ -394,6 +399,7 @@ class MonitorOptions:
             "include": self.include,
             "exclude": self.exclude,
             "mapping": self.mapping,
+            "example_input": self.example_input,
         }
 
     def replace(self, **changes: Any) -> MonitorOptions:

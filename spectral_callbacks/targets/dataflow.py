@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -195,10 +195,9 @@ class Recording:
     def _new_value(self, tensor: torch.Tensor, op: Op | None = None) -> Value:
         value = Value(len(self.values), tuple(tensor.shape), op)
         self.values.append(value)
-        try:
+        # A tensor subclass without weak references is not found again: a new input when used.
+        with suppress(TypeError):
             self._by_id[id(tensor)] = (weakref.ref(tensor), value)
-        except TypeError:  # a tensor subclass without weak references: it is not found again
-            pass
         return value
 
     def add_op(self, func: Callable[..., Any], args: tuple, kwargs: dict, out: Any) -> None:

@@ -234,9 +234,7 @@ def find_targets(
         key=lambda t: (stack_order[t.stack], t.layer, role_sort_key(t.role), t.expert or 0, t.name)
     )
     found = TargetList(kept, skipped, low_dim, unwatched_experts)
-    found.sources = {
-        t.name: reconciled.sources.get(t.parameter_name, NAMES) for t in kept
-    }
+    found.sources = {t.name: reconciled.sources.get(t.parameter_name, NAMES) for t in kept}
     return found
 
 

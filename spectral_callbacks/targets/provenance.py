@@ -44,7 +44,12 @@ __all__ = ["heads_of", "replay"]
 
 # Operations an index never passes: they mix features (products, softmax) or are the consumers.
 _STOPS = (
-    LINEAR_OPS | ATTENTION_OPS | SOFTMAX_OPS | ACTIVATION_OPS | CREATION_OPS | {"einsum", "embedding"}
+    LINEAR_OPS
+    | ATTENTION_OPS
+    | SOFTMAX_OPS
+    | ACTIVATION_OPS
+    | CREATION_OPS
+    | {"einsum", "embedding"}
 )
 
 

@@ -28,7 +28,15 @@ from spectral_callbacks.targets.matching import Candidate
 from spectral_callbacks.targets.roles import FlowMap, FlowRole
 from spectral_callbacks.targets.target import Rows, Skip
 
-__all__ = ["DATA_FLOW", "NAMES", "NAMES_AND_FLOW", "Reconciled", "indices_of", "reconcile", "rows_of"]
+__all__ = [
+    "DATA_FLOW",
+    "NAMES",
+    "NAMES_AND_FLOW",
+    "Reconciled",
+    "indices_of",
+    "reconcile",
+    "rows_of",
+]
 
 NAMES = "names"
 DATA_FLOW = "data flow"
@@ -166,7 +174,7 @@ def _check_agreement(candidate: Candidate, found: list[FlowRole], out: int) -> N
             f"find_targets: the name rules and the model's forward disagree on {candidate.name}: "
             f"the rules read {said}, but the forward uses rows {_span(rows)} as {role.role} "
             f"(layer {role.layer}). Say which is right with mapping={{{candidate.clean!r}: "
-            "Split(...)}}, or find_targets(..., builtin_rules=False) to use the forward's."
+            "Split(...)}, or find_targets(..., builtin_rules=False) to use the forward's."
         )
 
 

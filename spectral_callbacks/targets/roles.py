@@ -269,7 +269,11 @@ def _walk_forward_to(value: Value) -> Op | None:
         for op in value.consumers:
             if op.name in ("matmul", "__matmul__", "bmm") and op.data_inputs[:1] == [value]:
                 return op
-            if op.name not in _STOPS and len(op.outputs) == 1 and op.outputs[0].shape == value.shape:
+            if (
+                op.name not in _STOPS
+                and len(op.outputs) == 1
+                and op.outputs[0].shape == value.shape
+            ):
                 nxt = op.outputs[0]
         if nxt is None:
             return None
@@ -359,7 +363,12 @@ def _source_of(recording: Recording, value: Value, modules: dict[str, nn.Module]
         owner = op.weight.name.rpartition(".")[0]
         data = op.data_inputs
         return _Source(
-            op.outputs[0], op.weight.name, op.weight.transposed, owner, False, data[0] if data else None
+            op.outputs[0],
+            op.weight.name,
+            op.weight.transposed,
+            owner,
+            False,
+            data[0] if data else None,
         )
     # Several weights: joined side by side (MLA's key is [k_nope; k_rope]) the one that fills
     # most of the operand is its projection; added up (an adapter's W x + B A x) the operand
@@ -453,49 +462,43 @@ def _mlp_roles(
         activated = _source_of(recording, op.data_inputs[0], modules)
         if activated is None:
             continue
-        rows_of_activated = _rows(recording, activated, op.data_inputs[0])
-        partner: tuple[_Source, tuple[int, ...] | None] | None = None
-        value = op.outputs[0]
-        down = None
-        for _ in range(32):  # forward through element-wise steps to the gate product and down
-            nxt = None
-            for consumer in value.consumers:
-                if consumer.weight is not None and value in consumer.data_inputs:
-                    down = consumer
-                    break
-                if consumer.name in MUL_OPS and len(consumer.data_inputs) == 2 and partner is None:
-                    other = next(v for v in consumer.data_inputs if v is not value)
-                    if other.shape == value.shape:
-                        source = _source_of(recording, other, modules)
-                        if source is not None:
-                            rows = _rows(recording, source, other)
-                            same = (source.parameter, source.module) == (
-                                activated.parameter,
-                                activated.module,
-                            ) and rows == rows_of_activated
-                            if not same:
-                                partner = (source, rows)
-                if consumer.name not in _STOPS and consumer.name not in ACTIVATION_OPS:
-                    if len(consumer.outputs) == 1:
-                        nxt = consumer.outputs[0]
-            if down is not None or nxt is None:
-                break
-            value = nxt
-        if down is None or down.weight is None:
-            continue
-        owner = down.weight.name.rpartition(".")[0]
-        down_source = _Source(
-            down.outputs[0], down.weight.name, down.weight.transposed, owner, False, value
-        )
-        composite_down = _consumer(recording, value, modules)
-        if composite_down is not None and composite_down.composite:
-            down_source = composite_down
+        activated.rows = _rows(recording, activated, op.data_inputs[0])
+        down = _consumer(recording, op.outputs[0], modules)
+        if down is None:
+            continue  # a router's scores, a gate on attention: no projection reads them
+        partner = _gate_partner(recording, op.outputs[0], activated, modules)
         if partner is None:
-            yield "MLP_up", _with_rows(activated, rows_of_activated), op
+            yield "MLP_up", activated, op
         else:
-            yield "MLP_gate", _with_rows(activated, rows_of_activated), op
-            yield "MLP_up", _with_rows(partner[0], partner[1]), op
-        yield "MLP_down", down_source, down
+            yield "MLP_gate", activated, op
+            yield "MLP_up", partner, op
+        assert down.value.op is not None
+        yield "MLP_down", down, down.value.op
+
+
+def _gate_partner(
+    recording: Recording, value: Value, activated: _Source, modules: dict[str, nn.Module]
+) -> _Source | None:
+    """The other projection an activated value is multiplied by (a GLU's linear half), if any."""
+    for _ in range(32):  # forward through element-wise steps (scaling, casts, dropout)
+        nxt = None
+        for consumer in value.consumers:
+            if consumer.weight is not None or consumer.name in _STOPS | ACTIVATION_OPS:
+                continue
+            if consumer.name in MUL_OPS and len(consumer.data_inputs) == 2:
+                other = next((v for v in consumer.data_inputs if v is not value), None)
+                source = None if other is None else _source_of(recording, other, modules)
+                if other is not None and source is not None and other.shape == value.shape:
+                    source.rows = _rows(recording, source, other)
+                    mine = (activated.parameter, activated.module, activated.rows)
+                    if (source.parameter, source.module, source.rows) != mine:
+                        return source  # GELU-tanh multiplies x by a function of x: not a gate
+            if len(consumer.outputs) == 1:
+                nxt = consumer.outputs[0]
+        if nxt is None:
+            return None
+        value = nxt
+    return None
 
 
 def _rows(recording: Recording, source: _Source, at: Value) -> tuple[int, ...] | None:
@@ -507,11 +510,6 @@ def _rows(recording: Recording, source: _Source, at: Value) -> tuple[int, ...] |
     if not bool((flat == flat[:1]).all()):
         return None
     return tuple(int(r) for r in flat[0].tolist() if r >= 0)
-
-
-def _with_rows(source: _Source, rows: tuple[int, ...] | None) -> _Source:
-    source.rows = rows
-    return source
 
 
 # --- layers -----------------------------------------------------------------------------------

@@ -33,7 +33,9 @@ __all__ = ["computes_weight"]
 _ROWS = 3  # random input rows: enough to see a different matrix, cheap at any width
 
 
-def computes_weight(module: nn.Module, weight: torch.Tensor, transposed: bool = False) -> str | None:
+def computes_weight(
+    module: nn.Module, weight: torch.Tensor, transposed: bool = False
+) -> str | None:
     """``None`` if ``module(x) == x W^T (+ module.bias)`` on random ``x``, else why not.
 
     Args:
