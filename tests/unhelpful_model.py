@@ -54,7 +54,7 @@ class Unhelpful(nn.Module):
     ) -> None:
         super().__init__()
         self.e = nn.Embedding(vocab, width)
-        keys = "pqrstuvw"[:layers]
+        keys = "pqrstuvwxyzabcdefghijklmno"[:layers]  # not numbers: no rule can count them
         self.z = nn.ModuleDict({key: Block(width, heads, groups, 3 * width) for key in keys})
         self.f = nn.RMSNorm(width)
         self.o = nn.Linear(width, vocab, bias=False)

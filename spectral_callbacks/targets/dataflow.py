@@ -235,9 +235,9 @@ class Recording:
         if not op.outputs:
             return
         op.weight = _projection_weight(name, inputs, leaves)
-        for value in op.inputs:
-            if value is not None:
-                value.consumers.append(op)
+        for given in op.inputs:
+            if given is not None:
+                given.consumers.append(op)
         self.ops.append(op)
 
     # --- module hooks ---------------------------------------------------------------------------
@@ -289,19 +289,19 @@ def _projection_weight(name: str, inputs: list[Value | None], leaves: list[Any])
         return None
     tensors = [v for v in inputs if v is not None]
     if name == "linear":
-        weight = tensors[1].parameter if len(tensors) >= 2 else None
-        if weight is None or tensors[0].parameter is not None:
+        used = tensors[1].parameter if len(tensors) >= 2 else None
+        if used is None or tensors[0].parameter is not None:
             return None
-        return weight
+        return used
     if name == "addmm":  # addmm(bias, x, W): x @ W + bias
         tensors = tensors[1:]
     if len(tensors) != 2:
         return None
-    activation, weight = tensors
-    if weight.parameter is None or activation.parameter is not None:
+    activation, right = tensors
+    if right.parameter is None or activation.parameter is not None:
         return None
     # x @ W multiplies by W as (in, out): the (out, in) matrix is W^T.
-    return Weight(weight.parameter.name, not weight.parameter.transposed)
+    return Weight(right.parameter.name, not right.parameter.transposed)
 
 
 class _RecordingMode(TorchFunctionMode):
