@@ -311,3 +311,34 @@ def test_every_frontend_takes_the_option_and_checks_it(frontend: str) -> None:
     assert cls(max_snapshot_bytes=256 * 2**20).options.max_snapshot_bytes == 256 * 2**20
     with pytest.raises(ConfigurationError, match="`max_snapshot_bytes` must be"):
         cls(max_snapshot_bytes=-1)
+
+
+@pytest.mark.parametrize("wide", [False, True], ids=["tall", "wide"])
+def test_with_tf32_a_cold_gram_route_stays_within_the_working_set_bound(
+    wide: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The step-0 snapshot of GPT-2 MLPs (4096 x 1024 and its transpose) as on a CUDA GPU with
+    # TF32 on: the split products are taken (as CUDA would), the Gram route is the one the cost
+    # model picks where W is not rounded to bfloat16 (no AMX tiles on a GPU). Splitting both
+    # operands of G = B^T B allocated 160 MiB against the bound's 133 MiB here.
+    import spectral_callbacks.functional.svd as svd_module
+    from spectral_callbacks.functional import precision, randomized_svd
+    from spectral_callbacks.functional.memory import svd_working_bytes
+
+    monkeypatch.setattr(precision, "tf32_in_use", lambda X: X.dtype == torch.float32)
+    monkeypatch.setattr(svd_module, "bf16_tiles", lambda device: False)
+    routes = []
+    costs = svd_module.randomized_costs
+
+    def spied(*args, **kwargs):  # type: ignore[no-untyped-def]
+        found = costs(*args, **kwargs)
+        routes.append(min(found, key=found.__getitem__))
+        return found
+
+    monkeypatch.setattr(svd_module, "randomized_costs", spied)
+    shape = (2, 1024, 4096) if wide else (2, 4096, 1024)
+    W = torch.randn(shape, generator=torch.Generator().manual_seed(random.randrange(2**31)))
+    peak = _allocated_peak(lambda: randomized_svd(W, 32, method="randomized"))
+    assert routes == ["gram"]
+    bound = svd_working_bytes(*shape[1:], 2, torch.float32, method="randomized", device_type="cuda")
+    assert 0 < peak <= bound

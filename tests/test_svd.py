@@ -687,3 +687,21 @@ def test_a_batch_held_as_factors_checks_its_arguments_like_a_dense_one(bad: dict
     for batch in (W, factors):
         with pytest.raises(ValueError, match=next(iter(bad))):
             randomized_svd(batch, **bad)
+
+
+@pytest.mark.parametrize("wide", [False, True], ids=["tall", "wide"])
+def test_with_tf32_products_the_gram_route_keeps_float32_accuracy(
+    wide: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The explicit Gram matrix B^T B from one split of B (head^T head + C + C^T, C = head^T tail)
+    # under emulated TF32, against float64: as accurate as the products route (test above).
+    monkeypatch.setattr(svd_module, "bf16_tiles", lambda device: False)
+    W = decaying((1024, 256), 0.5, random.randrange(2**31)).float()
+    W = W.mT.contiguous() if wide else W
+    G = W.double().mT @ W.double()
+    with tf32_matmuls(monkeypatch):
+        found = precision.gram(W)
+        top = randomized_svd(W, 32, method="randomized", n_iter=6)
+    assert ((found.double() - G).abs().max() / G.abs().max()).item() < 1e-6
+    relative = ((top.S.double() - reference(W, 32)) / reference(W, 32)).abs().max().item()
+    assert relative < 1e-5, relative

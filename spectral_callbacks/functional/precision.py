@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["accumulate", "matmul", "split_tf32", "tf32_enabled", "tf32_in_use"]
+__all__ = ["accumulate", "gram", "matmul", "split_tf32", "tf32_enabled", "tf32_in_use"]
 
 
 def tf32_enabled() -> bool:
@@ -67,6 +67,29 @@ def matmul(A: Tensor, B: Tensor) -> Tensor:
         B_hi, B_lo = split_tf32(B)
         return A_hi @ B_hi + (A_hi @ B_lo + A_lo @ B_hi)
     return A @ B
+
+
+def gram(B: Tensor) -> Tensor:
+    r"""``B^T B`` at full float32 precision even where TF32 is enabled, from one split of ``B``.
+
+    With :math:`B = H + L` (head and tail), :math:`B^\top B \approx H^\top H + (C + C^\top)`,
+    :math:`C = H^\top L` (the tail's own product is below float32's rounding): two TF32 products
+    and two ``B``-sized copies, where :func:`matmul` of ``B.mT`` and ``B`` would split both
+    operands (four copies, and a fifth to make the transposed one contiguous) and multiply three
+    times. A transposed ``B`` (a view) is split through its contiguous transpose, never copied.
+
+    >>> B = torch.randn(6, 3)
+    >>> torch.allclose(gram(B), B.mT @ B)
+    True
+    """
+    if not tf32_in_use(B):
+        return B.mT @ B
+    if not B.is_contiguous() and B.mT.is_contiguous():
+        head, tail = (part.mT for part in split_tf32(B.mT))
+    else:
+        head, tail = split_tf32(B)
+    cross = head.mT @ tail  # (..., d, d)
+    return head.mT @ head + (cross + cross.mT)
 
 
 def accumulate(out: Tensor, A: Tensor, B: Tensor, alpha: float, *, in_place: bool) -> Tensor:

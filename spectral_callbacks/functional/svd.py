@@ -75,6 +75,7 @@ from spectral_callbacks.functional.krylov import (
 )
 from spectral_callbacks.functional.lowrank import AdaptedMatrices
 from spectral_callbacks.functional.method_choice import bf16_tiles, choose_method, randomized_costs
+from spectral_callbacks.functional.precision import gram
 from spectral_callbacks.functional.precision import matmul as _matmul
 
 __all__ = [
@@ -547,7 +548,8 @@ def _randomized(
     wide = route != "products" and m < n
     B = A.mT if wide else A  # iterate on the right space of B: (..., rows, d)
     if use_gram:
-        G = _matmul(B.mT, B)  # (..., d, d)
+        # TF32 on: B split once (two copies, as the memory bound counts), not both operands.
+        G = gram(B)  # (..., d, d)
         # A NaN/Inf entry (or a float32 overflow) shows on the Gram matrix's diagonal (squared
         # column norms); the images of those matrices are zeroed so LAPACK never sees a NaN.
         finite = torch.isfinite(G.diagonal(dim1=-2, dim2=-1)).all(-1)
