@@ -27,7 +27,8 @@ training path:
   (NaN metrics such as ``energy_rank_90`` survive: NaN + 0 = NaN).
 * A result that is not done at its point is sent as missing (the training thread never waits
   for it: :data:`DUE_WAIT_SECONDS` is 0), counted in that rank's ``skipped`` and dropped when it
-  arrives; rank 0 logs the rows present.
+  arrives; rank 0 logs the rows present. The one exception is the run's first snapshot, the
+  reference of ``compression``: its point waits up to :data:`FIRST_DUE_WAIT_SECONDS` for it.
 * After an exception no collective is issued: rank 0 logs the reduces already complete and its
   own rows of later snapshots (with a warning that they are partial).
 
@@ -67,6 +68,13 @@ from spectral_callbacks.names import monitor_tag
 #: as missing, as the single-process engine skips rather than waits. (A test that checks every
 #: value raises it, so a loaded CI machine cannot make it miss.)
 DUE_WAIT_SECONDS = 0.0
+
+#: Seconds a rank waits, once per run, for the result of its first snapshot when it is due: the
+#: first snapshot is the reference of ``compression`` and the slowest of the run (a cold start that
+#: calibrates the method, the first CUDA kernels), while an early step is the shortest, so with no
+#: wait it missed its one-step deadline and compression was measured against a later step. A
+#: bounded wait on this rank's own worker (no collective): training stalls at most this long, once.
+FIRST_DUE_WAIT_SECONDS = 60.0
 
 #: Per-rank health columns, logged as ``spectral_monitor/rank<r>/<name>``.
 RANK_HEALTH: tuple[str, ...] = ("svd_ms", "main_thread_ms", "matrices", "skipped")
@@ -273,6 +281,7 @@ class DistributedEngine:
         self._points: collections.deque[_Point] = collections.deque()
         self._done: dict[int, SnapshotResult] = {}
         self._late: set[int] = set()
+        self._sent_first = False  # the first result (compression's reference) waits, bounded
         self._in_flight: collections.deque[tuple[int, torch.Tensor, Any]] = collections.deque()
         self._aborted = False
 
@@ -335,13 +344,16 @@ class DistributedEngine:
     def _send_due(self) -> None:
         self._harvest()
         while len(self._points) >= self.lag:
-            self._send(self._points.popleft(), time.monotonic() + DUE_WAIT_SECONDS)
+            wait = DUE_WAIT_SECONDS if self._sent_first else FIRST_DUE_WAIT_SECONDS
+            self._sent_first = True
+            self._send(self._points.popleft(), time.monotonic() + wait)
 
     def flush(self, deadline: float) -> None:
         """End of fit, on every rank: send every result still due (waiting until ``deadline``)."""
         if self._aborted:
             return
         while self._points:
+            self._sent_first = True
             self._send(self._points.popleft(), deadline)
 
     def collect(self, wait_seconds: float = 0.0) -> list[SnapshotResult]:
