@@ -21,6 +21,8 @@ _EXPORTS = {
     "SpectralTracker": "spectral_callbacks.monitor.tracker",
     "MonitorOptions": "spectral_callbacks.monitor.options",
     "ConfigurationError": "spectral_callbacks.monitor.options",
+    "LRBalance": "spectral_callbacks.monitor.lr_balance",
+    "balanced_param_groups": "spectral_callbacks.monitor.param_groups",
     "find_targets": "spectral_callbacks.targets",
     "Target": "spectral_callbacks.targets",
     "format_targets": "spectral_callbacks.targets",

@@ -30,6 +30,10 @@ Tags:
 * ``spectral_alerts/<kind>`` - how many alerts of one kind were raised so far (``rank_collapse``,
   ``sigma_growth``, ``esd_alpha_low``, ``esd_alpha_high``, ``non_finite``, ``logit_growth``); each alert is also a
   text entry under ``spectral_alerts``.
+* ``spectral_lr_factor/L<layer>/<role>`` - with ``lr_balance``, the learning-rate factor applied to
+  that matrix's parameter groups from the next optimizer step on (logged at the step of the ESD
+  snapshot it comes from); the band and the units at its ends are a text entry under
+  ``spectral_lr_balance``.
 * ``spectral_monitor/reference_step/[<stack>/]L<layer>/[E<expert>/]<role>`` - the step of the snapshot whose stable rank
   is that matrix's compression reference (0 normally; later for a matrix that starts at zero).
 
@@ -68,6 +72,10 @@ MONITOR_SECTION = "spectral_monitor"
 ALERT_SECTION = "spectral_alerts"
 MEAN = "mean"
 NUM_LAYERS_TAG = f"{MONITOR_SECTION}/num_layers"
+#: The learning-rate factor ``lr_balance`` applies to a matrix: ``spectral_lr_factor/L<layer>/<role>``.
+LR_FACTOR = "lr_factor"
+#: The text entries of ``lr_balance`` (the band, the units at its ends) at each change of factors.
+LR_BALANCE_SECTION = "spectral_lr_balance"
 #: Read back as the per-matrix metric ``reference_step`` (see :func:`reference_step_tag`).
 REFERENCE_STEP = "reference_step"
 

@@ -56,7 +56,9 @@ class SpectralTrainerCallback(TrainerCallback):
     Raises:
         ConfigurationError: an option out of range (at construction); nothing to watch in the
             model, or a model wrapped by FSDP1 or partitioned by DeepSpeed ZeRO-3 (at
-            ``on_train_begin``; FSDP2, ``fsdp_version: 2``, is decomposed where its shards live).
+            ``on_train_begin``; FSDP2, ``fsdp_version: 2``, is decomposed where its shards live);
+            with ``lr_balance``, a Trainer optimizer whose param groups mix a watched matrix with
+            other parameters (pass ``optimizers=(AdamW(balanced_param_groups(model)), None)``).
         TypeError: an argument that is not an option.
 
     Example::
@@ -98,6 +100,8 @@ class SpectralTrainerCallback(TrainerCallback):
             start_step=state.global_step,
             state=_saved_state(args, state),
             options=self.options,
+            # lr_balance scales the Trainer's optimizer (its groups from balanced_param_groups)
+            optimizer=kwargs.get("optimizer") if self.options.lr_balance is not None else None,
             caller=type(self).__name__,
         )
 

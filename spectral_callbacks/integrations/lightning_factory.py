@@ -93,6 +93,8 @@ def monitor_class(package: str) -> type:
             MisconfigurationException: if an argument is out of range (at construction, a
                 :class:`ConfigurationError`); if the Trainer has no logger (at ``setup``) or the
                 model has no matrix to watch or no role of ``figure_roles`` (at ``on_fit_start``);
+                if ``lr_balance`` is set and the fit has not one optimizer or its param
+                groups mix a watched matrix with other parameters (at ``on_train_start``);
                 if the strategy is FSDP (``FSDPStrategy``) or DeepSpeed ZeRO-3 (use
                 ``ModelParallelStrategy`` with ``fully_shard``), another multi-process strategy
                 than DDP or ``ModelParallelStrategy``, or ``max_overhead`` is set with several
@@ -179,6 +181,8 @@ def monitor_class(package: str) -> type:
                 if state:
                     self.tracker.load_state_dict(state)
                 with raised_as_misconfiguration():  # the engine is chosen here (make_engine)
+                    if self.options.lr_balance is not None:
+                        self.tracker.attach_optimizer(_one_optimizer(trainer.optimizers))
                     self.tracker.begin(trainer.global_step)
 
         @override
@@ -227,6 +231,16 @@ def monitor_class(package: str) -> type:
         "pytorch_lightning": "spectral_callbacks.integrations.pytorch_lightning",
     }.get(package, __name__)
     return SpectralMonitor
+
+
+def _one_optimizer(optimizers: Sequence[Any]) -> Any:
+    """The Trainer's optimizer, whose learning rates ``lr_balance`` scales (there must be one)."""
+    if len(optimizers) != 1:
+        raise ConfigurationError(
+            f"`lr_balance` balances one optimizer, but configure_optimizers returned "
+            f"{len(optimizers)}; return one, its groups built by balanced_param_groups(self)"
+        )
+    return optimizers[0]
 
 
 def check_strategy(trainer: Any, max_overhead: float | None, strategies: Any) -> None:

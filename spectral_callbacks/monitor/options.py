@@ -31,6 +31,7 @@ from spectral_callbacks.functional.esd import ESD_METRICS
 from spectral_callbacks.functional.metrics import MIN_FIT_POINTS, UPDATE_METRICS
 from spectral_callbacks.functional.svd import METHODS
 from spectral_callbacks.monitor.alerts import AlertRules
+from spectral_callbacks.monitor.lr_balance import BALANCE_UNITS, LRBalance
 
 #: Metrics the SVD path produces, ``compression`` derived from ``stable_rank``, the update family
 #: of adapted layers (logged for them by default: see ``tracker.py``), the ESD family of the
@@ -194,6 +195,12 @@ class MonitorOptions:
             ``{pattern: num_heads}`` gives it for the attention modules it matches (fnmatch, as
             ``mapping``). Default ``False`` (the copies of Q/K/V/O are taken a second time:
             benchmarks/circuits_cost.py).
+        lr_balance: an :class:`~spectral_callbacks.monitor.lr_balance.LRBalance`: at each ESD
+            snapshot, TempBalance's learning-rate factor of each watched matrix from its
+            ``esd_alpha`` (the ESD family is then computed whatever ``metrics`` says), applied
+            to its parameter groups around each optimizer step and logged as
+            ``spectral_lr_factor/L<layer>/<role>`` (docs/lr-balance.md). One process only.
+            Default ``None`` (off).
 
     Raises:
         ConfigurationError: an argument out of range or of the wrong type, named in the message.
@@ -230,6 +237,7 @@ class MonitorOptions:
     compute: Any = None
     delta: Any = None
     circuits: bool | Mapping[str, int] = False
+    lr_balance: LRBalance | None = None
 
     def __post_init__(self) -> None:
         metrics = self.metrics
@@ -352,6 +360,7 @@ class MonitorOptions:
             and all(isinstance(p, str) and is_int(n, 1) for p, n in circuits.items()),
             "True, False or a dict {pattern: number of query heads}, e.g. {'*.attn': 12}",
         )
+        check_lr_balance(self.lr_balance)
 
     def _check_fit_ranks(self) -> None:
         """``k`` (and ``fit_window``) leave each fitted metric asked for enough ranks to fit."""
@@ -445,6 +454,32 @@ def check_alert_rules(rules: Any) -> None:
     )
     require("window", rules.window, is_int(rules.window, 1), "a positive int of steps")
     require("after_step", rules.after_step, is_int(rules.after_step, 0), "a step >= 0")
+
+
+def check_lr_balance(balance: Any) -> None:
+    """The checks of ``lr_balance`` (an ``LRBalance`` or ``None``) and of each of its fields."""
+    require(
+        "lr_balance",
+        balance,
+        balance is None or isinstance(balance, LRBalance),
+        "None or an LRBalance, e.g. LRBalance(low=0.7, high=1.3)",
+    )
+    if balance is None:
+        return
+    low, high = balance.low, balance.high
+    require(
+        "low",
+        low,
+        is_real(low) and math.isfinite(low) and low > 0,
+        "a factor > 0 (TempBalance's lr_min_ratio), e.g. 0.7",
+    )
+    require(
+        "high",
+        high,
+        is_real(high) and math.isfinite(high) and high >= low,
+        f"a finite factor >= low={low!r} (TempBalance's lr_max_ratio), e.g. 1.3",
+    )
+    require("per", balance.per, balance.per in BALANCE_UNITS, f"one of {BALANCE_UNITS}")
 
 
 def option_names() -> tuple[str, ...]:

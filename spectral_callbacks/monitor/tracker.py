@@ -37,6 +37,7 @@ from spectral_callbacks.functional.metrics import UPDATE_METRICS
 from spectral_callbacks.messages import rank_zero_info, rank_zero_warn
 from spectral_callbacks.monitor import dashboards
 from spectral_callbacks.monitor.alerts import Alert, AlertWatch, alert_table
+from spectral_callbacks.monitor.balancer import LRBalancer
 from spectral_callbacks.monitor.budget import plan_snapshot, resolve_budget
 from spectral_callbacks.monitor.compute import SpectrumCompute
 from spectral_callbacks.monitor.distributed import world
@@ -55,7 +56,7 @@ from spectral_callbacks.monitor.protocol import Engine, make_engine
 from spectral_callbacks.monitor.reporting import Reporter, health_scalars
 from spectral_callbacks.monitor.schedule import SnapshotSchedule
 from spectral_callbacks.monitor.snapshot import group_by_shape
-from spectral_callbacks.names import ALERT_SECTION
+from spectral_callbacks.names import ALERT_SECTION, LR_BALANCE_SECTION, LR_FACTOR
 
 # The TensorBoard writers are flushed at most this often: a running TensorBoard (which rereads its
 # files every few seconds) still shows each point within seconds, and a burst of snapshots (the
@@ -83,6 +84,8 @@ class SpectralTracker:
             :meth:`begin` (frontends that restore state first). Default ``0``.
         state: a :meth:`state_dict` to resume from (as :meth:`load_state_dict` before beginning).
         options: a :class:`MonitorOptions` instead of the keyword arguments below.
+        optimizer: with ``lr_balance``, the optimizer whose param groups it scales (or attach it
+            later with :meth:`attach_optimizer`, before :meth:`begin`). Default ``None``.
         caller: the name error messages use. Default ``"SpectralTracker"``.
         \*\*kwargs: every other option of :class:`MonitorOptions` (``every_n_steps``, ``k``, ...).
 
@@ -91,7 +94,9 @@ class SpectralTracker:
             to write), an option out of range, no matrix to watch, a bad mapping, a watched
             matrix that cannot fit ``max_snapshot_bytes`` alone (with the numbers),
             ``figure_roles`` naming a role the model does not have, ``max_overhead`` with
-            several processes, ``compute`` with sharded (DTensor) weights, or parameters
+            several processes, ``lr_balance`` with several processes, without an optimizer at
+            :meth:`begin` or with a param group mixing a watched matrix with other parameters,
+            ``optimizer`` without ``lr_balance``, ``compute`` with sharded (DTensor) weights, or parameters
             flattened and partitioned by FSDP1 (``FullyShardedDataParallel``) or DeepSpeed
             ZeRO-3 (shard with FSDP2 ``fully_shard`` instead).
         ConfigurationError: from :meth:`step`, a step that is not a non-negative int or that
@@ -121,6 +126,7 @@ class SpectralTracker:
         start_step: int | None = 0,
         state: Mapping[str, Any] | None = None,
         options: MonitorOptions | None = None,
+        optimizer: Any = None,
         caller: str = "SpectralTracker",
         **kwargs: Any,
     ) -> None:
@@ -175,7 +181,8 @@ class SpectralTracker:
             n_iter=options.n_iter,
             method=options.svd_method,
             fit_window=options.fit_window,
-            esd=any(name in ESD_METRICS for name in options.metrics),
+            esd=any(name in ESD_METRICS for name in options.metrics)
+            or options.lr_balance is not None,
             esd_every_n_snapshots=options.esd_every_n_snapshots,
         )
         self.max_snapshot_bytes = resolve_budget(options.max_snapshot_bytes, self.targets)
@@ -195,6 +202,7 @@ class SpectralTracker:
             f"None with {world_size} processes (each rank would measure its own budget and "
             "snapshot at different steps; choose `every_n_steps` instead)",
         )
+        self._balancer = self._make_balancer(model, optimizer, world_size)
         self.writers: list[Any] = list(writers) if self.rank == 0 else []
         self._own_logger: tb.LogdirWriter | None = None
         if logdir is not None and self.rank == 0:
@@ -209,6 +217,8 @@ class SpectralTracker:
             self.metrics += UPDATE_METRICS
         if options.circuits is not False:  # asked for by name: logged whatever `metrics` lists
             self.metrics += tuple(name for name in CIRCUIT_METRICS if name not in self.metrics)
+        if self._balancer is not None and "esd_alpha" not in self.metrics:  # what it reads
+            self.metrics += ESD_METRICS
         self._alerts = AlertWatch(self.targets, options.alerts) if options.alerts else None
         self._reporter = Reporter(
             self.targets, self.metrics, options.history_size, experts=options.experts
@@ -247,6 +257,12 @@ class SpectralTracker:
             raise RuntimeError(f"{self.caller} is closed: construct a new one for a new run")
         _check_step(step)
         options = self.options
+        if self._balancer is not None and not self._balancer.attached:
+            raise ConfigurationError(
+                f"{self.caller}: `lr_balance` needs the optimizer whose learning rates it scales: "
+                f"pass `{self.caller}(..., optimizer=optimizer)` or call "
+                "`attach_optimizer(optimizer)` before the first step"
+            )
         # Read now, not at construction: a loop may set training's threads in between.
         self.placement = machine_placement(
             options.synchronous,
@@ -254,6 +270,8 @@ class SpectralTracker:
             options.worker_threads,
         )
         rank_zero_info(f"{self.caller}: {self.placement.describe()}")
+        if self._balancer is not None:
+            rank_zero_info(f"{self.caller}: lr_balance: {self._balancer.summary()}")
         self._engine = make_engine(
             self.compute,
             self.targets,
@@ -322,6 +340,21 @@ class SpectralTracker:
             self._engine.advance(step)
         self._previous_step, self._previous_time = step, now
 
+    def attach_optimizer(self, optimizer: Any) -> None:
+        """With ``lr_balance``: scale ``optimizer``'s learning rates from now on (its param groups
+        are checked here). Frontends call it with the framework's optimizer.
+
+        Raises:
+            ConfigurationError: no ``lr_balance``; a param group mixing a watched matrix with other
+                parameters; none of the watched matrices among the optimizer's parameters.
+        """
+        if self._balancer is None:
+            raise ConfigurationError(
+                f"{self.caller}: `optimizer` is only used by `lr_balance`, which is off; pass "
+                "lr_balance=LRBalance() to balance its learning rates"
+            )
+        self._balancer.attach(optimizer)
+
     def close(self, step: int | None = None, *, error: BaseException | None = None) -> None:
         """End of training: measure the last step, wait (bounded) for in-flight work, shut down.
 
@@ -382,6 +415,8 @@ class SpectralTracker:
             state["compute"] = self.compute.state_dict()
         if self._alerts is not None:
             state["alerts"] = self._alerts.state_dict()
+        if self._balancer is not None:
+            state["lr_balance"] = self._balancer.state_dict()
         return state
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -408,6 +443,8 @@ class SpectralTracker:
             continue_after(self.schedule.snapshots - self._restored_skipped)
         if self._alerts is not None and "alerts" in state:
             self._alerts.load_state_dict(state["alerts"])
+        if self._balancer is not None and "lr_balance" in state:
+            self._balancer.load_state_dict(state["lr_balance"])
 
     # --- the work ------------------------------------------------------------------------------
 
@@ -462,6 +499,32 @@ class SpectralTracker:
         except TargetError as error:
             raise ConfigurationError(str(error)) from error
 
+    def _make_balancer(
+        self, model: torch.nn.Module, optimizer: Any, world_size: int
+    ) -> LRBalancer | None:
+        """The learning-rate balancer of ``lr_balance`` (on ``optimizer`` if given), or None."""
+        balance = self.options.lr_balance
+        if balance is None:
+            require(
+                "optimizer",
+                optimizer,
+                optimizer is None,
+                "None without `lr_balance` (the optimizer is only used to balance its learning "
+                "rates: pass lr_balance=LRBalance())",
+            )
+            return None
+        require(
+            "lr_balance",
+            balance,
+            world_size == 1,
+            f"None with {world_size} processes (only rank 0 reads the results, and every rank "
+            "must scale its learning rates alike)",
+        )
+        balancer = LRBalancer(balance, model, self.targets, self.caller)
+        if optimizer is not None:
+            balancer.attach(optimizer)
+        return balancer
+
     def _offer(self, step: int) -> None:
         assert self._engine is not None
         self.schedule.record_snapshot(step)
@@ -500,7 +563,13 @@ class SpectralTracker:
         if self._alerts is not None:  # read from the results alone: no device work
             raised = self._alerts.check(result.step, result.metrics)
             scalars.update(self._alerts.count_scalars())
+        balanced = self._balancer is not None and self._balancer.update(result.metrics)
+        if balanced:  # the factors that apply from the next optimizer step on
+            scalars.update(self._factor_scalars())
         tb.log_scalars(self.writers, scalars, result.step)
+        if balanced:
+            summary = self._balancer.summary()  # type: ignore[union-attr]
+            tb.add_text(tb.summary_writers(self.writers), LR_BALANCE_SECTION, summary, result.step)
         self._report_alerts(raised, result.step)
         self.schedule.record_snapshot_cost(
             result.main_thread_seconds + result.copy_seconds + result.svd_seconds
@@ -514,6 +583,14 @@ class SpectralTracker:
         if self.options.figures and experiments and self._figures.due(result.step):
             self._figures.draw(experiments, self._figure_rows(), result.step)
         self._unflushed = True
+
+    def _factor_scalars(self) -> dict[str, float]:
+        """``spectral_lr_factor/L<layer>/<role>``: the balancer's current factor of each matrix."""
+        assert self._balancer is not None
+        return {
+            self._reporter.tag(target, LR_FACTOR): self._balancer.factor_of(target.name)
+            for target in self.targets
+        }
 
     def _report_alerts(self, raised: list[Alert], step: int) -> None:
         """Each alert as a warning (``non_finite`` has its own once-per-run warning), one
@@ -625,6 +702,8 @@ class SpectralTracker:
 
     def _shutdown(self, wait: bool = True) -> None:
         self._closed = True
+        if self._balancer is not None:  # the optimizer's learning rates are its own again
+            self._balancer.detach()
         # The worker finishes at most the shape group it is in (a daemon thread; the exit hook
         # waits for it to leave torch); timeout 0 is not waiting, which needs no warning.
         timeout = min(5.0, self.options.drain_timeout) if wait else 0.0
