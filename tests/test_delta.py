@@ -116,3 +116,25 @@ def test_delta_that_does_not_fit_is_refused_with_the_numbers(monkeypatch: Any) -
     monkeypatch.setattr(delta_module, "_free_bytes", lambda device: 1024)
     with pytest.raises(ConfigurationError, match=r"0 MiB on cpu, but only 0 MiB is free"):
         SpectralTracker(model, delta="first", start_step=None, figures=False, writers=[Writer()])
+
+
+def test_closing_releases_the_delta_references_and_the_warm_start_subspaces() -> None:
+    import gc
+    import weakref
+
+    torch.manual_seed(0)
+    model = TinyGPT(n_layer=1, n_embd=64, n_head=4, block_size=16)
+    tracker = SpectralTracker(
+        model, delta="first", writers=[Writer()], every_n_steps=1, log_spaced_until=0,
+        figures=False, synchronous=True, svd_method="randomized",
+    )  # fmt: skip
+    _train(model, tracker, 2, {})
+    references = [weakref.ref(t.reference) for t in tracker.targets]
+    subspaces = [weakref.ref(v) for v in tracker.compute._subspaces.values()]
+    assert references and subspaces  # kept between snapshots while training runs
+    tracker.close()
+    gc.collect()
+    # A copy of every watched matrix (delta=) and the subspaces are the run's, not the model's.
+    assert [ref() for ref in references] == [None] * len(references)
+    assert [ref() for ref in subspaces] == [None] * len(subspaces)
+    assert len(tracker.targets) == len(references)  # the targets themselves stay described

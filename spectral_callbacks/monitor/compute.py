@@ -177,6 +177,10 @@ class SpectrumCompute:
             "method": self.svd_options["method"],
         }
 
+    def release(self) -> None:
+        """Forget the warm-start subspaces (at the end of a run: they hold device memory)."""
+        self._subspaces.clear()
+
     def state_dict(self) -> dict[str, Any]:
         """The generators' states (device -> ByteTensor), so a resumed run continues their streams.
 

@@ -364,6 +364,7 @@ class ShardedEngine:
                     category=RuntimeWarning,
                 )
         self._jobs.clear()
+        self._subspaces.clear()  # the warm starts hold device memory; the run is over
 
     # --- worker side ------------------------------------------------------------------------
 

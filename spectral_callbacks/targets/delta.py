@@ -38,6 +38,12 @@ class DeltaTarget(Target):
     #: The update family (``spectral_update_*``) is logged for this target.
     has_update: bool = True
 
+    def release_reference(self) -> None:
+        """Drop the reference weight (at the end of the run: it is a copy of the matrix, on its
+        device). The target is shared by the tracker's parts (engine groups, reporter, alerts),
+        so the one field is cleared in place rather than in a replaced copy some part would miss."""
+        object.__setattr__(self, "reference", None)  # frozen dataclass: its one releasable field
+
     def batch_key(self) -> tuple[str, str]:
         """(group key, device): matrices of one shape, dtype and device batch together."""
         dtype = str(self.parameter.dtype).removeprefix("torch.")
