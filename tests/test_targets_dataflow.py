@@ -333,3 +333,25 @@ def test_names_of_known_models_are_unchanged_and_confirmed_by_the_forward(name: 
         (t.name, t.stack, t.layer, t.role, t.rows) for t in by_names
     ]
     assert set(by_flow.sources.values()) == {"names = data flow"}
+
+
+def test_the_command_line_reads_roles_from_a_forward_when_given_an_example_input(
+    tmp_path: Path, capsys: Any
+) -> None:
+    from spectral_callbacks.cli import main
+
+    torch.manual_seed(0)
+    _hf("llama").save_pretrained(tmp_path / "llama")
+    assert main(["targets", str(tmp_path / "llama"), "--example-input", "auto"]) == 0
+    printed = capsys.readouterr().out
+    assert printed.splitlines()[0].split()[-1] == "from"
+    assert sum(line.endswith("  names = data flow") for line in printed.splitlines()) == 14
+    assert "roles from: names = data flow 14" in printed
+    assert main(["targets", str(tmp_path / "llama")]) == 0
+    assert "roles from the names alone" in capsys.readouterr().out
+    logdir = tmp_path / "runs"
+    argv = ["analyze", str(tmp_path / "llama"), "--logdir", str(logdir)]
+    assert main([*argv, "--example-input", "auto"]) == 0
+    assert "roles: from names = data flow 14" in capsys.readouterr().err
+    assert main([*argv, "--example-input", str(tmp_path / "missing.pt")]) == 1
+    assert "--example-input" in capsys.readouterr().err

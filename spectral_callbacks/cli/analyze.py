@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from spectral_callbacks.cli.common import CommandError, say
 from spectral_callbacks.messages import count
@@ -32,6 +32,12 @@ MODEL_HELP = (
 BASE_HELP = (
     "the base model directory of a PEFT adapter directory (default: the adapter config's "
     "base_model_name_or_path, if a local directory)"
+)
+EXAMPLE_INPUT_HELP = (
+    "read the roles from one forward of the model on this input: 'auto' builds token ids (and "
+    "pixel values, decoder ids) from the model's config; a path reads a batch saved with "
+    "torch.save (a tensor, a tuple of arguments or a dict of keyword arguments). Default: the "
+    "name rules alone"
 )
 ARCH_HELP = (
     "architecture of a .ckpt or state_dict: hf:CONFIG_DIR (a Hugging Face config) or "
@@ -65,6 +71,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--arch", metavar="HINT", help=ARCH_HELP)
     parser.add_argument("--base", metavar="DIR", help=BASE_HELP)
+    parser.add_argument("--example-input", metavar="SPEC", help=EXAMPLE_INPUT_HELP)
     parser.add_argument(
         "--seed",
         type=int,
@@ -97,10 +104,11 @@ def run(args: argparse.Namespace) -> int:
         raise CommandError(f"--step must be a non-negative int, got {args.step}")
     check_logdir(args.logdir)  # before minutes of analysis
     model = load_model(args.model, args.arch, args.base)
+    batch = None if args.example_input is None else read_example_input(model, args.example_input)
     with _ProgressBar() as advance:
         generator = torch.Generator().manual_seed(args.seed)
         rows, num_layers = analyze_model(
-            model, progress=advance, generator=generator, method=args.method
+            model, progress=advance, example_input=batch, generator=generator, method=args.method
         )
     written = write_scalars(rows, num_layers, args.logdir, step=args.step)
     print_table(rows, title=f"{args.model}: stable rank / α by layer and role (step {args.step})")
@@ -115,6 +123,7 @@ def run(args: argparse.Namespace) -> int:
             "note",
             f"not written, NaN (unknown within the top k, or non-finite weights): {left_out}",
         )
+    say("analyze", "roles", roles_from(rows["source"].tolist()))
     say(
         "analyze",
         "done",
@@ -122,6 +131,30 @@ def run(args: argparse.Namespace) -> int:
         f"{args.logdir} ({count(len(written), 'scalar')})",
     )
     return 0
+
+
+def read_example_input(model: Any, spec: str) -> Any:
+    """``--example-input``'s batch for ``model``; a CommandError naming the option otherwise."""
+    from spectral_callbacks.offline.example_input import ExampleInputError, example_input
+
+    try:
+        return example_input(model, spec)
+    except ExampleInputError as error:
+        raise CommandError(str(error)) from error
+
+
+def roles_from(sources: list[str]) -> str:
+    """``"from data flow 12, names 2"``; or that the names alone gave them, and how to do better.
+
+    >>> roles_from(["data flow", "data flow", "names"])
+    'from data flow 2, names 1'
+    >>> roles_from(["names"])
+    'from the names alone (--example-input auto reads them from a forward of the model)'
+    """
+    if set(sources) == {"names"}:
+        return "from the names alone (--example-input auto reads them from a forward of the model)"
+    tally = {source: sources.count(source) for source in dict.fromkeys(sources)}
+    return "from " + ", ".join(f"{source} {number}" for source, number in tally.items())
 
 
 class _ProgressBar:

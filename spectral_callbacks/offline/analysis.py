@@ -24,13 +24,23 @@ from spectral_callbacks.offline.loading import AnalysisError
 # Matrices analysed together; bounds the memory of the stacked copies for large models.
 BATCH_MATRICES = 8
 #: The columns of ``analyze_model`` rows that say which matrix a row is; the others are metrics.
-DESCRIPTION_COLUMNS = ("stack", "layer", "role", "expert", "num_layers", "parameter", "shape")
+DESCRIPTION_COLUMNS = (
+    "stack",
+    "layer",
+    "role",
+    "expert",
+    "num_layers",
+    "parameter",
+    "shape",
+    "source",
+)
 
 
 def analyze_model(
     model: nn.Module,
     *,
     progress: Callable[[int], None] | None = None,
+    example_input: Any = None,
     **options: Any,
 ) -> tuple[pd.DataFrame, int]:
     """``spectral_metrics`` of every matrix ``find_targets`` maps in ``model``.
@@ -41,18 +51,20 @@ def analyze_model(
     Args:
         model: the network.
         progress: called with the number of matrices done after each batch (default None).
+        example_input: a batch for one forward, from which the roles are read
+            (``find_targets(example_input=)``); default ``None``: the name rules alone.
         **options: passed to ``spectral_metrics`` (e.g. the SVD method).
 
     Returns:
-        Rows ``stack, layer, role, expert, num_layers, parameter, shape, <metric>...`` in target
-        order (``num_layers``: of the row's stack; ``expert``: ``None`` outside experts), and the
+        Rows ``stack, layer, role, expert, num_layers, parameter, shape, source, <metric>...`` in
+        target order (``source``: where the role came from, ``names`` or ``data flow``) (``num_layers``: of the row's stack; ``expert``: ``None`` outside experts), and the
         number of layers L of the model's deepest stack.
     """
     from spectral_callbacks.functional import spectral_metrics, update_metrics
     from spectral_callbacks.monitor.snapshot import group_by_shape, take_snapshot
     from spectral_callbacks.targets import find_targets
 
-    targets = find_targets(model)
+    targets = find_targets(model, example_input=example_input)
     results: dict[str, dict[str, float]] = {}
     for group in group_by_shape(targets):
         for start in range(0, len(group.targets), BATCH_MATRICES):
@@ -82,6 +94,7 @@ def analyze_model(
                 "num_layers": t.num_layers,
                 "parameter": t.name,
                 "shape": "x".join(map(str, t.shape)),
+                "source": targets.sources.get(t.name, "names"),
                 **results[t.name],
             }
             for t in targets
