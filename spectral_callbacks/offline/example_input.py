@@ -49,13 +49,13 @@ def example_input(model: nn.Module, spec: str) -> Any:
                 "torch.save(batch, path) (a tensor, a tuple of arguments or a dict of keyword "
                 "arguments)"
             )
-        batch = torch.load(path, map_location="cpu", weights_only=True)
-        if not isinstance(batch, (torch.Tensor, tuple, list, dict)):
+        saved = torch.load(path, map_location="cpu", weights_only=True)
+        if not isinstance(saved, (torch.Tensor, tuple, list, dict)):
             raise ExampleInputError(
-                f"--example-input {spec!r} holds a {type(batch).__name__}; save a tensor, a tuple "
+                f"--example-input {spec!r} holds a {type(saved).__name__}; save a tensor, a tuple "
                 "of arguments or a dict of keyword arguments"
             )
-        return tuple(batch) if isinstance(batch, list) else batch
+        return tuple(saved) if isinstance(saved, list) else saved
     config = getattr(model, "config", None)
     generator = torch.Generator().manual_seed(0)
     batch: dict[str, torch.Tensor] = {}
