@@ -38,7 +38,6 @@ from typing import Any
 import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
-from torch.utils._pytree import tree_flatten, tree_unflatten
 
 __all__ = ["ModuleCall", "Op", "Recording", "Value", "Weight", "record"]
 
@@ -348,6 +347,50 @@ def record(model: nn.Module) -> Iterator[Recording]:
     finally:
         for handle in handles:
             handle.remove()
+
+
+@dataclass(frozen=True)
+class _Slot:
+    """The place of the ``index``-th leaf in a flattened argument structure."""
+
+    index: int
+
+
+def tree_flatten(tree: Any) -> tuple[list[Any], Any]:
+    """The leaves of nested tuples, lists and dicts, in order, and the structure with each leaf
+    replaced by its ``_Slot`` (what :func:`tree_unflatten` fills back in)."""
+    leaves: list[Any] = []
+
+    def walk(node: Any) -> Any:
+        if isinstance(node, (tuple, list)):
+            return _same_kind(node, [walk(item) for item in node])
+        if isinstance(node, dict):
+            return {key: walk(value) for key, value in node.items()}
+        leaves.append(node)
+        return _Slot(len(leaves) - 1)
+
+    return leaves, walk(tree)
+
+
+def _same_kind(node: tuple | list, items: list[Any]) -> Any:
+    """``items`` as a ``node``'s type (a list, a tuple, a ``torch.Size``), else as a tuple."""
+    if isinstance(node, list):
+        return items
+    try:
+        return type(node)(items)
+    except TypeError:  # a structseq (torch.return_types) or named tuple built otherwise
+        return tuple(items)
+
+
+def tree_unflatten(leaves: list[Any], spec: Any) -> Any:
+    """``spec`` (from :func:`tree_flatten`) with each slot replaced by its leaf."""
+    if isinstance(spec, _Slot):
+        return leaves[spec.index]
+    if isinstance(spec, (tuple, list)):
+        return _same_kind(spec, [tree_unflatten(leaves, item) for item in spec])
+    if isinstance(spec, dict):
+        return {key: tree_unflatten(leaves, value) for key, value in spec.items()}
+    return spec
 
 
 def rebuild(op: Op, replace: dict[int, torch.Tensor]) -> tuple[tuple, dict]:
