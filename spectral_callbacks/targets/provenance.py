@@ -40,7 +40,7 @@ from spectral_callbacks.targets.dataflow import (
     rebuild,
 )
 
-__all__ = ["heads_of", "replay"]
+__all__ = ["at_two_tokens", "heads_of", "replay"]
 
 # Operations an index never passes: they mix features (products, softmax) or are the consumers.
 _STOPS = (
@@ -127,6 +127,22 @@ def _propagate(op: Op, traced: dict[int, torch.Tensor]) -> list[torch.Tensor] | 
     return None
 
 
+def at_two_tokens(
+    index: torch.Tensor, feature_axis: int = -1, token_axis: int = -2
+) -> torch.Tensor:
+    """``(batch * heads, 2, features)``: an operand's index at its first and last token only.
+
+    A projection applies per token, so two tokens tell everything the index says (and whether it
+    varies with the token) at a cost that does not grow with the sequence or the batch's tokens.
+    """
+    if index.dim() < 2:
+        return index.reshape(1, 1, -1)
+    moved = index.movedim((token_axis, feature_axis), (-2, -1))  # (..., tokens, features)
+    ends = torch.tensor([0, moved.shape[-2] - 1])
+    two = moved.index_select(-2, ends)  # (..., 2, features), a copy of two tokens only
+    return two.reshape(-1, 2, two.shape[-1])
+
+
 def heads_of(
     index: torch.Tensor | None, feature_axis: int, token_axis: int
 ) -> tuple[tuple[int, ...], ...] | None:
@@ -141,12 +157,11 @@ def heads_of(
     """
     if index is None or index.dim() < 2:
         return None
-    moved = index.movedim((token_axis, feature_axis), (-2, -1))  # (..., tokens, features)
-    flat = moved.reshape(-1, moved.shape[-2], moved.shape[-1])  # (batch * heads, tokens, feat)
-    if not bool((flat == flat[:, :1]).all()):
+    two = at_two_tokens(index, feature_axis, token_axis)  # (batch * heads, 2, features)
+    if not torch.equal(two[:, 0], two[:, 1]):
         return None  # a row's source changes with the token: not a per-token projection
     heads: dict[tuple[int, ...], None] = {}
-    for rows in flat[:, 0].tolist():
+    for rows in two[:, 0].tolist():
         kept = tuple(int(r) for r in rows if r >= 0)
         if kept:
             heads.setdefault(kept, None)

@@ -46,7 +46,7 @@ from spectral_callbacks.targets.dataflow import (
     Value,
     record,
 )
-from spectral_callbacks.targets.provenance import heads_of, replay
+from spectral_callbacks.targets.provenance import at_two_tokens, heads_of, replay
 
 __all__ = ["FlowMap", "FlowRole", "discover_roles", "roles_from_recording"]
 
@@ -179,7 +179,7 @@ def roles_from_recording(recording: Recording) -> FlowMap:
     for number, call in enumerate(calls):
         sources = {}
         for role, (value, feature_axis, token_axis) in call.operands.items():
-            source = _source_of(recording, value, modules)
+            source = _source_of(recording, value, modules, feature_axis, token_axis)
             if source is None:
                 break
             heads = heads_of(replay(recording, source.value, value), feature_axis, token_axis)
@@ -330,8 +330,15 @@ def _is_attention_product(op: Op) -> bool:
 # --- sources and consumers --------------------------------------------------------------------
 
 
-def _source_of(recording: Recording, value: Value, modules: dict[str, nn.Module]) -> _Source | None:
-    """The projection (or composite module) whose output reaches ``value``."""
+def _source_of(
+    recording: Recording,
+    value: Value,
+    modules: dict[str, nn.Module],
+    feature_axis: int = -1,
+    token_axis: int = -2,
+) -> _Source | None:
+    """The projection (or composite module) whose output reaches ``value``, an operand whose
+    features and tokens lie along ``feature_axis`` and ``token_axis``."""
     producers: list[Op] = []
     path: list[Value] = []
     seen: set[int] = set()
@@ -357,7 +364,7 @@ def _source_of(recording: Recording, value: Value, modules: dict[str, nn.Module]
     if len(producers) == 1 or len(weights) == 1:
         op = producers[0]
         index = replay(recording, op.outputs[0], value)
-        if index is None or bool((index < 0).any()):
+        if index is None or bool((at_two_tokens(index, feature_axis, token_axis) < 0).any()):
             return None  # part of the operand comes through steps the replay cannot follow
         assert op.weight is not None
         owner = op.weight.name.rpartition(".")[0]
@@ -376,7 +383,7 @@ def _source_of(recording: Recording, value: Value, modules: dict[str, nn.Module]
     reach = []
     for op in producers:
         index = replay(recording, op.outputs[0], value)
-        reach.append(None if index is None else index >= 0)
+        reach.append(None if index is None else at_two_tokens(index, feature_axis, token_axis) >= 0)
     if all(mask is not None for mask in reach):
         masks = [mask for mask in reach if mask is not None]
         overlap = any(
@@ -502,14 +509,14 @@ def _gate_partner(
 
 
 def _rows(recording: Recording, source: _Source, at: Value) -> tuple[int, ...] | None:
-    """The rows of ``source`` that every token of ``at`` (``(..., features)``) reads, in order."""
+    """The rows of ``source`` that every token of ``at`` (``(..., tokens, features)``) reads."""
     index = replay(recording, source.value, at)
     if index is None or index.dim() == 0:
         return None
-    flat = index.reshape(-1, index.shape[-1])  # (tokens, features)
-    if not bool((flat == flat[:1]).all()):
+    two = at_two_tokens(index).reshape(-1, index.shape[-1])  # (rows at two tokens, features)
+    if not bool((two == two[:1]).all()):
         return None
-    return tuple(int(r) for r in flat[0].tolist() if r >= 0)
+    return tuple(int(r) for r in two[0].tolist() if r >= 0)
 
 
 # --- layers -----------------------------------------------------------------------------------
