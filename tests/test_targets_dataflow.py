@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from spectral_callbacks import SpectralTracker
+from spectral_callbacks.monitor.options import ConfigurationError
 from spectral_callbacks.targets import (
     PartialTargetWarning,
     TargetError,
@@ -110,7 +111,10 @@ def test_per_group_rows_of_the_fused_projection_are_read_from_the_forward() -> N
         torch.testing.assert_close(targets[role].matrix(), weight[expected], rtol=0, atol=0)
 
 
-def test_logged_stable_rank_equals_float64_along_a_short_fit(tmp_path: Path) -> None:
+@pytest.mark.parametrize("discovery", ["example_input", "first_forward"])
+def test_logged_stable_rank_equals_float64_along_a_short_fit(
+    tmp_path: Path, discovery: str
+) -> None:
     torch.manual_seed(0)
     model = Unhelpful(layers=2)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -128,16 +132,21 @@ def test_logged_stable_rank_equals_float64_along_a_short_fit(tmp_path: Path) -> 
             )
         return result
 
+    expected[0] = exact()  # before the tracker: this reference's own forward is not training's
+    how: dict[str, Any] = (
+        {"example_input": x} if discovery == "example_input" else {"roles_from_first_forward": True}
+    )
     with SpectralTracker(
         model,
         ["stable_rank"],
         logdir=tmp_path,
         figures=False,
         every_n_steps=2,
-        example_input=x,
         svd_method="svdvals",
+        **how,
     ) as tracker:
-        expected[0] = exact()
+        # Read from the training forward itself: nothing is watched (or snapshotted) before it.
+        assert (tracker.targets == []) == (discovery == "first_forward")
         for step in range(1, 5):
             loss = F.cross_entropy(model(x).flatten(0, 1), x.flatten())
             loss.backward()
@@ -145,6 +154,7 @@ def test_logged_stable_rank_equals_float64_along_a_short_fit(tmp_path: Path) -> 
             optimizer.zero_grad()
             expected[step] = exact()
             tracker.step(step)
+    assert len(tracker.targets) == 14
     scalars = read_scalars(tmp_path)
     worst = 0.0
     for step, values in expected.items():
@@ -154,6 +164,18 @@ def test_logged_stable_rank_equals_float64_along_a_short_fit(tmp_path: Path) -> 
     assert len(expected[0]) == 14
     assert all(set(scalars[tag]) >= {0, 2, 4} for tag in expected[0])
     assert worst < 1e-5
+
+
+def test_a_step_before_any_forward_falls_back_to_the_names(tmp_path: Path) -> None:
+    model = _nanogpt()
+    tracker = SpectralTracker(model, logdir=tmp_path, figures=False, roles_from_first_forward=True)
+    assert tracker.targets == [] and tracker.state_dict() == {}
+    with pytest.warns(RuntimeWarning, match="step 1 came before any forward"):
+        tracker.step(1)
+    assert [t.role for t in tracker.targets[:6]] == ["Q", "K", "V", "O", "MLP_up", "MLP_down"]
+    tracker.close()
+    with pytest.raises(ConfigurationError, match="roles_from_first_forward"):
+        SpectralTracker(model, logdir=tmp_path, roles_from_first_forward="yes")
 
 
 def test_a_rule_that_reads_a_layout_the_forward_contradicts_is_an_error() -> None:

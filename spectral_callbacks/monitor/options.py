@@ -130,6 +130,9 @@ class MonitorOptions:
             dict of keyword arguments): roles, fused layouts and layers are then read from that
             forward, the name rules checked against it (``find_targets(example_input=)``).
             Default ``None``: the name rules alone.
+        roles_from_first_forward: read the roles from the first forward the model makes after
+            construction (the first training forward: recorded, not repeated); the targets, the
+            engine and the first snapshot wait for it. Default ``False``: found at construction.
         every_n_steps: snapshot every this many optimizer steps. Default ``25``.
         log_spaced_until: also snapshot at the powers of two below this step (dense early points,
             where the stable rank collapses); ``0`` turns them off. Default ``1000``.
@@ -212,6 +215,7 @@ class MonitorOptions:
     exclude: Any = None
     mapping: Any = None
     example_input: Any = dataclasses.field(default=None, compare=False, repr=False)
+    roles_from_first_forward: bool = False
     every_n_steps: int = 25
     log_spaced_until: int = 1000
     max_overhead: float | None = None
@@ -250,6 +254,12 @@ class MonitorOptions:
         if "esd_alpha" in metrics:  # the exponent comes with its fit's D, x_min and tail size
             metrics = (*metrics, *(name for name in ESD_METRICS if name not in metrics))
         object.__setattr__(self, "metrics", tuple(metrics))
+        require(
+            "roles_from_first_forward",
+            self.roles_from_first_forward,
+            isinstance(self.roles_from_first_forward, bool),
+            "True or False",
+        )
         require(
             "roles",
             self.roles,

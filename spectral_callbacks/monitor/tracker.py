@@ -57,6 +57,8 @@ from spectral_callbacks.monitor.reporting import Reporter, health_scalars
 from spectral_callbacks.monitor.schedule import SnapshotSchedule
 from spectral_callbacks.monitor.snapshot import group_by_shape
 from spectral_callbacks.names import ALERT_SECTION, LR_BALANCE_SECTION, LR_FACTOR
+from spectral_callbacks.targets.first_forward import FirstForward
+from spectral_callbacks.targets.roles import FlowMap
 
 # The TensorBoard writers are flushed at most this often: a running TensorBoard (which rereads its
 # files every few seconds) still shows each point within seconds, and a burst of snapshots (the
@@ -148,7 +150,38 @@ class SpectralTracker:
             raise TypeError(f"pass either `options` or keyword options, not both: {sorted(kwargs)}")
         self.options = options
         self.caller = caller
-        self.targets = self._find_targets(model)
+        self._first_forward: FirstForward | None = None
+        if options.roles_from_first_forward and options.example_input is None:
+            # Everything that needs the targets waits for the forward (_on_first_forward).
+            refuse_partitioned(model, caller)
+            self.targets: list[Any] = []
+            self._engine: Engine | None = None
+            self._closed = False
+            self._waiting = dict(
+                model=model,
+                writers=writers,
+                logdir=logdir,
+                state=state,
+                start_step=start_step,
+                optimizer=optimizer,
+            )
+            self._first_forward = FirstForward(model, self._on_first_forward)
+            return
+        self._watch(model, self._find_targets(model), writers, logdir, state, start_step, optimizer)
+
+    def _watch(
+        self,
+        model: torch.nn.Module,
+        targets: list[Any],
+        writers: Sequence[Any],
+        logdir: str | os.PathLike[str] | None,
+        state: Mapping[str, Any] | None,
+        start_step: int | None,
+        optimizer: Any,
+    ) -> None:
+        """Everything that follows from the targets: budget, engine's plan, reporting, start."""
+        options, caller = self.options, self.caller
+        self.targets = targets
         if options.delta is not None:
             self.targets = self._with_references(self.targets, options.delta)
         if options.circuits is not False:
@@ -227,7 +260,7 @@ class SpectralTracker:
             figure_roles, options.figure_every_n_steps, exit_timeout=options.drain_timeout
         )
         self._layout = dashboards.LayoutWriter(self.targets, self.metrics)
-        self._engine: Engine | None = None
+        self._engine = None
         #: Where the CPU work of each snapshot runs, chosen in :meth:`begin`.
         self.placement: Placement | None = None
         self._restored_skipped = 0
@@ -256,6 +289,9 @@ class SpectralTracker:
         if self._closed:
             raise RuntimeError(f"{self.caller} is closed: construct a new one for a new run")
         _check_step(step)
+        if self._first_forward is not None and not self._first_forward.done:
+            self._waiting["start_step"] = step  # begun when the first forward has shown the roles
+            return
         options = self.options
         if self._balancer is not None and not self._balancer.attached:
             raise ConfigurationError(
@@ -310,6 +346,8 @@ class SpectralTracker:
         if self._closed:
             raise RuntimeError(f"{self.caller} is closed: construct a new one for a new run")
         _check_step(step)
+        if self._first_forward is not None and not self._first_forward.done:
+            self._without_a_forward(step)
         if step < self._previous_step:  # checked before any work, so the run can go on
             raise ConfigurationError(
                 f"`step` must not go back: got {step} after {self._previous_step}; pass each "
@@ -368,6 +406,10 @@ class SpectralTracker:
         worker finishes at most the shape group it is in). Idempotent; also called by
         ``with SpectralTracker(...)`` on exit.
         """
+        if self._first_forward is not None and not self._first_forward.done:
+            self._first_forward.cancel()  # no forward ran: nothing was watched
+            self._closed = True
+            return
         if self._closed:
             return
         if step is not None:
@@ -400,7 +442,11 @@ class SpectralTracker:
         The results that have finished are logged first (so the saved alerts have read them).
         Saved before the first snapshot's result came back, it waits (bounded by
         ``drain_timeout``) for that result, so a resume keeps the compression reference.
+        Saved while still waiting for the first forward (``roles_from_first_forward``), there
+        is nothing yet: ``{}``.
         """
+        if self._first_forward is not None and not self._first_forward.done:
+            return {}
         engine = self._engine
         if engine is not None and not self._reporter.references and engine.awaiting_results:
             self._collect_and_log(wait_seconds=self.options.drain_timeout)
@@ -448,7 +494,42 @@ class SpectralTracker:
 
     # --- the work ------------------------------------------------------------------------------
 
-    def _find_targets(self, model: torch.nn.Module) -> list[Any]:
+    def _on_first_forward(self, flow: FlowMap) -> None:
+        """The first forward has shown the roles: watch them, and begin if begin was asked."""
+        waiting = self._waiting
+        targets = self._find_targets(waiting["model"], flow)
+        self._watch(
+            waiting["model"],
+            targets,
+            waiting["writers"],
+            waiting["logdir"],
+            waiting["state"],
+            waiting["start_step"],
+            waiting["optimizer"],
+        )
+
+    def _without_a_forward(self, step: int) -> None:
+        """``step`` came before any forward (``roles_from_first_forward``): the names decide."""
+        assert self._first_forward is not None
+        self._first_forward.cancel()
+        rank_zero_warn(
+            f"{self.caller}: step {step} came before any forward of the model, so the roles come "
+            "from the names alone (roles_from_first_forward=True waits for the first forward)",
+            category=RuntimeWarning,
+        )
+        waiting = self._waiting
+        targets = self._find_targets(waiting["model"])
+        self._watch(
+            waiting["model"],
+            targets,
+            waiting["writers"],
+            waiting["logdir"],
+            waiting["state"],
+            None,
+            waiting["optimizer"],
+        )
+
+    def _find_targets(self, model: torch.nn.Module, flow: FlowMap | None = None) -> list[Any]:
         from spectral_callbacks.targets import UnwatchedExpertWarning, find_targets
         from spectral_callbacks.targets.find import TargetError, unwatched_experts_message
 
@@ -457,7 +538,7 @@ class SpectralTracker:
         try:
             with warnings.catch_warnings():  # said once below, as the frontend's own warning
                 warnings.simplefilter("ignore", UnwatchedExpertWarning)
-                found = find_targets(model, **options)
+                found = find_targets(model, **options, flow=flow)
         except TargetError as error:  # nothing to watch, or a bad mapping: a configuration error
             raise ConfigurationError(
                 f"{self.caller}: {error}\n{self.caller}(roles=, include=, exclude=, mapping=) "
