@@ -45,7 +45,7 @@ def run(args: argparse.Namespace) -> int:
 
     model = load_model(args.model, args.arch, args.base)
     batch = None if args.example_input is None else read_example_input(model, args.example_input)
-    targets = find_targets(model, example_input=batch)
+    targets = find_targets(model) if batch is None else find_targets(model, example_input=batch)
     print(format_targets(targets))  # with a "from" column where a forward gave roles
     sources = [targets.sources.get(t.name, "names") for t in targets]
     if set(sources) <= {"names"}:
