@@ -35,12 +35,12 @@ OPTIONS: dict[str, Any] = dict(
 )
 
 
-def tiny_gpt2() -> GPT2LMHeadModel:
+def tiny_gpt2(width: int = 32) -> GPT2LMHeadModel:
     torch.manual_seed(0)
     config = GPT2Config(
         vocab_size=64,
         n_positions=16,
-        n_embd=32,
+        n_embd=width,
         n_layer=2,
         n_head=2,
         resid_pdrop=0.0,
@@ -88,12 +88,13 @@ def train(
     logdir: Path | None = None,
     report_to: list[str] | None = None,
     arguments: dict[str, Any] | None = None,
+    width: int = 32,
     **options: Any,
 ) -> WeightRecorder:
     """Train, and return the recorder of the weights (every rank records; rank 0 saves them).
 
     ``arguments`` override the ``TrainingArguments`` below (``use_cpu=False, bf16=True`` ...);
-    ``options`` go to the callback.
+    ``width``: the model's ``n_embd``; ``options`` go to the callback.
     """
     defaults: dict[str, Any] = dict(
         output_dir=str(outdir),
@@ -115,7 +116,7 @@ def train(
     recorder = WeightRecorder()
     callback = SpectralTrainerCallback(logdir=logdir, **{**OPTIONS, **options})
     trainer = Trainer(
-        model=tiny_gpt2(),
+        model=tiny_gpt2(width),
         args=args,
         train_dataset=samples(2 * steps * accumulate * 2),
         callbacks=[callback, recorder],

@@ -13,6 +13,7 @@ from spawn_ranks import LargestTensor
 from torch.distributed.tensor import init_device_mesh
 
 from spectral_callbacks.functional import sharded_svd
+from spectral_callbacks.monitor import sharded as sharded_engine_module
 from spectral_callbacks.monitor.schedule import SnapshotSchedule
 from spectral_callbacks.monitor.sharded import ShardedEngine, ShardedEngineError, svd_group
 from spectral_callbacks.targets import find_targets
@@ -340,6 +341,15 @@ def cuda_engine(rank: int, world_size: int) -> dict[str, Any]:
             Target.from_parameter("fused", params["fused"], role=role, rows=rows, fused=True)
         )
     engine = ShardedEngine(targets, group=svd_group(timeout_seconds=60), k=K)
+    # The stream each decomposition actually ran on, read when it is called (on the worker).
+    ran: list[int] = []
+    decompose = sharded_svd.sharded_randomized_svd
+
+    def recording(*args: Any, **kwargs: Any) -> Any:
+        ran.append(torch.cuda.current_stream().cuda_stream)
+        return decompose(*args, **kwargs)
+
+    sharded_engine_module.sharded_randomized_svd = recording
     sleep_ms(1)  # calibrate
     # Every wait of this (the training) thread: sync-debug mode, synchronize() calls, pageable
     # copies (cuda_checks.SyncDetector); and any data moved between host and device at all.
@@ -359,16 +369,16 @@ def cuda_engine(rank: int, world_size: int) -> dict[str, Any]:
     torch.cuda.synchronize()
     engine.finish(0, offered=True, deadline=time.monotonic() + 60)
     results += engine.collect()
-    compute = engine._streams.get("cuda:0")
     training = torch.cuda.current_stream()
     engine.close()
+    sharded_engine_module.sharded_randomized_svd = decompose
     return {
         "metrics": results[0].metrics if results else None,
         "busy_while_collected": still_busy,
         "collect_seconds": seconds,
         "traffic": traffic.calls,
         "syncs": detector.found,
-        "own_stream": compute.cuda_stream != training.cuda_stream,
+        "own_stream": bool(ran) and training.cuda_stream not in ran,
         "fulls": fulls,
     }
 

@@ -48,6 +48,7 @@ def test_every_scheduled_step_matches_a_float64_svd(precision: str, compiled: bo
     logger, recorder = RecordingLogger(), WeightRecorder()
     model = TinyGPT(n_embd=256, n_head=4)
     if compiled:
+        _skip_unless_compile_works()
         model.model = torch.compile(model.model)
     monitor = SpectralMonitor(
         metrics=("stable_rank", "alpha"),
@@ -75,6 +76,16 @@ def test_every_scheduled_step_matches_a_float64_svd(precision: str, compiled: bo
             exact = exact_metrics(recorder.weights[step][target.name])
             assert ranks[step] == pytest.approx(exact["stable_rank"], rel=0.01), (target.name, step)
             assert alphas[step] == pytest.approx(exact["alpha"], abs=0.02), (target.name, step)
+
+
+def _skip_unless_compile_works() -> None:
+    """Skip, with the reason, where this machine cannot compile at all (Triton's launcher is
+    built by a C compiler at the first compile): a trivial function is compiled first."""
+    try:
+        torch.compile(lambda x: x + 1)(torch.ones(4, device="cuda"))
+    except Exception as error:  # noqa: BLE001 - any failure of the toolchain, said as the reason
+        first = (str(error).strip().splitlines() or [""])[0][:200]
+        pytest.skip(f"torch.compile does not work on this machine: {type(error).__name__}: {first}")
 
 
 def test_no_hook_waits_for_the_device_on_the_training_thread_figures_included(
@@ -220,9 +231,53 @@ def test_the_peak_with_two_snapshots_in_flight_is_within_the_documented_bound(
     # parameters' dtypes (no conversion on the training thread).
     stacks = 2 * len(plan.parts)
     assert 2 * copies <= at_gate <= 2 * copies + stacks * BLOCK_SLACK, (at_gate, copies)
-    # The ledger keeps the documented formula, and the allocator's peak stays within it.
-    assert engine.ledger.peak == bound
+    # The ledger's account never exceeds the documented formula and never undercounts what the
+    # allocator held (the allocator's peak, measured, within the ledger's peak).
+    assert engine.ledger.peak <= bound
+    assert peak <= engine.ledger.peak + LIBRARY_SLACK, (peak, engine.ledger.peak)
     assert peak <= bound + LIBRARY_SLACK, f"peak {peak} bytes against the bound {bound}"
+
+
+def test_a_cold_snapshot_with_tf32_on_stays_within_its_working_set_bound(
+    restored_fp32_precision: None,
+) -> None:
+    # The step-0 snapshot (no warm start: the Gram route of GPT-2 MLP shapes) with TF32 on, on a
+    # fresh engine: what the allocator held beside the copies, against functional/memory.py's
+    # bound. Also what the compute stream's freed memory keeps reserved in its pool, and whether
+    # the allocator had to free its cache and retry (docs/callback.md, The snapshot budget).
+    if hasattr(torch.backends, "fp32_precision"):
+        torch.backends.fp32_precision = "tf32"
+    else:
+        torch.backends.cuda.matmul.allow_tf32 = True
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    weights = {
+        f"h.{i}.{role}": torch.randn(*shape, device="cuda", generator=generator)
+        for i in range(2)
+        for role, shape in (("up", (4096, 1024)), ("down", (1024, 4096)))
+    }
+    targets = [SimpleNamespace(name=name, matrix=lambda w=w: w) for name, w in weights.items()]
+    compute = SpectrumCompute(method="randomized")
+    engine = SnapshotEngine(compute, group_by_shape(targets), max_pending=1)
+    plan = engine.plan
+    bound = sum(plan.copies.values()) + max(plan.working.values()) + plan.kept
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    reserved_before = torch.cuda.memory_reserved()
+    assert engine.offer(0)
+    (result,) = engine.collect(wait_seconds=120)
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - before
+    reserved = torch.cuda.memory_reserved() - reserved_before
+    retries = torch.cuda.memory_stats().get("num_alloc_retries", 0)
+    engine.close()
+    for name, weight in weights.items():
+        exact = exact_metrics(weight)["stable_rank"]
+        assert result.metrics[name]["stable_rank"] == pytest.approx(exact, rel=0.01), name
+    assert peak <= bound + LIBRARY_SLACK, f"cold peak {peak} bytes against the bound {bound}"
+    # Freed by the compute stream, kept in its pool: at most what it held at its peak.
+    assert 0 <= reserved <= peak + 2 * BLOCK_SLACK + LIBRARY_SLACK, (reserved, peak)
+    assert retries == 0
 
 
 def test_gpu_memory_does_not_grow_over_50_snapshots_and_pinned_buffers_are_reused() -> None:

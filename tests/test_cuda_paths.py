@@ -22,10 +22,24 @@ def _stable_rank(weight: torch.Tensor) -> float:
     return float((singular**2).sum() / singular[0] ** 2)
 
 
+class StreamRecorder:
+    """A compute function that records the stream each call actually ran on (the current stream
+    of its batch's device at the call), before computing."""
+
+    def __init__(self, compute: SpectrumCompute) -> None:
+        self.compute = compute
+        self.working_bytes, self.kept_bytes = compute.working_bytes, compute.kept_bytes
+        self.ran: list[tuple[torch.device, torch.cuda.Stream]] = []
+
+    def __call__(self, group: object, batch: torch.Tensor) -> dict[str, torch.Tensor]:
+        self.ran.append((batch.device, torch.cuda.current_stream(batch.device)))
+        return self.compute(group, batch)
+
+
 def _engine(weights: dict[str, torch.Tensor], **options: object) -> tuple[SnapshotEngine, list]:
     targets = [SimpleNamespace(name=name, matrix=lambda w=w: w) for name, w in weights.items()]
     groups = group_by_shape(targets)
-    compute = SpectrumCompute(k=16, method="randomized")
+    compute = StreamRecorder(SpectrumCompute(k=16, method="randomized"))
     return SnapshotEngine(compute, groups, **options), groups  # type: ignore[arg-type]
 
 
@@ -69,8 +83,12 @@ def test_a_model_on_two_devices_is_computed_on_each_devices_stream() -> None:
     for name, weight in weights.items():
         got = result.metrics[name]["stable_rank"]
         assert got == pytest.approx(_stable_rank(weight), rel=0.01), name
-    streams = engine._streams
-    assert streams.get("cuda:0").device != streams.get("cuda:1").device
+    # Each group ran on a stream of its own device, never that device's default (training's).
+    ran = engine.compute.ran
+    assert {device.index for device, _ in ran} == {0, 1}
+    for device, stream in ran:
+        assert stream.device == device
+        assert stream.cuda_stream != torch.cuda.default_stream(device).cuda_stream
 
 
 def test_a_model_partly_on_the_cpu_is_computed_where_each_part_lives() -> None:

@@ -123,3 +123,12 @@ def test_the_figure_rows_draw_every_figure() -> None:
         "spectral_figures/compression_wave/Q",
         "spectral_figures/stable_rank_vs_steps/L00",
     ]
+
+
+def test_every_gpu_test_file_runs_and_the_stream_and_memory_tests_first() -> None:
+    runs = gpu_check.gpu_test_runs()
+    files = {path.relative_to(gpu_check.ROOT).as_posix() for path in gpu_check.gpu_test_files()}
+    assert {name for name, _ in runs} == files and "tests/test_cuda_targets.py" in files
+    assert runs[0] == ("tests/test_cuda.py", gpu_check.FIRST[1])
+    # Each run keeps a share of the tests' budget whatever the runs before it took.
+    assert gpu_check.RESERVED_PER_RUN * len(runs) < gpu_check.BUDGETS["tests"]
