@@ -377,3 +377,13 @@ def test_the_command_line_reads_roles_from_a_forward_when_given_an_example_input
     assert "roles: from names = data flow 14" in capsys.readouterr().err
     assert main([*argv, "--example-input", str(tmp_path / "missing.pt")]) == 1
     assert "--example-input" in capsys.readouterr().err
+
+
+def test_a_compiled_model_is_not_recorded_and_says_so(tmp_path: Path) -> None:
+    model = torch.compile(_nanogpt())
+    with pytest.warns(RuntimeWarning, match="compiled"):
+        tracker = SpectralTracker(
+            model, logdir=tmp_path, figures=False, roles_from_first_forward=True
+        )
+    assert len(tracker.targets) == 12  # found by the names at construction, as without the option
+    tracker.close()

@@ -151,7 +151,15 @@ class SpectralTracker:
         self.options = options
         self.caller = caller
         self._first_forward: FirstForward | None = None
-        if options.roles_from_first_forward and options.example_input is None:
+        compiled = hasattr(model, "_orig_mod")  # torch.compile: the forward runs a graph
+        if options.roles_from_first_forward and compiled:
+            rank_zero_warn(
+                f"{caller}: the model is compiled (torch.compile), so its forward cannot be "
+                "recorded; the roles come from the names (pass example_input= to read them from "
+                "an eager forward of the same model)",
+                category=RuntimeWarning,
+            )
+        if options.roles_from_first_forward and options.example_input is None and not compiled:
             # Everything that needs the targets waits for the forward (_on_first_forward).
             refuse_partitioned(model, caller)
             self.targets: list[Any] = []
