@@ -119,12 +119,18 @@ def _propagate(op: Op, traced: dict[int, torch.Tensor]) -> list[torch.Tensor] | 
         return None
     shape = op.outputs[0].shape
     for tensor in traced.values():
-        try:
-            if torch.broadcast_shapes(tuple(tensor.shape), shape) == torch.Size(shape):
-                return [tensor.expand(shape)]
-        except RuntimeError:
-            continue
+        if _broadcasts_to(tuple(tensor.shape), shape):
+            return [tensor.expand(shape)]
     return None
+
+
+def _broadcasts_to(shape: tuple[int, ...], target: tuple[int, ...]) -> bool:
+    """Whether ``shape`` broadcasts to ``target`` (``torch.broadcast_shapes`` imports sympy on its
+    first call, seconds for a check this simple)."""
+    if len(shape) > len(target):
+        return False
+    tail = target[len(target) - len(shape) :]
+    return all(size in (1, want) for size, want in zip(shape, tail, strict=True))
 
 
 def at_two_tokens(
