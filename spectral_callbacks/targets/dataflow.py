@@ -147,6 +147,8 @@ class Op:
     spec: Any = field(repr=False)
     weight: Weight | None = None  # set for a projection by a parameter
     modules: tuple[str, ...] = ()  # the module calls it ran inside, outermost first
+    # A ``write`` (``base[...].copy_(src)``): the shape ops that made the written view of the base.
+    view_chain: tuple[Op, ...] = field(default=(), repr=False)
 
     @property
     def data_inputs(self) -> list[Value]:
@@ -206,6 +208,9 @@ class Recording:
             return
         results = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
         leaves, spec = tree_flatten((args, kwargs))
+        if name == "copy_" and len(leaves) >= 2 and isinstance(leaves[1], torch.Tensor):
+            self._add_write(func, leaves[0], leaves[1])
+            return
         if name == "__setitem__" and leaves and isinstance(leaves[0], torch.Tensor):
             results = [leaves[0]]  # ``x[key] = y`` writes into x: a new version of x
         if not results:
@@ -237,6 +242,28 @@ class Recording:
         for given in op.inputs:
             if given is not None:
                 given.consumers.append(op)
+        self.ops.append(op)
+
+    def _add_write(self, func: Callable[..., Any], view: torch.Tensor, src: torch.Tensor) -> None:
+        """``view.copy_(src)`` where ``view`` is a slice of a base tensor: a new version of the
+        base, with ``src`` written where the recorded shape ops of the slice point."""
+        base = view._base if view._base is not None else view
+        base_value, current = self.value_of(base), self.value_of(view)
+        chain: list[Op] = []
+        while current is not base_value:
+            op = current.op
+            single = op is not None and op.name in SHAPE_OPS and len(op.outputs) == 1
+            if op is None or not single or len(chain) > 8 or not op.data_inputs:
+                return  # a view made otherwise: not followed
+            chain.append(op)
+            current = op.data_inputs[0]
+        source = self.value_of(src)
+        op = Op(len(self.ops), "write", func, [base_value, source], [], [], None)
+        op.view_chain = tuple(reversed(chain))
+        op.modules = tuple(self._module_stack)
+        op.outputs.append(self._new_value(base, op))  # the base's name now means this version
+        base_value.consumers.append(op)
+        source.consumers.append(op)
         self.ops.append(op)
 
     # --- module hooks ---------------------------------------------------------------------------

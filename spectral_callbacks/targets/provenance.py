@@ -84,6 +84,8 @@ def replay(recording: Recording, source: Value, target: Value) -> torch.Tensor |
 
 def _propagate(op: Op, traced: dict[int, torch.Tensor]) -> list[torch.Tensor] | None:
     """The index tensors of ``op``'s outputs given those of its traced inputs."""
+    if op.name == "write":  # base[...].copy_(src): the base's index with src's written there
+        return _write(op, traced)
     if op.name == "__setitem__":  # x[key] = y: x's index with y's written at key
         base = traced.get(0)
         written = torch.full(op.outputs[0].shape, -1, dtype=torch.long) if base is None else base
@@ -122,6 +124,30 @@ def _propagate(op: Op, traced: dict[int, torch.Tensor]) -> list[torch.Tensor] | 
         if _broadcasts_to(tuple(tensor.shape), shape):
             return [tensor.expand(shape)]
     return None
+
+
+def _write(op: Op, traced: dict[int, torch.Tensor]) -> list[torch.Tensor] | None:
+    """Replay ``base[...].copy_(src)`` on index tensors: the same view of a copy of the base's
+    index (so writing into it writes into the copy), then ``src``'s index written into it."""
+    shape = op.outputs[0].shape
+    base = traced[0].clone() if 0 in traced else torch.full(shape, -1, dtype=torch.long)
+    view = base
+    for step in op.view_chain:
+        slot = next(i for i, value in enumerate(step.inputs) if value is not None)
+        args, kwargs = rebuild(step, {slot: view})
+        try:
+            made = step.func(*args, **kwargs)
+        except (RuntimeError, TypeError, IndexError, ValueError):
+            return None
+        if not isinstance(made, torch.Tensor):
+            return None
+        view = made
+    written = traced.get(1)
+    try:
+        view.copy_(written if written is not None else torch.full_like(view, -1))
+    except RuntimeError:
+        return None
+    return [base]
 
 
 def _broadcasts_to(shape: tuple[int, ...], target: tuple[int, ...]) -> bool:

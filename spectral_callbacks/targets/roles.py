@@ -204,7 +204,7 @@ def roles_from_recording(recording: Recording) -> FlowMap:
 
     in_attention = {s.parameter for _, s, _, _ in found}
     seen: set[tuple[str, str, tuple[int, ...] | None]] = set()
-    for role, source, op in _mlp_roles(recording, modules):
+    for role, source, op in _mlp_roles(recording, modules, entries):
         key = (role, source.parameter, source.rows)
         if source.parameter not in in_attention and key not in seen:
             found.append((role, source, None, op))
@@ -460,9 +460,15 @@ def _consumer(recording: Recording, value: Value, modules: dict[str, nn.Module])
 
 
 def _mlp_roles(
-    recording: Recording, modules: dict[str, nn.Module]
+    recording: Recording, modules: dict[str, nn.Module], entries: dict[str, str]
 ) -> Iterable[tuple[str, _Source, Op]]:
-    """``(role, source, op)`` of each MLP: the activated projection, its gate partner, the down."""
+    """``(role, source, op)`` of each MLP: the activated projection, its gate partner, the down
+    (in the same entry of the blocks' container: a walk that leaves the block has passed the
+    residual stream, and what it reaches - the next block, the output head - is no MLP's)."""
+
+    def entry(op: Op) -> str | None:
+        return next((name for name in op.modules if name in entries), None)
+
     for op in recording.ops:
         if op.name not in ACTIVATION_OPS or not op.data_inputs:
             continue
@@ -471,8 +477,8 @@ def _mlp_roles(
             continue
         activated.rows = _rows(recording, activated, op.data_inputs[0])
         down = _consumer(recording, op.outputs[0], modules)
-        if down is None:
-            continue  # a router's scores, a gate on attention: no projection reads them
+        if down is None or down.value.op is None or entry(down.value.op) != entry(op):
+            continue  # a router's scores, a gate on attention: no projection of its block reads
         partner = _gate_partner(recording, op.outputs[0], activated, modules)
         if partner is None:
             yield "MLP_up", activated, op
