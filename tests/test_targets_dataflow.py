@@ -387,3 +387,35 @@ def test_a_compiled_model_is_not_recorded_and_says_so(tmp_path: Path) -> None:
         )
     assert len(tracker.targets) == 12  # found by the names at construction, as without the option
     tracker.close()
+
+
+def test_a_key_written_in_place_is_followed_in_deepseek_v3() -> None:
+    # DeepSeek-V3 builds its key with new_empty and two copy_ into slices: [k_nope; k_rope].
+    config = transformers.DeepseekV3Config(
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=64,
+        num_key_value_heads=4,
+        vocab_size=50,
+        kv_lora_rank=8,
+        qk_nope_head_dim=8,
+        qk_rope_head_dim=4,
+        v_head_dim=6,
+        q_lora_rank=16,
+        first_k_dense_replace=1,
+        moe_intermediate_size=16,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        n_group=1,
+        topk_group=1,
+    )
+    model = transformers.DeepseekV3ForCausalLM(config)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", PartialTargetWarning)  # no layer left unfollowed
+        by_flow = find_targets(model, example_input=torch.randint(0, 50, (1, 6)))
+    assert [(t.name, t.layer, t.role) for t in by_flow] == [
+        (t.name, t.layer, t.role) for t in find_targets(model)
+    ]
+    confirmed = {(t.layer, t.role) for t in by_flow if by_flow.sources[t.name] != "names"}
+    assert confirmed >= {(layer, role) for layer in (0, 1) for role in ("K", "V", "O")}
