@@ -175,7 +175,7 @@ def exact_targets(stack: StackModel, targets: list[Any]) -> dict[str, bool]:
         elif t.expert is not None:
             ok = _expert_exact(t, by_layer[(t.stack, t.layer)], model)
         result[t.name] = bool(ok)
-    for layer, roles in by_layer.items():
+    for roles in by_layer.values():
         for prefix in ("MLP_", "MLP_shared_"):
             _check_mlp(roles, prefix, seen, owners, result)
     return result
