@@ -98,7 +98,7 @@ def _close(a: torch.Tensor, b: torch.Tensor, scale: float | None = None) -> bool
 def _module_exact(target: Any, seen: dict, owner: nn.Module) -> bool | None:
     """Whether ``y[..., rows] - x W^T`` is one bias for all tokens (None: the module's forward
     was not recorded, e.g. grouped experts)."""
-    if owner not in seen or target.expert is not None:
+    if owner not in seen or target.parameter.dim() != 2:
         return None
     x, y = seen[owner]
     weight = target.matrix().detach().double()
@@ -172,20 +172,22 @@ def exact_targets(stack: StackModel, targets: list[Any]) -> dict[str, bool]:
             o = call["o"]  # (B, H, T, d)
             reads = o.transpose(1, 2).reshape(o.shape[0], o.shape[2], -1)
             ok = bool(ok) and _close(seen[owner][0].double(), reads.double())
-        elif t.expert is not None:
+        elif t.parameter.dim() == 3:  # one expert's slice of a 3-D experts tensor
             ok = _expert_exact(t, by_layer[(t.stack, t.layer)], model)
         result[t.name] = bool(ok)
     for roles in by_layer.values():
-        for prefix in ("MLP_", "MLP_shared_"):
-            _check_mlp(roles, prefix, seen, owners, result)
+        listed = {t.expert for ts in roles.values() for t in ts if t.parameter.dim() == 2}
+        for expert in listed:  # None, or each expert that is its own MLP module
+            mine = {role: [t for t in ts if t.expert == expert] for role, ts in roles.items()}
+            for prefix in ("MLP_", "MLP_shared_"):
+                _check_mlp(mine, prefix, seen, owners, result)
     return result
 
 
 def _check_mlp(roles: dict, prefix: str, seen: dict, owners: dict, result: dict) -> None:
     """``down`` reads ``act(gate) * up`` (or ``act(up)``) of the found gate and up."""
-    downs = [t for t in roles.get(f"{prefix}down", []) if t.expert is None]
-    ups = [t for t in roles.get(f"{prefix}up", []) if t.expert is None]
-    gates = [t for t in roles.get(f"{prefix}gate", []) if t.expert is None]
+    downs, ups = roles.get(f"{prefix}down", []), roles.get(f"{prefix}up", [])
+    gates = roles.get(f"{prefix}gate", [])
     if len(downs) != 1 or len(ups) != 1 or len(gates) > 1:
         return
     down, up = downs[0], ups[0]

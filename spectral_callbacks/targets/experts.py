@@ -70,6 +70,9 @@ _LISTED_EXPERT_ROLES: dict[str, str] = {
     "wi_1": "MLP_up",
     "fc1": "MLP_up",
     "fc2": "MLP_down",
+    "fc_1": "MLP_gate",  # litgpt's LLaMAMLP experts: proj(silu(fc_1 x) * fc_2 x)
+    "fc_2": "MLP_up",
+    "proj": "MLP_down",
 }
 
 

@@ -37,6 +37,7 @@ from spectral_callbacks.targets.errors import (
     UnwatchedExpertWarning,
 )
 from spectral_callbacks.targets.experts import ExpertTarget, is_routed_expert
+from spectral_callbacks.targets.lowrank import adapt_lowrank
 from spectral_callbacks.targets.matching import (
     Candidate,
     Patterns,
@@ -217,8 +218,12 @@ def find_targets(
         rank_zero_warn(
             unwatched_experts_message(unwatched_experts), category=UnwatchedExpertWarning
         )
-    # A tuner layer's base weight becomes an adapted target (its effective weight, its update).
-    kept = [adapt(target, modules) for target in _number_layers(candidates, chosen)]
+    # A tuner layer's base weight becomes an adapted target (its effective weight, its update),
+    # as does a verified LoRA-style layer's of another library (targets/lowrank.py).
+    kept = [
+        adapt_lowrank(adapt(target, modules), modules)
+        for target in _number_layers(candidates, chosen)
+    ]
 
     skipped.sort(key=lambda s: position[s.parameter_name])
     _warn_missing_roles(kept)

@@ -32,6 +32,7 @@ from torch import nn
 
 from spectral_callbacks.targets.adapted import is_tuner_layer, quantized_base, unsupported_reason
 from spectral_callbacks.targets.experts import listed_expert
+from spectral_callbacks.targets.lowrank import Layout, lowrank_role
 from spectral_callbacks.targets.target import Rows, Skip, check_role
 
 
@@ -148,7 +149,8 @@ Decision = str | Split | Skip
 Rule = Decision | Callable[[Context], Decision | None]
 
 HEADS = ("num_heads", "num_attention_heads", "n_head", "n_heads")
-KV_HEADS = ("num_key_value_heads", "n_kv_head", "n_kv_heads", "num_kv_heads")
+# litgpt's Config names the K/V heads n_query_groups.
+KV_HEADS = ("num_key_value_heads", "n_kv_head", "n_kv_heads", "num_kv_heads", "n_query_groups")
 HEAD_DIM = ("head_dim", "head_size")
 
 
@@ -316,6 +318,44 @@ def _adapter_part(ctx: Context) -> Skip | None:
     return None
 
 
+def _lowrank_part(ctx: Context) -> Decision | None:
+    """The built-in rule for a LoRA-style layer of another library (targets/lowrank.py).
+
+    Its base weight maps by the rules of the layer's own name, as if the layer were a plain
+    Linear (litgpt's ``attn.qkv.linear.weight`` as ``attn.qkv.weight``); its factors are watched
+    through it. A layer whose output is not ``W_0 x + s B A x`` is refused on its base weight,
+    with the reason (warned about, since it looks like a target).
+    """
+    for position, module in enumerate(ctx.modules[:2]):
+        found = lowrank_role(module, ctx.parameter)
+        if found is None:
+            continue
+        part, result = found
+        if part == "factor":
+            if isinstance(result, Layout):
+                return Skip(f"adapter factor of {type(module).__name__}: watched through its base")
+            return Skip(result)
+        if isinstance(result, str):
+            return Skip(result, warn=True)
+        segments = ctx.name.split(".")
+        name = ".".join([*segments[: len(segments) - 1 - position], "weight"])
+        inner = Context(name, ctx.parameter, ctx.modules[position:])
+        for pattern, rule in BUILTIN_RULES:
+            if rule is _lowrank_part or match_length(pattern, inner.name) is None:
+                continue
+            decision = rule(inner) if callable(rule) else rule
+            if decision is not None:
+                return decision
+        return None
+    return None
+
+
+def _feed_forward_w1(ctx: Context) -> Decision:
+    """torchtune ``FeedForward``: ``w2(act(w1 x) * w3 x)``; without ``w3`` (CLIP) w1 is the up."""
+    feed_forward = ctx.modules[1] if len(ctx.modules) > 1 else None
+    return "MLP_gate" if getattr(feed_forward, "w3", None) is not None else "MLP_up"
+
+
 def _quantized(ctx: Context) -> Skip | None:
     """The built-in rule for a weight stored quantized (bitsandbytes 4-/8-bit, HQQ, GPTQ, AWQ) that
     no adapter wraps: its packed storage is not the matrix, and only a LoRA layer's base is
@@ -378,6 +418,8 @@ _ROUTER = Skip("MoE router")
 BUILTIN_RULES: tuple[tuple[str, Rule], ...] = (
     # PEFT tuner layers (targets/adapted.py): their adapter factors are watched through the base.
     ("*", _adapter_part),
+    # LoRA-style layers of other libraries (torchtune, litgpt, hand-written): targets/lowrank.py.
+    ("*", _lowrank_part),
     # Quantized layers outside PEFT (inside it, _adapter_part refuses them naming the tuner layer).
     ("*", _quantized),
     # Left out on purpose: listed in the summary, not warned about.
@@ -447,6 +489,17 @@ BUILTIN_RULES: tuple[tuple[str, Rule], ...] = (
     ("up_proj.weight", "MLP_up"),
     ("down_proj.weight", "MLP_down"),
     ("gate_up_proj.weight", _gate_up),
+    # torchtune (llama2/3, CLIP ...): attn.output_proj; FeedForward w2(act(w1 x) * w3 x).
+    ("attn.output_proj.weight", "O"),
+    ("mlp.w1.weight", _feed_forward_w1),
+    ("mlp.w3.weight", "MLP_up"),
+    ("mlp.w2.weight", "MLP_down"),
+    # litgpt: attn.qkv rows [q; k; v] (K/V sized by n_query_groups, above), attn.proj (timm's
+    # rule), GptNeoxMLP fc -> act -> proj, LLaMAMLP proj(silu(fc_1 x) * fc_2 x).
+    ("mlp.fc.weight", "MLP_up"),
+    ("mlp.fc_1.weight", "MLP_gate"),
+    ("mlp.fc_2.weight", "MLP_up"),
+    ("mlp.proj.weight", "MLP_down"),
     # Hand-written MLPs as nn.Sequential(Linear, act, Linear) (Karpathy's ffwd.net, many ViTs).
     ("mlp.[0-9]*.weight", _sequential_mlp),
     ("mlp.net.[0-9]*.weight", _sequential_mlp),

@@ -1,0 +1,224 @@
+"""LoRA-style layers of any library (targets/lowrank.py): recognised by structure, verified by the
+module's own output, watched through the adapted path. References are float64: the effective
+weight is read back from the module's forward (``f(I) - f(0)``), the update from its factors."""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import pytest
+import stack_models
+import torch
+from torch import nn
+
+from spectral_callbacks.targets import TargetWarning, find_targets, format_targets
+from spectral_callbacks.targets.lowrank import Layout, LowRankTarget, recognise
+
+
+class HandLoRA(nn.Module):
+    """A LoRA layer written by hand, with names no rule knows: ``frozen``, ``p``, ``q``."""
+
+    def __init__(self, n_in: int, n_out: int, r: int = 2, s: float = 0.75) -> None:
+        super().__init__()
+        self.frozen = nn.Linear(n_in, n_out)
+        self.frozen.weight.requires_grad_(False)
+        self.p = nn.Parameter(torch.randn(r, n_in) / n_in**0.5)
+        self.q = nn.Parameter(0.1 * torch.randn(n_out, r))
+        self.s = s
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.frozen(x) + self.s * (x @ self.p.T) @ self.q.T
+
+
+class NotLoRA(HandLoRA):
+    """The same parameters, but the product is not added: a nonlinearity between the factors."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.frozen(x) + self.s * torch.tanh(x @ self.p.T) @ self.q.T
+
+
+class Block(nn.Module):
+    def __init__(self, layer: type[HandLoRA], width: int = 16) -> None:
+        super().__init__()
+        self.attn = nn.Module()
+        self.attn.q_proj = layer(width, width)
+        self.attn.k_proj = nn.Linear(width, width)
+        self.attn.v_proj = nn.Linear(width, width)
+        self.attn.o_proj = nn.Linear(width, width)
+
+
+class Model(nn.Module):
+    def __init__(self, layer: type[HandLoRA] = HandLoRA) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = nn.ModuleList(Block(layer) for _ in range(2))
+
+
+def effective_weight(module: nn.Module, n_in: int) -> torch.Tensor:
+    """(out, in) float64 weight the module applies: its output on the identity minus on zero."""
+    module = module.double().eval()
+    with torch.no_grad():
+        eye = torch.eye(n_in, dtype=torch.float64)[None]
+        weight = (module(eye) - module(torch.zeros_like(eye)))[0].T
+    module.float()
+    return weight
+
+
+def check_effective_and_update(target: Any, module: nn.Module, rows: slice = slice(None)) -> None:
+    """The target's effective weight against the module's forward, its update's singular values
+    against float64 SVD of (effective - base)."""
+    n_in = target.shape[1]
+    expected = effective_weight(module, n_in)[rows]
+    batch = type(target).stack_batch([target])
+    assert torch.allclose(batch.dense(torch.float64)[0], expected, atol=1e-5, rtol=0), target.name
+    update = expected - target.parameter.detach().double()[rows]
+    exact = torch.linalg.svdvals(update)[: target.rank]
+    from spectral_callbacks.functional.lowrank import low_rank_singular_values
+
+    found = low_rank_singular_values(batch.ups, batch.downs)[0].double()
+    assert torch.allclose(found[: exact.numel()], exact, rtol=1e-4, atol=1e-6), target.name
+
+
+def test_a_hand_made_lora_layer_is_an_adapted_target_by_its_structure() -> None:
+    model = Model()
+    targets = find_targets(model)
+    q = [t for t in targets if t.role == "Q"]
+    assert [t.parameter_name for t in q] == [
+        "layers.0.attn.q_proj.frozen.weight",
+        "layers.1.attn.q_proj.frozen.weight",
+    ]
+    assert all(isinstance(t, LowRankTarget) and t.rank == 2 for t in q)
+    layout = recognise(model.layers[0].attn.q_proj)
+    assert isinstance(layout, Layout) and layout.scale == pytest.approx(0.75, rel=1e-6)
+    for t in q:
+        check_effective_and_update(t, t.layer_module)
+    assert "s=0.75" in format_targets(targets)
+    # The factors are not targets of their own and not warned about.
+    assert not [t for t in targets if t.parameter_name.endswith((".p", ".q"))]
+
+
+def test_a_layer_that_looks_like_lora_but_is_not_is_refused_in_one_line() -> None:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        targets = find_targets(Model(NotLoRA))
+    assert not [t for t in targets if t.role == "Q"]  # never watched as its base
+    refused = [s for s in targets.skipped if s.parameter_name.endswith("q_proj.frozen.weight")]
+    assert len(refused) == 2
+    assert "NotLoRA: its update is not s B A for one s; not watched" in refused[0].reason
+    assert "\n" not in refused[0].reason
+    assert any(
+        issubclass(w.category, TargetWarning) and "NotLoRA" in str(w.message) for w in caught
+    )
+
+
+def test_the_probe_leaves_the_layer_as_it_was() -> None:
+    layer = HandLoRA(8, 6)
+    layer.train()
+    before = {name: p.detach().clone() for name, p in layer.named_parameters()}
+    assert isinstance(recognise(layer), Layout)
+    assert layer.training
+    for name, p in layer.named_parameters():
+        assert torch.equal(p, before[name]), name
+
+
+# --- torchtune --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dora", [False, True], ids=["LoRALinear", "DoRALinear"])
+def test_torchtune_lora_and_dora_linear(dora: bool) -> None:
+    peft = pytest.importorskip("torchtune.modules.peft")
+    torch.manual_seed(0)
+    kind = peft.DoRALinear if dora else peft.LoRALinear
+    layer = kind(in_dim=16, out_dim=12, rank=3, alpha=6.0, use_bias=True)
+    with torch.no_grad():
+        layer.lora_b.weight.normal_(0, 0.1)
+        layer.bias.normal_(0, 0.1)
+    if dora:
+        layer.initialize_dora_magnitude()
+        with torch.no_grad():
+            layer.magnitude.mul_(1.0 + 0.3 * torch.rand(12))
+    model = nn.Module()
+    model.layers = nn.ModuleList([nn.Module()])
+    model.layers[0].attn = nn.Module()
+    model.layers[0].attn.q_proj = layer
+    (target,) = find_targets(model)
+    assert isinstance(target, LowRankTarget)
+    assert target.parameter_name == "layers.0.attn.q_proj.weight" and target.role == "Q"
+    assert target.layout.scale == pytest.approx(2.0)
+    assert (target.layout.magnitude is not None) == dora
+    # DoRA scales the bias too; the effective weight is what multiplies x.
+    expected = effective_weight(layer, 16)
+    batch = type(target).stack_batch([target])
+    assert torch.allclose(batch.dense(torch.float64)[0], expected, atol=1e-5, rtol=0)
+    if not dora:
+        check_effective_and_update(target, layer)
+
+
+def test_torchtune_lora_llama3_builder_watches_every_effective_weight() -> None:
+    pytest.importorskip("torchtune")
+    stack = stack_models.tune_lora_llama3()
+    targets = find_targets(stack.model)
+    assert len(targets) == 14 and all(isinstance(t, LowRankTarget) for t in targets)
+    for t in targets:
+        check_effective_and_update(t, t.layer_module)
+
+
+# --- litgpt -----------------------------------------------------------------------------------
+
+
+def test_litgpt_lora_linear() -> None:
+    lora = pytest.importorskip("litgpt.lora")
+    torch.manual_seed(0)
+    layer = lora.LoRALinear(16, 12, r=4, lora_alpha=8, bias=True)
+    with torch.no_grad():
+        layer.lora_B.normal_(0, 0.1)
+    layout = recognise(layer)
+    assert isinstance(layout, Layout) and layout.base == "linear.weight"
+    assert layout.scale == pytest.approx(2.0) and layout.rows is None
+
+
+@pytest.mark.parametrize(
+    "enable", [(True, False, True), (False, True, False), (True, True, True)], ids=str
+)
+def test_litgpt_lora_qkv_linear_is_placed_per_part(enable: tuple[bool, bool, bool]) -> None:
+    """LoRAQKVLinear: one A and one B block per enabled part of [q; k; v] (grouped K/V), the
+    update zero-padded where a part has none: each part's target is exact."""
+    lora = pytest.importorskip("litgpt.lora")
+    torch.manual_seed(0)
+    heads, groups, size = 4, 2, 4
+    out = (heads + 2 * groups) * size
+    layer = lora.LoRAQKVLinear(
+        16, out, head_size=size, n_head=heads, n_query_groups=groups, r=2, lora_alpha=4,
+        enable_lora=enable, bias=True,
+    )  # fmt: skip
+    with torch.no_grad():
+        layer.lora_B.normal_(0, 0.1)
+    layout = recognise(layer)
+    assert isinstance(layout, Layout) and layout.scale == pytest.approx(2.0)
+    block = nn.Module()
+    block.attn = nn.Module()
+    block.attn.qkv = layer
+    block.attn.config = type("Config", (), {"n_head": heads, "n_query_groups": groups})()
+    model = nn.Module()
+    model.h = nn.ModuleList([block])
+    targets = {t.role: t for t in find_targets(model)}
+    assert sorted(targets) == ["K", "Q", "V"]
+    parts = {"Q": slice(0, 16), "K": slice(16, 24), "V": slice(24, 32)}
+    for role, t in targets.items():
+        assert isinstance(t, LowRankTarget)
+        check_effective_and_update(t, layer, parts[role])
+        update = type(t).stack_batch([t]).ups[0]
+        adapted = enable[("Q", "K", "V").index(role)]
+        assert bool(update.abs().sum() > 0) == adapted, role  # zero-padded part: no update
+
+
+def test_litgpt_lora_model_watches_every_effective_weight() -> None:
+    pytest.importorskip("litgpt")
+    stack = stack_models.lit_lora()
+    targets = find_targets(stack.model)
+    assert len(targets) == 14 and all(isinstance(t, LowRankTarget) for t in targets)
+    qkv = {"Q": slice(0, 64), "K": slice(64, 96), "V": slice(96, 128)}
+    for t in targets:
+        rows = qkv.get(t.role, slice(None))
+        check_effective_and_update(t, t.layer_module, rows)
