@@ -12,18 +12,21 @@ float64 along a short fit, and LoRA-style adapters recognised.
   sequence position 0 where rotary embeddings are the identity (grouped K/V repeated per head);
 * O's input is that call's output; the MLP's down projection reads ``act(gate) * up`` (``act(up)``
   without a gate) of the found gate and up; a 3-D expert tensor is run by its module on tokens
-  split evenly over the experts and compared with ``down_e(act(gate_e x) * up_e x)``.
+  split evenly over the experts and compared with ``down_e(act(gate_e x) * up_e x)`` (to
+  bfloat16 precision: torchtitan's grouped experts multiply in bfloat16).
 
-Run: ``PYTHONPATH=. python benchmarks/stacks_table.py`` (a few seconds per model, CPU).
+Run: ``python benchmarks/stacks_table.py`` (a few seconds per model, CPU).
 """
 
 from __future__ import annotations
 
 import argparse
 import math
+import sys
 import warnings
 from collections import defaultdict
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -34,7 +37,9 @@ from torch.overrides import TorchFunctionMode
 from spectral_callbacks.monitor.tracker import SpectralTracker
 from spectral_callbacks.names import scalar_tag
 from spectral_callbacks.targets import TargetError, find_targets
-from tests.stack_models import BUILDERS, StackModel
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from stack_models import BUILDERS, StackModel  # noqa: E402  (the builders the tests use)
 
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "silu": F.silu,
@@ -232,7 +237,10 @@ def _expert_exact(target: Any, roles: dict, model: nn.Module) -> bool:
     except KeyError:
         return False
     expected = (F.silu(xe @ gate.T) * (xe @ up.T)) @ down.T
-    return _close(y[e * per : (e + 1) * per], expected)
+    # torchtitan's grouped experts multiply in bfloat16 (grouped_mm): to its precision; a wrong
+    # or swapped matrix is off by the size of the output.
+    got = y[e * per : (e + 1) * per]
+    return float((got - expected).norm()) <= 3e-2 * float(expected.norm())
 
 
 class Recorder:

@@ -47,12 +47,27 @@ class Block(nn.Module):
         self.attn.v_proj = nn.Linear(width, width)
         self.attn.o_proj = nn.Linear(width, width)
 
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a = self.attn
+        batch, steps, width = x.shape
+        q, k, v = (
+            p(x).view(batch, steps, 2, width // 2).transpose(1, 2)  # (B, nh, T, hs)
+            for p in (a.q_proj, a.k_proj, a.v_proj)
+        )
+        y = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return x + a.o_proj(y.transpose(1, 2).reshape(batch, steps, width))
+
 
 class Model(nn.Module):
     def __init__(self, layer: type[HandLoRA] = HandLoRA) -> None:
         super().__init__()
         torch.manual_seed(0)
         self.layers = nn.ModuleList(Block(layer) for _ in range(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.layers:
+            x = block(x)
+        return x
 
 
 def effective_weight(module: nn.Module, n_in: int) -> torch.Tensor:
@@ -96,6 +111,18 @@ def test_a_hand_made_lora_layer_is_an_adapted_target_by_its_structure() -> None:
     assert "s=0.75" in format_targets(targets)
     # The factors are not targets of their own and not warned about.
     assert not [t for t in targets if t.parameter_name.endswith((".p", ".q"))]
+
+
+def test_a_hand_made_lora_layer_is_watched_exactly_through_discovery_too() -> None:
+    model = Model()
+    by_names = find_targets(model)
+    found = find_targets(model, example_input=torch.randn(1, 4, 16))
+    assert [t.name for t in found] == [t.name for t in by_names]
+    assert found.sources["layers.0.attn.q_proj.frozen.weight"] == "names = data flow"
+    for t in found:
+        if t.role == "Q":
+            assert isinstance(t, LowRankTarget)
+            check_effective_and_update(t, t.layer_module)
 
 
 def test_a_layer_that_looks_like_lora_but_is_not_is_refused_in_one_line() -> None:

@@ -43,6 +43,10 @@ _EXPERT_ROLES: dict[str, tuple[str, ...]] = {
     "w1": ("MLP_gate",),
     "w3": ("MLP_up",),
     "w2": ("MLP_down",),
+    # torchtitan's GroupedExperts: (E, hidden, dim) and (E, dim, hidden), named by their axes.
+    "w1_EFD": ("MLP_gate",),
+    "w3_EFD": ("MLP_up",),
+    "w2_EDF": ("MLP_down",),
 }
 
 

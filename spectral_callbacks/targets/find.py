@@ -37,7 +37,7 @@ from spectral_callbacks.targets.errors import (
     UnwatchedExpertWarning,
 )
 from spectral_callbacks.targets.experts import ExpertTarget, is_routed_expert
-from spectral_callbacks.targets.lowrank import adapt_lowrank
+from spectral_callbacks.targets.lowrank import adapt_lowrank, lowrank_role
 from spectral_callbacks.targets.matching import (
     Candidate,
     Patterns,
@@ -251,6 +251,8 @@ def _not_its_matrix(candidate: Candidate, modules: Mapping[str, nn.Module]) -> S
     owner = modules.get(path)
     if owner is None:
         return None
+    if lowrank_role(owner, candidate.parameter) is not None:
+        return None  # the base of a LoRA-style layer: verified with its factors (lowrank.py)
     reason = computes_weight(owner, candidate.parameter, candidate.parts[0][1].transposed)
     if reason is None:
         return None

@@ -206,6 +206,14 @@ def parts_of(
         raise
 
 
+def _is_block_list(module: nn.Module | None) -> bool:
+    """A list of blocks: a ModuleList/Sequential, or a ModuleDict keyed "0", "1", ...
+    (torchtitan's ``layers``, keyed so pipeline stages keep the original numbers)."""
+    if isinstance(module, _LIST_TYPES):
+        return True
+    return isinstance(module, nn.ModuleDict) and all(key.isdigit() for key in module)
+
+
 def block_of(name: str, matched: int, modules: Mapping[str, nn.Module]) -> tuple[str, int] | None:
     """(list path, index) of the outermost ModuleList/Sequential entry on the path before the match."""
     segments = name.split(".")
@@ -213,7 +221,7 @@ def block_of(name: str, matched: int, modules: Mapping[str, nn.Module]) -> tuple
     for i in range(len(segments) - clean_matched):
         if segments[i].isdigit():
             path = ".".join(segments[:i])
-            if isinstance(modules.get(path), _LIST_TYPES):
+            if _is_block_list(modules.get(path)):
                 return path, int(segments[i])
     return None
 

@@ -24,6 +24,7 @@ from torch import nn
 
 from spectral_callbacks.targets.adapted import is_tuner_layer
 from spectral_callbacks.targets.errors import TargetError
+from spectral_callbacks.targets.lowrank import Layout, recognise
 from spectral_callbacks.targets.matching import Candidate
 from spectral_callbacks.targets.roles import FlowMap, FlowRole
 from spectral_callbacks.targets.target import Rows, Skip
@@ -116,7 +117,12 @@ def reconcile(
             continue
         parameter = candidate.parameter
         composite = [r for r in found if r.composite]
-        if composite and not is_tuner_layer(modules.get(composite[0].module, nn.Module())):
+        # An adapter read with its factors (a PEFT tuner layer, a verified LoRA-style layer of
+        # another library: lowrank.py) is watched as its effective weight, not refused.
+        layer = modules.get(composite[0].module, nn.Module()) if composite else None
+        if layer is not None and not (
+            is_tuner_layer(layer) or isinstance(recognise(layer), Layout)
+        ):
             module = composite[0].module
             candidate.parts = []
             candidate.skip = Skip(

@@ -350,6 +350,22 @@ def _lowrank_part(ctx: Context) -> Decision | None:
     return None
 
 
+def _titan_wqkv(ctx: Context) -> Decision:
+    """torchtitan ``FusedQKVLinear.wqkv``: rows ``(n_kv_heads, heads/kv_heads + 2, head_dim)``,
+    per K/V group ``[q x heads/kv_heads; k; v]`` (its forward's view and split)."""
+    fused = ctx.modules[1] if len(ctx.modules) > 1 else None
+    per_kv, width = getattr(fused, "heads_per_kv", None), getattr(fused, "head_dim", None)
+    out = ctx.out_features
+    if isinstance(per_kv, int) and isinstance(width, int) and out % ((per_kv + 2) * width) == 0:
+        groups = out // ((per_kv + 2) * width)
+        return Split(("Q", "K", "V"), sizes=(per_kv * width, width, width), groups=groups)
+    return Skip(
+        f"torchtitan wqkv with {out} rows but heads_per_kv={per_kv}, head_dim={width}; "
+        "describe it with mapping=",
+        warn=True,
+    )
+
+
 def _feed_forward_w1(ctx: Context) -> Decision:
     """torchtune ``FeedForward``: ``w2(act(w1 x) * w3 x)``; without ``w3`` (CLIP) w1 is the up."""
     feed_forward = ctx.modules[1] if len(ctx.modules) > 1 else None
@@ -429,11 +445,15 @@ BUILTIN_RULES: tuple[tuple[str, Rule], ...] = (
     ("experts.*", _listed_expert),
     ("mlp.gate.weight", "Router"),
     ("block_sparse_moe.gate.weight", "Router"),
+    ("moe.router.gate.weight", "Router"),  # torchtitan
     ("router.*", _ROUTER),
     ("shared_expert_gate.weight", Skip("MoE shared expert's gate (one row)")),
     ("shared_expert*.gate_proj.weight", "MLP_shared_gate"),
     ("shared_expert*.up_proj.weight", "MLP_shared_up"),
     ("shared_expert*.down_proj.weight", "MLP_shared_down"),
+    ("shared_experts.w1.weight", "MLP_shared_gate"),  # torchtitan's FeedForward
+    ("shared_experts.w3.weight", "MLP_shared_up"),
+    ("shared_experts.w2.weight", "MLP_shared_down"),
     # Cross-attention (decoders of encoder-decoder models): Q_cross, K_cross, V_cross, O_cross.
     # GPT-2 as a decoder (VisionEncoderDecoder): q_attn alone, c_attn rows [k; v] (Conv1D).
     ("crossattention.q_attn.weight", "Q_cross"),
@@ -550,6 +570,17 @@ BUILTIN_RULES: tuple[tuple[str, Rule], ...] = (
             ("dense_out", "MLP_down"),
         )
     ),
+    # torchtitan (its blocks in a ModuleDict keyed "0", "1", ...): attention.qkv_linear.wq/wk/wv
+    # or the fused wqkv per K/V group, attention.wo and feed_forward.w1/w2/w3 (below); MLA's
+    # wq_a/wq_b, wkv_a [latent; rope key], wkv_b per head [k_nope; v].
+    ("qkv_linear.wq.weight", "Q"),
+    ("qkv_linear.wk.weight", "K"),
+    ("qkv_linear.wv.weight", "V"),
+    ("qkv_linear.wqkv.weight", _titan_wqkv),
+    ("attention.wq_a.weight", "Q_down"),
+    ("attention.wq_b.weight", "Q_up"),
+    ("attention.wkv_a.weight", _kv_a),
+    ("attention.wkv_b.weight", _kv_b),
     # Meta's reference Llama.
     ("attention.wq.weight", "Q"),
     ("attention.wk.weight", "K"),
