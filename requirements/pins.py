@@ -76,12 +76,8 @@ def _requirements() -> list[str]:
     import tomllib  # Python >= 3.11: only these developer commands need it
 
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-    extras = project["optional-dependencies"]
-    found: list[str] = []
-    for requirement in list(project["dependencies"]) + list(extras["dev"]):
-        own = re.match(r"^spectral-callbacks\[([^\]]+)\]$", requirement)  # [dev] holds [stacks]
-        found += list(extras[own[1]]) if own else [requirement]
-    return found
+    extras = project["optional-dependencies"]  # what the Makefile installs: [dev] and [stacks]
+    return list(project["dependencies"]) + list(extras["dev"]) + list(extras["stacks"])
 
 
 def lowest(skip: tuple[str, ...] = ("torch",)) -> list[str]:
