@@ -972,3 +972,30 @@ def test_a_real_bitsandbytes_qlora_model_is_read_through_its_dequantized_bases()
             assert value == pytest.approx(stable_rank, rel=0.01), (target.name, step)
             assert alphas[step] == pytest.approx(alpha, abs=0.02), (target.name, step)
     assert expected_at[10] != expected_at[0]  # the adapters trained
+
+
+def test_an_older_loha_without_apply_rank_dropout_is_read_without_rank_dropout(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Older PEFT: get_delta_weight(adapter) drops ranks in train mode (a global RNG draw that
+    # would change the run and the update read). Read in eval mode for the call, then put back.
+    from peft.tuners.loha.layer import Linear as LoHaLinear
+
+    model = dense_adapted("loha")
+    current = LoHaLinear.get_delta_weight
+
+    def older(self, adapter_name):  # type: ignore[no-untyped-def]
+        delta = current(self, adapter_name)
+        if self.training:  # as the older LoHa did: a dropout mask drawn from the global RNG
+            delta = delta * (torch.rand(delta.shape[0], 1) > 0.5)
+        return delta
+
+    monkeypatch.setattr(LoHaLinear, "get_delta_weight", older)
+    model.train()
+    expected = summed_deltas(copy.deepcopy(model).eval())
+    state = torch.get_rng_state()
+    for target in find_targets(model):
+        update = target.stack_batch([target]).updates[0]
+        assert torch.allclose(update.double(), expected[target.name], atol=1e-6), target.name
+    assert torch.equal(torch.get_rng_state(), state)  # no draw from the global generator
+    assert all(module.training for module in model.modules())  # every mode put back

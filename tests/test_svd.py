@@ -705,3 +705,13 @@ def test_with_tf32_products_the_gram_route_keeps_float32_accuracy(
     assert ((found.double() - G).abs().max() / G.abs().max()).item() < 1e-6
     relative = ((top.S.double() - reference(W, 32)) / reference(W, 32)).abs().max().item()
     assert relative < 1e-5, relative
+
+
+def test_the_cublas_tf32_override_in_the_environment_counts_as_tf32_on(
+    monkeypatch: pytest.MonkeyPatch, restored_fp32_precision: None
+) -> None:
+    assert not precision.tf32_enabled()
+    monkeypatch.setenv("TORCH_ALLOW_TF32_CUBLAS_OVERRIDE", "1")  # cuBLAS: TF32 whatever the flags
+    assert precision.tf32_enabled()
+    monkeypatch.setenv("TORCH_ALLOW_TF32_CUBLAS_OVERRIDE", "0")
+    assert not precision.tf32_enabled()

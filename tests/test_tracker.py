@@ -538,3 +538,34 @@ def test_cli_warnings_are_one_line_naming_the_command(
         "spectral-callbacks targets: warning: `roles` ['Z'] matched no target (roles found: "
         "Q, K, V, O, MLP_up, MLP_down)"
     ], err
+
+
+def test_a_default_device_set_on_the_training_thread_leaves_the_host_tensors_on_the_host() -> None:
+    # torch.set_default_device("cuda") in a training script: every host-side factory of the
+    # reporter, the DDP payload and the pinned buffers names device="cpu". The meta device (the
+    # one other device of a CPU build) stands in for CUDA: a tensor made there has no data.
+    from spectral_callbacks.monitor.distributed import ResultLayout
+
+    torch.manual_seed(0)
+    model = TinyGPT(n_layer=1, n_embd=64, n_head=4, block_size=16)
+    logger = RecordingLogger()
+    tracker = SpectralTracker(
+        model, writers=[logger], figures=False, synchronous=False, every_n_steps=1,
+        log_spaced_until=0, metrics=("stable_rank", "compression"),
+    )  # fmt: skip
+    torch.set_default_device("meta")
+    try:
+        tracker.step(0)
+        tracker.step(1)
+        tracker.close(1)
+        layout = ResultLayout(["w"], ("stable_rank",), world_size=1)
+        flat = layout.pack(0, {"w": {"stable_rank": 2.0}}, {"matrices": 1})
+    finally:
+        torch.set_default_device(None)
+    assert flat.device.type == "cpu" and layout.unpack(flat)[0] == {"w": {"stable_rank": 2.0}}
+    weight = model.model.transformer.h[0].mlp.c_fc.weight.detach().double()
+    singular = torch.linalg.svdvals(weight)
+    exact = float(singular.square().sum() / singular[0] ** 2)
+    ranks = logger.series(scalar_tag("stable_rank", 0, "MLP_up"))
+    assert set(ranks) == {0, 1} and ranks[0] == pytest.approx(exact, rel=1e-3)
+    assert logger.series(scalar_tag("compression", 0, "MLP_up"))[0] == 0.0

@@ -17,6 +17,8 @@ float32 copies (8 bytes per entry of W) alive during a product with W.
 
 from __future__ import annotations
 
+import os
+
 import torch
 from torch import Tensor
 
@@ -31,11 +33,16 @@ def tf32_enabled() -> bool:
     ``set_float32_matmul_precision``) into ``torch.backends.cuda.matmul.fp32_precision``; once
     the new API has been used (as ``transformers.TrainingArguments(tf32=True)`` does), reading
     the legacy flags raises ``RuntimeError``. The legacy flags are read only where the new API
-    does not exist.
+    does not exist. ``TORCH_ALLOW_TF32_CUBLAS_OVERRIDE=1`` in the environment makes cuBLAS use
+    TF32 whatever the flags: then it is enabled too. (``NVIDIA_TF32_OVERRIDE=0`` only turns TF32
+    off, so the split products are then exact and merely slower.)
 
     >>> tf32_enabled()
     False
     """
+    # torch's own override: cuBLAS then runs float32 products in TF32 whatever the flags say.
+    if os.environ.get("TORCH_ALLOW_TF32_CUBLAS_OVERRIDE") == "1":
+        return True
     precision = getattr(torch.backends.cuda.matmul, "fp32_precision", None)
     if precision is not None:
         return precision not in ("ieee", "none")

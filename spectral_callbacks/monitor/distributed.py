@@ -166,7 +166,8 @@ class ResultLayout:
         self, rank: int, metrics: dict[str, dict[str, float]] | None, health: dict[str, float]
     ) -> torch.Tensor:
         """This rank's contribution: its own results and health row, zeros everywhere else."""
-        flat = torch.zeros(self.size, dtype=torch.float64)
+        # On the host (gloo) whatever torch.set_default_device says on the training thread.
+        flat = torch.zeros(self.size, dtype=torch.float64, device="cpu")
         values = flat[: self.cells].view(len(self.names), len(self.columns))  # (T, C)
         present = flat[self.cells : 2 * self.cells].view(len(self.names), len(self.columns))
         for name, row in (metrics or {}).items():

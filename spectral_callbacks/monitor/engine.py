@@ -568,7 +568,8 @@ class SnapshotEngine:
             if buffer.numel() == size:
                 return buffer
         self.pinned_allocated += 1
-        return torch.empty(size, dtype=torch.float64, pin_memory=True)
+        # On the host whatever torch.set_default_device says on the training thread.
+        return torch.empty(size, dtype=torch.float64, device="cpu", pin_memory=True)
 
     def _compute_group(self, key: str, batch: torch.Tensor, step: int) -> dict[str, torch.Tensor]:
         group = self.groups[key]
@@ -669,7 +670,7 @@ def _pack(values: dict[str, dict[str, torch.Tensor]]) -> tuple[_Packed, torch.Te
         columns.append((key, tuple(metrics), offset, batch))
         parts.extend(value.to(torch.float64) for value in metrics.values())  # each (B,)
         offset += batch * len(metrics)
-    flat = torch.cat(parts) if parts else torch.empty(0, dtype=torch.float64)
+    flat = torch.cat(parts) if parts else torch.empty(0, dtype=torch.float64, device="cpu")
     return _Packed(columns, offset), flat
 
 

@@ -349,9 +349,12 @@ def _add_compression(rows: Mapping[str, dict[str, float]], references: Mapping[s
     """Each row with a stable rank gets its ``compression``: ``functional.compression`` (the math
     lives there, not here), in one call for the whole snapshot."""
     names = [name for name, row in rows.items() if "stable_rank" in row]
-    stable_ranks = torch.tensor([rows[name]["stable_rank"] for name in names], dtype=torch.float64)
+    # Host tensors named so: a training script may set torch.set_default_device("cuda").
+    stable_ranks = torch.tensor(
+        [rows[name]["stable_rank"] for name in names], dtype=torch.float64, device="cpu"
+    )
     reference = torch.tensor(
-        [references.get(name, math.nan) for name in names], dtype=torch.float64
+        [references.get(name, math.nan) for name in names], dtype=torch.float64, device="cpu"
     )
     for name, value in zip(names, compression(stable_ranks, reference).tolist(), strict=True):
         rows[name]["compression"] = value

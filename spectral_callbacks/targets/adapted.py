@@ -31,6 +31,7 @@ Nothing here imports ``peft``: a tuner layer is recognized by what it has (``bas
 from __future__ import annotations
 
 import copy
+import inspect
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -478,7 +479,7 @@ def _update_of(layer: Any, weight: torch.Tensor) -> torch.Tensor:
     """``sum of get_delta_weight(a)`` over the layer's active adapters, dense, in ``weight``'s layout."""
     total = None
     for name in _active(layer):
-        delta = layer.get_delta_weight(name).detach()
+        delta = _delta_weight(layer, name).detach()
         delta = delta.to_dense() if delta.layout != torch.strided else delta  # SHiRA: sparse
         total = delta if total is None else total + delta
     if total is None:
@@ -488,6 +489,21 @@ def _update_of(layer: Any, weight: torch.Tensor) -> torch.Tensor:
     if total.untyped_storage().data_ptr() in live:
         total = total.clone()
     return total.reshape(weight.shape)
+
+
+def _delta_weight(layer: Any, name: str) -> torch.Tensor:
+    """``layer.get_delta_weight(name)`` without rank dropout: LoHa and LoKr drop ranks in train
+    mode (a draw from torch's global generator, which would change the run); newer PEFT takes
+    ``apply_rank_dropout=False``, older PEFT reads ``layer.training``, set off for the call."""
+    method = layer.get_delta_weight
+    if "apply_rank_dropout" in inspect.signature(method).parameters:
+        return method(name, apply_rank_dropout=False)
+    training = layer.training
+    layer.training = False  # this layer only: its children's modes are not touched
+    try:
+        return method(name)
+    finally:
+        layer.training = training
 
 
 def _rank(layer: Any) -> int:
