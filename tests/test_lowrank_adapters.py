@@ -139,14 +139,19 @@ def test_a_layer_that_looks_like_lora_but_is_not_is_refused_in_one_line() -> Non
     )
 
 
-def test_the_probe_leaves_the_layer_as_it_was() -> None:
+def test_the_probe_leaves_the_layer_as_it_was_between_a_forward_and_its_backward() -> None:
+    """Discovery may run after the first training forward (roles_from_first_forward): the probe
+    writes none of the layer's parameters, so the backward of that forward still runs."""
     layer = HandLoRA(8, 6)
     layer.train()
-    before = {name: p.detach().clone() for name, p in layer.named_parameters()}
+    loss = layer(torch.randn(3, 8)).square().sum()  # saves p and q for its backward
+    before = {name: (p.detach().clone(), p._version) for name, p in layer.named_parameters()}
     assert isinstance(recognise(layer), Layout)
     assert layer.training
     for name, p in layer.named_parameters():
-        assert torch.equal(p, before[name]), name
+        assert torch.equal(p, before[name][0]) and p._version == before[name][1], name
+    loss.backward()
+    assert layer.q.grad is not None
 
 
 # --- torchtune --------------------------------------------------------------------------------

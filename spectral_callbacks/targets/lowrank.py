@@ -11,8 +11,9 @@ what it holds, never by its class or names:
    ``Linear`` layers with nothing below them; never a container such as ``nn.Sequential``): a
    base ``W_0`` (m x n), a down factor ``A`` (R x n, 2 R <= min(m, n)) and an up factor ``B`` (m' x r, m' <= m, r dividing R); optionally a
    magnitude vector of length m (DoRA);
-2. verification, once, on the module's own forward in eval mode with its factors (and magnitude)
-   set to random values for the probe and restored after: the output on random inputs minus
+2. verification, once, on the module's own forward in eval mode with random factors (and
+   magnitude) in place of its own (``torch.func.functional_call``: its parameters are never
+   written): the output on random inputs minus
    ``W_0 x + b`` is read as ``U (A x)`` (a least-squares solve for U), and U must be B scaled by
    one ``s`` and placed row by row: each row of B in one output row and against one block of
    r rows of A, in order (for a plain layer: ``U = s B``). DoRA's output
@@ -85,16 +86,19 @@ class Layout:
 
     def update_factor(self, module: nn.Module) -> torch.Tensor:
         """``U`` (m x R): ``s B`` placed, from the module's current ``B``."""
-        up = module.get_parameter(self.up).detach()
-        if self.rows is None or self.blocks is None:
-            return up * self.scale
         base = module.get_parameter(self.base)
         down = module.get_parameter(self.down)
-        placed = up.new_zeros((base.shape[0], down.shape[0]))
-        rows = torch.tensor(self.rows, device=up.device)
-        columns = torch.tensor(self.blocks, device=up.device)[:, None] * self.block
-        columns = columns + torch.arange(self.block, device=up.device)
-        placed[rows[:, None], columns] = up * self.scale
+        return self.place(module.get_parameter(self.up).detach(), base.shape[0], down.shape[0])
+
+    def place(self, up: torch.Tensor, rows: int, columns: int) -> torch.Tensor:
+        """``s B`` placed into an ``(rows, columns)`` matrix (``B`` itself scaled when plain)."""
+        if self.rows is None or self.blocks is None:
+            return up * self.scale
+        placed = up.new_zeros((rows, columns))
+        at = torch.tensor(self.rows, device=up.device)
+        columns_of = torch.tensor(self.blocks, device=up.device)[:, None] * self.block
+        columns_of = columns_of + torch.arange(self.block, device=up.device)
+        placed[at[:, None], columns_of] = up * self.scale
         return placed
 
 
@@ -194,11 +198,15 @@ def _kind(module: nn.Module) -> str:
 def _verify(
     module: nn.Module, base: str, down: str, up: str, bias: str | None, magnitude: str | None
 ) -> Layout | str:
-    """The layout the module's own output shows, or why it is refused (module docstring)."""
+    """The layout the module's own output shows, or why it is refused (module docstring).
+
+    The probe factors are passed to the module's forward by ``torch.func.functional_call``: its
+    own parameters are never written (a discovery between a training forward and its backward
+    leaves autograd's saved tensors as they were).
+    """
     kind = _kind(module)
-    weight = module.get_parameter(base)
+    weight = module.get_parameter(base).detach()
     a, b = module.get_parameter(down), module.get_parameter(up)
-    g = None if magnitude is None else module.get_parameter(magnitude)
     if getattr(module, "merged", False):
         return f"{kind} is merged (its base holds the update): cannot verify it as W0 + s B A; not watched"
     generator = torch.Generator(device="cpu").manual_seed(0)
@@ -207,31 +215,32 @@ def _verify(
         sample = torch.randn(tuple(shape), generator=generator, dtype=torch.float64)
         return (scale * sample).to(weight.device, a.dtype)
 
-    saved = [p.detach().clone() for p in (a, b, *([g] if g is not None else []))]
+    n, rank = weight.shape[1], a.shape[0]
+    probe = {
+        down: random(a.shape, n**-0.5),
+        up: random(b.shape, float(weight.double().std()) + 1e-3),
+    }
+    if magnitude is not None:
+        rows = (weight.double() ** 2).sum(1).sqrt()
+        jitter = 1.0 + 0.5 * torch.rand(rows.shape, generator=generator, dtype=torch.float64)
+        probe[magnitude] = (rows * jitter.to(rows.device)).to(weight.dtype)
+    tensors = {name: module.get_parameter(name).detach() for name in (base, bias) if name}
+    tensors.update(probe)
     was_training = module.training
-    n = weight.shape[1]
-    rank = a.shape[0]
     try:
         module.eval()
         with torch.no_grad():
-            a.copy_(random(a.shape, n**-0.5))
-            b.copy_(random(b.shape, float(weight.detach().double().std()) + 1e-3))
-            if g is not None:
-                rows = (weight.double() ** 2).sum(1).sqrt()
-                jitter = 1.0 + 0.5 * torch.rand(
-                    rows.shape, generator=generator, dtype=torch.float64
-                )
-                g.copy_((rows * jitter.to(rows.device)).to(g.dtype))
             x = random((1, 2 * rank + 8, n), 1.0)
-            y = module(x)
+            y = torch.func.functional_call(module, probe, (x,))
             if not isinstance(y, torch.Tensor) or y.shape[-1] != weight.shape[0]:
                 return f"{kind}: its output is not the base's {weight.shape[0]} rows; not watched"
-            layout = _layout_from_output(module, x, y, base, down, up, bias, magnitude)
+            layout = _layout_from_output(module, tensors, x, y, base, down, up, bias, magnitude)
             if isinstance(layout, str):
                 return f"{kind}: {layout}; not watched"
             x = random((1, 5, n), 1.0)
-            expected = _formula(module, layout, x)
-            if not _close(module(x).double(), expected, weight.dtype):
+            expected = _formula(layout, tensors, x)
+            got = torch.func.functional_call(module, probe, (x,))
+            if not _close(got.double(), expected, weight.dtype):
                 return (
                     f"{kind}: its output is not W0 x + s B A x (s={layout.scale:.4g}) on fresh "
                     "inputs; not watched"
@@ -240,24 +249,20 @@ def _verify(
     except Exception as error:  # a forward that cannot run on a probe: refused, named
         return f"{kind}: its forward could not be probed ({type(error).__name__}: {error}); not watched"
     finally:
-        with torch.no_grad():
-            for p, value in zip((a, b, *([g] if g is not None else [])), saved, strict=True):
-                p.copy_(value)
         module.train(was_training)
 
 
-def _formula(module: nn.Module, layout: Layout, x: torch.Tensor) -> torch.Tensor:
-    """``D (W_0 x + b + U A x)`` in float64 from the module's parameters."""
-    weight = module.get_parameter(layout.base).double()
-    a = module.get_parameter(layout.down).double()
-    u = layout.update_factor(module).double()
-    bias = 0.0 if layout.bias is None else module.get_parameter(layout.bias).double()
+def _formula(layout: Layout, tensors: Mapping[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    """``D (W_0 x + b + U A x)`` in float64 from ``tensors`` (the module's, by path)."""
+    weight = tensors[layout.base].double()
+    a = tensors[layout.down].double()
+    u = layout.place(tensors[layout.up].double(), weight.shape[0], a.shape[0])
+    bias = 0.0 if layout.bias is None else tensors[layout.bias].double()
     x = x.double()
     out = x @ weight.T + bias + (x @ a.T) @ u.T
     if layout.magnitude is not None:
         effective = weight + u @ a
-        g = module.get_parameter(layout.magnitude).double()
-        out = out * (g / effective.norm(dim=1))
+        out = out * (tensors[layout.magnitude].double() / effective.norm(dim=1))
     return out
 
 
@@ -268,6 +273,7 @@ def _close(value: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> b
 
 def _layout_from_output(
     module: nn.Module,
+    tensors: Mapping[str, torch.Tensor],
     x: torch.Tensor,
     y: torch.Tensor,
     base: str,
@@ -277,15 +283,13 @@ def _layout_from_output(
     magnitude: str | None,
 ) -> Layout | str:
     """Solve the probe's output for ``U`` (LoRA) or check DoRA's form with the stated ``s``."""
-    weight = module.get_parameter(base).double()
-    a = module.get_parameter(down).double()
-    b = module.get_parameter(up).double()
+    weight, a, b = (tensors[name].double() for name in (base, down, up))
     if magnitude is not None:
         scale = _stated_scale(module)
         if scale is None or b.shape != (weight.shape[0], a.shape[0]):
             return "a magnitude vector but no stated scaling (scaling, alpha / rank) or a placed B"
         return Layout(base, down, up, bias, magnitude, scale)
-    offset = 0.0 if bias is None else module.get_parameter(bias).double()
+    offset = 0.0 if bias is None else tensors[bias].double()
     x2 = x.double().reshape(-1, x.shape[-1])
     delta = y.double().reshape(-1, y.shape[-1]) - x2 @ weight.T - offset  # (k, m)
     u = torch.linalg.lstsq(x2 @ a.T, delta).solution.T  # (m, R)
