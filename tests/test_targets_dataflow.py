@@ -420,3 +420,30 @@ def test_a_key_written_in_place_is_followed_in_deepseek_v3() -> None:
     ]
     confirmed = {(t.layer, t.role) for t in by_flow if by_flow.sources[t.name] != "names"}
     assert confirmed >= {(layer, role) for layer in (0, 1) for role in ("K", "V", "O")}
+
+
+def test_flex_attention_is_an_attention_call_and_its_tracing_is_left_alone() -> None:
+    # flex_attention traces itself with torch.compile even when called eagerly: the recorder
+    # must stay out of that trace (it would break the forward) and still see the call.
+    flex = pytest.importorskip("torch.nn.attention.flex_attention").flex_attention
+
+    class Attention(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.u, self.w = nn.Linear(16, 48), nn.Linear(16, 16)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            q, k, v = self.u(x).view(1, -1, 3, 2, 8).permute(2, 0, 3, 1, 4)  # (B, nh, T, hs) each
+            return self.w(flex(q, k, v).transpose(1, 2).reshape(1, -1, 16))
+
+    model = nn.Sequential(Attention(), Attention())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # flex's own "called without compile"
+        flow = discover_roles(model, torch.randn(1, 4, 16))
+    assert flow.attention_calls == 2
+    assert [(r.layer, r.role, r.parameter, r.rows) for r in flow.roles if r.layer == 1] == [
+        (1, "Q", "1.u.weight", tuple(range(0, 16))),
+        (1, "K", "1.u.weight", tuple(range(16, 32))),
+        (1, "V", "1.u.weight", tuple(range(32, 48))),
+        (1, "O", "1.w.weight", None),
+    ]

@@ -346,7 +346,10 @@ class _RecordingMode(TorchFunctionMode):
     ) -> Any:
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        self.recording.add_op(func, args, kwargs, out)
+        # Code that torch.compile traces (flex_attention, a compiled block) runs as a graph the
+        # record cannot see into; recording while tracing would put this mode in the graph.
+        if not torch.compiler.is_compiling():
+            self.recording.add_op(func, args, kwargs, out)
         return out
 
 
