@@ -83,3 +83,23 @@ def test_the_rank_helper_of_the_gpu_tests_runs_on_the_cpu(how: str, tmp_path: Pa
     assert ranks[0]["drawn"] and all(rank["found"] == [] for rank in ranks)
     logged = read_scalars(logdir)
     assert sorted(logged[scalar_tag("stable_rank", 0, "Q")]) == cases.SCHEDULED
+
+
+@pytest.mark.parametrize("kind", ["lora-two-adapters", "moe"])
+def test_the_target_kind_helper_of_the_gpu_tests_runs_on_the_cpu(kind: str) -> None:
+    # tests/test_cuda_targets.py runs it on a GPU; here it shows the fit logs every scheduled step
+    # of every matrix, each beside its float64 reference (the update of two adapters too).
+    pytest.importorskip("peft")
+    from cuda_target_cases import SCHEDULE, compared, run
+
+    outcome = run(kind, accelerator="cpu")
+    assert outcome["on_device"] and outcome["syncs"] == []
+    metrics = ["stable_rank"] + (["update_stable_rank"] if kind != "moe" else [])
+    for metric in metrics:
+        source = outcome["updates"] if metric.startswith("update_") else outcome["weights"]
+        rows = compared(outcome, metric, source)
+        assert sorted({step for step, *_ in rows}) == SCHEDULE
+        layers_roles = {key[:2] for _, key, _, _ in rows}
+        assert layers_roles == {key[:2] for key in outcome["targets"]}
+        for step, key, logged, expected in rows:
+            assert logged == pytest.approx(expected, rel=0.01), (metric, step, key)
