@@ -55,6 +55,7 @@ def test_each_rule_fires_past_its_threshold_and_not_below() -> None:
         "esd_alpha_low": 1,
         "esd_alpha_high": 1,
         "non_finite": 1,
+        "logit_growth": 0,
     }
 
 
@@ -198,3 +199,42 @@ def test_a_30x_learning_rate_spike_raises_an_alert_within_two_snapshots(tmp_path
     assert sorted((a.kind, a.step, a.layer, a.role) for a in replayed) == sorted(
         (a.kind, a.step, a.layer, a.role) for a in run.alerts
     )
+
+
+def test_logit_growth_reads_a_layers_max_over_heads_once_per_window() -> None:
+    layout = SimpleNamespace(name="h.0.attn")
+    heads = [
+        SimpleNamespace(name=f"h.0.attn[head {h}]", layer=0, role="heads", layout=layout)
+        for h in range(3)
+    ]
+    watch = AlertWatch(heads, AlertRules(after_step=0, window=100, logit_growth=1.5))
+
+    def snapshot(step: int, bounds: list[float]) -> list[Alert]:
+        values = {f"h.0.attn[head {h}]": {"qk_spectral_norm": v} for h, v in enumerate(bounds)}
+        return watch.check(step, values)
+
+    assert snapshot(10, [1.0, 2.0, 0.5]) == []
+    assert snapshot(20, [2.9, 1.0, 0.5]) == []  # the max grew 1.45x: no alert
+    [alert] = snapshot(30, [1.0, 3.1, 0.5])  # 3.1 / 2.0 = 1.55x
+    assert (alert.kind, alert.matrix, alert.layer, alert.role, alert.since_step) == (
+        "logit_growth",
+        "h.0.attn",
+        0,
+        "heads",
+        10,
+    )
+    assert alert.value == pytest.approx(1.55)
+    assert "grew 1.55x" in alert.describe()
+    assert snapshot(40, [5.0, 1.0, 1.0]) == []  # once per window
+    assert watch.counts["logit_growth"] == 1
+    resumed = AlertWatch(heads, watch.rules)
+    resumed.load_state_dict(watch.state_dict())
+    assert resumed.check(60, {"h.0.attn[head 0]": {"qk_spectral_norm": 9.0}}) == []  # same window
+    assert [
+        a.kind for a in resumed.check(131, {"h.0.attn[head 0]": {"qk_spectral_norm": 9.0}})
+    ] == ["logit_growth"]
+
+
+def test_logit_growth_must_be_a_factor_above_one() -> None:
+    with pytest.raises(ConfigurationError, match=r"`logit_growth` must be a factor > 1"):
+        MonitorOptions(alerts=AlertRules(logit_growth=1.0))

@@ -92,3 +92,14 @@ def test_heads_that_do_not_divide_the_rows_are_refused():
         key_factors(torch.zeros(6, 4), 3, 4)
     with pytest.raises(ValueError, match="must share the batch shape and r"):
         circuit_singular_values(torch.zeros(2, 5, 3), torch.zeros(2, 5, 4))
+
+
+def test_an_ill_conditioned_factor_keeps_its_small_singular_values_accurate():
+    # cond(left) = 1e7 in rotated directions: a Gram route alone loses the small values (cond^2).
+    generator = torch.Generator().manual_seed(5)
+    U = torch.linalg.qr(torch.randn(2, 64, 8, generator=generator, dtype=torch.float64)).Q
+    V = torch.linalg.qr(torch.randn(2, 8, 8, generator=generator, dtype=torch.float64)).Q
+    left = U @ torch.diag(torch.logspace(0, -7, 8, dtype=torch.float64)) @ V.mT
+    right = torch.randn(2, 64, 8, generator=generator, dtype=torch.float64)
+    formed = torch.linalg.svdvals(left @ right.mT)[..., :8]
+    torch.testing.assert_close(circuit_singular_values(left, right), formed, rtol=1e-5, atol=0)

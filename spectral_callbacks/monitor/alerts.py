@@ -10,7 +10,11 @@ Each snapshot's metrics (target name -> metric -> value, as the engine hands the
 * ``esd_alpha_low`` / ``esd_alpha_high`` - its ESD α (when that snapshot carries it) is below
   ``esd_alpha_low`` (WeightWatcher's "over-trained" label is 2) or above ``esd_alpha_high``
   ("under-trained": 6); off unless set;
-* ``non_finite`` - its weights hold a NaN or Inf (its norms are not finite).
+* ``non_finite`` - its weights hold a NaN or Inf (its norms are not finite);
+* ``logit_growth`` - with ``circuits`` on, an attention layer's bound on its attention logits (the
+  max over its heads of ``qk_spectral_norm``) grew by more than the factor ``logit_growth`` over
+  its lowest value in the last ``window`` steps: the weight-only warning of attention-logit growth,
+  the instability behind many loss spikes (Dehghani et al. 2023; Wortsman et al. 2023).
 
 The rules that compare over a window (against snapshots from ``after_step`` on only), and the ESD
 bands, are read only from ``after_step`` on: the
@@ -50,6 +54,7 @@ ALERT_KINDS: tuple[str, ...] = (
     "esd_alpha_low",
     "esd_alpha_high",
     "non_finite",
+    "logit_growth",
 )
 
 
@@ -74,6 +79,9 @@ class AlertRules:
             for one matrix. Default ``50``.
         after_step: the first step whose snapshot the window and ESD rules read (``non_finite`` is
             read from the start). Default ``100``.
+        logit_growth: ``logit_growth`` when a layer's max-over-heads ``qk_spectral_norm`` exceeds
+            this factor times its lowest value within the window. Default ``1.5`` (measured in
+            benchmarks/logit_bound_validation.py and on the demo: docs/callback.md, Alerts).
     """
 
     rank_drop: float = 0.7
@@ -82,6 +90,7 @@ class AlertRules:
     esd_alpha_high: float | None = None
     window: int = 50
     after_step: int = 100
+    logit_growth: float = 1.5
 
 
 @dataclass(frozen=True)
@@ -105,6 +114,8 @@ class Alert:
             "esd_alpha_low": f"ESD α = {self.value:.2f} < {self.threshold:g}",
             "esd_alpha_high": f"ESD α = {self.value:.2f} > {self.threshold:g}",
             "non_finite": "weights hold NaN or Inf",
+            "logit_growth": f"the max attention-logit bound over heads grew {self.value:.2f}x "
+            f"(more than {self.threshold:g}x)",
         }[self.kind]
         since = f" since step {self.since_step}" if self.since_step is not None else ""
         return f"step {self.step}: {self.kind} in {self.matrix!r} (L{self.layer} {self.role}): {what}{since}"
@@ -130,6 +141,10 @@ class AlertWatch:
         )
         self._last: dict[tuple[str, str], int] = {}  # (kind, matrix) -> step of its last alert
         self.counts: dict[str, int] = dict.fromkeys(ALERT_KINDS, 0)
+        # Per attention layer (its heads' layout name): (step, max over heads of the logit bound).
+        self._bounds: dict[str, collections.deque[tuple[int, float]]] = collections.defaultdict(
+            collections.deque
+        )
 
     def check(self, step: int, values: Mapping[str, Mapping[str, float]]) -> list[Alert]:
         """The alerts the snapshot of ``step`` raises (each counted in :attr:`counts`)."""
@@ -173,6 +188,52 @@ class AlertWatch:
                 raised.append(
                     Alert(kind, step, name, target.layer, target.role, value, threshold, since)
                 )
+        raised += self._check_logit_bounds(step, values)
+        return raised
+
+    def _check_logit_bounds(
+        self, step: int, values: Mapping[str, Mapping[str, float]]
+    ) -> list[Alert]:
+        """``logit_growth`` of each attention layer whose heads this snapshot holds."""
+        rules = self.rules
+        bound: dict[str, tuple[Any, float]] = {}  # layer -> (a head target, max over heads)
+        for name, row in values.items():
+            target = self.targets.get(name)
+            value = row.get("qk_spectral_norm", math.nan)
+            if target is None or not math.isfinite(value):
+                continue
+            layer = str(getattr(getattr(target, "layout", None), "name", name))
+            bound[layer] = (target, max(value, bound.get(layer, (target, -math.inf))[1]))
+        raised = []
+        for layer, (target, value) in bound.items():
+            history = self._bounds[layer]
+            while history and history[0][0] < step - rules.window:
+                history.popleft()
+            if step < rules.after_step:
+                continue
+            if history:
+                base_step, base = min(history, key=lambda entry: entry[1])
+                last = self._last.get(("logit_growth", layer))
+                if (
+                    base > 0
+                    and value / base > rules.logit_growth
+                    and (last is None or step - last >= rules.window)
+                ):
+                    self._last[("logit_growth", layer)] = step
+                    self.counts["logit_growth"] += 1
+                    raised.append(
+                        Alert(
+                            "logit_growth",
+                            step,
+                            layer,
+                            target.layer,
+                            target.role,
+                            value / base,
+                            rules.logit_growth,
+                            base_step,
+                        )
+                    )
+            history.append((step, value))
         return raised
 
     def state_dict(self) -> dict[str, Any]:
@@ -181,6 +242,7 @@ class AlertWatch:
             "counts": dict(self.counts),
             "history": {name: [list(entry) for entry in h] for name, h in self._history.items()},
             "last": [[kind, name, step] for (kind, name), step in self._last.items()],
+            "bounds": {layer: [list(entry) for entry in h] for layer, h in self._bounds.items()},
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -193,6 +255,11 @@ class AlertWatch:
                 (int(step), float(rank), float(sigma)) for step, rank, sigma in entries
             )
         self._last = {(kind, name): int(step) for kind, name, step in state.get("last", [])}
+        self._bounds.clear()
+        for layer, entries in state.get("bounds", {}).items():
+            self._bounds[layer] = collections.deque(
+                (int(step), float(value)) for step, value in entries
+            )
 
     def count_scalars(self) -> dict[str, float]:
         """``spectral_alerts/<kind>``: the alerts of each kind raised so far."""

@@ -462,6 +462,12 @@ def check_alert_rules(rules: Any) -> None:
         high is None or is_real(high) and (low is None or high > low),
         f"None or a number{above}, e.g. 6.0",
     )
+    require(
+        "logit_growth",
+        rules.logit_growth,
+        is_real(rules.logit_growth) and rules.logit_growth > 1,
+        "a factor > 1, e.g. 1.5",
+    )
     require("window", rules.window, is_int(rules.window, 1), "a positive int of steps")
     require("after_step", rules.after_step, is_int(rules.after_step, 0), "a step >= 0")
 
