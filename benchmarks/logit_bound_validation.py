@@ -1,8 +1,9 @@
 """Does the logged QK bound follow the real attention logits, and does ``logit_growth`` warn?
 
-The reference GPT (examples/gpt.py, MHA, no QK-norm) is trained twice on the standard library's
-bytes: at a learning rate high enough that its attention logits grow and the loss spikes, and at a
-healthy one. Both run ``SpectralTracker(circuits=True)`` (snapshots every ``--every`` steps) with
+The reference GPT (examples/gpt.py, MHA, no QK-norm) is trained three times on the standard
+library's bytes with the demo's optimizer and schedule: at the demo's learning rate (healthy), the
+same run with the learning rate multiplied 30x for 10 steps at step 200 (as
+benchmarks/alert_thresholds.py spikes its runs), and at a high peak learning rate throughout. Both run ``SpectralTracker(circuits=True)`` (snapshots every ``--every`` steps) with
 the default ``AlertRules``. At every step a forward hook on each attention module records the
 true max |logit| of each head on one fixed batch (its input, through the module's own ``qkv`` and
 RoPE, scaled as its SDPA scales, causal positions only), beside the logged bound
@@ -94,13 +95,36 @@ def spearman(x: list[float], y: list[float]) -> float:
     return float((a * b).sum() / (a.norm() * b.norm()))
 
 
-def train(lr: float, args: argparse.Namespace, text: torch.Tensor) -> dict[str, object]:
+def train(
+    lr: float, args: argparse.Namespace, text: torch.Tensor, burst: bool = False
+) -> dict[str, object]:
+    """One run with the demo's optimizer and schedule (AdamW, betas (0.9, 0.95), weight decay 0.1
+    on matrices, linear warmup over steps / 30, cosine decay to 0.1 lr); ``burst``: the learning
+    rate times ``--burst-factor`` for ``--burst-steps`` steps from ``--burst-step``."""
     torch.manual_seed(args.seed)
     config = GPTConfig(
         n_layer=args.layers, n_head=args.heads, n_embd=args.width, block_size=args.block
     )
     model = GPT(config)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
+    matrices = [p for p in model.parameters() if p.ndim >= 2]
+    vectors = [p for p in model.parameters() if p.ndim < 2]
+    optimizer = torch.optim.AdamW(
+        [{"params": matrices, "weight_decay": 0.1}, {"params": vectors, "weight_decay": 0.0}],
+        lr=lr,
+        betas=(0.9, 0.95),
+    )
+    warmup = max(1, args.steps // 30)
+
+    def lr_at(step: int) -> float:  # benchmarks/alert_thresholds.py's (the demo's) schedule
+        if step < warmup:
+            factor = (step + 1) / warmup
+        else:
+            progress = min(1.0, (step - warmup) / max(1, args.steps - warmup))
+            factor = 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
+        if burst and args.burst_step <= step < args.burst_step + args.burst_steps:
+            factor *= args.burst_factor
+        return lr * factor
+
     generator = torch.Generator().manual_seed(args.seed)
     fixed = torch.stack([text[i : i + args.block] for i in range(0, 4 * args.block, args.block)])
     writer = Recorder()
@@ -118,6 +142,8 @@ def train(lr: float, args: argparse.Namespace, text: torch.Tensor) -> dict[str, 
     measured = {0: max_logits(model, fixed.long())}
     losses = []
     for step in range(1, args.steps + 1):
+        for group in optimizer.param_groups:
+            group["lr"] = lr_at(step - 1)
         starts = torch.randint(0, len(text) - args.block - 1, (args.batch,), generator=generator)
         chunk = torch.stack([text[s : s + args.block + 1] for s in starts.tolist()]).long()
         _, loss = model(chunk[:, :-1], chunk[:, 1:])
@@ -194,25 +220,33 @@ def max_growth(writer: Recorder, args: argparse.Namespace) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
-    parser.add_argument("--layers", type=int, default=2)
-    parser.add_argument("--heads", type=int, default=4)
-    parser.add_argument("--width", type=int, default=64)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--heads", type=int, default=2)
+    parser.add_argument("--width", type=int, default=128)
     parser.add_argument("--block", type=int, default=64)
     parser.add_argument("--batch", type=int, default=16)
-    parser.add_argument("--steps", type=int, default=400)
+    parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--every", type=int, default=5, help="snapshot every this many steps")
-    parser.add_argument("--spike-lr", type=float, default=3e-2)
-    parser.add_argument("--healthy-lr", type=float, default=1e-3)
+    parser.add_argument("--healthy-lr", type=float, default=1.5e-3, help="the demo's peak lr")
+    parser.add_argument("--high-lr", type=float, default=3e-2, help="the high-lr run's peak lr")
+    parser.add_argument("--burst-step", type=int, default=200)
+    parser.add_argument("--burst-steps", type=int, default=10)
+    parser.add_argument("--burst-factor", type=float, default=30.0)
     parser.add_argument("--warmup", type=int, default=50, help="steps before a spike counts")
     parser.add_argument("--spike-factor", type=float, default=1.5)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     torch.set_num_threads(1)
     text = load_bytes(max_bytes=2_000_000)
+    runs = (
+        ("healthy", args.healthy_lr, False),
+        (f"lr x{args.burst_factor:g} at {args.burst_step}", args.healthy_lr, True),
+        ("high lr", args.high_lr, False),
+    )
     results = {}
-    for name, lr in (("spike", args.spike_lr), ("healthy", args.healthy_lr)):
+    for name, lr, burst in runs:
         start = time.perf_counter()
-        results[name] = train(lr, args, text)
+        results[name] = train(lr, args, text, burst)
         print(f"{name} (lr {lr:g}): {time.perf_counter() - start:.0f} s", file=sys.stderr)
     print(
         f"{args.layers} layers x {args.width}, {args.heads} heads, {args.steps} steps, "
@@ -223,7 +257,7 @@ def main() -> None:
         "| max growth in window | alerts | min / final loss |"
     )
     print("|---|---|---|---|---|---|---|---|")
-    for name, lr in (("spike", args.spike_lr), ("healthy", args.healthy_lr)):
+    for name, lr, _ in runs:
         r = results[name]
         alerts = ", ".join(f"{k} {v}" for k, v in r["alerts"].items() if v) or "none"
         print(
@@ -231,9 +265,9 @@ def main() -> None:
             f"{r['first_alert']} | {r['growth']:.2f} | {alerts} | "
             f"{r['min_loss']:.2f} / {r['final_loss']:.2f} |"
         )
-    pooled_bounds = results["spike"]["bounds"] + results["healthy"]["bounds"]
-    pooled_logits = results["spike"]["logits"] + results["healthy"]["logits"]
-    print(f"pooled Spearman over both runs: {spearman(pooled_bounds, pooled_logits):.3f}")
+    pooled_bounds = [b for r in results.values() for b in r["bounds"]]  # type: ignore[attr-defined]
+    pooled_logits = [x for r in results.values() for x in r["logits"]]  # type: ignore[attr-defined]
+    print(f"pooled Spearman over every run: {spearman(pooled_bounds, pooled_logits):.3f}")
 
 
 if __name__ == "__main__":

@@ -85,6 +85,10 @@ METRIC_LABELS: dict[str, str] = {
     "update_energy_rank_90": r"update rank holding 90 % of $\|\Delta W\|_F^2$",
     "update_relative_size": r"update size $\|\Delta W\|_F / \|W_0\|_F$",
     "update_spectral_norm": r"update spectral norm $\sigma_1(\Delta W)$",
+    "qk_spectral_norm": r"QK logit bound $\sigma_1(W_{QK}^h)/\sqrt{d_h}$",
+    "qk_stable_rank": r"QK circuit stable rank",
+    "ov_spectral_norm": r"OV circuit norm $\sigma_1(W_{OV}^h)$",
+    "ov_stable_rank": r"OV circuit stable rank",
 }
 # Per-run line styles so runs stay apart when colour already encodes the role.
 _LINE_STYLES = ("-", "--", ":", "-.", (0, (5, 1)), (0, (3, 1, 1, 1, 1, 1)))
@@ -906,3 +910,92 @@ def save_figure(fig: Figure, path: str | Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=150)
     return path
+
+
+def head_grid(rows: pd.DataFrame, metric: str = "qk_spectral_norm") -> tuple[pd.DataFrame, int]:
+    """The layer x head table of a per-head circuit metric at the last step that has it, and that
+    step (rows of one run and stack; the SPECTRAL tab and ``plot --kind heads`` draw it).
+
+    >>> rows = pd.DataFrame({"step": [0, 5, 5, 5], "metric": "qk_spectral_norm",
+    ...                      "layer": [0, 0, 0, 1], "role": "heads", "head": [0, 0, 1, 0],
+    ...                      "value": [1.0, 2.0, 3.0, 4.0]})
+    >>> grid, step = head_grid(rows)
+    >>> step, grid.to_numpy().tolist()
+    (5, [[2.0, 3.0], [4.0, nan]])
+
+    Raises:
+        ValueError: no per-head value of ``metric``.
+    """
+    chosen = _heads_of(rows, metric)
+    step = int(chosen["step"].max())
+    at_step = chosen[chosen["step"] == step]
+    grid = at_step.pivot_table(index="layer", columns="head", values="value", aggfunc="last")
+    return grid.sort_index().sort_index(axis=1), step
+
+
+def _heads_of(rows: pd.DataFrame, metric: str) -> pd.DataFrame:
+    if "head" not in rows:
+        raise ValueError("the rows have no head column (runs logged without circuits=True)")
+    chosen = rows[(rows["metric"] == metric) & rows["head"].notna()]
+    if chosen.empty:
+        known = sorted(rows.loc[rows["head"].notna(), "metric"].unique())
+        raise ValueError(
+            f"no per-head {metric!r}; train with circuits=True (per-head metrics here: "
+            f"{', '.join(known) or 'none'})"
+        )
+    return chosen.astype({"layer": "int64", "head": "int64"})
+
+
+def heads_by_layer(rows: pd.DataFrame, metric: str = "qk_spectral_norm") -> Figure:
+    """Heatmap layer (rows, L0 at the top) x head (columns) of a per-head circuit metric at the last
+    step, one panel per run (and stack).
+
+    Raises:
+        ValueError: no per-head value of ``metric``.
+    """
+    chosen = _heads_of(rows, metric)
+    panels = _panels(chosen)
+    fig = Figure(figsize=(6.5, 3.0 * len(panels)), layout="constrained")
+    axes = fig.subplots(len(panels), 1, squeeze=False)[:, 0]
+    for ax, (run, stack, of_panel) in zip(axes, panels, strict=True):
+        grid, step = head_grid(of_panel, metric)
+        mesh = ax.pcolormesh(
+            _edges(grid.columns.to_numpy(dtype=float)),
+            _edges(grid.index.to_numpy(dtype=float)),
+            grid.to_numpy(dtype=float),
+            cmap="viridis",
+            shading="flat",
+        )
+        fig.colorbar(mesh, ax=ax, label=metric_label(metric))
+        ax.set_xlabel("head")
+        ax.set_ylabel("layer")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.yaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.invert_yaxis()
+        ax.set_title(f"{metric_label(metric)} per head at step {step} — {_of(run, stack)}")
+    return fig
+
+
+def heads_vs_steps(
+    rows: pd.DataFrame, layer: int = 0, metric: str = "qk_spectral_norm", *, ax: Axes | None = None
+) -> Figure:
+    """A per-head circuit metric of one layer against step, one line per head (runs and stacks
+    after one another in the legend).
+
+    Raises:
+        ValueError: no per-head value of ``metric`` in ``layer``.
+    """
+    chosen = _heads_of(rows, metric)
+    chosen = chosen[chosen["layer"] == layer]
+    if chosen.empty:
+        raise ValueError(f"no per-head {metric!r} in layer {layer}")
+    fig, ax = _axes(ax, (6.5, 4.0))
+    for run, stack, of_panel in _panels(chosen):
+        for head, line in of_panel.sort_values("step").groupby("head"):
+            name = f"H{int(head):02d}" + ("" if len(_runs(chosen)) == 1 else f" {_of(run, stack)}")
+            ax.plot(line["step"], line["value"], marker=".", label=name)
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel(metric_label(metric))
+    ax.set_title(f"{metric_label(metric)} per head, layer {layer}")
+    _legend(ax, "head", outside=True)
+    return fig

@@ -91,7 +91,9 @@ def test_tab_shows_every_view_with_data_and_no_console_error(
             "MLP↓",
         ]
         messages = driver.find_elements(By.CSS_SELECTOR, "section.panel .message")
-        assert len(messages) == len(VIEWS) + 1 and all(not e.text for e in messages)  # + alerts
+        # + alerts and heads (these runs have no per-head circuits: the heads view says so in a
+        # note, not in its message line)
+        assert len(messages) == len(VIEWS) + 2 and all(not e.text for e in messages)
         assert [e.text for e in inside("alerts", "h3")] == [
             "a · no alerts up to step 30",
             "b · no alerts up to step 30",
@@ -346,3 +348,50 @@ def test_runs_of_different_models_ticked_together(
         _until(lambda: texts("bars", ".plot") == [why.replace(" of Q", "")])
         _shoot(driver, "analyzed")
         assert severe(driver) == []
+
+
+def test_the_heads_view_draws_a_heatmap_per_run_and_a_line_per_head(
+    installed: dict[str, str], tmp_path: Path
+) -> None:
+    import torch
+    from gpt import GPT, GPTConfig
+
+    from spectral_callbacks.monitor.tracker import SpectralTracker
+
+    torch.manual_seed(0)
+    model = GPT(
+        GPTConfig(n_layer=3, n_head=4, n_kv_head=2, n_embd=32, block_size=16, attention="gqa")
+    )
+    tracker = SpectralTracker(
+        model, logdir=tmp_path / "tb" / "gqa", circuits=True, synchronous=True, figures=False
+    )
+    tracker.begin(0)
+    for step in range(1, 4):
+        with torch.no_grad():
+            for parameter in model.parameters():
+                parameter.add_(torch.randn_like(parameter), alpha=1e-2)
+        tracker.step(step)
+    tracker.close()
+    with (
+        tensorboard(
+            tmp_path / "tb", command=[str(TENSORBOARD)], env=installed, cwd=tmp_path
+        ) as url,
+        chromium() as driver,
+    ):
+        open_tab(driver, url)
+        # 3 layers x 4 heads in the heatmap + 4 heads x 4 snapshots of layer 0's lines
+        points = wait_for_points(driver, ["heads"], timeout=60, more_than={"heads": 3 * 4 + 16 - 1})
+        from selenium.webdriver.common.by import By
+
+        assert points["heads"] == 3 * 4 + 4 * 4
+        view = 'section[data-view="heads"]'
+        assert len(driver.find_elements(By.CSS_SELECTOR, f"{view} canvas.heatmap")) == 1
+        assert len(driver.find_elements(By.CSS_SELECTOR, f"{view} svg path.line")) == 4
+        assert [e.text for e in driver.find_elements(By.CSS_SELECTOR, f"{view} .legend-item")] == [
+            "H0",
+            "H1",
+            "H2",
+            "H3",
+        ]
+        assert severe(driver) == []
+        _shoot(driver, "heads")

@@ -3,6 +3,7 @@
 Example::
 
     spectral-callbacks plot runs/d8 runs/d12 runs/gpt2 --kind alpha-depth --role Q -o alpha.png
+    spectral-callbacks plot runs/d8 --kind heads --metric qk_spectral_norm --steps 0:500 -o heads.png
     spectral-callbacks plot runs --kind metric-diff --metric train/loss --baseline mha --x train/tokens -o diff.pdf
     spectral-callbacks plot runs/ablation --kind metric-diff --metric train/loss \
         --pair '{variant}/zero_out' '{variant}/gpt' --x train/tokens --smoothing 0.9 -o init.png
@@ -41,6 +42,10 @@ KINDS = {
     "per layer",
     "metric-diff": "--metric of each run minus the --baseline run (or minus its --pair partner), "
     "vs step or --x",
+    "heads": "heatmap layer x head of a circuit --metric (default qk_spectral_norm) at the last "
+    "step (of --steps), a panel per run (circuits=True)",
+    "head-steps": "a circuit --metric (default qk_spectral_norm) of each head of --layer "
+    "(default 0) vs step",
 }
 
 
@@ -71,7 +76,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         "--layer",
         type=layer_choice,
         metavar="N",
-        help="layer of rank-steps (default 0), of metric-diff",
+        help="layer of rank-steps and head-steps (default 0), of metric-diff",
     )
     parser.add_argument(
         "--metric",
@@ -130,6 +135,14 @@ def draw(rows: pd.DataFrame, args: argparse.Namespace) -> Figure:
             return charts.compression_wave(rows, role=args.role or "Q")
         if args.kind == "update-rank":
             return charts.update_rank_vs_r(rows)
+        if args.kind == "heads":
+            return charts.heads_by_layer(rows, metric=args.metric or "qk_spectral_norm")
+        if args.kind == "head-steps":
+            return charts.heads_vs_steps(
+                rows,
+                layer=0 if args.layer is None else args.layer,
+                metric=args.metric or "qk_spectral_norm",
+            )
         if args.kind == "layer-steps":
             return charts.metric_vs_steps_by_layer(
                 rows, role=args.role or "Q", metric=args.metric or "update_stable_rank"

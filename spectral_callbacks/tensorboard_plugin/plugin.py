@@ -15,6 +15,8 @@ route          what it returns (query parameters; ``run`` repeatable)
 ``/bars``      metric (compression) by layer x role at ``step`` per run
 ``/diff``      metric minus the ``baseline`` run vs ``x`` (step or a scalar such as tokens)
 ``/alerts``    the alerts each run's monitor raised (its ``spectral_alerts`` text entries)
+``/heads``     a per-head circuit metric (qk_spectral_norm) by layer x head at ``step`` per run
+``/by_head``   a per-head circuit metric of one layer vs step, a series per head
 =============  ========================================================================
 
 The views of one layer or one role take ``stack`` (default ``""``: a model with one stack), the
@@ -77,6 +79,8 @@ class SpectralPlugin(base_plugin.TBPlugin):
             "/bars": self._bars,
             "/diff": self._diff,
             "/alerts": self._alerts,
+            "/heads": self._heads,
+            "/by_head": self._by_head,
             "/static/*": self._static,
         }
         return {path: Request.application(handler) for path, handler in routes.items()}
@@ -193,6 +197,29 @@ class SpectralPlugin(base_plugin.TBPlugin):
         # then cost no read of the text plugin.
         texts = self._source.texts(*where, raised, views.ALERT_TEXT_TAGS) if raised else {}
         return _json(request, {"runs": views.alerts(runs, texts, counts)})
+
+    def _heads(self, request: Request) -> Response:
+        runs = _runs_of(request)
+        metric = request.args.get("metric", "qk_spectral_norm")
+        step = _optional_int(request, "step", least=0)
+        stack = _stack(request)
+        keep = lambda p: p.metric == metric and p.head is not None and _of(p, stack)  # noqa: E731
+        rows = self._source.rows(*_where(request), self._wanted(request, runs, keep, metric))
+        return _json(request, views.heads_by_layer(rows, runs, metric, step, stack))
+
+    def _by_head(self, request: Request) -> Response:
+        runs = _runs_of(request)
+        metric = request.args.get("metric", "qk_spectral_norm")
+        layer = _int(request, "layer", 0, least=0)
+        stack = _stack(request)
+        keep = lambda p: (  # noqa: E731
+            p.metric == metric and p.head is not None and p.layer == layer and _of(p, stack)
+        )
+        rows = self._source.rows(*_where(request), self._wanted(request, runs, keep, metric))
+        points = _int(request, "max_points", MAX_POINTS, least=4)
+        return _json(
+            request, {"series": views.curves_by_head(rows, runs, metric, layer, points, stack)}
+        )
 
     def _static(self, request: Request) -> Response:
         """A file of ``static/``; anything outside it (``..``) is not found."""

@@ -38,6 +38,7 @@ from spectral_callbacks.charts import (
     _final,
     _ordered_roles,
     compression_rows,
+    head_grid,
     layer_step_grid,
     one_per_layer,
     role_color,
@@ -117,7 +118,8 @@ def _spread(line: pd.DataFrame, keep: np.ndarray | slice = slice(None)) -> dict[
 def catalog(index: Mapping[str, Iterable[str]]) -> list[dict]:
     """What each run logged, from its tags: spectral metrics, roles, layers, stacks (with the
     layers of each: ``""`` for a model with one stack), the roles logged over experts, the kinds
-    of alert it counts, and other scalars.
+    of alert it counts, the metrics logged per attention head (``circuits=True``), and other
+    scalars.
 
     Each role comes with its colour (:func:`~spectral_callbacks.charts.role_color`, the CLI's) and
     each stack with its line style (:func:`stack_dash`), so neither depends on the runs ticked.
@@ -153,6 +155,7 @@ def catalog(index: Mapping[str, Iterable[str]]) -> list[dict]:
                     for stack in stacks or [""]
                 },
                 "expert_roles": _ordered_roles([p.role for p in spectral if p.aggregate]),
+                "head_metrics": sorted({p.metric for p in spectral if p.head is not None}),
                 "alert_kinds": [k for k in ALERT_KINDS if alert_tag(k) in scalars],
                 "scalars": scalars,
                 "role_colors": {role: role_color(role) for role in roles},
@@ -313,6 +316,68 @@ def depth_profile(
         "steps": sorted(int(s) for s in set(steps)),
         "runs": profiles,
     }
+
+
+def heads_by_layer(
+    rows: pd.DataFrame, runs: Sequence[str], metric: str, step: int | None, stack: str = ""
+) -> dict:
+    """A per-head circuit ``metric`` over layer x head at ``step`` (None: each run's last), a
+    panel per run (of ``stack``), shaped by ``charts.head_grid`` as ``plot --kind heads`` is.
+
+    ``steps`` lists the steps logged, for the slider; a run without per-head values has an empty
+    panel.
+    """
+    chosen = rows[(rows["metric"] == metric) & rows["head"].notna() & rows["run"].isin(runs)]
+    chosen = _in_stack(chosen, stack)
+    panels = []
+    for run in runs:
+        of_run = chosen[chosen["run"] == run]
+        if step is not None:
+            of_run = of_run[of_run["step"] <= step]
+        if of_run.empty:
+            panels.append({"run": run, "layers": [], "heads": [], "values": [], "step": None})
+            continue
+        grid, at = head_grid(of_run, metric)
+        panels.append(
+            {
+                "run": run,
+                "layers": grid.index.astype(int).tolist(),
+                "heads": grid.columns.astype(int).tolist(),
+                "values": [_floats(line) for line in grid.to_numpy(dtype=float)],
+                "step": at,
+            }
+        )
+    return {
+        "metric": metric,
+        "step": step,
+        "stack": stack,
+        "steps": sorted(int(s) for s in chosen["step"].unique()),
+        "runs": panels,
+    }
+
+
+def curves_by_head(
+    rows: pd.DataFrame,
+    runs: Sequence[str],
+    metric: str,
+    layer: int,
+    max_points: int,
+    stack: str = "",
+) -> list[dict]:
+    """A per-head circuit ``metric`` of one layer (of ``stack``) vs step: one series per (run,
+    head)."""
+    chosen = rows[(rows["metric"] == metric) & rows["head"].notna() & (rows["layer"] == layer)]
+    chosen = _in_stack(chosen, stack).sort_values("step", kind="stable")
+    series = []
+    for run in runs:
+        for head, line in chosen[chosen["run"] == run].groupby("head", sort=True):
+            values = line["value"].to_numpy(float)
+            keep = keep_extremes(values, max_points)
+            steps = line["step"].to_numpy()[keep].tolist()
+            series.append(
+                {"run": run, "head": int(head), "steps": steps, "values": _floats(values[keep])}
+            )
+    return series
 
 
 def bars_by_layer(

@@ -226,7 +226,8 @@ export function depthBar(container, label) {
  * Heatmap on a canvas: rows = layers (0 at the top), columns = steps, values[row][col];
  * hover shows layer, step, value and the low/high range the column stands for.
  */
-export function heatmap(container, {layers, steps, values, low, high, label, width = 1240, height = 260}) {
+export function heatmap(container, {layers, steps, values, low, high, label, width = 1240, height = 260,
+                                    xLabel = 'optimizer step', xName = 'step'}) {
   container.textContent = '';
   const canvas = document.createElement('canvas');
   const left = 50, right = 90, top = 8, bottom = 34;
@@ -261,7 +262,7 @@ export function heatmap(container, {layers, steps, values, low, high, label, wid
   });
   g.textAlign = 'center';
   for (const t of ticks(x0, x1)) g.fillText(format(t), sx(t), top + h + 14);
-  g.fillText('optimizer step', left + w / 2, top + h + 30);
+  g.fillText(xLabel, left + w / 2, top + h + 30);
   // Colour bar.
   for (let i = 0; i < h; i++) { g.fillStyle = viridis(1 - i / h); g.fillRect(width - right + 16, top + i, 14, 1); }
   g.fillStyle = '#333'; g.textAlign = 'left';
@@ -278,7 +279,7 @@ export function heatmap(container, {layers, steps, values, low, high, label, wid
     const r = Math.floor((py - top) / rh);
     const j = edges.findIndex((e, k) => k < steps.length && px >= e && px < edges[k + 1]);
     if (r < 0 || r >= layers.length || j < 0) { tip.style.display = 'none'; return; }
-    let html = `layer ${layers[r]} · step ${steps[j]}<br>${label}: <b>${format(values[r][j])}</b>`;
+    let html = `layer ${layers[r]} · ${xName} ${steps[j]}<br>${label}: <b>${format(values[r][j])}</b>`;
     if (low && high && (low[r][j] !== values[r][j] || high[r][j] !== values[r][j])) {
       html += `<br><small>range since previous column: ${format(low[r][j])} … ${format(high[r][j])}</small>`;
     }

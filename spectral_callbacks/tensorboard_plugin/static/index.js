@@ -24,6 +24,7 @@ const state = {
   byLayer: {metric: 'stable_rank', role: 'Q', stack: ''},
   depth: {metric: 'alpha', role: 'Q', step: null},
   bars: {metric: 'compression', step: null, stack: ''},
+  heads: {metric: 'qk_spectral_norm', step: null, layer: 0, stack: ''},
   diff: {metric: null, baseline: null, x: 'step', layer: 0, role: 'Q', stack: ''},
   alerts: {},
 };
@@ -48,11 +49,12 @@ export async function render() {
     ['byLayer', 'Metric vs step, one role', 'one line per layer, coloured by relative depth'],
     ['depth', 'Metric vs relative depth', 'at the step of the slider (default: the last), runs overlaid'],
     ['bars', 'Metric by layer × role', 'at the step of the slider (default: the last), a panel per run'],
+    ['heads', 'Attention heads', 'a QK/OV circuit metric (circuits=True) by layer × head at the step of the slider (default: the last), a heatmap per run; below, each head of one layer vs step'],
     ['diff', 'Difference against a baseline run', 'aligned as spectral-callbacks plot --kind metric-diff aligns it'],
     ['alerts', 'Alerts', 'what the monitor’s alert rules raised in each ticked run, newest first'],
   ]) {
     const panel = document.createElement('section');
-    panel.className = 'panel' + (view === 'wave' || view === 'alerts' ? ' wide' : '');
+    panel.className = 'panel' + (['wave', 'alerts', 'heads'].includes(view) ? ' wide' : '');
     panel.dataset.view = view;
     panel.innerHTML = `<h2>${title}</h2><p class="blurb">${blurb}</p><div class="controls"></div>
       <div class="plots"></div><div class="message"></div>`;
@@ -444,6 +446,54 @@ const VIEWS = {
     if (json.runs.some((panel) => Object.keys(panel.spread || {}).length)) {
       note('bars', 'a bar of experts is their mean, its whisker the min … max over the layer’s experts');
     }
+  },
+
+  async heads() {
+    const s = state.heads;
+    const metrics = union('head_metrics');
+    if (!metrics.length) {
+      clear('heads');
+      note('heads', 'no ticked run logged per-head circuits: train with circuits=True');
+      return;
+    }
+    s.metric = valid(s.metric, metrics, 'qk_spectral_norm');
+    const stack = stackOf(s);
+    const layers = layersIn(stack);
+    s.layer = valid(s.layer, layers, 0);
+    const params = {run: state.runs.slice(0, MAX_PANELS), metric: s.metric, step: s.step, stack};
+    const json = await getJson('heads', params);
+    const lines = await getJson('by_head', {run: state.runs, metric: s.metric, layer: s.layer, stack});
+    controls('heads', [s, metrics, layers, json.steps, stacksTicked()], () => [
+      select('metric', metrics, s.metric, setter('heads', 'metric')),
+      ...stackSelect('heads'),
+      slider('step', json.steps, s.step, setter('heads', 'step')),
+      select('layer of the lines', layers, s.layer, setter('heads', 'layer', Number)),
+    ]);
+    const key = JSON.stringify([params, json, lines]);
+    if (drawn.heads === key) return;
+    drawn.heads = key;
+    plots('heads').textContent = '';
+    message('heads', '');
+    let points = 0;
+    for (const panel of json.runs) {
+      const named = (ticked().find((r) => r.run === panel.run) || {stacks: []}).stacks.length;
+      const title = named ? `${panel.run} · ${stack}` : panel.run;
+      const box = plotBox(plots('heads'), panel.layers.length ? `${title} · step ${panel.step}` : title);
+      if (!panel.layers.length) { box.textContent = `no per-head ${s.metric} in ${title}`; continue; }
+      points += heatmap(box, {layers: panel.layers, steps: panel.heads, values: panel.values, label: s.metric,
+                              xLabel: 'head', xName: 'head', width: 900,
+                              height: Math.min(420, 60 + 18 * panel.layers.length)});
+    }
+    const series = lines.series.map((x) => ({
+      label: `${state.runs.length > 1 ? x.run + ' · ' : ''}H${x.head}`, color: PALETTE[x.head % PALETTE.length],
+      dash: DASHES[state.runs.indexOf(x.run) % DASHES.length], xs: x.steps, ys: x.values}));
+    if (series.length) {
+      points += lineChart(plotBox(plots('heads'), `each head of ${place(stack, s.layer)}`), {
+        series, xLabel: 'optimizer step', yLabel: `${s.metric} of ${place(stack, s.layer)}`});
+      const heads = [...new Set(lines.series.map((x) => x.head))];
+      legend(plots('heads'), heads.map((h) => ({label: `H${h}`, color: PALETTE[h % PALETTE.length]})), 'head');
+    }
+    panels.heads.dataset.points = points;
   },
 
   async diff() {
