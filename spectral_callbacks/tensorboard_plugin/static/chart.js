@@ -227,7 +227,7 @@ export function depthBar(container, label) {
  * hover shows layer, step, value and the low/high range the column stands for.
  */
 export function heatmap(container, {layers, steps, values, low, high, label, width = 1240, height = 260,
-                                    xLabel = 'optimizer step', xName = 'step'}) {
+                                    xLabel = 'optimizer step', xName = 'step', categories = false}) {
   container.textContent = '';
   const canvas = document.createElement('canvas');
   const left = 50, right = 90, top = 8, bottom = 34;
@@ -240,11 +240,14 @@ export function heatmap(container, {layers, steps, values, low, high, label, wid
   let [lo, hi] = extent(flat, 0);
   const cell = (v) => (v === null ? '#dddddd' : viridis((v - lo) / (hi - lo || 1)));
   // Column edges halfway between steps, as the CLI's heatmap: the schedule is dense early.
-  const x0 = steps[0], x1 = steps[steps.length - 1];
+  // Categories (heads): a cell of one unit around each.
+  const last = steps[steps.length - 1];
+  const x0 = categories ? steps[0] - 0.5 : steps[0], x1 = categories ? last + 0.5 : last;
   const sx = (s) => left + ((s - x0) / (x1 - x0 || 1)) * w;
-  const edges = steps.map((s, j) => (j === 0 ? sx(s) : (sx(steps[j - 1]) + sx(s)) / 2));
+  const edges = categories ? steps.map((s) => sx(s - 0.5))
+    : steps.map((s, j) => (j === 0 ? sx(s) : (sx(steps[j - 1]) + sx(s)) / 2));
   edges.push(sx(x1));
-  if (steps.length === 1) { edges[0] = left; edges[1] = left + w; }
+  if (steps.length === 1 && !categories) { edges[0] = left; edges[1] = left + w; }
   const rh = h / layers.length;
   let points = 0;
   layers.forEach((layer, r) => {
@@ -261,7 +264,8 @@ export function heatmap(container, {layers, steps, values, low, high, label, wid
     if (r % every === 0) g.fillText('L' + layer, left - 6, top + r * rh + rh / 2 + 4);
   });
   g.textAlign = 'center';
-  for (const t of ticks(x0, x1)) g.fillText(format(t), sx(t), top + h + 14);
+  const at = categories ? ticks(steps[0], last).filter(Number.isInteger) : ticks(x0, x1);
+  for (const t of at) g.fillText(format(t), sx(t), top + h + 14);
   g.fillText(xLabel, left + w / 2, top + h + 30);
   // Colour bar.
   for (let i = 0; i < h; i++) { g.fillStyle = viridis(1 - i / h); g.fillRect(width - right + 16, top + i, 14, 1); }

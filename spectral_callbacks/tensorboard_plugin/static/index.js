@@ -481,7 +481,7 @@ const VIEWS = {
       const box = plotBox(plots('heads'), panel.layers.length ? `${title} · step ${panel.step}` : title);
       if (!panel.layers.length) { box.textContent = `no per-head ${s.metric} in ${title}`; continue; }
       points += heatmap(box, {layers: panel.layers, steps: panel.heads, values: panel.values, label: s.metric,
-                              xLabel: 'head', xName: 'head', width: 900,
+                              xLabel: 'head', xName: 'head', categories: true, width: 900,
                               height: Math.min(420, 60 + 18 * panel.layers.length)});
     }
     const series = lines.series.map((x) => ({
