@@ -329,7 +329,7 @@ def heads_by_layer(
     """
     chosen = rows[(rows["metric"] == metric) & rows["head"].notna() & rows["run"].isin(runs)]
     chosen = _in_stack(chosen, stack)
-    panels = []
+    panels: list[dict[str, object]] = []
     for run in runs:
         of_run = chosen[chosen["run"] == run]
         if step is not None:
