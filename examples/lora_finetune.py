@@ -1,6 +1,7 @@
 """Fine-tune a small Llama-shaped model with LoRA and watch the spectrum of the update.
 
-``python examples/lora_finetune.py --logdir runs/lora [--steps 120] [--r 8] [--dora] [--rslora]``
+``python examples/lora_finetune.py --logdir runs/lora [--steps 120] [--r 8] [--dora] [--rslora]
+[--rank-pattern ranks.json]``
 
 The base model is first trained briefly on one synthetic task (a fixed random permutation of the
 vocabulary: predict ``perm[x]``), then wrapped with LoRA (r on q, k, v, o, gate, up, down) and
@@ -10,6 +11,12 @@ step. The tracker logs each adapted matrix's effective weight under the usual na
 
     spectral-callbacks plot runs/lora --kind update-rank -o update_rank.png
     spectral-callbacks plot runs/lora --kind layer-steps --role V -o update_sr_V.png
+    spectral-callbacks rank-layers runs/lora --lora --json ranks.json   # the r each module needs
+    python examples/lora_finetune.py --logdir runs/lora-ranked --rank-pattern ranks.json
+
+The last line fine-tunes again with the ``rank_pattern`` and ``alpha_pattern`` rank-layers printed
+(read from its JSON), so the two losses can be compared; each run ends by printing its loss on
+held-out sequences of the second task and its number of adapter parameters.
 
 No network: the model is built from a config, the data is synthetic.
 """
@@ -17,6 +24,7 @@ No network: the model is built from a config, the data is synthetic.
 from __future__ import annotations
 
 import argparse
+import json
 from pathlib import Path
 
 import torch
@@ -52,6 +60,12 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--dora", action="store_true", help="DoRA instead of LoRA")
     parser.add_argument("--rslora", action="store_true", help="scaling alpha / sqrt(r)")
+    parser.add_argument(
+        "--rank-pattern",
+        type=Path,
+        default=None,
+        help="rank-layers --lora --json output: its rank_pattern and alpha_pattern for LoraConfig",
+    )
     args = parser.parse_args()
 
     torch.manual_seed(0)
@@ -91,6 +105,7 @@ def main() -> None:
         lora_dropout=0.0,
         use_dora=args.dora,
         use_rslora=args.rslora,
+        **patterns(args.rank_pattern),
     )
     model = get_peft_model(model, lora)
     print(format_targets(find_targets(model)).split("\nnot watched:")[0])
@@ -104,6 +119,18 @@ def main() -> None:
             tracker.step(step)
             if step % 20 == 0:
                 print(f"step {step}: loss {loss.item():.3f}")
+    with torch.no_grad():  # held-out sequences of the second task (another seed)
+        held_out = [model(input_ids=t, labels=t).loss.item() for t in batches(second, 8, 16, 4)]
+    trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    print(f"held-out loss {sum(held_out) / len(held_out):.4f}; {trained:,} adapter parameters")
+
+
+def patterns(path: Path | None) -> dict[str, dict]:
+    """``rank_pattern`` and ``alpha_pattern`` from ``rank-layers --lora --json``'s file."""
+    if path is None:
+        return {}
+    saved = json.loads(path.read_text())
+    return {"rank_pattern": saved["rank_pattern"], "alpha_pattern": saved["alpha_pattern"]}
 
 
 if __name__ == "__main__":

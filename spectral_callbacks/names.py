@@ -34,6 +34,9 @@ Tags:
   that matrix's parameter groups from the next optimizer step on (logged at the step of the ESD
   snapshot it comes from); the band and the units at its ends are a text entry under
   ``spectral_lr_balance``.
+* ``spectral_monitor/targets`` (text) - the watched matrices when the run begins: name, stack,
+  layer, role, expert, shape, and an adapted layer's rank r and scaling (``rank-layers --lora``
+  reads it back).
 * ``spectral_monitor/reference_step/[<stack>/]L<layer>/[E<expert>/]<role>`` - the step of the snapshot whose stable rank
   is that matrix's compression reference (0 normally; later for a matrix that starts at zero).
 
@@ -64,6 +67,7 @@ Example::
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from typing import NamedTuple
 
 METRIC_PREFIX = "spectral_"
@@ -76,6 +80,20 @@ NUM_LAYERS_TAG = f"{MONITOR_SECTION}/num_layers"
 LR_FACTOR = "lr_factor"
 #: The text entries of ``lr_balance`` (the band, the units at its ends) at each change of factors.
 LR_BALANCE_SECTION = "spectral_lr_balance"
+#: The text entry of the watched matrices (:func:`format_target_map`), written when a run begins.
+TARGET_MAP_TAG = f"{MONITOR_SECTION}/targets"
+#: Its columns: the matrix's name, where it is logged, its ``out x in`` shape, and for an adapted
+#: layer its adapter's rank r and scaling s (ΔW = s B A); empty where they do not apply.
+TARGET_MAP_COLUMNS: tuple[str, ...] = (
+    "matrix",
+    "stack",
+    "layer",
+    "role",
+    "expert",
+    "shape",
+    "r",
+    "scaling",
+)
 #: Read back as the per-matrix metric ``reference_step`` (see :func:`reference_step_tag`).
 REFERENCE_STEP = "reference_step"
 
@@ -253,6 +271,33 @@ def reference_step_tag(
     ('spectral_monitor/reference_step/L00/O', 'spectral_monitor/reference_step/dec/L01/O_cross')
     """
     return f"{MONITOR_SECTION}/{REFERENCE_STEP}/{_where(stack, layer, num_layers, expert)}/{role}"
+
+
+def format_target_map(rows: Sequence[tuple[object, ...]]) -> str:
+    """The Markdown table of the watched matrices (``TARGET_MAP_COLUMNS``, one tuple per matrix).
+
+    >>> text = format_target_map([("h.0.attn.c_attn.weight[Q]", "", 0, "Q", "", "64x64", 8, 2.0)])
+    >>> parse_target_map(text)[0]["shape"], parse_target_map(text)[0]["r"]
+    ('64x64', '8')
+    """
+    lines = [
+        "| " + " | ".join(TARGET_MAP_COLUMNS) + " |",
+        "|" + "---|" * len(TARGET_MAP_COLUMNS),
+    ]
+    lines += ["| " + " | ".join("" if v is None else str(v) for v in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def parse_target_map(text: str) -> list[dict[str, str]]:
+    """The rows of a :func:`format_target_map` table, each ``{column: text}``."""
+    lines = [line.strip() for line in text.strip().splitlines()]
+    if not lines or [c.strip() for c in lines[0].strip("|").split("|")] != list(TARGET_MAP_COLUMNS):
+        return []
+    return [
+        dict(zip(TARGET_MAP_COLUMNS, (c.strip() for c in line.strip("|").split("|")), strict=False))
+        for line in lines[2:]
+        if line.startswith("|")
+    ]
 
 
 def parse_tag(tag: str) -> SpectralTag | None:

@@ -27,6 +27,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         description="Rank every watched matrix by its ESD α (WeightWatcher's fit) and give each "
         "block the sparsity AlphaPruning allocates for a target sparsity.",
         epilog="examples:\n  spectral-callbacks rank-layers runs/d8 --sparsity 0.7\n"
+        "  spectral-callbacks rank-layers runs/lora --lora --energy 0.95\n"
         "  spectral-callbacks rank-layers ./gpt2 --csv ranks.csv --chart ranks.png",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -42,6 +43,23 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--csv", metavar="FILE", help="write the per-matrix table as CSV")
     parser.add_argument("--json", metavar="FILE", help="write matrices and blocks as JSON")
     parser.add_argument("--chart", metavar="PNG", help="draw block α and sparsity as bars")
+    lora = parser.add_argument_group("LoRA ranks (--lora: a run of a PEFT LoRA fine-tune)")
+    lora.add_argument(
+        "--lora",
+        action="store_true",
+        help="instead: the energy rank of each adapted module's update, the r it needs and a "
+        "rank_pattern / alpha_pattern for peft.LoraConfig",
+    )
+    lora.add_argument(
+        "--energy", type=float, default=0.9, help="energy kept by the suggested r (0.9)"
+    )
+    lora.add_argument(
+        "--round-to",
+        type=int,
+        default=None,
+        metavar="STEP",
+        help="round the suggested r up to a multiple of STEP (default: a power of two)",
+    )
     parser.add_argument("--arch", metavar="HINT", help=ARCH_HELP)
     parser.add_argument("--base", metavar="DIR", help=BASE_HELP)
     parser.set_defaults(func=run)
@@ -55,6 +73,10 @@ def run(args: argparse.Namespace) -> int:
         rank_matrices,
     )
 
+    if args.lora:
+        from spectral_callbacks.cli import lora_ranks
+
+        return lora_ranks.run(args)
     try:
         check_allocation(args.sparsity, args.epsilon)  # before a model is loaded, not after
         rows, where = matrix_alphas(args.source, args.arch, args.base)

@@ -56,7 +56,13 @@ from spectral_callbacks.monitor.protocol import Engine, make_engine
 from spectral_callbacks.monitor.reporting import Reporter, health_scalars
 from spectral_callbacks.monitor.schedule import SnapshotSchedule
 from spectral_callbacks.monitor.snapshot import group_by_shape
-from spectral_callbacks.names import ALERT_SECTION, LR_BALANCE_SECTION, LR_FACTOR
+from spectral_callbacks.names import (
+    ALERT_SECTION,
+    LR_BALANCE_SECTION,
+    LR_FACTOR,
+    TARGET_MAP_TAG,
+    format_target_map,
+)
 from spectral_callbacks.targets.first_forward import FirstForward
 from spectral_callbacks.targets.roles import FlowMap
 
@@ -334,6 +340,8 @@ class SpectralTracker:
             **health_scalars(inline=self.placement.inline),
         }
         tb.log_scalars(self.writers, once, step)
+        if self.schedule.last_snapshot_step is None:  # a run's first begin, not a resume
+            tb.add_text(tb.summary_writers(self.writers), TARGET_MAP_TAG, self._target_map(), step)
         self._previous_step, self._previous_time = step, time.perf_counter()
         if self.schedule.last_snapshot_step is None:
             if step != 0:
@@ -672,6 +680,31 @@ class SpectralTracker:
         if self.options.figures and experiments and self._figures.due(result.step):
             self._figures.draw(experiments, self._figure_rows(), result.step)
         self._unflushed = True
+
+    def _target_map(self) -> str:
+        """The text entry of the watched matrices (``names.TARGET_MAP_COLUMNS``)."""
+        rows = []
+        for target in self.targets:
+            rank = getattr(target, "rank", None)
+            scaling = None
+            module = getattr(target, "layer_module", None)
+            if rank and module is not None:  # LoRA-kin: s of ΔW = s B A, summed over adapters
+                scales = getattr(module, "scaling", {})
+                scaling = sum(float(scales.get(name, 0.0)) for name in target.adapters) or None
+            expert = getattr(target, "expert", None)
+            rows.append(
+                (
+                    target.name,
+                    getattr(target, "stack", ""),
+                    target.layer,
+                    target.role,
+                    "" if expert is None else expert,
+                    f"{target.shape[0]}x{target.shape[1]}",
+                    rank or "",
+                    "" if scaling is None else f"{scaling:.6g}",
+                )
+            )
+        return format_target_map(rows)
 
     def _factor_scalars(self) -> dict[str, float]:
         """``spectral_lr_factor/L<layer>/<role>``: the balancer's current factor of each matrix."""

@@ -218,6 +218,29 @@ def read_event_file(path: Path) -> tuple[list[tuple[str, int, float, float]], Re
     return points, None
 
 
+def read_texts(path: Path, tag: str) -> list[tuple[int, str]]:
+    """The text entries (``add_text``) of ``tag`` in one event file, as (step, text) in file order.
+
+    ``torch.utils.tensorboard`` stores ``add_text(tag, ...)`` under ``<tag>/text_summary``; a
+    damaged record ends the reading (what came before is returned).
+    """
+    from google.protobuf.message import DecodeError
+    from tensorboard.compat import tf
+    from tensorboard.compat.proto import event_pb2
+
+    found: list[tuple[int, str]] = []
+    try:
+        for record in _records(path):
+            event = event_pb2.Event.FromString(record)
+            for value in event.summary.value:
+                if value.tag in (tag, f"{tag}/text_summary") and value.HasField("tensor"):
+                    texts = [item.decode("utf-8") for item in value.tensor.string_val]
+                    found += [(event.step, text) for text in texts]
+    except (tf.errors.DataLossError, DecodeError):
+        pass
+    return found
+
+
 def _tidy(run: str, points: list[tuple[str, int, float, float]], all_scalars: bool) -> pd.DataFrame:
     """Tidy rows of one run's points; ``depth`` is filled in later, per run."""
     records: list[tuple[Any, ...]] = []

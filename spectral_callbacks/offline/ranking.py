@@ -26,6 +26,8 @@ Example::
 
 from __future__ import annotations
 
+import math
+
 import pandas as pd
 
 
@@ -111,3 +113,138 @@ def weightwatcher_label(alpha: float) -> str:
     if alpha > UNDER_TRAINED_ABOVE:
         return "under-trained"
     return ""
+
+
+#: The columns :func:`lora_ranks` returns, one row per adapted module.
+LORA_COLUMNS: tuple[str, ...] = (
+    "module",
+    "stack",
+    "layer",
+    "roles",
+    "shape",
+    "r",
+    "energy_rank_90",
+    "energy_rank",
+    "bound",
+    "suggested_r",
+    "params_saved",
+    "scaling",
+)
+
+
+def module_key(matrix: str) -> str:
+    """The module name a PEFT ``rank_pattern`` key matches, from a watched matrix's name.
+
+    PEFT matches a key against the end of each adapted module's name (``(.*\\.)?<key>$``), so the
+    wrapper's ``base_model.model.`` prefix is dropped, as are ``.base_layer.weight`` and ``[Q]``.
+
+    >>> module_key("base_model.model.model.layers.0.self_attn.q_proj.base_layer.weight")
+    'model.layers.0.self_attn.q_proj'
+    >>> module_key("base_model.model.transformer.h.1.attn.c_attn.base_layer.weight[K]")
+    'transformer.h.1.attn.c_attn'
+    """
+    name = matrix.split("[", 1)[0]
+    name = name.removeprefix("base_model.model.")
+    for suffix in (".weight", ".base_layer"):
+        name = name.removesuffix(suffix)
+    return name
+
+
+def round_rank(rank: int, step: int | None = None) -> int:
+    """``rank`` rounded up to a power of two (``step=None``) or to a multiple of ``step``; >= 1.
+
+    >>> round_rank(3), round_rank(5), round_rank(8), round_rank(0), round_rank(5, step=4)
+    (4, 8, 8, 1, 8)
+    """
+    rank = max(1, int(rank))
+    if step is None:
+        return 1 << (rank - 1).bit_length()
+    return -(-rank // step) * step
+
+
+def energy_rank_from_top(
+    top: list[float], frobenius: float, energy: float
+) -> tuple[int | None, int]:
+    """The energy rank at ``energy`` from the top singular values and ‖ΔW‖_F, if they reach it.
+
+    Returns ``(rank, len(top))``: the smallest i with Σ_{j<=i} σ_j² >= energy·‖ΔW‖_F², or
+    ``None`` when the given values do not reach it (the rank is then beyond them).
+
+    >>> energy_rank_from_top([3.0, 2.0, 1.0], frobenius=(14.0) ** 0.5, energy=0.9)
+    (2, 3)
+    >>> energy_rank_from_top([3.0, 1.0], frobenius=4.0, energy=0.9)
+    (None, 2)
+    """
+    total = energy * frobenius**2
+    accumulated = 0.0
+    for i, sigma in enumerate(top, start=1):
+        if math.isnan(sigma):  # beyond the adapter's rank: nothing more to add
+            break
+        accumulated += sigma**2
+        if accumulated >= total * (1 - 1e-6):  # the logged values are float32
+            return i, len(top)
+    return None, len(top)
+
+
+def lora_ranks(rows: pd.DataFrame, step: int | None = None) -> pd.DataFrame:
+    """Per adapted module: its update's energy ranks, its r and the r it needs.
+
+    Args:
+        rows: one row per adapted matrix with ``matrix, stack, layer, role, out, in, r, scaling,
+            energy_rank_90, energy_rank, bound`` (``energy_rank`` at ``energy``; ``bound`` True
+            where it is only an upper bound).
+        step: round the suggestion up to a multiple of ``step``; ``None``: a power of two.
+
+    Returns:
+        ``LORA_COLUMNS``, one row per module (the parts of a fused projection, e.g. Q, K and V of
+        one ``c_attn`` adapter, are one module: the largest rank of its parts, its rows summed).
+        ``suggested_r`` is ``energy_rank`` rounded up, never above ``r`` (ΔW = s B A cannot use
+        more than r directions); ``params_saved`` = (r − suggested_r)·(out + in), the parameters
+        of B (out × r) and A (r × in) saved.
+    """
+    out = []
+    for key, parts in rows.assign(module=rows["matrix"].map(module_key)).groupby(
+        "module", sort=False
+    ):
+        first = parts.iloc[0]
+        rank = int(first["r"])
+        needed = parts["energy_rank"].max()
+        suggested = rank if needed != needed else min(rank, round_rank(int(needed), step))
+        rows_out, columns_in = int(parts["out"].sum()), int(first["in"])
+        out.append(
+            {
+                "module": key,
+                "stack": first["stack"],
+                "layer": int(first["layer"]),
+                "roles": ",".join(parts["role"]),
+                "shape": f"{rows_out}x{columns_in}",
+                "r": rank,
+                "energy_rank_90": parts["energy_rank_90"].max(),
+                "energy_rank": needed,
+                "bound": bool(parts["bound"].any()),
+                "suggested_r": suggested,
+                "params_saved": (rank - suggested) * (rows_out + columns_in),
+                "scaling": first["scaling"],
+            }
+        )
+    return pd.DataFrame(out, columns=list(LORA_COLUMNS))
+
+
+def lora_patterns(modules: pd.DataFrame) -> tuple[dict[str, int], dict[str, float]]:
+    """``rank_pattern`` and ``alpha_pattern`` for ``peft.LoraConfig`` from :func:`lora_ranks`.
+
+    Every module gets its suggested r; its ``lora_alpha`` keeps the scaling s = lora_alpha / r the
+    run had (alpha = s · suggested r), so each kept direction of ΔW starts as strong as before.
+    The alpha pattern is empty where the scaling is not known.
+
+    >>> modules = pd.DataFrame({"module": ["a.q_proj"], "suggested_r": [4], "scaling": [2.0]})
+    >>> lora_patterns(modules)
+    ({'a.q_proj': 4}, {'a.q_proj': 8.0})
+    """
+    ranks = {str(row.module): int(row.suggested_r) for row in modules.itertuples()}
+    alphas = {
+        str(row.module): float(row.scaling) * int(row.suggested_r)
+        for row in modules.itertuples()
+        if row.scaling == row.scaling and row.scaling is not None
+    }
+    return ranks, alphas
