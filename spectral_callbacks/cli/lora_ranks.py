@@ -144,15 +144,22 @@ def print_lora(modules: pd.DataFrame, title: str, energy: float) -> None:
 
     table = Table(title=title)
     at = f"{100 * energy:g} %"
-    for column in ("module", "roles", "shape", "r", "energy rank 90 %", f"energy rank {at}",
-                   "suggested r", "params saved"):  # fmt: skip
-        table.add_column(column, justify="left" if column in ("module", "roles") else "right")
+    other = not math.isclose(energy, 0.9)  # a second threshold: its own column
+    longest = max((len(name) for name in modules["module"]), default=6)
+    table.add_column("module", min_width=longest, no_wrap=True)  # the name PEFT matches: whole
+    table.add_column("roles")
+    for column in ("shape", "r", "ΔW rank 90 %", *((f"ΔW rank {at}",) if other else ()),
+                   "suggested r", "saved"):  # fmt: skip
+        table.add_column(column, justify="right")
     for m in modules.itertuples(index=False):
-        needed = "-" if m.energy_rank != m.energy_rank else f"{int(m.energy_rank)}"
+        needed = ("≤" if m.bound else "") + _int(m.energy_rank)
         table.add_row(m.module, m.roles, m.shape, str(m.r), _int(m.energy_rank_90),
-                      ("≤" if m.bound else "") + needed, str(m.suggested_r),
+                      *((needed,) if other else ()), str(m.suggested_r),
                       f"{m.params_saved:,}")  # fmt: skip
-    Console().print(table)
+    console = Console()
+    if not console.is_terminal:  # a pipe or a file: wide enough for whole module names
+        console.width = max(console.width, longest + 80)
+    console.print(table)
 
 
 def _int(value: float) -> str:
