@@ -286,17 +286,35 @@ def test_a_module_that_does_not_compute_its_weight_is_refused() -> None:
 
 
 def test_a_forward_that_cannot_be_followed_falls_back_to_the_names_in_one_line() -> None:
-    layer = nn.TransformerEncoderLayer(16, 2, 32, batch_first=True)
-    model = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+    class Projection(nn.Linear):  # x W^T by einsum: a product the record does not read
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.einsum("...i,oi->...o", x, self.weight)
+
+    model = _interleaved("q_proj,k_proj,v_proj,o_proj")
+    for entry in (0, 2, 4):
+        model[entry].q_proj = Projection(16, 16, bias=False)
     with pytest.warns(
         PartialTargetWarning, match=r"could not be followed for layer 0, layer 1"
     ) as w:
         found = find_targets(model, example_input=torch.randn(1, 5, 16))
     assert len([r for r in w if "could not be followed" in str(r.message)]) == 1
-    assert [(t.layer, t.role) for t in found] == [
-        (layer, role) for layer in range(2) for role in ("Q", "K", "V", "O", "MLP_up", "MLP_down")
+    assert [(t.layer, t.role) for t in found if t.role in ("Q", "K", "V", "O")] == [
+        (layer, role) for layer in range(3) for role in ("Q", "K", "V", "O")
     ]
-    assert set(found.sources.values()) == {"names"}
+    assert {found.sources[t.name] for t in found if t.role in ("Q", "K", "V", "O")} == {"names"}
+
+
+def test_multi_head_attention_is_read_from_its_arguments() -> None:
+    layer = nn.TransformerDecoderLayer(16, 2, 32, batch_first=True)
+    model = nn.TransformerDecoder(layer, 2)
+    x, memory = torch.randn(1, 5, 16), torch.randn(1, 7, 16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", PartialTargetWarning)
+        found = find_targets(model, example_input=(x, memory))
+    assert [(t.layer, t.role, found.sources[t.name]) for t in found if t.layer == 1] == [
+        (1, role, "names = data flow")
+        for role in ("Q", "K", "V", "O", "Q_cross", "K_cross", "V_cross", "O_cross")
+    ] + [(1, "MLP_up", "names = data flow"), (1, "MLP_down", "names = data flow")]
 
 
 def test_the_printed_map_says_where_each_role_came_from() -> None:

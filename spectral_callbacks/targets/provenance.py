@@ -48,6 +48,7 @@ _STOPS = (
     | ATTENTION_OPS
     | SOFTMAX_OPS
     | ACTIVATION_OPS
+    | {"multi_head_attention_forward"}
     | CREATION_OPS
     | {"einsum", "embedding"}
 )

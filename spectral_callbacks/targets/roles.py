@@ -52,6 +52,8 @@ __all__ = ["FlowMap", "FlowRole", "discover_roles", "roles_from_recording"]
 
 _CONTAINERS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
 _STOPS = LINEAR_OPS | ATTENTION_OPS | SOFTMAX_OPS | CREATION_OPS | {"einsum", "embedding"}
+_STOPS |= {"multi_head_attention_forward"}
+_CALLS = ATTENTION_OPS | {"multi_head_attention_forward"}  # one op: a whole attention call
 _MAX_WALK = 400  # values visited per walk: a block's worth, never the whole graph
 
 
@@ -177,6 +179,23 @@ def roles_from_recording(recording: Recording) -> FlowMap:
     found: list[tuple[str, _Source, tuple[tuple[int, ...], ...] | None, Op]] = []
     cross_of: dict[int, bool] = {}
     for number, call in enumerate(calls):
+        if call.op.name == "multi_head_attention_forward":
+            packed = _packed_attention(recording, call.op)
+            if packed is None:
+                flow.unfollowed.append(
+                    f"attention call {number} in {call.op.modules[-1]}: nn.MultiheadAttention with "
+                    "separate q/k/v weights or its fused kernel"
+                )
+                continue
+            *attention, out = packed
+            query_input = attention[0][1].input
+            cross = any(_other_stream(s.input, query_input) for _, s, _ in attention[1:])
+            cross_of[call.op.index] = cross
+            suffix = "_cross" if cross else ""
+            found += [
+                (role + suffix, part, rows, call.op) for role, part, rows in [*attention, out]
+            ]
+            continue
         sources = {}
         for role, (value, feature_axis, token_axis) in call.operands.items():
             source = _source_of(recording, value, modules, feature_axis, token_axis)
@@ -220,7 +239,9 @@ def roles_from_recording(recording: Recording) -> FlowMap:
 def _attention_calls(recording: Recording) -> list[_Call]:
     calls = []
     for op in recording.ops:
-        if op.name in ATTENTION_OPS:
+        if op.name == "multi_head_attention_forward" and op.outputs:
+            calls.append(_Call(op, {}, op.outputs[0]))  # read from its arguments
+        elif op.name in ATTENTION_OPS:
             data = [v for v in op.inputs if v is not None][:3]
             if len(data) == 3 and op.outputs:
                 operands = {r: (v, -1, -2) for r, v in zip(("Q", "K", "V"), data, strict=True)}
@@ -230,6 +251,39 @@ def _attention_calls(recording: Recording) -> list[_Call]:
             if call is not None:
                 calls.append(call)
     return calls
+
+
+def _packed_attention(
+    recording: Recording, op: Op
+) -> list[tuple[str, _Source, tuple[tuple[int, ...], ...] | None]] | None:
+    """Q, K, V and O of ``F.multi_head_attention_forward`` (``nn.MultiheadAttention``), which
+    runs whole: its documented arguments say which weights it uses - ``in_proj_weight`` rows
+    ``[q; k; v]``, head ``h`` rows ``h * d_h`` onward in each, and ``out_proj_weight``."""
+    if len(op.inputs) < 13 or len(op.template) < 13:
+        return None
+    query, key, value = op.inputs[0], op.inputs[1], op.inputs[2]
+    embed, heads = op.template[3], op.template[4]
+    packed, out = op.inputs[5], op.inputs[11]
+    usable = isinstance(embed, int) and isinstance(heads, int) and heads > 0 and embed % heads == 0
+    if not usable or packed is None or packed.parameter is None or out is None:
+        return None  # separate q/k/v weights (use_separate_proj_weight): left to the rules
+    if out.parameter is None or packed.shape[0] != 3 * embed:
+        return None
+    size = embed // heads
+    found: list[tuple[str, _Source, tuple[tuple[int, ...], ...] | None]] = []
+    for part, (role, given) in enumerate((("Q", query), ("K", key), ("V", value))):
+        rows = tuple(
+            tuple(range(part * embed + h * size, part * embed + (h + 1) * size))
+            for h in range(heads)
+        )
+        name = packed.parameter.name
+        source = _Source(op.outputs[0], name, False, name.rpartition(".")[0], False, given)
+        found.append((role, source, rows))
+    name = out.parameter.name
+    found.append(
+        ("O", _Source(op.outputs[0], name, False, name.rpartition(".")[0], False, None), None)
+    )
+    return found
 
 
 def _written_attention(softmax: Op) -> _Call | None:
@@ -302,7 +356,7 @@ def _ancestors(value: Value) -> set[int]:
     while frontier:
         current = frontier.pop()
         op = current.op
-        if op is None or op.name in ATTENTION_OPS or _is_attention_product(op):
+        if op is None or op.name in _CALLS or _is_attention_product(op):
             continue
         for parent in op.data_inputs:
             if parent.index not in seen:
