@@ -465,3 +465,21 @@ def test_flex_attention_is_an_attention_call_and_its_tracing_is_left_alone() -> 
         (1, "V", "1.u.weight", tuple(range(32, 48))),
         (1, "O", "1.w.weight", None),
     ]
+
+
+def test_a_learned_query_attending_over_the_sequence_is_not_cross_attention() -> None:
+    class Pool(nn.Module):  # SigLIP's head: a learned probe is the query
+        def __init__(self) -> None:
+            super().__init__()
+            self.probe = nn.Parameter(torch.randn(1, 1, 16))
+            self.attention = nn.MultiheadAttention(16, 2, batch_first=True)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            query = self.probe.expand(x.shape[0], -1, -1)
+            return self.attention(query, x, x, need_weights=False)[0]
+
+    layer = nn.TransformerEncoderLayer(16, 2, 32, batch_first=True)
+    model = nn.Sequential(layer, Pool())
+    found = find_targets(model, example_input=torch.randn(2, 5, 16))
+    pooled = [(t.role, found.sources[t.name]) for t in found if t.name.startswith("1.")]
+    assert pooled == [(role, "names = data flow") for role in ("Q", "K", "V", "O")]

@@ -345,7 +345,26 @@ def _other_stream(key_input: Value | None, query_input: Value | None) -> bool:
     """
     if key_input is None or query_input is None or key_input is query_input:
         return False
+    if not _reads_inputs(query_input):
+        return False  # a learned query (SigLIP's pooling probe) attending over the sequence
     return not (_ancestors(key_input) & _ancestors(query_input))
+
+
+def _reads_inputs(value: Value) -> bool:
+    """Whether anything but parameters reaches ``value`` (an input of the model, a position)."""
+    seen = {value.index}
+    frontier = [value]
+    while frontier:
+        current = frontier.pop()
+        if current.op is None:
+            if current.parameter is None:
+                return True
+            continue
+        for parent in current.op.data_inputs:
+            if parent.index not in seen:
+                seen.add(parent.index)
+                frontier.append(parent)
+    return False
 
 
 def _ancestors(value: Value) -> set[int]:
