@@ -483,3 +483,55 @@ def test_a_learned_query_attending_over_the_sequence_is_not_cross_attention() ->
     found = find_targets(model, example_input=torch.randn(2, 5, 16))
     pooled = [(t.role, found.sources[t.name]) for t in found if t.name.startswith("1.")]
     assert pooled == [(role, "names = data flow") for role in ("Q", "K", "V", "O")]
+
+
+def test_a_hand_made_lora_in_the_unhelpful_model_is_watched_as_its_effective_weight(
+    tmp_path: Path,
+) -> None:
+    torch.manual_seed(0)
+    model = Unhelpful(layers=2, adapted=True)  # each block's output projection: u + 0.5 w v
+    x = tokens()
+    found = find_targets(model, example_input=x)
+    assert [(t.layer, t.role) for t in found] == [(layer, r) for layer in range(2) for r in SEVEN]
+    assert set(found.sources.values()) == {"data flow"}
+
+    def effective(key: str) -> torch.Tensor:
+        b = model.z[key].b
+        return b.u.double() + 0.5 * b.w.double() @ b.v.double()
+
+    for target in found:
+        if target.role == "O":
+            assert getattr(target, "has_update", False)  # the adapted path: effective + update
+            key = target.parameter_name.split(".")[1]
+            torch.testing.assert_close(target.matrix().detach().double(), effective(key))
+
+    def stable_ranks() -> dict[str, float]:
+        ranks = {}
+        for layer, key in enumerate("pq"):
+            matrix = effective(key)
+            top = torch.linalg.svdvals(matrix)[0]
+            ranks[f"spectral_stable_rank/L{layer:02d}/O"] = float((matrix**2).sum() / top**2)
+        return ranks
+
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    expected = {0: stable_ranks()}
+    with SpectralTracker(
+        model,
+        ["stable_rank"],
+        logdir=tmp_path,
+        figures=False,
+        every_n_steps=2,
+        svd_method="svdvals",
+        example_input=x,
+    ) as tracker:
+        for step in range(1, 5):
+            F.cross_entropy(model(x).flatten(0, 1), x.flatten()).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            expected[step] = stable_ranks()
+            tracker.step(step)
+    scalars = read_scalars(tmp_path)
+    for step in (0, 2, 4):
+        for tag, value in expected[step].items():
+            assert scalars[tag][step] == pytest.approx(value, rel=1e-5)
+    assert expected[4] != expected[0]  # the adapter trained: the effective weight moved

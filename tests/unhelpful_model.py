@@ -19,14 +19,29 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return x * cos + turned * sin
 
 
+class Adapted(nn.Module):
+    """A hand-made LoRA layer: ``u`` frozen, ``x u^T + 0.5 (x v^T) w^T``; no library's names."""
+
+    def __init__(self, width: int, rank: int = 2) -> None:
+        super().__init__()
+        self.u = nn.Parameter(torch.randn(width, width) / width**0.5, requires_grad=False)
+        self.v = nn.Parameter(torch.randn(rank, width) / width**0.5)
+        self.w = nn.Parameter(torch.randn(width, rank) / rank**0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self.u.T + 0.5 * (x @ self.v.T) @ self.w.T
+
+
 class Block(nn.Module):
-    def __init__(self, width: int, heads: int, groups: int, hidden: int) -> None:
+    def __init__(
+        self, width: int, heads: int, groups: int, hidden: int, adapted: bool = False
+    ) -> None:
         super().__init__()
         self.heads, self.groups, self.size = heads, groups, width // heads
         per_group = heads // groups + 2  # [q x g; k; v]
         self.n = nn.RMSNorm(width)
         self.a = nn.Linear(width, groups * per_group * self.size, bias=False)
-        self.b = nn.Linear(width, width, bias=False)
+        self.b = Adapted(width) if adapted else nn.Linear(width, width, bias=False)
         self.m = nn.RMSNorm(width)
         self.c = nn.Linear(width, 2 * hidden, bias=False)  # [up; gate]
         self.d = nn.Linear(hidden, width, bias=False)
@@ -47,15 +62,24 @@ class Block(nn.Module):
 
 
 class Unhelpful(nn.Module):
-    """``e`` embeds, ``z`` (a ModuleDict keyed ``p``, ``q``, ``r``...) holds the blocks, ``o`` reads out."""
+    """``e`` embeds, ``z`` (a ModuleDict keyed ``p``, ``q``, ``r``...) holds the blocks, ``o`` reads out;
+    ``adapted=True`` makes each block's output projection ``b`` a hand-made LoRA layer."""
 
     def __init__(
-        self, vocab: int = 64, width: int = 32, heads: int = 4, groups: int = 2, layers: int = 3
+        self,
+        vocab: int = 64,
+        width: int = 32,
+        heads: int = 4,
+        groups: int = 2,
+        layers: int = 3,
+        adapted: bool = False,
     ) -> None:
         super().__init__()
         self.e = nn.Embedding(vocab, width)
         keys = "pqrstuvwxyzabcdefghijklmno"[:layers]  # not numbers: no rule can count them
-        self.z = nn.ModuleDict({key: Block(width, heads, groups, 3 * width) for key in keys})
+        self.z = nn.ModuleDict(
+            {key: Block(width, heads, groups, 3 * width, adapted) for key in keys}
+        )
         self.f = nn.RMSNorm(width)
         self.o = nn.Linear(width, vocab, bias=False)
         self.size = width // heads
