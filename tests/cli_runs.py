@@ -103,7 +103,7 @@ def training_runs(factory: object) -> Path:
 
 def logged_by_csv(root: Path, name: str) -> pd.DataFrame:
     """What the CSV logger recorded for run ``name``: columns tag, step, value."""
-    wide = pd.read_csv(root / "csv" / name / "metrics.csv")
+    wide = pd.read_csv(root / "csv" / name / "metrics.csv", float_precision="round_trip")
     long = wide.melt(id_vars=["step"], var_name="tag", value_name="value").dropna()
     return long[["tag", "step", "value"]].astype({"step": "int64"}).reset_index(drop=True)
 

@@ -13,6 +13,11 @@ from spectral_callbacks.offline import differences
 ROLES = ["Q", "K", "V", "O", "MLP_up", "MLP_down"]
 
 
+def _figure_text(fig) -> str:
+    """The figure-level texts (its supxlabel among them): Figure.get_supxlabel is matplotlib 3.8+."""
+    return "\n".join(text.get_text() for text in fig.texts)
+
+
 def _rows(run: str, num_layers: int, steps: list[int], seed: int) -> pd.DataFrame:
     """Tidy rows of a fake run: every metric of every (layer, role) at every step, plus a loss."""
     rng = np.random.default_rng(seed)
@@ -211,7 +216,7 @@ def test_pairing_recovers_the_known_differences(pairs: pd.DataFrame) -> None:
     np.testing.assert_allclose(lines["mla"].get_ydata(), -0.1, atol=1e-12)
     np.testing.assert_array_equal(lines["mla"].get_xdata(), 200.0 * np.arange(12))
     assert fig.left_out == {"tpa/zero_out": "no partner run named like '{variant}/gpt'"}
-    assert "left out — tpa/zero_out" in fig.get_supxlabel()
+    assert "left out — tpa/zero_out" in _figure_text(fig)
 
 
 def test_pairing_errors_say_what_to_write(pairs: pd.DataFrame) -> None:
@@ -263,7 +268,7 @@ def test_compression_leaves_out_a_single_snapshot_run_and_says_why(rows: pd.Data
     both = pd.concat([rows[rows.run == "d4"], _analyzed(rows)])
     for fig in (charts.compression_by_layer(both), charts.compression_wave(both, role="Q")):
         assert fig.left_out == {"gpt2": "one snapshot (step 0), nothing to compress against"}
-        assert "gpt2: one snapshot (step 0)" in fig.get_supxlabel()
+        assert "gpt2: one snapshot (step 0)" in _figure_text(fig)
         assert len([ax for ax in fig.axes if ax.get_title().endswith("— d4")]) == 1
 
 
@@ -330,7 +335,7 @@ def test_final_charts_say_when_nan_makes_them_fall_back_to_an_earlier_step() -> 
     rows = pd.DataFrame.from_records(records, columns=list(TIDY_COLUMNS))
     for fig in (charts.alpha_vs_depth(rows), charts.compression_by_layer(rows)):
         assert "step 80" in fig.fell_back["nanrun"] and "(50-50)" in fig.fell_back["nanrun"]
-        assert "earlier step" in fig.get_supxlabel()
+        assert "earlier step" in _figure_text(fig)
     [line] = charts.alpha_vs_depth(rows).axes[0].get_lines()
     assert list(line.get_ydata()) == [0.4, 0.4]
     finite = rows[rows["step"] < 80]

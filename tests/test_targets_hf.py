@@ -16,7 +16,8 @@ from collections import defaultdict
 import pytest
 import torch
 
-transformers = pytest.importorskip("transformers")
+# AttentionInterface, set_attn_implementation and DeepseekV2 (all used below): transformers 4.54.
+transformers = pytest.importorskip("transformers", minversion="4.54")
 
 from transformers.integrations.sdpa_attention import sdpa_attention_forward  # noqa: E402
 from transformers.modeling_utils import AttentionInterface  # noqa: E402
