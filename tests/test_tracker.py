@@ -64,6 +64,12 @@ Q0 = scalar_tag("stable_rank", 0, "Q")
             {"fit_window": (4, 5)},
             r"`fit_window` must be ranks spanning at least 3 to fit `alpha`.*got \(4, 5\)",
         ),
+        # a window starting beyond k: every alpha and alpha_r2 would be NaN
+        (
+            {"fit_window": (40, 60)},
+            r"`fit_window` must be ranks spanning at least 3 to fit `alpha`, counted within the computed ranks 1..k=32 .*got \(40, 60\)",
+        ),
+        ({"fit_window": (8, 20), "k": 9}, r"`fit_window` .*ranks 1..k=9 .*got \(8, 20\)"),
         ({"esd_every_n_snapshots": 0}, r"`esd_every_n_snapshots` must be a positive int, got 0"),
         ({"roles": "Q"}, r"`roles` must be None or a list of role names, got 'Q'"),
         ({"k": True}, r"`k` must be a positive int, got True"),

@@ -387,11 +387,13 @@ class MonitorOptions:
             )
             window = self.fit_window
             if fit == "alpha" and window is not None:
+                # the fit reads ranks first..min(last, k): a window beyond k has no point to fit
                 require(
                     "fit_window",
                     window,
-                    window[1] - window[0] + 1 >= least,
-                    f"ranks spanning at least {least} to fit `alpha`, e.g. (1, 32)",
+                    min(window[1], self.k) - window[0] + 1 >= least,
+                    f"ranks spanning at least {least} to fit `alpha`, counted within the computed "
+                    f"ranks 1..k={self.k} (a smaller first rank or a larger `k`), e.g. (1, {self.k})",
                 )
 
     @classmethod
