@@ -7,6 +7,7 @@ of a copy of the model, the update with PEFT's own ``get_delta_weight``.
 from __future__ import annotations
 
 import copy
+import json
 from typing import Any
 
 import pytest
@@ -793,6 +794,54 @@ def test_analyze_an_adapter_directory_on_its_base(tmp_path: Any, capsys: Any) ->
     # The adapter config names the base by the object it was built from, not a directory.
     assert main(["analyze", str(tmp_path / "adapter"), "--logdir", str(tmp_path / "x")]) == 1
     assert "needs its base model" in capsys.readouterr().err
+
+
+def test_an_adapter_without_task_type_loads_on_the_head_its_keys_name(
+    tmp_path: Any, capsys: Any
+) -> None:
+    # LoraConfig() without task_type (the usual spelling): the saved keys carry the causal LM's
+    # "model." prefix. Before, the base was loaded bare (AutoModel), no adapter weight found its
+    # layer, and the base's own spectrum was reported with exit 0.
+    from spectral_callbacks.cli import main
+
+    torch.manual_seed(0)
+    base = tiny_llama(width=64)
+    base.save_pretrained(tmp_path / "base")
+    config = peft.LoraConfig(r=8, target_modules=LLAMA_MODULES, init_lora_weights=False)
+    model = peft.get_peft_model(base, config)
+    model.save_pretrained(tmp_path / "adapter")
+    reference = merged_matrices(model)
+    logdir = tmp_path / "runs"
+    argv = ["analyze", str(tmp_path / "adapter"), "--base", str(tmp_path / "base")]
+    assert main([*argv, "--logdir", str(logdir), "--method", "gram"]) == 0
+    scalars = read_scalars(logdir)
+    for (layer, role), matrix in reference.items():
+        exact_sr, _ = _exact(matrix)
+        assert scalars[f"spectral_stable_rank/L{layer:02d}/{role}"][0] == pytest.approx(
+            exact_sr, rel=1e-4
+        )
+    assert scalars["spectral_update_rank/L00/Q"][0] == 8.0
+
+
+def test_an_adapter_whose_weights_find_no_layer_is_refused(tmp_path: Any, capsys: Any) -> None:
+    # An adapter trained on the bare LlamaModel but saved with task_type="CAUSAL_LM": loaded on the
+    # causal LM, none of its weights finds a layer (before: the base's spectrum, exit 0).
+    from spectral_callbacks.cli import main
+
+    torch.manual_seed(0)
+    causal = tiny_llama(width=64)
+    causal.save_pretrained(tmp_path / "base")
+    config = peft.LoraConfig(r=8, target_modules=["q_proj"])
+    bare = peft.get_peft_model(copy.deepcopy(causal.model), config)
+    bare.save_pretrained(tmp_path / "adapter")
+    saved = tmp_path / "adapter" / "adapter_config.json"
+    saved.write_text(json.dumps({**json.loads(saved.read_text()), "task_type": "CAUSAL_LM"}))
+    argv = ["analyze", str(tmp_path / "adapter"), "--base", str(tmp_path / "base")]
+    assert main([*argv, "--logdir", str(tmp_path / "runs")]) == 1
+    err = capsys.readouterr().err
+    assert "4 of the adapter's 4 weights found no layer in the base" in err
+    assert "loaded as AutoModelForCausalLM" in err and "`task_type`" in err
+    assert not (tmp_path / "runs").exists()
 
 
 def test_a_modules_to_save_copy_is_a_plain_target_and_its_original_is_left_out() -> None:

@@ -168,18 +168,84 @@ def _peft_from_pretrained(path: Path, base: str | Path | None) -> nn.Module:
             f"{path}: a PEFT adapter needs peft; pip install 'spectral-callbacks[hf]'"
         ) from error
     transformers = _transformers(base_path)
-    # The adapter's weight names carry the head class it was trained on (a causal LM's "model."
-    # prefix): load the base with the same head so every adapter weight finds its layer.
-    auto = {
-        "CAUSAL_LM": transformers.AutoModelForCausalLM,
-        "SEQ_CLS": transformers.AutoModelForSequenceClassification,
-        "SEQ_2_SEQ_LM": transformers.AutoModelForSeq2SeqLM,
-        "TOKEN_CLS": transformers.AutoModelForTokenClassification,
-    }.get(config.get("task_type") or "", transformers.AutoModel)
+    saved = _adapter_keys(path)
+    auto = _adapter_head(transformers, config.get("task_type"), base_path, saved)
     advice = "check the adapter and base directories (save them with save_pretrained)"
     with _reading(path, "PEFT adapter directory", advice, also=(OSError, ValueError, KeyError)):
         model = auto.from_pretrained(str(base_path), local_files_only=True)
-        return peft.PeftModel.from_pretrained(model, str(path), is_trainable=False)
+        with warnings.catch_warnings():  # the missing keys are refused below, in one line
+            warnings.filterwarnings("ignore", "Found missing adapter keys")
+            model = peft.PeftModel.from_pretrained(model, str(path), is_trainable=False)
+    loaded = set(peft.utils.get_peft_model_state_dict(model))
+    missing = [key for key in saved if key not in loaded]
+    if missing:
+        raise ModelLoadError(
+            f"{path}: {len(missing)} of the adapter's {len(saved)} weights found no layer in the "
+            f"base {str(base_path)!r} loaded as {auto.__name__} (first: {missing[0]!r}); give the "
+            "base model it was trained on, or set `task_type` in its adapter_config.json"
+        )
+    return model
+
+
+# PEFT's task types and the head each one wraps; an adapter's weight names carry its head's
+# module path (a causal LM's "model." prefix).
+_TASK_HEADS = {
+    "CAUSAL_LM": "AutoModelForCausalLM",
+    "SEQ_CLS": "AutoModelForSequenceClassification",
+    "SEQ_2_SEQ_LM": "AutoModelForSeq2SeqLM",
+    "TOKEN_CLS": "AutoModelForTokenClassification",
+    "QUESTION_ANS": "AutoModelForQuestionAnswering",
+    "FEATURE_EXTRACTION": "AutoModel",
+}
+# How PEFT prefixes the base model's module names in a saved adapter.
+_PEFT_PREFIX = "base_model.model."
+
+
+def _adapter_keys(path: Path) -> list[str]:
+    """The weight names of a saved adapter (``adapter_model.safetensors`` or ``.bin``)."""
+    for name in ("adapter_model.safetensors", "adapter_model.bin"):
+        if (path / name).is_file():
+            return list(_read_state_dict(path / name))
+    raise ModelLoadError(
+        f"{path}: no adapter_model.safetensors or adapter_model.bin beside adapter_config.json; "
+        "save the adapter with model.save_pretrained(DIR)"
+    )
+
+
+def _adapter_head(transformers: Any, task_type: Any, base_path: Path, keys: list[str]) -> Any:
+    """The auto class to load the base with: the adapter's ``task_type`` when it names one, else
+    the first of the base's ``architectures`` (then the bare ``AutoModel``) whose module names
+    hold every adapted layer the adapter's keys name."""
+    if task_type in _TASK_HEADS:
+        return getattr(transformers, _TASK_HEADS[task_type])
+    advice = "check config.json (save it with model.save_pretrained)"
+    with _reading(base_path, "Hugging Face model directory", advice, also=(OSError,)):
+        base_config = transformers.AutoConfig.from_pretrained(str(base_path), local_files_only=True)
+    heads = [getattr(transformers, name, None) for name in base_config.architectures or ()]
+    candidates = [head for head in heads if head is not None] + [transformers.AutoModel]
+    for head in candidates:
+        if _names_every_layer(head, base_config, keys):
+            return head
+    return candidates[0]  # none fits: the load below names the missing keys
+
+
+def _names_every_layer(head: Any, base_config: Any, keys: list[str]) -> bool:
+    """Each adapter key is ``<module path>.<tuner weight>[.weight]`` on a module of ``head``
+    (built on the meta device: names only, no memory)."""
+    try:
+        with torch.device("meta"):
+            # an auto class builds from a config, a model class is called with one
+            build = getattr(head, "from_config", head)
+            skeleton = build(base_config)
+    except _BUILD_ERRORS:
+        return False
+    modules = {name for name, _ in skeleton.named_modules()}
+    for key in keys:
+        inner = key.removeprefix(_PEFT_PREFIX)
+        parents = {inner.rsplit(".", drop)[0] for drop in (1, 2) if inner.count(".") >= drop}
+        if not parents & modules:
+            return False
+    return True
 
 
 def _transformers(path: Path) -> Any:
