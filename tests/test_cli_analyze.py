@@ -301,3 +301,70 @@ def test_write_scalars_leaves_out_values_that_are_not_finite(tmp_path: Path) -> 
     means = read[read["layer"].isna()].set_index("role")["value"]
     assert means.to_dict() == {"Q": 2.0, "K": 4.0}  # the mean of the finite layers
     assert len(read) == 3 + 2
+
+
+def test_the_printed_table_has_a_row_per_stack_and_layer_and_the_experts_mean(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Before: cells keyed by (layer, role), so T5's decoder overwrote its encoder's layers and an
+    # MoE cell showed whichever expert came last.
+    from transformers import MixtralConfig, MixtralForCausalLM, T5Config, T5ForConditionalGeneration
+
+    torch.manual_seed(0)
+    t5 = T5ForConditionalGeneration(
+        T5Config(vocab_size=64, d_model=16, d_kv=4, d_ff=32, num_layers=2, num_decoder_layers=3,
+                 num_heads=4)
+    )  # fmt: skip
+    t5.save_pretrained(tmp_path / "t5")
+    assert (
+        main(["analyze", str(tmp_path / "t5"), "--logdir", str(tmp_path / "a"), "--method", "gram"])
+        == 0
+    )
+    captured = capsys.readouterr()
+    assert "matrices of 5 layers (enc 2, dec 3) written" in captured.err
+    rows = _table_rows(captured.out)
+    assert [row[:2] for row in rows if row[0] in ("enc", "dec")] == [
+        ["enc", "0"], ["enc", "1"], ["dec", "0"], ["dec", "1"], ["dec", "2"]
+    ]  # fmt: skip
+    enc_q = t5.encoder.block[1].layer[0].SelfAttention.q.weight.detach().double()
+    dec_q = t5.decoder.block[1].layer[0].SelfAttention.q.weight.detach().double()
+    for stack, weight in (("enc", enc_q), ("dec", dec_q)):
+        (row,) = [row for row in rows if row[:2] == [stack, "1"]]
+        assert row[2].startswith(f"{_stable_rank(weight):.1f} / ")  # the first role column: Q
+
+    mixtral = MixtralForCausalLM(
+        MixtralConfig(vocab_size=64, hidden_size=16, num_hidden_layers=2, num_attention_heads=4,
+                      intermediate_size=24, num_key_value_heads=2, num_local_experts=4,
+                      num_experts_per_tok=2)
+    )  # fmt: skip
+    mixtral.save_pretrained(tmp_path / "moe")
+    assert (
+        main(
+            ["analyze", str(tmp_path / "moe"), "--logdir", str(tmp_path / "b"), "--method", "gram"]
+        )
+        == 0
+    )
+    out = capsys.readouterr().out
+    assert "experts: mean (min-max)" in out
+    experts = mixtral.model.layers[0].mlp.experts
+    ranks = [_stable_rank(matrix.double()) for matrix in experts.down_proj.detach()]
+    expected = f"{np.mean(ranks):.1f} ({min(ranks):.1f}-{max(ranks):.1f})"
+    (row,) = [
+        line
+        for line in out.splitlines()
+        if line.startswith("│") and line.split("│")[1].strip() == "0"
+    ]
+    assert expected in row
+
+
+def _table_rows(out: str) -> list[list[str]]:
+    """The cells of each row of a printed rich table."""
+    return [
+        [cell.strip() for cell in line.strip("│").split("│")]
+        for line in out.splitlines()
+        if line.startswith("│")
+    ]
+
+
+def _stable_rank(weight: torch.Tensor) -> float:
+    return float(weight.square().sum() / torch.linalg.matrix_norm(weight, 2) ** 2)

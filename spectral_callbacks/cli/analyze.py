@@ -127,7 +127,7 @@ def run(args: argparse.Namespace) -> int:
     say(
         "analyze",
         "done",
-        f"{count(len(rows), 'matrix', 'matrices')} of {count(num_layers, 'layer')} written to "
+        f"{count(len(rows), 'matrix', 'matrices')} of {_layers(rows)} written to "
         f"{args.logdir} ({count(len(written), 'scalar')})",
     )
     return 0
@@ -157,6 +157,15 @@ def roles_from(sources: list[str]) -> str:
     return "from " + ", ".join(f"{source} {number}" for source, number in tally.items())
 
 
+def _layers(rows: pd.DataFrame) -> str:
+    """ "3 layers", or per stack where there are several: "5 layers (enc 2, dec 3)"."""
+    per_stack = rows.groupby(rows["stack"].fillna(""), sort=False)["layer"].nunique()
+    total = count(int(per_stack.sum()), "layer")
+    if len(per_stack) == 1:
+        return total
+    return f"{total} ({', '.join(f'{stack} {n}' for stack, n in per_stack.items())})"
+
+
 class _ProgressBar:
     """A rich progress bar over matrices on a terminal's stderr; a no-op elsewhere."""
 
@@ -179,23 +188,47 @@ class _ProgressBar:
 
 
 def print_table(rows: pd.DataFrame, title: str) -> None:
-    """A layer x role table of ``stable rank / α`` on stdout."""
+    """A (stack,) layer x role table of ``stable rank / α`` on stdout.
+
+    A model with several stacks (T5's encoder and decoder) gets a stack column, so one stack's
+    layer never hides another's; a layer's experts are one cell, their mean with the min and max
+    over the experts in brackets, as ``targets`` and ``rank-layers`` print them.
+    """
     from rich.console import Console
     from rich.table import Table
 
     from spectral_callbacks.charts import role_glyph
     from spectral_callbacks.targets.target import role_sort_key
 
+    rows = rows.assign(stack=rows["stack"].fillna(""))
+    stacks = list(rows["stack"].unique())  # in the model's order (encoder before decoder)
     roles = sorted(rows["role"].unique(), key=role_sort_key)
-    table = Table(title=title)
+    experts = bool(rows["expert"].notna().any())
+    table = Table(title=title + (" (experts: mean (min-max))" if experts else ""))
+    if len(stacks) > 1:
+        table.add_column("stack")
     table.add_column("layer", justify="right")
     for role in roles:
         table.add_column(role_glyph(role), justify="right")
-    cells = {(r.layer, r.role): r for r in rows.itertuples(index=False)}
-    for layer in sorted(rows["layer"].unique()):
-        row = [str(layer)]
-        for role in roles:
-            cell = cells.get((layer, role))
-            row.append("" if cell is None else f"{cell.stable_rank:.1f} / {cell.alpha:.2f}")
-        table.add_row(*row)
-    Console(width=max(100, 14 * (len(roles) + 1))).print(table)
+    cells = {key: group for key, group in rows.groupby(["stack", "layer", "role"])}
+    for stack in stacks:
+        for layer in sorted(rows.loc[rows["stack"] == stack, "layer"].unique()):
+            row = [stack] if len(stacks) > 1 else []
+            row.append(str(layer))
+            for role in roles:
+                cell = cells.get((stack, layer, role))
+                row.append("" if cell is None else _cell(cell))
+            table.add_row(*row)
+    width = 14 if not experts else 30
+    Console(width=max(100, width * (len(roles) + 1) + 8)).print(table)
+
+
+def _cell(matrices: pd.DataFrame) -> str:
+    """``stable rank / α`` of one matrix, or of a layer's experts: mean (min-max) of each."""
+    if len(matrices) == 1:
+        return f"{matrices['stable_rank'].iloc[0]:.1f} / {matrices['alpha'].iloc[0]:.2f}"
+    sr, alpha = matrices["stable_rank"], matrices["alpha"]
+    return (
+        f"{sr.mean():.1f} ({sr.min():.1f}-{sr.max():.1f}) / "
+        f"{alpha.mean():.2f} ({alpha.min():.2f}-{alpha.max():.2f})"
+    )
