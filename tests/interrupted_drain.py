@@ -1,7 +1,8 @@
 """A plain loop whose end-of-training wait the parent interrupts with SIGINT (Ctrl-C).
 
 Run by tests/test_tracker.py: ``python interrupted_drain.py LOGDIR``. Each shape group's compute
-takes 0.3 s, so at the end four snapshots are still in flight when the wait begins.
+takes 0.3 s, so at the end four snapshots are still in flight when the wait begins. The loop is a
+sweep of two runs: the Ctrl-C must reach it, not start the second run.
 """
 
 from __future__ import annotations
@@ -26,10 +27,17 @@ def main(logdir: str) -> None:
     options: dict[str, Any] = dict(
         compute=slow, metrics=("stable_rank",), figures=False, every_n_steps=1, log_spaced_until=0
     )
-    with SpectralTracker(model, logdir=logdir, max_pending=4, synchronous=False, **options) as t:
-        for step in range(1, 4):
-            t.step(step)
-    print("after the with block", flush=True)
+    try:
+        for run in (0, 1):  # a sweep: a Ctrl-C at the end of the first run stops it
+            with SpectralTracker(
+                model, logdir=f"{logdir}/{run}", max_pending=4, synchronous=False, **options
+            ) as t:
+                for step in range(1, 4):
+                    t.step(step)
+            print(f"run {run} finished", flush=True)
+    except KeyboardInterrupt:
+        print("the sweep got the KeyboardInterrupt", flush=True)
+        raise
 
 
 if __name__ == "__main__":  # pytest --doctest-modules imports this file too

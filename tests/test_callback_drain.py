@@ -81,11 +81,17 @@ def test_a_ctrl_c_during_the_end_of_fit_wait_drops_the_snapshots_and_ends_the_fi
     trainer = quiet_trainer(max_steps=2, logger=RecordingLogger(), callbacks=[monitor, ctrl_c])
     previous = signal.getsignal(signal.SIGINT)
     try:
-        with caplog.at_level(logging.INFO, logger="spectral_callbacks"):
-            trainer.fit(TinyGPT(), token_loader())  # "Ctrl-C drops them": the fit ends normally
+        # "Ctrl-C drops them", then the Ctrl-C goes on: Lightning ends the fit with status 1
+        # (before: the fit returned normally and a sweep went on to its next run)
+        with (
+            caplog.at_level(logging.INFO, logger="spectral_callbacks"),
+            pytest.raises(SystemExit) as exited,
+        ):
+            trainer.fit(TinyGPT(), token_loader())
     finally:
         signal.signal(signal.SIGINT, previous)
         release.set()
+    assert exited.value.code == 1 and trainer.interrupted
     assert ctrl_c.interrupted and ctrl_c.waits_after_interrupt == []  # no second wait
     notes = [r.getMessage() for r in caplog.records if "Ctrl-C: stopped waiting" in r.getMessage()]
     assert len(notes) == 1 and "snapshot(s) dropped" in notes[0], notes

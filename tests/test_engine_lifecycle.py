@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 import weakref
 from pathlib import Path
@@ -135,3 +136,42 @@ def test_a_failed_snapshot_does_not_keep_its_batch_alive() -> None:
     assert seen and seen[0]() is None  # the error (still held here) pins no snapshot memory
     assert isinstance(caught.value.__cause__, ValueError)  # the cause is kept, its locals are not
     engine.close()
+
+
+# A plain loop's tracker whose final figures are still being written when the program ends.
+FIGURES_AT_EXIT = """
+    import torch
+    from spectral_callbacks import SpectralTracker
+    from spectral_callbacks.monitor import background
+    background.ANNOUNCE_AFTER_SECONDS = 0.0
+    model = torch.nn.TransformerEncoderLayer(16, 2, dim_feedforward=32)
+    with SpectralTracker(model, logdir=LOGDIR, k=4, figure_every_n_steps=None) as tracker:
+        tracker.step(1)
+"""
+
+
+def test_the_exit_wait_names_the_class_the_user_wrote(tmp_path: Path) -> None:
+    # before: "SpectralMonitor at exit: ..." after a SpectralTracker or SpectralTrainerCallback run
+    done = _python(FIGURES_AT_EXIT.replace("LOGDIR", repr(str(tmp_path))))
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "SpectralTracker at exit: waiting for the SpectralMonitor-final-figures thread" in (
+        done.stderr
+    )
+    assert "SpectralMonitor at exit" not in done.stderr
+
+
+def test_only_a_thread_still_working_at_exit_is_announced(capsys: pytest.CaptureFixture) -> None:
+    from spectral_callbacks.monitor import background
+
+    release = threading.Event()
+    with background.owned_by("SpectralTrainerCallback"):
+        working = background.start_daemon(release.wait, "held", stop=lambda: "1 snapshot")
+        finished = background.start_daemon(lambda: None, "done")
+    finished.join()
+    threading.Timer(0.2, release.set).start()
+    assert background.stop_all(announce_after=0.05) == ["held: 1 snapshot"]
+    assert not working.is_alive()
+    assert capsys.readouterr().err.splitlines() == [
+        "SpectralTrainerCallback at exit: abandoned held: 1 snapshot",
+        f"SpectralTrainerCallback at exit: waiting for the held thread {background.WAITING_FOR}",
+    ]

@@ -264,7 +264,9 @@ def test_ctrl_c_in_the_end_of_training_wait_drops_the_snapshots_at_once_in_one_l
     tmp_path: Path,
 ) -> None:
     # before: a KeyboardInterrupt traceback through tracker.py and engine.py, after waiting up to
-    # 5 s for the worker and warning that it did not stop
+    # 5 s for the worker and warning that it did not stop; then: close() returned normally and a
+    # sweep loop started its next run. Now the snapshots are dropped in one line, then the
+    # KeyboardInterrupt goes on up to the loop.
     script = Path(__file__).with_name("interrupted_drain.py")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(script.parent), *sys.path])}
     process = subprocess.Popen(
@@ -283,14 +285,15 @@ def test_ctrl_c_in_the_end_of_training_wait_drops_the_snapshots_at_once_in_one_l
     time.sleep(0.5)  # inside the wait
     interrupted_at = time.monotonic()
     process.send_signal(signal.SIGINT)
-    after = process.stdout.readline()  # the user's next line runs once close() returned
+    after = process.stdout.readline()  # the sweep's handler runs once close() raised
     seconds = time.monotonic() - interrupted_at  # not counting the interpreter's own teardown
     rest = process.stderr.read().splitlines()
-    assert process.wait(timeout=60) == 0 and after.strip() == "after the with block"
+    assert after.strip() == "the sweep got the KeyboardInterrupt", after
+    assert process.stdout.read() == ""  # no second run
+    assert process.wait(timeout=60) == -signal.SIGINT  # what an uncaught Ctrl-C exits with
     assert "waiting up to" in lines[-1] and "Ctrl-C drops them" in lines[-1], lines
-    assert len(rest) == 1 and re.search(
-        r"Ctrl-C: stopped waiting; [1-4] snapshot\(s\) dropped", rest[0]
-    ), rest
+    assert re.search(r"Ctrl-C: stopped waiting; [1-4] snapshot\(s\) dropped", rest[0]), rest
+    assert rest[-1] == "KeyboardInterrupt", rest  # its traceback, as for any Ctrl-C
     assert seconds < 2.0, seconds  # one shape group's 0.3 s at most, not a 5 s join
 
 

@@ -27,9 +27,11 @@ Example::
 from __future__ import annotations
 
 import atexit
+import contextlib
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextvars import ContextVar
 
 #: Seconds of waiting at exit after which the wait is announced on stderr.
 ANNOUNCE_AFTER_SECONDS = 1.0
@@ -41,9 +43,24 @@ WAITING_FOR = (
 )
 
 # thread -> (stop function, returning a short description of what it abandoned or None; what the
-# wait for it is for).
-_LIVE: dict[threading.Thread, tuple[Callable[[], str | None], str]] = {}
+# wait for it is for; who started it).
+_LIVE: dict[threading.Thread, tuple[Callable[[], str | None], str, str]] = {}
 _LOCK = threading.Lock()
+
+# Who the threads started now belong to: the frontend's class the user wrote (SpectralTracker,
+# SpectralMonitor, SpectralTrainerCallback), so the exit's messages name what the user knows.
+_OWNER: ContextVar[str] = ContextVar("owner", default="spectral_callbacks")
+
+
+@contextlib.contextmanager
+def owned_by(owner: str) -> Iterator[None]:
+    """Threads started by :func:`start_daemon` inside this block are ``owner``'s in the exit's
+    messages ("SpectralTrainerCallback at exit: ...")."""
+    token = _OWNER.set(owner)
+    try:
+        yield
+    finally:
+        _OWNER.reset(token)
 
 
 def start_daemon(
@@ -74,7 +91,7 @@ def start_daemon(
 
     thread = threading.Thread(target=run, name=name, daemon=True)
     with _LOCK:
-        _LIVE[thread] = (stop or (lambda: None), waiting_for)
+        _LIVE[thread] = (stop or (lambda: None), waiting_for, _OWNER.get())
     thread.start()
     return thread
 
@@ -90,17 +107,16 @@ def stop_all(announce_after: float | None = None) -> list[str]:
     with _LOCK:
         live = [(thread, *entry) for thread, entry in _LIVE.items() if thread.is_alive()]
     reports = []
-    for thread, stop, _ in live:
+    for thread, stop, _, owner in live:
         report = stop()
         if report:
             reports.append(f"{thread.name}: {report}")
-    for report in reports:
-        print(f"SpectralMonitor at exit: abandoned {report}", file=sys.stderr, flush=True)
-    for thread, _, waiting_for in live:
-        thread.join(announce_after)
+            print(f"{owner} at exit: abandoned {reports[-1]}", file=sys.stderr, flush=True)
+    for thread, _, waiting_for, owner in live:
+        thread.join(announce_after)  # said only when the thread still works after this
         if thread.is_alive():
             print(
-                f"SpectralMonitor at exit: waiting for the {thread.name} thread {waiting_for}",
+                f"{owner} at exit: waiting for the {thread.name} thread {waiting_for}",
                 file=sys.stderr,
                 flush=True,
             )

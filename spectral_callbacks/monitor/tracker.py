@@ -22,11 +22,12 @@ writes everything (``writers`` and ``logdir`` are ignored on the other ranks).
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 import warnings
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, TypeVar
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -35,7 +36,7 @@ from spectral_callbacks import tensorboard_adapter as tb
 from spectral_callbacks.functional import CIRCUIT_METRICS, ESD_METRICS
 from spectral_callbacks.functional.metrics import UPDATE_METRICS
 from spectral_callbacks.messages import rank_zero_info, rank_zero_warn
-from spectral_callbacks.monitor import dashboards
+from spectral_callbacks.monitor import background, dashboards
 from spectral_callbacks.monitor.alerts import Alert, AlertWatch, alert_table
 from spectral_callbacks.monitor.balancer import LRBalancer
 from spectral_callbacks.monitor.budget import plan_snapshot, resolve_budget
@@ -74,6 +75,20 @@ FLUSH_INTERVAL_SECONDS = 1.0
 
 def _check_step(step: Any) -> None:
     require("step", step, is_int(step, 0), "a non-negative int (the optimizer step)")
+
+
+_Method = TypeVar("_Method", bound=Callable[..., Any])
+
+
+def _as_caller(method: _Method) -> _Method:
+    """The threads ``method`` starts are the caller's (its name in the messages at exit)."""
+
+    @functools.wraps(method)
+    def wrapper(self: SpectralTracker, *args: Any, **kwargs: Any) -> Any:
+        with background.owned_by(self.caller):
+            return method(self, *args, **kwargs)
+
+    return wrapper  # type: ignore[return-value]
 
 
 class SpectralTracker:
@@ -291,6 +306,7 @@ class SpectralTracker:
 
     # --- the calls a loop makes --------------------------------------------------------------
 
+    @_as_caller
     def begin(self, step: int) -> None:
         """Start at optimizer step ``step``: the engine, the one-off scalars, the first snapshot.
 
@@ -353,6 +369,7 @@ class SpectralTracker:
                 )
             self._offer(step)
 
+    @_as_caller
     def step(self, step: int) -> None:
         """Call after the optimizer update of ``step``: log what finished, snapshot if due.
 
@@ -409,6 +426,7 @@ class SpectralTracker:
             )
         self._balancer.attach(optimizer)
 
+    @_as_caller
     def close(self, step: int | None = None, *, error: BaseException | None = None) -> None:
         """End of training: measure the last step, wait (bounded) for in-flight work, shut down.
 
@@ -418,9 +436,12 @@ class SpectralTracker:
                 what finishes within ``drain_timeout`` is logged with the final figures, and an
                 error of the spectral work is only warned about, so it never hides ``error``.
 
-        A Ctrl-C during the wait drops what is in flight, says so in one line and returns (the
-        worker finishes at most the shape group it is in). Idempotent; also called by
-        ``with SpectralTracker(...)`` on exit.
+        Raises:
+            KeyboardInterrupt: a Ctrl-C during the wait, after the snapshots in flight are dropped
+                (said in one line) and the tracker is shut down, so a loop of runs stops as it
+                would anywhere else (not with ``error``: that one is already on its way up).
+
+        Idempotent; also called by ``with SpectralTracker(...)`` on exit.
         """
         if self._first_forward is not None and not self._first_forward.done:
             self._first_forward.cancel()  # no forward ran: nothing was watched
@@ -430,18 +451,20 @@ class SpectralTracker:
             return
         if step is not None:
             _check_step(step)
-        wait = True
+        interrupted = False
         try:
             try:
                 if self._engine is not None and error is None:
                     self._finish(self._previous_step if step is None else step)
                 elif self._engine is not None:
                     self._finish_after_exception()
-            except KeyboardInterrupt:  # the wait said "Ctrl-C drops them": so it does, and returns
-                wait = False
+            except KeyboardInterrupt:  # the wait said "Ctrl-C drops them": so it does
+                interrupted = True
                 self._interrupted()
         finally:
-            self._shutdown(wait=wait)
+            interrupted = self._shutdown(wait=not interrupted) or interrupted
+        if interrupted and error is None:
+            raise KeyboardInterrupt
 
     def __enter__(self) -> SpectralTracker:
         return self
@@ -834,8 +857,11 @@ class SpectralTracker:
         if callable(release):
             release()
 
-    def _shutdown(self, wait: bool = True) -> None:
+    def _shutdown(self, wait: bool = True) -> bool:
+        """Stop the engine and the figures (waiting up to 5 s unless ``wait`` is false); whether
+        a Ctrl-C stopped that wait."""
         self._closed = True
+        interrupted = False
         if self._balancer is not None:  # the optimizer's learning rates are its own again
             self._balancer.detach()
         # The worker finishes at most the shape group it is in (a daemon thread; the exit hook
@@ -846,6 +872,7 @@ class SpectralTracker:
                 self._engine.close(timeout=timeout)
             self._figures.close(timeout=timeout)
         except KeyboardInterrupt:  # Ctrl-C while the worker or a drawing finishes: stop waiting
+            interrupted = True
             self._interrupted()
             if self._engine is not None:
                 self._engine.close(timeout=0.0)
@@ -854,3 +881,4 @@ class SpectralTracker:
         self._flush(now=True)
         if self._own_logger is not None:
             self._own_logger.finalize("success")
+        return interrupted
