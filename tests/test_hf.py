@@ -114,6 +114,37 @@ def test_bad_arguments_are_named_at_construction() -> None:
         Again(every_n_step=5)
 
 
+def test_each_trainer_given_the_other_frameworks_callback_names_the_right_class(
+    tmp_path: Path,
+) -> None:
+    # before: a bare AttributeError ('SpectralMonitor' object has no attribute 'on_init_end';
+    # 'SpectralTrainerCallback' object has no attribute 'setup', then 'on_exception')
+    from hf_train import tiny_gpt2
+    from tiny_models import RecordingLogger, TinyGPT, quiet_trainer, token_loader
+    from transformers import Trainer, TrainingArguments
+
+    from spectral_callbacks.pl import SpectralMonitor
+
+    args = TrainingArguments(output_dir=str(tmp_path), report_to=[], use_cpu=True)
+    with pytest.raises(
+        AttributeError,
+        match=r"SpectralMonitor is a Lightning callback, but a trainer called its 'on_init_end': "
+        r"the Hugging Face Trainer takes spectral_callbacks.hf.SpectralTrainerCallback",
+    ):
+        Trainer(model=tiny_gpt2(), args=args, callbacks=[SpectralMonitor()])
+    trainer = quiet_trainer(
+        max_steps=2, logger=RecordingLogger(), callbacks=[SpectralTrainerCallback()]
+    )
+    with pytest.raises(
+        AttributeError,
+        match=r"SpectralTrainerCallback is the Hugging Face Trainer's callback, but a trainer "
+        r"called its '(setup|on_exception)': a Lightning Trainer takes "
+        r"spectral_callbacks.pl.SpectralMonitor",
+    ):
+        trainer.fit(TinyGPT(), token_loader())
+    assert not hasattr(SpectralMonitor(), "no_such_attribute")  # other names: as any object
+
+
 @pytest.mark.slow
 def test_two_processes_under_torchrun_log_every_matrix_once_from_rank_zero(tmp_path: Path) -> None:
     env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")

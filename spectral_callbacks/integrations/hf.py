@@ -80,6 +80,18 @@ class SpectralTrainerCallback(TrainerCallback):
         self.logdir = logdir
         self.tracker: SpectralTracker | None = None
 
+    def __getattr__(self, name: str) -> Any:
+        # Reached only for what the class lacks: a hook of another trainer, such as Lightning's
+        # `setup` or `on_exception`, says which class that trainer takes.
+        if name.startswith("on_") or name in ("setup", "teardown", "state_key"):
+            raise AttributeError(
+                f"{type(self).__name__} is the Hugging Face Trainer's callback, but a trainer "
+                f"called its {name!r}: a Lightning Trainer takes spectral_callbacks.pl."
+                "SpectralMonitor (the same options), Trainer(callbacks=[SpectralMonitor()], "
+                "logger=TensorBoardLogger('runs'))"
+            )
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
     def on_train_begin(
         self,
         args: TrainingArguments,

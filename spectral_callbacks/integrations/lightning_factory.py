@@ -146,6 +146,18 @@ def monitor_class(package: str) -> type:
         def state_key(self) -> str:
             return self._state_key
 
+        def __getattr__(self, name: str) -> Any:
+            # Reached only for what the class lacks: a hook of another trainer, such as the
+            # Hugging Face Trainer's `on_init_end`, says which class that trainer takes.
+            if name.startswith("on_"):
+                raise AttributeError(
+                    f"{type(self).__name__} is a Lightning callback, but a trainer called its "
+                    f"{name!r}: the Hugging Face Trainer takes "
+                    "spectral_callbacks.hf.SpectralTrainerCallback (the same options), "
+                    "Trainer(..., callbacks=[SpectralTrainerCallback()])"
+                )
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
         # --- hooks: a guard and one call each -----------------------------------------------
 
         @override
