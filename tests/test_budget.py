@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import logging
 import math
 import random
 
@@ -163,6 +164,55 @@ def test_a_staggered_snapshot_logs_every_matrix_at_its_copy_step_within_the_budg
     # The means per role are over every layer, logged once each layer has a value.
     mean_q = writer.scalars[scalar_tag("stable_rank", None, "Q")]
     assert mean_q  # logged
+
+
+def test_a_staggered_snapshot_takes_its_parts_at_scheduled_steps_too_and_says_so(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # before: a scheduled step offered a new snapshot, skipped it and copied no part, so the first
+    # snapshot's parts came at 0, 3, 5, 6, 7, 9, 11 (none at the grid steps 1, 2, 4, 8, 10), and
+    # nothing said why so many early snapshots were skipped
+    model = tiny_llama(0)
+    probe = SpectralTracker(model, writers=[Recorder()], figures=False, start_step=None)
+    groups = group_by_shape(probe.targets)
+    probe.close()
+    writer = Recorder()
+    tracker = SpectralTracker(
+        model,
+        metrics=["stable_rank", "compression"],
+        writers=[writer],
+        figures=False,
+        every_n_steps=10,
+        log_spaced_until=1000,
+        max_snapshot_bytes=_between_one_matrix_and_all(groups),
+        synchronous=True,  # each part is decomposed by the next step: the steps are deterministic
+        start_step=None,
+    )
+    with caplog.at_level(logging.INFO, logger="spectral_callbacks"):
+        tracker.begin(0)
+        parts = len(tracker._engine.plan.parts)
+        for step in range(1, 24):
+            tracker.step(step)
+        tracker.close()
+    first = {
+        int(value)
+        for tag, logged in writer.scalars.items()
+        if tag.startswith("spectral_monitor/reference_step/")
+        for value in logged.values()
+    }
+    assert first == set(range(max(first) + 1)), sorted(first)  # one part or more at every step
+    assert 0 < max(first) < parts
+    said = [record.getMessage() for record in caplog.records]
+    start = [line for line in said if f"copied in up to {parts} parts" in line]
+    assert len(start) == 1 and "at most 34 steps late" in start[0]
+    assert "the scheduled steps 1, 2, 4, 8, 10, 16 may fall within" in start[0]
+    skipped = int(max(writer.scalars["spectral_monitor/skipped"].values()))
+    assert any(f"{skipped} of " in line and "scheduled snapshots skipped" in line for line in said)
+    assert any(
+        f"compression is measured against each matrix's first snapshot, at steps 0 to "
+        f"{max(first)}" in line
+        for line in said
+    )
 
 
 @pytest.mark.parametrize(

@@ -249,10 +249,12 @@ class SnapshotEngine:
 
         The bound is checked before the copy, so a skipped snapshot costs nothing. The snapshot
         is skipped too while an earlier one is still being copied in parts (staggered by the
-        budget): its parts are taken at the steps that follow, by :meth:`advance`.
+        budget): that one's next parts are copied at this step, as at every step that follows
+        (:meth:`advance`), so a scheduled step never stalls it.
         """
         if self._round is not None or self._rounds(uncollected=True) >= self.max_pending:
             self._skip(step)
+            self.advance(step)
             return False
         self._last_accepted = step
         self._round = _Round(step, collections.deque(self.plan.parts))

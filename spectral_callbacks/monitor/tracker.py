@@ -39,7 +39,7 @@ from spectral_callbacks.messages import rank_zero_info, rank_zero_warn
 from spectral_callbacks.monitor import background, dashboards
 from spectral_callbacks.monitor.alerts import Alert, AlertWatch, alert_table
 from spectral_callbacks.monitor.balancer import LRBalancer
-from spectral_callbacks.monitor.budget import plan_snapshot, resolve_budget
+from spectral_callbacks.monitor.budget import Plan, plan_snapshot, resolve_budget
 from spectral_callbacks.monitor.compute import SpectrumCompute
 from spectral_callbacks.monitor.distributed import world
 from spectral_callbacks.monitor.engine import SnapshotResult
@@ -248,9 +248,10 @@ class SpectralTracker:
             esd_every_n_snapshots=options.esd_every_n_snapshots,
         )
         self.max_snapshot_bytes = resolve_budget(options.max_snapshot_bytes, self.targets)
+        self._plan: Plan | None = None
         if not any(isinstance(target.parameter, DTensor) for target in self.targets):
             # Refused here, with the numbers, when one matrix cannot fit (the engine plans alike).
-            plan_snapshot(
+            self._plan = plan_snapshot(
                 group_by_shape(self.targets), self.compute, self.max_snapshot_bytes, caller
             )
         self.schedule = SnapshotSchedule(
@@ -338,6 +339,7 @@ class SpectralTracker:
         rank_zero_info(f"{self.caller}: {self.placement.describe()}")
         if self._balancer is not None:
             rank_zero_info(f"{self.caller}: lr_balance: {self._balancer.summary()}")
+        self._say_staggered(step)
         self._engine = make_engine(
             self.compute,
             self.targets,
@@ -798,6 +800,8 @@ class SpectralTracker:
         self._engine.finish(step, offered=offered, deadline=deadline)
         self._collect_and_log(wait_seconds=max(0.0, deadline - time.monotonic()))
         self._warn_if_left()
+        self._say_skipped()
+        self._say_reference_steps()
         self._draw_final(deadline)
 
     def _finish_after_exception(self) -> None:
@@ -815,6 +819,61 @@ class SpectralTracker:
             rank_zero_warn(
                 f"{self.caller}: while shutting down after an exception: {error}",
                 category=RuntimeWarning,
+            )
+
+    def _say_staggered(self, step: int) -> None:
+        """At the start: a snapshot that does not fit the budget at once, and what that costs."""
+        plan = self._plan
+        if plan is None or plan.budget is None or not plan.staggered:
+            return
+        parts = len(plan.parts)
+        delay = max(self.options.every_n_steps, 2 * parts)  # the engine's delay bound
+        mib = 2**20
+        whole = sum(plan.copies.values()) + max(plan.working.values(), default=0) + plan.kept
+        early = [s for s in range(step + 1, step + parts) if self.schedule.on_grid(s)]
+        crowded = (
+            f"; the scheduled steps {', '.join(map(str, early))} may fall within the first "
+            "snapshot's parts and cannot all be taken: those skipped are counted "
+            "(spectral_monitor/skipped) and said at the end"
+            if early
+            else ""
+        )
+        rank_zero_info(
+            f"{self.caller}: a snapshot needs {whole / mib:.1f} MiB, over max_snapshot_bytes="
+            f"{plan.budget / mib:.1f} MiB: each is copied in up to {parts} parts over consecutive "
+            f"steps, each matrix logged at its copy's step, at most {delay} steps late (then "
+            "the parts left are skipped, spectral_monitor/skipped_matrices); compression's "
+            f"reference is each matrix's first copy, from step {step} on{crowded}"
+        )
+
+    def _say_skipped(self) -> None:
+        """At the end: how many scheduled snapshots (and matrices of staggered ones) were skipped."""
+        engine = self._engine
+        if engine is None or not (engine.skipped or engine.skipped_matrices):
+            return
+        staggered = self._plan is not None and self._plan.staggered
+        why = (
+            "a snapshot still being copied in parts (max_snapshot_bytes) or " if staggered else ""
+        ) + f"max_pending={self.options.max_pending} snapshots in flight"
+        matrices = (
+            f", and {engine.skipped_matrices} matrices of staggered snapshots past the delay bound"
+            if engine.skipped_matrices
+            else ""
+        )
+        rank_zero_info(
+            f"{self.caller}: {engine.skipped} of {self.schedule.snapshots} scheduled snapshots "
+            f"skipped ({why}){matrices}; spectral_monitor/skipped has them by step"
+        )
+
+    def _say_reference_steps(self) -> None:
+        """At the end: the steps compression was measured against, where they are not all 0."""
+        steps = set(self._reporter.reference_steps.values())
+        if steps and steps != {0}:
+            low, high = min(steps), max(steps)
+            span = f"step {low}" if low == high else f"steps {low} to {high}"
+            rank_zero_info(
+                f"{self.caller}: compression is measured against each matrix's first snapshot, "
+                f"at {span} (spectral_monitor/reference_step has each)"
             )
 
     def _announce_wait(self, deadline: float, final_snapshot: bool = False) -> None:
