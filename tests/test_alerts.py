@@ -49,6 +49,15 @@ def test_each_rule_fires_past_its_threshold_and_not_below() -> None:
     assert kinds(got) == [("esd_alpha_high", "k"), ("esd_alpha_low", "q")]
     got = watch.check(30, {"q": row(math.nan, math.nan) | {"frobenius_norm": math.nan}})
     assert kinds(got) == [("non_finite", "q")]
+    # what each kind's value is in (before: one `value` column, a fraction, a factor or an α)
+    assert {kind: Alert(kind, 0, "q", 0, "Q", 0.0, 0.0).unit for kind in ALERT_KINDS} == {
+        "rank_collapse": "fraction",
+        "sigma_growth": "factor",
+        "esd_alpha_low": "ESD α",
+        "esd_alpha_high": "ESD α",
+        "non_finite": "",
+        "logit_growth": "factor",
+    }
     assert watch.counts == {
         "rank_collapse": 1,
         "sigma_growth": 1,
@@ -238,3 +247,39 @@ def test_logit_growth_reads_a_layers_max_over_heads_once_per_window() -> None:
 def test_logit_growth_must_be_a_factor_above_one() -> None:
     with pytest.raises(ConfigurationError, match=r"`logit_growth` must be a factor > 1"):
         MonitorOptions(alerts=AlertRules(logit_growth=1.0))
+
+
+def test_an_alert_names_its_stack_and_its_unit_in_the_table(tmp_path: Path) -> None:
+    # before: no stack (a T5's encoder and decoder layer 0 read alike) and no unit in the table
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.T5Config(
+        vocab_size=64, d_model=16, d_kv=4, d_ff=32, num_layers=2, num_decoder_layers=2, num_heads=4
+    )
+    model = transformers.T5ForConditionalGeneration(config)
+    seen: list[Alert] = []
+    with (
+        warnings.catch_warnings(record=True),
+        SpectralTracker(
+            model,
+            logdir=tmp_path,
+            figures=False,
+            synchronous=True,
+            alerts=AlertRules(after_step=0, window=10),
+            on_alert=seen.append,
+        ) as tracker,
+    ):
+        tracker.step(1)
+        with torch.no_grad():
+            model.decoder.block[0].layer[0].SelfAttention.q.weight.mul_(4.0)  # sigma_1 x4
+        tracker.step(2)
+    assert [(a.kind, a.stack, a.layer, a.role, a.unit) for a in seen] == [
+        ("sigma_growth", "dec", 0, "Q", "factor")
+    ]
+    assert "(dec L0 Q)" in seen[0].describe()
+    reader = event_accumulator.EventAccumulator(str(tmp_path), size_guidance={"tensors": 0})
+    reader.Reload()
+    text = reader.Tensors("spectral_alerts/text_summary")[0].tensor_proto.string_val[0].decode()
+    assert "| value | threshold | unit |" in text
+    assert f"| dec | 0 | Q | {seen[0].value:.4g} | 3 | factor | 0 |" in text

@@ -45,6 +45,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from spectral_callbacks.monitor.reporting import stack_of
 from spectral_callbacks.names import alert_tag
 
 #: Every kind of alert, in the order counts are logged.
@@ -94,6 +95,17 @@ class AlertRules:
     logit_growth: float = 3.0
 
 
+#: What an alert's ``value`` and ``threshold`` are, by kind (the tables and the tab name it).
+ALERT_UNITS: dict[str, str] = {
+    "rank_collapse": "fraction",  # the fall of the stable rank from the window's highest
+    "sigma_growth": "factor",  # σ₁ over the window's lowest
+    "esd_alpha_low": "ESD α",
+    "esd_alpha_high": "ESD α",
+    "non_finite": "",  # no value: the weights hold NaN or Inf
+    "logit_growth": "factor",  # the layer's max-over-heads QK bound over the window's lowest
+}
+
+
 @dataclass(frozen=True)
 class Alert:
     """One alert: what fired, for which matrix, at which step, the value and the threshold."""
@@ -103,9 +115,18 @@ class Alert:
     matrix: str  #: the watched parameter's name
     layer: int
     role: str
-    value: float  #: the value that crossed (a fraction, a factor or an α; NaN for non_finite)
-    threshold: float
+    #: the value that crossed, in :attr:`unit`: the stable rank's fall as a fraction of the
+    #: window's highest, σ₁'s growth as a factor over the window's lowest, or the ESD α itself;
+    #: NaN for non_finite
+    value: float
+    threshold: float  #: in the same unit as ``value``
     since_step: int | None = None  #: the snapshot it is compared with (window rules)
+    stack: str = ""  #: the stack the layer is numbered in (``enc``, ``dec``; ``""``: the only one)
+
+    @property
+    def unit(self) -> str:
+        """What ``value`` and ``threshold`` are: ``fraction``, ``factor``, ``ESD α`` or ``""``."""
+        return ALERT_UNITS[self.kind]
 
     def describe(self) -> str:
         """One line: what the value was, against what, since when."""
@@ -119,10 +140,13 @@ class Alert:
             f"(more than {self.threshold:g}x)",
         }[self.kind]
         since = f" since step {self.since_step}" if self.since_step is not None else ""
-        return f"step {self.step}: {self.kind} in {self.matrix!r} (L{self.layer} {self.role}): {what}{since}"
+        where = f"{self.stack} L{self.layer}" if self.stack else f"L{self.layer}"
+        return (
+            f"step {self.step}: {self.kind} in {self.matrix!r} ({where} {self.role}): {what}{since}"
+        )
 
     def as_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        return {**dataclasses.asdict(self), "unit": self.unit}
 
 
 class AlertWatch:
@@ -187,7 +211,17 @@ class AlertWatch:
                 self._last[(kind, name)] = step
                 self.counts[kind] += 1
                 raised.append(
-                    Alert(kind, step, name, target.layer, target.role, value, threshold, since)
+                    Alert(
+                        kind,
+                        step,
+                        name,
+                        target.layer,
+                        target.role,
+                        value,
+                        threshold,
+                        since,
+                        stack=stack_of(target),
+                    )
                 )
         raised += self._check_logit_bounds(step, values)
         return raised
@@ -232,6 +266,7 @@ class AlertWatch:
                             value / base,
                             rules.logit_growth,
                             base_step,
+                            stack=stack_of(target),
                         )
                     )
             history.append((step, value))
@@ -268,21 +303,22 @@ class AlertWatch:
 
 
 def alert_table(alerts: Sequence[Alert]) -> str:
-    """The alerts of one snapshot as a Markdown table (TensorBoard renders its text entries so).
+    """The alerts of one snapshot as a Markdown table (TensorBoard renders its text entries so);
+    ``value`` and ``threshold`` are in the row's ``unit``.
 
     >>> print(alert_table([Alert("sigma_growth", 300, "h.0.q", 0, "Q", 2.5, 2.0, 250)]))
-    | step | kind | matrix | layer | role | value | threshold | since step |
-    |---|---|---|---|---|---|---|---|
-    | 300 | sigma_growth | h.0.q | 0 | Q | 2.5 | 2 | 250 |
+    | step | kind | matrix | stack | layer | role | value | threshold | unit | since step |
+    |---|---|---|---|---|---|---|---|---|---|
+    | 300 | sigma_growth | h.0.q |  | 0 | Q | 2.5 | 2 | factor | 250 |
     """
     lines = [
-        "| step | kind | matrix | layer | role | value | threshold | since step |",
-        "|---|---|---|---|---|---|---|---|",
+        "| step | kind | matrix | stack | layer | role | value | threshold | unit | since step |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for a in alerts:
         since = "" if a.since_step is None else str(a.since_step)
         lines.append(
-            f"| {a.step} | {a.kind} | {a.matrix} | {a.layer} | {a.role} | {a.value:.4g} | "
-            f"{a.threshold:.4g} | {since} |"
+            f"| {a.step} | {a.kind} | {a.matrix} | {a.stack} | {a.layer} | {a.role} | "
+            f"{a.value:.4g} | {a.threshold:.4g} | {a.unit} | {since} |"
         )
     return "\n".join(lines)

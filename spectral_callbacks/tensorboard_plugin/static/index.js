@@ -584,15 +584,19 @@ const VIEWS = {
   },
 };
 
-const ALERT_COLUMNS = [['step', 'step'], ['kind', 'kind'], ['matrix', 'matrix'], ['layer', 'layer'], ['role', 'role'],
-                       ['value', 'value'], ['threshold', 'threshold'], ['since_step', 'since step']];
+// `unit` says what value and threshold are: a fraction (rank_collapse), a factor (sigma_growth), an ESD α.
+const ALERT_COLUMNS = [['step', 'step'], ['kind', 'kind'], ['matrix', 'matrix'], ['stack', 'stack'], ['layer', 'layer'],
+                       ['role', 'role'], ['value', 'value'], ['threshold', 'threshold'], ['unit', 'unit'],
+                       ['since_step', 'since step']];
 
-/** The alerts of one run as a table (step, kind, matrix, layer, role, value, threshold, since). */
+/** The alerts of one run as a table (step, kind, matrix, stack, layer, role, value, threshold, unit, since). */
 function alertTable(box, alerts) {
   const table = document.createElement('table');
   table.className = 'alerts';
   const extra = Object.keys(alerts[0]).filter((k) => !ALERT_COLUMNS.some(([c]) => c === k));
-  const columns = [...ALERT_COLUMNS, ...extra.map((k) => [k, k.replace(/_/g, ' ')])];
+  // a model with one stack has no stack to name: no empty column
+  const shown = ALERT_COLUMNS.filter(([c]) => c !== 'stack' || alerts.some((a) => a.stack));
+  const columns = [...shown, ...extra.map((k) => [k, k.replace(/_/g, ' ')])];
   table.innerHTML = '<thead><tr>' + columns.map(([, t]) => `<th>${t}</th>`).join('') + '</tr></thead>';
   const body = document.createElement('tbody');
   for (const alert of alerts) {
