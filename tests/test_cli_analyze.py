@@ -368,3 +368,27 @@ def _table_rows(out: str) -> list[list[str]]:
 
 def _stable_rank(weight: torch.Tensor) -> float:
     return float(weight.square().sum() / torch.linalg.matrix_norm(weight, 2) ** 2)
+
+
+def test_analyze_esd_writes_what_rank_layers_reads(
+    gpt2: tuple[Path, GPT2LMHeadModel], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # before: analyze had no way to fit the ESD family, and rank-layers of its output advised
+    # training with esd_alpha
+    assert main(["analyze", str(gpt2[0]), "--logdir", str(tmp_path / "plain")]) == 0
+    capsys.readouterr()
+    assert main(["rank-layers", str(tmp_path / "plain")]) == 1
+    assert "write a model's with `analyze MODEL --esd`" in capsys.readouterr().err
+    assert main(["analyze", str(gpt2[0]), "--logdir", str(tmp_path / "esd"), "--esd"]) == 0
+    out = tmp_path / "ranks.json"
+    assert main(["rank-layers", str(tmp_path / "esd"), "--json", str(out)]) == 0
+    ranking = pd.read_json(out, typ="series")
+    assert ranking["where"] == "logged at step 0" and len(ranking["matrices"]) == 3 * 6
+    rows = _analyzed(tmp_path / "esd")
+    logged = rows[(rows.metric == "esd_alpha") & (rows.layer == 1) & (rows.role == "V")].value
+    weight = gpt2[1].transformer.h[1].attn.c_attn.weight.detach()[:, 128:].T  # V: (out, in)
+    from spectral_callbacks.functional import esd_metrics
+
+    assert float(logged.iloc[0]) == pytest.approx(
+        float(esd_metrics(weight[None].float())["esd_alpha"][0]), rel=1e-4
+    )

@@ -265,3 +265,39 @@ def test_a_resumed_compute_counts_on_from_the_snapshots_taken_before() -> None:
     batch = spectra(1, 2, 30, 20).float()
     results = [compute(group, batch) for _ in range(5)]  # snapshots 5-9: the ESD on 6 and 9
     assert ["esd_alpha" in out for out in results] == [False, True, False, False, True]
+
+
+@pytest.mark.parametrize(
+    ("last", "inline"),
+    [(14, True), (15, True), (15, False)],  # 14: a step off the grid; 15: on it (every 5)
+)
+def test_the_last_snapshot_of_a_run_carries_the_esd_family(
+    tmp_path: Path, last: int, inline: bool
+) -> None:
+    # before: only the first snapshot and every 10th (here only step 0), so a run's end was read
+    # from an earlier step (rank-layers ranked step 128 of a 200-step run)
+    model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    tracker = SpectralTracker(
+        model,
+        metrics=["stable_rank", "esd_alpha"],
+        logdir=tmp_path,
+        every_n_steps=5,
+        log_spaced_until=0,
+        esd_every_n_snapshots=10,
+        figures=False,
+        synchronous=inline,
+    )
+    for step in range(1, last + 1):
+        for parameter in model.parameters():
+            parameter.grad = torch.randn_like(parameter)
+        optimizer.step()
+        tracker.step(step)
+    tracker.close()
+    scalars = read_scalars(tmp_path)
+    tag = scalar_tag("esd_alpha", 0, "Q")
+    assert sorted(scalars[tag]) == [0, last]
+    weights = next(t for t in tracker.targets if t.layer == 0 and t.role == "Q").matrix()
+    expected = float(esd_metrics(weights.detach().float()[None])["esd_alpha"][0])
+    assert scalars[tag][last] == pytest.approx(expected, rel=1e-5)  # the last step's weights
+    assert max(scalars[scalar_tag("stable_rank", 0, "Q")]) == last

@@ -157,3 +157,21 @@ def test_a_bad_target_is_refused_before_the_source_is_read(
     assert main(["rank-layers", str(run), flag, value]) == 1
     error = capsys.readouterr().err.strip()
     assert f"(set with {flag})" in error and "esd_alpha" not in error, error
+
+
+def test_rank_layers_says_when_the_ranked_step_is_not_the_runs_last(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # before: the latest esd_alpha step was ranked silently, however far before the run's end
+    from torch.utils.tensorboard import SummaryWriter
+
+    with SummaryWriter(str(tmp_path)) as writer:
+        for layer, alpha in ((0, 3.0), (1, 5.0)):
+            for role in ("Q", "K"):
+                writer.add_scalar(f"spectral_esd_alpha/L{layer:02d}/{role}", alpha, 5)
+                writer.add_scalar(f"spectral_stable_rank/L{layer:02d}/{role}", 9.0, 9)
+    out = tmp_path / "ranks.json"
+    assert main(["rank-layers", str(tmp_path), "--json", str(out)]) == 0
+    assert json.loads(out.read_text())["where"] == "logged at step 5"
+    err = capsys.readouterr().err
+    assert "warning: the run's last esd_alpha is at step 5, not at its last step 9" in err

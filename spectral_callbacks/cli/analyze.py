@@ -86,6 +86,13 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         help="SVD method of spectral_metrics: auto (default, what the callback uses), or an exact "
         "one, gram or svdvals, for a model at rest where time matters less",
     )
+    parser.add_argument(
+        "--esd",
+        action="store_true",
+        help="also fit the ESD family (esd_alpha, esd_ks_distance, esd_xmin, esd_tail_size: "
+        "WeightWatcher's power-law fit of every eigenvalue), which rank-layers reads from the "
+        "written run",
+    )
     parser.set_defaults(func=run)
 
 
@@ -108,7 +115,12 @@ def run(args: argparse.Namespace) -> int:
     with _ProgressBar() as advance:
         generator = torch.Generator().manual_seed(args.seed)
         rows, num_layers = analyze_model(
-            model, progress=advance, example_input=batch, generator=generator, method=args.method
+            model,
+            progress=advance,
+            example_input=batch,
+            generator=generator,
+            method=args.method,
+            esd=args.esd,
         )
     written = write_scalars(rows, num_layers, args.logdir, step=args.step)
     print_table(rows, title=f"{args.model}: stable rank / α by layer and role (step {args.step})")

@@ -107,7 +107,8 @@ def run(args: argparse.Namespace) -> int:
             )
         )
     if args.chart:
-        draw_chart(blocks, args.chart, f"{Path(args.source).name}: target sparsity {args.sparsity}")
+        draw_chart(blocks, args.chart, f"{Path(args.source).name} ({where}): target sparsity "
+                   f"{args.sparsity}")  # fmt: skip
     weights = blocks["params"].astype(float)
     mean = float((blocks["sparsity"] * weights).sum() / weights.sum())
     matrices = count(len(ranked), "matrix", "matrices")
@@ -139,7 +140,8 @@ def _from_run(source: str) -> tuple[pd.DataFrame, str]:
     if rows.empty:
         raise CommandError(
             f"{source}: the run logged no esd_alpha; train with metrics=[..., 'esd_alpha'] "
-            "(docs/metrics.md), or pass a model directory or checkpoint instead"
+            "(docs/metrics.md), write a model's with `analyze MODEL --esd`, or pass the model "
+            "directory or checkpoint itself"
         )
     if rows["run"].nunique() > 1:
         raise CommandError(
@@ -147,6 +149,10 @@ def _from_run(source: str) -> tuple[pd.DataFrame, str]:
             "give one run's directory"
         )
     step = int(rows["step"].max())
+    last = int(result.rows["step"].max())  # the run's last logged step, of any metric
+    if step < last:
+        say("rank-layers", "warning", f"the run's last esd_alpha is at step {step}, not at its "
+            f"last step {last}: the ranking reads the weights of step {step}")  # fmt: skip
     latest = rows[rows["step"] == step]
     say("rank-layers", "note", "a run does not record matrix sizes: every block weighs the same "
         "in the target mean; rank a checkpoint for parameter weights")  # fmt: skip

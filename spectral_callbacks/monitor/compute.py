@@ -92,6 +92,8 @@ class SpectrumCompute:
         # the snapshots taken before it (continue_after).
         self._seen: dict[str, int] = {}
         self._taken_before = 0
+        # Set at the end of a run: the final snapshot carries the ESD family whatever the cadence.
+        self._esd_from: int | None = None
         self.warm_start = warm_start
         self._subspaces: dict[str, torch.Tensor] = {}
         self.seed = seed
@@ -129,11 +131,23 @@ class SpectrumCompute:
             metrics.update(update_metrics(*update()))
         seen = self._seen.get(group.key, self._taken_before)
         self._seen[group.key] = seen + 1
-        if self.esd and seen % self.esd_every_n_snapshots == 0:
+        final = self._esd_from is not None and seen >= self._esd_from
+        if self.esd and (final or seen % self.esd_every_n_snapshots == 0):
             # The ESD needs every eigenvalue: an adapted layer's effective W0 + s B A is formed.
             dense = getattr(batch, "dense", None)
             metrics.update(esd_metrics(dense() if callable(dense) else batch))
         return metrics
+
+    def esd_due(self, snapshot: int) -> bool:
+        """Whether the run's snapshot number ``snapshot`` (0 = its first) carries the ESD family
+        on the cadence."""
+        return self.esd and snapshot % self.esd_every_n_snapshots == 0
+
+    def esd_from(self, snapshot: int) -> None:
+        """The run's snapshot number ``snapshot`` and any after it carry the ESD family: its last
+        one, so a reading of the run's end (``rank-layers``) reads its last step, not an earlier
+        one (snapshots still in flight before it keep the cadence)."""
+        self._esd_from = snapshot
 
     def continue_after(self, snapshots: int) -> None:
         """Resume the ESD cadence: ``snapshots`` were taken before this run (the tracker counts

@@ -143,7 +143,8 @@ class MonitorOptions:
             :func:`spectral_callbacks.functional.randomized_svd`. Default ``None, None, "auto"``.
         fit_window: 1-based ranks ``(first, last)`` of the α fit; ``None`` fits ranks 1..k.
         esd_every_n_snapshots: with an ESD metric in ``metrics``, fit the full eigenvalue spectrum
-            on the first snapshot and every this many after it, counted over the whole run (a
+            on the first snapshot, every this many after it and the run's last one (taken again
+            at the last step when the cadence missed it), counted over the whole run (a
             resumed run keeps the cadence; an exact eigendecomposition costs several top-k SVDs,
             see benchmarks/esd_snapshot.py). Default ``10``.
         max_pending: snapshots that may be in flight; when the bound is hit a snapshot is skipped and

@@ -794,15 +794,29 @@ class SpectralTracker:
         assert self._engine is not None
         deadline = time.monotonic() + self.options.drain_timeout
         offered = self.schedule.last_snapshot_step == step
+        # The run's end is read from its last snapshot (rank-layers): taken again when the ESD
+        # cadence did not fall on it.
+        again = offered and self._final_lacks_esd()
+        if isinstance(self.compute, SpectrumCompute):  # the number the final snapshot gets
+            self.compute.esd_from(self.schedule.snapshots - self._engine.skipped)
         if not offered:
             self.schedule.record_snapshot(step)
-        self._announce_wait(deadline, final_snapshot=not offered)
-        self._engine.finish(step, offered=offered, deadline=deadline)
+        self._announce_wait(deadline, final_snapshot=not offered or again)
+        self._engine.finish(step, offered=offered and not again, deadline=deadline)
         self._collect_and_log(wait_seconds=max(0.0, deadline - time.monotonic()))
         self._warn_if_left()
         self._say_skipped()
         self._say_reference_steps()
         self._draw_final(deadline)
+
+    def _final_lacks_esd(self) -> bool:
+        """Whether the final step's snapshot, already taken, went without the ESD family that the
+        run logs (its cadence did not fall on it)."""
+        compute, engine = self.compute, self._engine
+        if not isinstance(compute, SpectrumCompute) or not compute.esd or engine is None:
+            return False
+        # Snapshots are numbered as the compute counts them: those taken, skips left out.
+        return not compute.esd_due(self.schedule.snapshots - 1 - engine.skipped)
 
     def _finish_after_exception(self) -> None:
         assert self._engine is not None
