@@ -71,3 +71,21 @@ def test_the_tidy_columns_are_the_ones_docs_cli_md_states_in_order() -> None:
     section = text.split("## Tidy rows", 1)[1].split("\n## ", 1)[0]
     documented = re.findall(r"^\| `(\w+)` \|", section, flags=re.MULTILINE)
     assert documented == list(TIDY_COLUMNS)
+
+
+def test_the_parameter_table_of_the_callback_docs_names_every_option() -> None:
+    # before: `experts`, `alerts` and `on_alert` (and `example_input`, `circuits`) had no row
+    import re
+    from pathlib import Path
+
+    from spectral_callbacks.monitor.options import option_names
+
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "callback.md").read_text()
+    table = doc[doc.index("| parameter |") : doc.index("## Validation")]
+    named = {
+        name
+        for line in table.splitlines()
+        if line.startswith("| `")
+        for name in re.findall(r"`(\w+)`", line.split("|")[1])
+    }
+    assert [name for name in option_names() if name not in named] == []

@@ -70,6 +70,15 @@ Q0 = scalar_tag("stable_rank", 0, "Q")
             r"`fit_window` must be ranks spanning at least 3 to fit `alpha`, counted within the computed ranks 1..k=32 .*got \(40, 60\)",
         ),
         ({"fit_window": (8, 20), "k": 9}, r"`fit_window` .*ranks 1..k=9 .*got \(8, 20\)"),
+        # before: accepted here, refused (or silently misread) only once training started
+        (
+            {"delta": "firsts"},
+            r"`delta`='firsts': no such file; give a state_dict, its file or 'first'",
+        ),
+        ({"delta": "no/such/base.pt"}, r"`delta`='no/such/base.pt': no such file"),
+        ({"include": 5}, r"`include` must be None, a name pattern .*got 5"),
+        ({"exclude": ["*.q", 3]}, r"`exclude` must be None, a name pattern .*got \['\*.q', 3\]"),
+        ({"mapping": ["Q"]}, r"`mapping` must be None, a dict \{pattern: role .*got \['Q'\]"),
         ({"esd_every_n_snapshots": 0}, r"`esd_every_n_snapshots` must be a positive int, got 0"),
         ({"roles": "Q"}, r"`roles` must be None or a list of role names, got 'Q'"),
         ({"k": True}, r"`k` must be a positive int, got True"),

@@ -22,6 +22,7 @@ import dataclasses
 import math
 import numbers
 import os
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -111,6 +112,15 @@ def is_names(value: Any) -> bool:
         isinstance(value, Sequence)
         and not isinstance(value, str)
         and all(isinstance(item, str) for item in value)
+    )
+
+
+def is_patterns(value: Any) -> bool:
+    """``None``, a name pattern (a string or a compiled regex) or a list or tuple of them."""
+    if value is None or isinstance(value, str | re.Pattern):
+        return True
+    return isinstance(value, list | tuple | set | frozenset) and all(
+        isinstance(item, str | re.Pattern) for item in value
     )
 
 
@@ -360,6 +370,31 @@ class MonitorOptions:
             or isinstance(delta, str | os.PathLike)
             and bool(str(delta)),
             "None, 'first', a state_dict of the base weights or the path of one",
+        )
+        if isinstance(delta, str | os.PathLike) and delta != "first" and not os.path.exists(delta):
+            # a typo of 'first' ("firsts") or a missing file: said now, not when training starts
+            raise ConfigurationError(
+                f"`delta`={str(delta)!r}: no such file; give a state_dict, its file or 'first'"
+            )
+        for name in ("include", "exclude"):
+            value = getattr(self, name)
+            require(
+                name,
+                value,
+                is_patterns(value),
+                "None, a name pattern (an fnmatch string such as '*.attn.*' or a compiled regex) "
+                "or a list of them",
+            )
+        mapping = self.mapping
+        require(
+            "mapping",
+            mapping,
+            mapping is None
+            or callable(mapping)
+            or isinstance(mapping, Mapping)
+            and all(isinstance(key, str | re.Pattern) for key in mapping),
+            "None, a dict {pattern: role | Split | None} such as {'*.attn.wq': 'Q'} or a "
+            "function (name, weight) -> decision",
         )
         circuits = self.circuits
         require(
