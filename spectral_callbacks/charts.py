@@ -56,6 +56,7 @@ from matplotlib.lines import Line2D
 from matplotlib.ticker import MaxNLocator
 
 from spectral_callbacks.names import ROLES, relative_depth
+from spectral_callbacks.targets.target import role_sort_key
 
 if TYPE_CHECKING:  # torch is imported only where compression is computed
     import torch
@@ -90,6 +91,11 @@ METRIC_LABELS: dict[str, str] = {
     "ov_spectral_norm": r"OV circuit norm $\sigma_1(W_{OV}^h)$",
     "ov_stable_rank": r"OV circuit stable rank",
 }
+# Labels whose formula is their object: a title keeps it, in plain text.
+_TITLE_NAMES = {
+    "energy_rank_90": "rank holding 90 % of ‖W‖²",
+    "update_energy_rank_90": "update rank holding 90 % of ‖ΔW‖²",
+}
 # Per-run line styles so runs stay apart when colour already encodes the role.
 _LINE_STYLES = ("-", "--", ":", "-.", (0, (5, 1)), (0, (3, 1, 1, 1, 1, 1)))
 FIGURE_FORMATS = (".png", ".svg", ".pdf")
@@ -105,10 +111,21 @@ def metric_label(metric: str) -> str:
     return METRIC_LABELS.get(metric, metric)
 
 
+def metric_name(metric: str) -> str:
+    """``metric`` in a title: its label without the formula that defines it, unless the formula
+    is what it names.
+
+    >>> metric_name("stable_rank"), metric_name("energy_rank_90")
+    ('stable rank', 'rank holding 90 % of ‖W‖²')
+    """
+    return _TITLE_NAMES.get(metric) or metric_label(metric).split(" $")[0]
+
+
 def _ordered_roles(roles: Sequence[str]) -> list[str]:
-    """Canonical roles in chart order first, then the extra roles sorted."""
-    present = set(roles)
-    return [r for r in ROLES if r in present] + sorted(present - set(ROLES))
+    """``roles`` in the one order every surface uses (charts, the tab, the tables):
+    ``targets.target.ROLE_ORDER``, so ``Q_cross`` follows ``O`` and ``MLP_gate`` precedes
+    ``MLP_up`` everywhere."""
+    return sorted(set(roles), key=role_sort_key)
 
 
 # matplotlib's tab10 (its default cycle C0..C9); the SPECTRAL tab draws with the same list.
@@ -564,11 +581,11 @@ def rank_vs_steps(
             _spread_band(ax, steps, line, colors[role], label)
     ax.set_xlabel("optimizer step")
     ax.set_ylabel(metric_label(metric))
-    ax.set_title(f"{metric_label(metric).split(' $')[0]} of layer {layer} vs steps")
+    ax.set_title(f"{metric_name(metric)} of layer {layer} vs steps")
     ax.grid(alpha=0.3)
     several = len(panels) > 1  # then each label names its run and stack, as the title says
     named = [name for name, shown in (("run", len(_runs(chosen)) > 1), ("stack", several)) if shown]
-    _legend(ax, " · ".join([*named, "role"]), outside=several)
+    _legend(ax, " · ".join([*named, "role"]), outside=True)  # beside the curves, never on them
     return fig
 
 
@@ -619,9 +636,10 @@ def update_rank_vs_r(
         r_values = [r_of.get((int(layer), role), np.nan) for layer in of_role["layer"]]
         ax.scatter(xs, r_values, marker="_", s=120, color="black", zorder=3, linewidths=1.5)
     ax.scatter([], [], marker="_", color="black", label="adapter r")
-    # Room above the ticks for a one-row legend, so it hides no bar.
+    # The axis ends just above the highest bar or tick (r = 8: at 8, not 10); the legend stands
+    # beside the panel, where it covers no bar, tick or axis label.
     top = np.nanmax([*energy["value"].to_numpy(dtype=float), *r_of.values(), 1.0])
-    ax.set_ylim(0, 1.3 * top)
+    ax.set_ylim(0, 1.05 * top)
     ax.set_xticks(range(len(layers)), [str(layer) for layer in layers])
     ax.set_xlabel("layer")
     ax.set_ylabel("rank")
@@ -629,7 +647,7 @@ def update_rank_vs_r(
     ax.set_title(f"update rank (90 % of ‖ΔW‖²) vs adapter r, step {step}")
     ax.yaxis.set_major_locator(MaxNLocator(integer=True))
     ax.grid(alpha=0.3, axis="y")
-    ax.legend(loc="upper center", ncol=len(roles) + 1, fontsize="small", frameon=False)
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small", frameon=False)
     return fig
 
 
@@ -679,7 +697,7 @@ def metric_vs_steps_by_layer(
             _spread_band(ax, steps, line, shade, label)
     ax.set_xlabel("optimizer step")
     ax.set_ylabel(metric_label(metric))
-    ax.set_title(f"{metric_label(metric).split(' $')[0]} of {role_glyph(role)} vs steps")
+    ax.set_title(f"{metric_name(metric)} of {role_glyph(role)} vs steps")
     ax.grid(alpha=0.3)
     _legend(ax, "layer")
     return fig

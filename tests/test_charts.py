@@ -528,3 +528,47 @@ def test_charts_of_a_two_stack_run_keep_its_encoder_and_decoder_apart() -> None:
         charts.metric_vs_steps_by_layer(rows, role="Q", metric="stable_rank")
     )
     assert set(steps.series) == {"enc L0", "enc L1", "dec L0", "dec L1"}
+
+
+def _update_rows(r: float) -> pd.DataFrame:
+    """An adapted model's last step: update_energy_rank_90 at most r, and the adapter's r."""
+    records = []
+    for layer in range(3):
+        for i, role in enumerate(ROLES):
+            for metric, value in (
+                ("update_energy_rank_90", 2.0 + (layer + i) % 6),
+                ("update_rank", r),
+            ):
+                records.append(("a", 10, metric, layer, relative_depth(layer, 3), role, value, 0.0))
+    columns = ["run", "step", "metric", "layer", "depth", "role", "value", "wall_time"]
+    return pd.DataFrame.from_records(records, columns=columns)
+
+
+def _legend_beside(fig) -> bool:  # type: ignore[no-untyped-def]
+    """The legend lies right of the axes: it covers no curve, bar or tick label."""
+    fig.canvas.draw()
+    (ax,) = fig.axes
+    legend = ax.get_legend().get_window_extent()
+    return legend.x0 >= ax.get_window_extent().x1
+
+
+def test_titles_axes_and_legends_cover_nothing_and_say_no_word_twice(rows: pd.DataFrame) -> None:
+    # before: "rank holding 90 % of of layer 0", the update-rank axis to 10 for r = 8 with its
+    # legend over the top tick, and rank-steps legends over the curves
+    energy = rows[rows.metric == "stable_rank"].assign(metric="energy_rank_90")
+    fig = charts.rank_vs_steps(energy[energy.run == "d4"], layer=0, metric="energy_rank_90")
+    assert fig.axes[0].get_title() == "rank holding 90 % of ‖W‖² of layer 0 vs steps"
+    assert _legend_beside(fig)
+    fig = charts.update_rank_vs_r(_update_rows(8.0))
+    assert fig.axes[0].get_ylim()[1] <= 8.5 and _legend_beside(fig)
+
+
+def test_every_surface_orders_roles_alike() -> None:
+    # before: charts and the tab put the six canonical roles first and the rest alphabetically
+    # (K_cross before Q_cross, MLP_gate after MLP_down); the tables followed the role map's order
+    from spectral_callbacks.targets.target import role_sort_key
+
+    found = ["MLP_down", "MLP_up", "MLP_gate", "O_cross", "Q_cross", "K_cross", "V", "Q"]
+    ordered = charts._ordered_roles(found)
+    assert ordered == sorted(found, key=role_sort_key)
+    assert ordered == ["Q", "V", "Q_cross", "K_cross", "O_cross", "MLP_gate", "MLP_up", "MLP_down"]

@@ -267,3 +267,18 @@ def test_one_run_is_counted_as_one_run(
     chart = tmp_path / "bars.png"
     assert main(["plot", one, "--kind", "compression", "-o", str(chart)]) == 0
     assert capsys.readouterr().err.strip().endswith(f"compression of 1 of 1 run to {chart}")
+
+
+def test_an_output_directory_or_a_name_without_extension_is_named_as_such(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # before: "-o some_dir: unknown extension '(none)'"
+    assert main(["export", str(tmp_path), "-o", str(tmp_path)]) == 1
+    error = capsys.readouterr().err
+    assert (
+        f"-o {tmp_path}: a directory; give a file in it, e.g. -o {tmp_path / 'spectra.csv'}"
+        in error
+    )
+    assert main(["export", str(tmp_path), "-o", str(tmp_path / "spectra")]) == 1
+    error = capsys.readouterr().err
+    assert "spectra: no extension; use one of .csv" in error and "(none)" not in error

@@ -844,6 +844,20 @@ def test_an_adapter_whose_weights_find_no_layer_is_refused(tmp_path: Any, capsys
     assert not (tmp_path / "runs").exists()
 
 
+def test_an_adapter_naming_no_base_says_so(tmp_path: Any, capsys: Any) -> None:
+    # before: "its adapter_config.json names None"
+    from spectral_callbacks.cli import main
+
+    model = peft.get_peft_model(tiny_llama(), peft.LoraConfig(r=4, target_modules=["q_proj"]))
+    model.save_pretrained(tmp_path / "adapter")
+    saved = tmp_path / "adapter" / "adapter_config.json"
+    saved.write_text(json.dumps({**json.loads(saved.read_text()), "base_model_name_or_path": None}))
+    assert main(["targets", str(tmp_path / "adapter")]) == 1
+    error = capsys.readouterr().err
+    assert "its adapter_config.json names no base_model_name_or_path" in error
+    assert "None" not in error
+
+
 def test_a_modules_to_save_copy_is_a_plain_target_and_its_original_is_left_out() -> None:
     torch.manual_seed(0)
     config = peft.LoraConfig(r=4, target_modules=["k_proj"], modules_to_save=["q_proj", "lm_head"])

@@ -175,3 +175,40 @@ def test_rank_layers_says_when_the_ranked_step_is_not_the_runs_last(
     assert json.loads(out.read_text())["where"] == "logged at step 5"
     err = capsys.readouterr().err
     assert "warning: the run's last esd_alpha is at step 5, not at its last step 9" in err
+
+
+def test_a_missing_source_names_both_kinds_it_takes(capsys: pytest.CaptureFixture[str]) -> None:
+    # before: "give a Hugging Face model directory, a .ckpt or a state_dict file": no run directory
+    assert main(["rank-layers", "/nonexistent"]) == 1
+    assert (
+        "/nonexistent: no such file or directory; give a run's log directory, a Hugging Face"
+        in (capsys.readouterr().err)
+    )
+
+
+def test_the_table_keeps_its_headers_when_stdout_is_not_a_terminal() -> None:
+    # before: rich assumed 80 columns off a terminal and cut the headers ("block spars…")
+    from spectral_callbacks.cli.rank_layers import print_ranking
+    from spectral_callbacks.offline.ranking import block_sparsity, rank_matrices
+
+    rows = pd.DataFrame(
+        [  # a T5's two stacks, α outside WeightWatcher's 2-6: every column at its widest
+            {"stack": stack, "layer": layer, "role": role, "alpha": 1.5 + 5 * layer, "params": 1}
+            for stack in ("enc", "dec")
+            for layer in range(2)
+            for role in ("Q", "K", "V", "O", "Q_cross", "MLP_down")
+        ]
+    )
+    blocks = block_sparsity(rows, 0.5, 0.2)
+    ranked = rank_matrices(rows).merge(
+        blocks[["stack", "layer", "block_alpha", "sparsity"]], on=["stack", "layer"], how="left"
+    )
+    import contextlib
+    import io
+
+    out = io.StringIO()  # not a terminal, as a pipe or a file
+    with contextlib.redirect_stdout(out):
+        print_ranking(ranked, blocks, "a title")
+    header = next(line for line in out.getvalue().splitlines() if "rank" in line and "role" in line)
+    for column in ("ESD α", "WeightWatcher", "block α", "block sparsity"):
+        assert column in header, header

@@ -334,6 +334,13 @@ def test_runs_of_different_models_ticked_together(
         assert "5-alerts · 2 alerts (sigma_growth 2)" in headings
         assert "1-gpt2 · no alerts up to step 6" in headings
         assert "4-analyzed · alerts off (no spectral_alerts counts)" in headings
+        # five ticked: the fifth has no heatmap and no bar panel, and the page says so (before:
+        # left out silently)
+        for view, what in (("wave", "a heatmap per run"), ("bars", "a bar panel per run")):
+            _until(lambda view=view: any("not drawn here" in t for t in texts(view, ".note")))
+            (left,) = [t for t in texts(view, ".note") if "not drawn here" in t]
+            assert left.startswith(f"1 ticked run not drawn here ({what}, 4 at most): 5-alerts")
+        assert len(texts("wave", ".plot")) == 4  # the first four ticked
         _shoot(driver, "several")
         # the one-snapshot run alone: markers, filled selects, and the wave says why it is empty
         for run in ("1-gpt2", "2-t5", "3-mixtral", "5-alerts"):
@@ -347,6 +354,14 @@ def test_runs_of_different_models_ticked_together(
         assert driver.execute_script(BLANK_SELECTS) == []  # before: wave and bars stood blank
         _until(lambda: texts("bars", ".plot") == [why.replace(" of Q", "")])
         _shoot(driver, "analyzed")
+        # unticking the last ticked run leaves none ticked (before: the first four were ticked
+        # again at the next poll)
+        driver.execute_script(tick, "4-analyzed")
+        _until(lambda: texts("wave", ".message") == ["tick a run above"])
+        time.sleep(4)  # past the next poll (every 3 s)
+        checked = "return [...document.querySelectorAll('#run-selector input')].filter((i) => i.checked).length"
+        assert driver.execute_script(checked) == 0
+        assert texts("wave", ".message") == ["tick a run above"]
         assert severe(driver) == []
 
 

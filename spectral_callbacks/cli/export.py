@@ -96,10 +96,16 @@ def output_format(output: str) -> str:
     """The format name of ``-o`` (``-`` is CSV on stdout), or a CommandError naming the choices."""
     if output == "-":
         return "CSV"
+    if Path(output).is_dir():
+        raise CommandError(
+            f"-o {output}: a directory; give a file in it, e.g. -o {Path(output) / 'spectra.csv'}"
+        )
     suffix = Path(output).suffix.lower()
     if suffix not in FORMATS:
         raise CommandError(
-            f"-o {output}: unknown extension {suffix or '(none)'!r}; use one of "
+            f"-o {output}: "
+            + (f"unknown extension {suffix!r}" if suffix else "no extension")
+            + "; use one of "
             f"{', '.join(FORMATS)} or '-' for CSV on stdout"
         )
     return FORMATS[suffix]

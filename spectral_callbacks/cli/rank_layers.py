@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -123,6 +124,11 @@ def matrix_alphas(source: str, arch: str | None, base: str | None) -> tuple[pd.D
     """One row per matrix ``stack, layer, role, alpha, params``, and where the α came from."""
     from spectral_callbacks.offline.events import find_runs
 
+    if not Path(source).exists():  # before the model loader's message, which names models only
+        raise CommandError(
+            f"{source}: no such file or directory; give a run's log directory, a Hugging Face "
+            "model directory, a .ckpt or a state_dict file"
+        )
     runs, _ = find_runs([source]) if Path(source).is_dir() else ([], [])
     if runs:
         return _from_run(source)
@@ -192,7 +198,8 @@ def print_ranking(ranked: pd.DataFrame, blocks: pd.DataFrame, title: str) -> Non
         where = (r.stack or "-",) if stacks else ()
         table.add_row(str(r.rank), *where, str(r.layer), r.role, f"{r.alpha:.3f}", r.warning,
                       f"{r.block_alpha:.3f}", f"{r.sparsity:.3f}")  # fmt: skip
-    Console().print(table)
+    # Off a terminal (a pipe, a file) rich would assume 80 columns and cut the headers.
+    Console(width=None if sys.stdout.isatty() else 200).print(table)
 
 
 def draw_chart(blocks: pd.DataFrame, path: str, title: str) -> None:

@@ -24,6 +24,7 @@ from spectral_callbacks.charts import (
     _note_left_out,
     _runs,
     metric_label,
+    metric_name,
     role_glyph,
 )
 
@@ -181,7 +182,7 @@ def diff_curves(
             for part in (f"layer {layer}" if layer is not None else "", role_glyph(role or ""))
             if part
         )
-        what = f"{what.split(' $')[0]} of {where}"
+        what = f"{metric_name(metric)} of {where}"
     if pair is not None:
         wanted = []
         for label, run, partner in pair_runs(runs, *pair):

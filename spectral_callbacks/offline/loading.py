@@ -149,9 +149,14 @@ def _peft_from_pretrained(path: Path, base: str | Path | None) -> nn.Module:
     if base is None:
         named = config.get("base_model_name_or_path")
         if not named or not Path(named).is_dir():
+            where = (
+                f"its adapter_config.json names {named!r}, which is not a local directory"
+                if named
+                else "its adapter_config.json names no base_model_name_or_path"
+            )
             raise ModelLoadError(
-                f"{path}: a PEFT adapter directory needs its base model; give `base`, its directory "
-                f"(its adapter_config.json names {named!r}, which is not a local directory)",
+                f"{path}: a PEFT adapter directory needs its base model; give `base`, its "
+                f"directory ({where})",
                 argument="base",
             )
         base = named

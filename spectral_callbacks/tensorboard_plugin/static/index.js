@@ -10,15 +10,13 @@ const MAX_PANELS = 4; // heatmaps and bar panels drawn per view (one per run)
 const MAX_ALERT_ROWS = 200; // rows of the alerts table per run
 const DASHES = ['', '7 3', '2 3', '9 3 2 3', '4 2', '1 2'];
 const GLYPHS = {MLP_up: 'MLP↑', MLP_down: 'MLP↓'};
-const ROLE_ORDER = ['Q', 'K', 'V', 'O', 'MLP_up', 'MLP_down'];
-const roleRank = (role) => (ROLE_ORDER.includes(role) ? ROLE_ORDER.indexOf(role) : ROLE_ORDER.length);
 const glyph = (role) => GLYPHS[role] || role;
 
 // Each view's choices; `stack` is the stack (enc, dec, text, vision...) a view of one layer or
 // one role shows where a ticked run has several (a run with one stack is shown in any).
 const state = {
   catalog: [],
-  runs: [],
+  runs: null, // the ticked runs; null until the first catalog ticks the first MAX_PANELS
   wave: {metric: 'compression', role: 'Q', stack: ''},
   byRole: {metric: 'stable_rank', layer: 0, stack: ''},
   byLayer: {metric: 'stable_rank', role: 'Q', stack: ''},
@@ -82,7 +80,8 @@ async function refresh() {
     const {runs} = await getJson('runs', {});
     state.catalog = runs;
     const names = runs.map((r) => r.run);
-    if (!state.runs.length) state.runs = names.slice(0, MAX_PANELS);
+    // Only the first catalog ticks runs: a run the user unticked, the last one too, stays so.
+    if (state.runs === null) state.runs = names.slice(0, MAX_PANELS);
     state.runs = state.runs.filter((r) => names.includes(r));
     drawRunSelector(names);
     if (!names.length) {
@@ -307,7 +306,7 @@ const VIEWS = {
     ]);
     const runs = state.runs.slice(0, MAX_PANELS);
     const all = await Promise.all(runs.map((run) => getJson('wave', {run, metric: s.metric, role: s.role, stack})));
-    const key = JSON.stringify([s, all]);
+    const key = JSON.stringify([s, all, state.runs]);  // the runs left out are said too
     if (drawn.wave === key) return;
     drawn.wave = key;
     plots('wave').textContent = '';
@@ -324,6 +323,7 @@ const VIEWS = {
     }
     panels.wave.dataset.points = points;
     message('wave', runs.length ? '' : 'tick a run above');
+    notDrawn('wave', 'heatmap');
   },
 
   async byRole() {
@@ -341,7 +341,8 @@ const VIEWS = {
     const where = place(stack, s.layer);
     await fetchAndDraw('byRole', 'by_role', {run: state.runs, metric: s.metric, layer: s.layer, stack}, ({series}) => {
       // Chart order (Q, K, V, O, MLP↑, MLP↓, then the others), whichever run comes first.
-      const roles = [...new Set(series.map((x) => x.role))].sort((p, q) => roleRank(p) - roleRank(q) || p.localeCompare(q));
+      const order = union('roles'); // the server's order, the command line's
+      const roles = [...new Set(series.map((x) => x.role))].sort((p, q) => order.indexOf(p) - order.indexOf(q));
       const lines = series.map((x) => ({
         label: `${state.runs.length > 1 ? x.run + ' · ' : ''}${glyph(x.role)}`,
         color: roleColor(x.role), low: x.low, high: x.high,
@@ -422,7 +423,7 @@ const VIEWS = {
       ...stackSelect('bars'),
       slider('step', json.steps, s.step, setter('bars', 'step')),
     ]);
-    const key = JSON.stringify([params, json]);
+    const key = JSON.stringify([params, json, state.runs]);  // the runs left out are said too
     if (drawn.bars === key) return;
     drawn.bars = key;
     plots('bars').textContent = '';
@@ -446,6 +447,7 @@ const VIEWS = {
     if (json.runs.some((panel) => Object.keys(panel.spread || {}).length)) {
       note('bars', 'a bar of experts is their mean, its whisker the min … max over the layer’s experts');
     }
+    notDrawn('bars', 'bar panel');
   },
 
   async heads() {
@@ -616,6 +618,15 @@ function alertTable(box, alerts) {
 }
 
 /** Under a chart with a role of experts: how its spread is drawn. */
+/** Say which ticked runs a view with one panel per run leaves out (it draws MAX_PANELS at most). */
+function notDrawn(view, what) {
+  const left = state.runs.slice(MAX_PANELS);
+  if (left.length) {
+    note(view, `${left.length} ticked run${left.length > 1 ? 's' : ''} not drawn here (a ${what} per run, ` +
+      `${MAX_PANELS} at most): ${left.join(', ')}; untick others to see ${left.length > 1 ? 'them' : 'it'}`);
+  }
+}
+
 function spreadNote(view, series) {
   if (series.some((x) => x.low)) note(view, 'a role of experts: the line is their mean, the band their min … max');
 }
