@@ -55,7 +55,7 @@ from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 from matplotlib.ticker import MaxNLocator
 
-from spectral_callbacks.names import ROLES, relative_depth
+from spectral_callbacks.names import ROLES, ordered_stacks, relative_depth
 from spectral_callbacks.targets.target import role_sort_key
 
 if TYPE_CHECKING:  # torch is imported only where compression is computed
@@ -340,13 +340,15 @@ def _runs(rows: pd.DataFrame) -> list[str]:
 
 
 def _stacks(rows: pd.DataFrame) -> list[str]:
-    """The stacks of ``rows`` in first-seen order (``[""]`` for a model with one stack)."""
-    return rows["stack"].unique().tolist() if "stack" in rows and len(rows) else [""]
+    """The stacks of ``rows`` in ``names.STACK_ORDER`` (``[""]`` for a model with one stack)."""
+    if "stack" not in rows or not len(rows):
+        return [""]
+    return ordered_stacks(rows["stack"].unique()) or [""]
 
 
 def _panels(rows: pd.DataFrame) -> list[tuple[str, str, pd.DataFrame]]:
     """One panel per run and stack (an encoder's layer 0 is not its decoder's): ``(run, stack,
-    rows)``, runs in the order named, a run's stacks in first-seen order."""
+    rows)``, runs in the order named, a run's stacks in ``names.STACK_ORDER``."""
     return [
         (run, stack, of_run[of_run["stack"] == stack] if "stack" in of_run else of_run)
         for run in _runs(rows)
@@ -505,7 +507,7 @@ def alpha_vs_depth(
     _note_left_out(fig, left_out, _fallbacks(chosen, final))
     for run in _runs(chosen):
         of_run = final[final["run"] == run]
-        for stack in dict.fromkeys(of_run["stack"]):
+        for stack in _stacks(of_run):
             line = of_run[of_run["stack"] == stack].sort_values("depth")
             label = f"{run} {stack}" if stack else run
             depth = line["depth"].to_numpy(dtype=float)

@@ -67,7 +67,7 @@ Example::
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import NamedTuple
 
 METRIC_PREFIX = "spectral_"
@@ -335,3 +335,19 @@ def relative_depth(layer: int, num_layers: int) -> float:
     (0.0, 1.0, 0.0)
     """
     return layer / (num_layers - 1) if num_layers > 1 else 0.0
+
+
+#: Stacks in the order a reader expects them (every chart, view and table); any other stack name
+#: after these, sorted.
+STACK_ORDER: tuple[str, ...] = ("enc", "dec", "text", "vision", "audio", "top")
+
+
+def ordered_stacks(stacks: Iterable[object]) -> list[str]:
+    """The stacks among ``stacks`` in :data:`STACK_ORDER` (``""``, a model's one stack, first).
+
+    >>> ordered_stacks(["dec", "enc", "dec", "tower"])
+    ['enc', 'dec', 'tower']
+    """
+    present = {stack for stack in stacks if isinstance(stack, str)}
+    known = ("", *STACK_ORDER)
+    return [s for s in known if s in present] + sorted(present - set(known))

@@ -572,3 +572,19 @@ def test_every_surface_orders_roles_alike() -> None:
     ordered = charts._ordered_roles(found)
     assert ordered == sorted(found, key=role_sort_key)
     assert ordered == ["Q", "V", "Q_cross", "K_cross", "O_cross", "MLP_gate", "MLP_up", "MLP_down"]
+
+
+def test_every_chart_orders_stacks_alike() -> None:
+    # before: charts took a run's stacks in first-seen order, which is the tags' alphabetical
+    # order (dec before enc), while the tab put enc first
+    records = [
+        ("t5", 0, "alpha", stack, layer, relative_depth(layer, 2), "Q", 1.0 + layer, 0.0)
+        for stack in ("dec", "enc", "top")
+        for layer in range(2)
+    ]
+    columns = ["run", "step", "metric", "stack", "layer", "depth", "role", "value", "wall_time"]
+    rows = pd.DataFrame.from_records(records, columns=columns)
+    assert [stack for _, stack, _ in charts._panels(rows)] == ["enc", "dec", "top"]
+    fig = charts.alpha_vs_depth(rows)
+    labels = fig.axes[0].get_legend_handles_labels()[1]
+    assert [label.split(" ")[-1] for label in labels] == ["enc", "dec", "top"], labels

@@ -44,7 +44,7 @@ from spectral_callbacks.charts import (
     role_color,
 )
 from spectral_callbacks.monitor.alerts import ALERT_KINDS
-from spectral_callbacks.names import ALERT_SECTION, alert_tag, parse_tag
+from spectral_callbacks.names import ALERT_SECTION, alert_tag, ordered_stacks, parse_tag
 from spectral_callbacks.offline.differences import diff_curves
 from spectral_callbacks.tensorboard_plugin.downsample import keep_extremes
 
@@ -60,8 +60,6 @@ def _floats(values: Iterable[float]) -> list[float | None]:
     return with_none.tolist()
 
 
-# Stacks in the order a reader expects them; any other stack name after these, sorted.
-STACK_ORDER = ("enc", "dec", "text", "vision", "audio", "top")
 # The line style of a stack where colour says the run (the depth profile), fixed by its name as
 # a role's colour is: the first stack of each kind of model solid, its partner dashed.
 STACK_DASHES = {"": "", "enc": "", "dec": "7 3", "text": "", "vision": "7 3", "audio": "2 3"}
@@ -81,8 +79,7 @@ def stack_dash(stack: str) -> str:
 
 def _ordered_stacks(stacks: Iterable[str]) -> list[str]:
     """The named stacks among ``stacks`` (not ``""``, the one stack of most models), in order."""
-    present = {stack for stack in stacks if stack}
-    return [s for s in STACK_ORDER if s in present] + sorted(present - set(STACK_ORDER))
+    return [stack for stack in ordered_stacks(stacks) if stack]
 
 
 def _metric_rows(rows: pd.DataFrame, metric: str) -> tuple[pd.DataFrame, dict[str, str]]:
