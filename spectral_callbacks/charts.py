@@ -55,8 +55,7 @@ from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 from matplotlib.ticker import MaxNLocator
 
-from spectral_callbacks.names import ROLES, ordered_stacks, relative_depth
-from spectral_callbacks.targets.target import role_sort_key
+from spectral_callbacks.names import ROLES, ordered_stacks, relative_depth, role_sort_key
 
 if TYPE_CHECKING:  # torch is imported only where compression is computed
     import torch

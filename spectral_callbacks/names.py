@@ -351,3 +351,55 @@ def ordered_stacks(stacks: Iterable[object]) -> list[str]:
     present = {stack for stack in stacks if isinstance(stack, str)}
     known = ("", *STACK_ORDER)
     return [s for s in known if s in present] + sorted(present - set(known))
+
+
+# Chart order of roles: the six canonical ones (names.ROLES) with each variant's extra roles placed
+# beside the canonical role they refine (docs/targets.md lists them all). Unknown roles sort last.
+ROLE_ORDER: tuple[str, ...] = (
+    "Q_down",
+    "Q_up",
+    "Q",
+    "Q_A",
+    "Q_B",
+    "KV_down",
+    "K_rope",
+    "K",
+    "K_A",
+    "K_B",
+    "KV",
+    "V",
+    "V_A",
+    "V_B",
+    "O",
+    "Q_cross",
+    "K_cross",
+    "V_cross",
+    "O_cross",
+    "Router",
+    "MLP_gate",
+    "MLP_up",
+    "MLP_down",
+    "MLP_shared_gate",
+    "MLP_shared_up",
+    "MLP_shared_down",
+)
+_GROUP_SUFFIX = re.compile(r"^(?P<base>.+)_g(?P<group>\d+)$")
+
+
+def role_sort_key(role: str) -> tuple[int, int, str]:
+    """Sort key putting roles in chart order; ``K_g1`` (latent group 1 of GLA) sorts with ``K``.
+
+    >>> sorted(["MLP_down", "V_g0", "K_g1", "Q", "K_g0", "zz"], key=role_sort_key)
+    ['Q', 'K_g0', 'K_g1', 'V_g0', 'MLP_down', 'zz']
+    """
+    base, group = role, 0
+    match = _GROUP_SUFFIX.match(role)
+    if match and match["base"] in ROLE_ORDER:
+        base, group = match["base"], int(match["group"])
+    position = ROLE_ORDER.index(base) if base in ROLE_ORDER else len(ROLE_ORDER)
+    return (position, group, role)
+
+
+def stack_of(target: object) -> str:
+    """The stack a watched matrix belongs to (``""``: the model's one stack)."""
+    return str(getattr(target, "stack", ""))

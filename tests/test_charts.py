@@ -566,7 +566,7 @@ def test_titles_axes_and_legends_cover_nothing_and_say_no_word_twice(rows: pd.Da
 def test_every_surface_orders_roles_alike() -> None:
     # before: charts and the tab put the six canonical roles first and the rest alphabetically
     # (K_cross before Q_cross, MLP_gate after MLP_down); the tables followed the role map's order
-    from spectral_callbacks.targets.target import role_sort_key
+    from spectral_callbacks.names import role_sort_key
 
     found = ["MLP_down", "MLP_up", "MLP_gate", "O_cross", "Q_cross", "K_cross", "V", "Q"]
     ordered = charts._ordered_roles(found)

@@ -210,7 +210,7 @@ def print_table(rows: pd.DataFrame, title: str) -> None:
     from rich.table import Table
 
     from spectral_callbacks.charts import role_glyph
-    from spectral_callbacks.targets.target import role_sort_key
+    from spectral_callbacks.names import role_sort_key
 
     rows = rows.assign(stack=rows["stack"].fillna(""))
     stacks = list(rows["stack"].unique())  # in the model's order (encoder before decoder)

@@ -45,8 +45,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from spectral_callbacks.monitor.reporting import stack_of
-from spectral_callbacks.names import alert_tag
+from spectral_callbacks.names import alert_tag, stack_of
 
 #: Every kind of alert, in the order counts are logged.
 ALERT_KINDS: tuple[str, ...] = (

@@ -55,6 +55,7 @@ from spectral_callbacks.names import (
     num_layers_tag,
     reference_step_tag,
     scalar_tag,
+    stack_of,
 )
 
 # Metrics that are NaN only when the matrix itself holds a NaN or Inf. Not energy_rank_90 or alpha
@@ -303,11 +304,6 @@ def health_scalars(**values: float) -> dict[str, float]:
 def num_layers_scalar(num_layers: int) -> dict[str, float]:
     """The one-off ``spectral_monitor/num_layers`` scalar readers use for relative depth."""
     return {NUM_LAYERS_TAG: float(num_layers)}
-
-
-def stack_of(target: Any) -> str:
-    """The stack a target belongs to (``""``: the model's one stack)."""
-    return str(getattr(target, "stack", ""))
 
 
 def expert_of(target: Any) -> int | None:
