@@ -27,6 +27,10 @@ STEPS = 30
 BATCH, SEQ, WIDTH = 8, 8, 32
 _RUNS: dict[str, Path] = {}
 
+# Parse a CSV's floats exactly as written: pandas 2's default parser can be one float32 step off,
+# pandas 3's is exact and deprecates the option.
+EXACT_FLOATS = {"float_precision": "round_trip"} if int(pd.__version__.split(".")[0]) < 3 else {}
+
 
 class TinyTransformer(L.LightningModule):
     """A 3-layer encoder learning to reverse its input features; logs loss and tokens seen."""
@@ -103,7 +107,7 @@ def training_runs(factory: object) -> Path:
 
 def logged_by_csv(root: Path, name: str) -> pd.DataFrame:
     """What the CSV logger recorded for run ``name``: columns tag, step, value."""
-    wide = pd.read_csv(root / "csv" / name / "metrics.csv", float_precision="round_trip")
+    wide = pd.read_csv(root / "csv" / name / "metrics.csv", **EXACT_FLOATS)
     long = wide.melt(id_vars=["step"], var_name="tag", value_name="value").dropna()
     return long[["tag", "step", "value"]].astype({"step": "int64"}).reset_index(drop=True)
 

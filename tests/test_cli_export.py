@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import pytest
-from cli_runs import STEPS, logged_by_csv, run_cli, training_runs, write_long_run
+from cli_runs import EXACT_FLOATS, STEPS, logged_by_csv, run_cli, training_runs, write_long_run
 
 from spectral_callbacks.cli.main import main
 from spectral_callbacks.names import (
@@ -47,7 +47,7 @@ def test_export_equals_logged_values_for_every_tag_and_long_runs_whole(
     out = tmp_path / "all.csv"
     done = run_cli("export", runs / "tb", tmp_path / "long", "-o", out, "--all-scalars")
     assert done.returncode == 0, done.stderr
-    rows = pd.read_csv(out, float_precision="round_trip")  # exact on pandas 2.0 too
+    rows = pd.read_csv(out, **EXACT_FLOATS)
     assert list(rows.columns) == COLUMNS
     assert set(rows.run) == {"a", "b", "long"}
 
