@@ -341,6 +341,13 @@ def test_runs_of_different_models_ticked_together(
             (left,) = [t for t in texts(view, ".note") if "not drawn here" in t]
             assert left.startswith(f"1 ticked run not drawn here ({what}, 4 at most): 5-alerts")
         assert len(texts("wave", ".plot")) == 4  # the first four ticked
+        # the legend in the bars' order, the command line's (before: the first run's six roles,
+        # then the others alphabetically: K_cross before Q_cross)
+        legend = [t for t in texts("bars", ".legend-item") if t]
+        assert legend == [
+            "Q", "K", "V", "O", "Q_cross", "K_cross", "V_cross", "O_cross", "Router", "MLP_gate",
+            "MLP↑", "MLP↓",
+        ], legend  # fmt: skip
         _shoot(driver, "several")
         # the one-snapshot run alone: markers, filled selects, and the wave says why it is empty
         for run in ("1-gpt2", "2-t5", "3-mixtral", "5-alerts"):

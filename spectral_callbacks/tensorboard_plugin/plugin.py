@@ -98,7 +98,8 @@ class SpectralPlugin(base_plugin.TBPlugin):
 
     def _runs(self, request: Request) -> Response:
         directory = self._source.list_tags(*_where(request))
-        return _json(request, {"runs": views.catalog(directory)})
+        runs = views.catalog(directory)
+        return _json(request, {"runs": runs, "role_order": views.role_order(runs)})
 
     def _wave(self, request: Request) -> Response:
         run = _one(request, "run")

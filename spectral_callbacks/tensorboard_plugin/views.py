@@ -30,6 +30,7 @@ import math
 import warnings
 import zlib
 from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 import pandas as pd
@@ -110,6 +111,16 @@ def _spread(line: pd.DataFrame, keep: np.ndarray | slice = slice(None)) -> dict[
     if np.isnan(low).all() and np.isnan(high).all():
         return {}
     return {"low": _floats(low[keep]), "high": _floats(high[keep])}
+
+
+def role_order(runs: Sequence[Mapping[str, Any]]) -> list[str]:
+    """Every role of the ``catalog`` runs in the one order of the command line's charts and
+    tables, which every view's legend follows.
+
+    >>> role_order([{"roles": ["Q", "MLP_up"]}, {"roles": ["Q", "Q_cross", "MLP_gate"]}])
+    ['Q', 'Q_cross', 'MLP_gate', 'MLP_up']
+    """
+    return _ordered_roles([role for run in runs for role in run["roles"]])
 
 
 def catalog(index: Mapping[str, Iterable[str]]) -> list[dict]:

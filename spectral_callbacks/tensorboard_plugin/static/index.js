@@ -77,8 +77,9 @@ async function getJson(route, params) {
 async function refresh() {
   polling = true;
   try {
-    const {runs} = await getJson('runs', {});
+    const {runs, role_order: roleOrder} = await getJson('runs', {});
     state.catalog = runs;
+    state.roleOrder = roleOrder || [];
     const names = runs.map((r) => r.run);
     // Only the first catalog ticks runs: a run the user unticked, the last one too, stays so.
     if (state.runs === null) state.runs = names.slice(0, MAX_PANELS);
@@ -125,6 +126,7 @@ function ticked() { return state.catalog.filter((r) => state.runs.includes(r.run
 function union(key) {
   const chosen = ticked();
   const values = new Set(chosen.flatMap((r) => r[key]));
+  if (key === 'roles') return state.roleOrder.filter((v) => values.has(v)); // the server's one order
   const order = chosen.length ? chosen[0][key] : [];
   return [...order.filter((v) => values.has(v)), ...[...values].filter((v) => !order.includes(v)).sort()];
 }
