@@ -68,7 +68,8 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable, Sequence
-from typing import NamedTuple
+from dataclasses import dataclass
+from typing import NamedTuple, Protocol
 
 METRIC_PREFIX = "spectral_"
 MONITOR_SECTION = "spectral_monitor"
@@ -132,6 +133,55 @@ _REFERENCE_STEP_TAG = re.compile(
     rf"^{MONITOR_SECTION}/{REFERENCE_STEP}/{_STACK}L(?P<layer>\d+)/{_EXPERT}{_ROLE}$"
 )
 _NUM_LAYERS_OF_STACK = re.compile(rf"^{NUM_LAYERS_TAG}/(?P<stack>[a-z][a-z0-9_]*)$")
+
+
+class TaggedMatrix(Protocol):
+    r"""What names one watched matrix in the logged tags (``spectral_callbacks.targets.Target`` is
+    one; a table's rows read back offline are :class:`MatrixLabel`\ s)."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def layer(self) -> int: ...
+
+    @property
+    def num_layers(self) -> int: ...
+
+    @property
+    def role(self) -> str: ...
+
+    @property
+    def stack(self) -> str: ...
+
+    @property
+    def expert(self) -> int | None: ...
+
+    @property
+    def head(self) -> int | None: ...
+
+    @property
+    def depth(self) -> float:
+        """Relative depth ``layer / (num_layers - 1)`` (``relative_depth``)."""
+        ...
+
+
+@dataclass(frozen=True)
+class MatrixLabel:
+    """A :class:`TaggedMatrix` without its weights: what a logged row says of its matrix."""
+
+    name: str
+    layer: int
+    role: str
+    num_layers: int = 1
+    stack: str = ""
+    expert: int | None = None
+    head: int | None = None
+
+    @property
+    def depth(self) -> float:
+        """Relative depth ``layer / (num_layers - 1)``, 0 for a one-layer model."""
+        return relative_depth(self.layer, self.num_layers)
 
 
 class SpectralTag(NamedTuple):

@@ -8,7 +8,6 @@ import math
 import sys
 import warnings
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -17,14 +16,15 @@ from tensorboard.backend.event_processing import event_accumulator
 from spectral_callbacks import SpectralTracker
 from spectral_callbacks.monitor.alerts import ALERT_KINDS, Alert, AlertRules, AlertWatch
 from spectral_callbacks.monitor.options import ConfigurationError, MonitorOptions
+from spectral_callbacks.names import MatrixLabel
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import alert_thresholds  # noqa: E402
 from tiny_models import RecordingLogger  # noqa: E402
 
 TARGETS = [
-    SimpleNamespace(name="q", layer=0, role="Q"),
-    SimpleNamespace(name="k", layer=0, role="K"),
+    MatrixLabel(name="q", layer=0, role="Q"),
+    MatrixLabel(name="k", layer=0, role="K"),
 ]
 
 

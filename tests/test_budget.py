@@ -290,7 +290,6 @@ def test_with_the_worker_the_counts_add_up_and_the_budget_holds() -> None:
 
 def test_an_adapted_layer_is_counted_by_what_it_copies_not_by_its_shape() -> None:
     peft = pytest.importorskip("peft")
-    from spectral_callbacks.monitor.budget import copy_bytes
     from spectral_callbacks.monitor.snapshot import take_snapshot
     from spectral_callbacks.targets import find_targets
 
@@ -305,7 +304,7 @@ def test_an_adapted_layer_is_counted_by_what_it_copies_not_by_its_shape() -> Non
     copied = {key: batch.nbytes for key, batch in take_snapshot(groups, step=0).tensors.items()}
     assert plan.copies == copied  # the ledger's count is what the snapshot holds: the adapters
     dense = sum(t.shape[0] * t.shape[1] * t.parameter.element_size() for t in targets)
-    assert sum(copy_bytes(t) for t in targets) < dense / 3
+    assert sum(t.snapshot_bytes() for t in targets) < dense / 3
 
 
 CUBLAS_SLACK = 64 * 2**20

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import threading
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -32,7 +31,7 @@ from spectral_callbacks.monitor.compute import SpectrumCompute
 from spectral_callbacks.monitor.engine import SnapshotEngine
 from spectral_callbacks.monitor.snapshot import group_by_shape, take_snapshot
 from spectral_callbacks.names import scalar_tag
-from spectral_callbacks.targets import find_targets
+from spectral_callbacks.targets import Target, find_targets
 
 pytestmark = pytest.mark.gpu
 
@@ -202,7 +201,7 @@ def test_the_peak_with_two_snapshots_in_flight_is_within_the_documented_bound(
             ("up", (4096, 1024), torch.bfloat16),  # copied in bf16, converted by the worker
         )
     }
-    targets = [SimpleNamespace(name=name, matrix=lambda w=w: w) for name, w in weights.items()]
+    targets = [Target.from_parameter(name, w, role="Q") for name, w in weights.items()]
     compute = GatedCompute(SpectrumCompute(method="randomized"))
     engine = SnapshotEngine(compute, group_by_shape(targets), max_pending=2)
     plan = engine.plan
@@ -287,7 +286,7 @@ def test_gpu_memory_does_not_grow_over_50_snapshots_and_pinned_buffers_are_reuse
         for i in range(4)
         for role, shape in (("q", (512, 512)), ("up", (2048, 512)))
     }
-    targets = [SimpleNamespace(name=name, matrix=lambda w=w: w) for name, w in weights.items()]
+    targets = [Target.from_parameter(name, w, role="Q") for name, w in weights.items()]
     groups = group_by_shape(targets)
     engine = SnapshotEngine(SpectrumCompute(method="randomized"), groups, max_pending=2)
     allocated: list[int] = []

@@ -5,14 +5,13 @@ TF32 through the legacy API in tests/test_svd.py."""
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 import torch
 
 from spectral_callbacks.monitor.compute import SpectrumCompute
 from spectral_callbacks.monitor.engine import SnapshotEngine
 from spectral_callbacks.monitor.snapshot import group_by_shape, take_snapshot
+from spectral_callbacks.targets import Target
 
 pytestmark = pytest.mark.gpu
 
@@ -37,7 +36,7 @@ class StreamRecorder:
 
 
 def _engine(weights: dict[str, torch.Tensor], **options: object) -> tuple[SnapshotEngine, list]:
-    targets = [SimpleNamespace(name=name, matrix=lambda w=w: w) for name, w in weights.items()]
+    targets = [Target.from_parameter(name, w, role="Q") for name, w in weights.items()]
     groups = group_by_shape(targets)
     compute = StreamRecorder(SpectrumCompute(k=16, method="randomized"))
     return SnapshotEngine(compute, groups, **options), groups  # type: ignore[arg-type]

@@ -20,16 +20,16 @@ from spectral_callbacks import tensorboard_adapter
 from spectral_callbacks.integrations.lightning import DEFAULT_METRICS
 from spectral_callbacks.monitor import dashboards, figures
 from spectral_callbacks.monitor.compute import SpectrumCompute
-from spectral_callbacks.names import scalar_tag
+from spectral_callbacks.names import MatrixLabel, scalar_tag
 
 # Roles whose names are prefixes of others: K of KV, K_rope, K_g0, K_A; Q of Q_A; V of V_g0.
 PREFIX_ROLES = ("Q", "Q_A", "K", "KV", "K_rope", "K_g0", "K_A", "V", "V_g0", "O")
 METRICS = ("stable_rank", "alpha")
 
 
-def targets_of(roles: tuple[str, ...], num_layers: int) -> list[SimpleNamespace]:
+def targets_of(roles: tuple[str, ...], num_layers: int) -> list[MatrixLabel]:
     return [
-        SimpleNamespace(layer=layer, num_layers=num_layers, role=role)
+        MatrixLabel(f"{layer}.{role}", layer=layer, num_layers=num_layers, role=role)
         for layer in range(num_layers)
         for role in roles
     ]

@@ -28,7 +28,7 @@ from spectral_callbacks.integrations.lightning import SpectralMonitor
 from spectral_callbacks.monitor import distributed as multi
 from spectral_callbacks.monitor.snapshot import take_snapshot
 from spectral_callbacks.names import monitor_tag, scalar_tag
-from spectral_callbacks.targets import find_targets
+from spectral_callbacks.targets import Target, find_targets
 
 SCRIPT = Path(__file__).resolve().parent / "ddp_train.py"
 TIMEOUT_SECONDS = 180
@@ -178,8 +178,7 @@ def test_engine_sends_each_result_at_the_next_point_and_a_late_one_as_missing(
     try:
         # diag(1, 1/(i+1)): stable rank 1 + 1/(i+1)^2, a different known answer per matrix.
         targets = [
-            SimpleNamespace(name=f"w{i}", shape=(4, 3), matrix=lambda i=i: diagonal(1 / (i + 1)))
-            for i in range(3)
+            Target.from_parameter(f"w{i}", diagonal(1 / (i + 1)), role="Q") for i in range(3)
         ]
         slow = {"on": False}
 
@@ -250,7 +249,7 @@ def test_a_scheduled_point_never_waits_for_a_result_on_the_training_thread(
     )
     release = threading.Event()
     try:
-        targets = [SimpleNamespace(name="w", shape=(4, 3), matrix=lambda: diagonal(0.5))]
+        targets = [Target.from_parameter("w", diagonal(0.5), role="Q")]
 
         def blocked(group, batch):
             release.wait(timeout=30)

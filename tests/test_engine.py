@@ -4,19 +4,17 @@ from __future__ import annotations
 
 import threading
 import time
-from types import SimpleNamespace
 
 import pytest
 import torch
 
 from spectral_callbacks.monitor.engine import SnapshotEngine, SpectralComputeError
 from spectral_callbacks.monitor.snapshot import ShapeGroup, group_by_shape, take_snapshot
+from spectral_callbacks.targets import Target
 
 
 def _groups(weights: dict[str, torch.Tensor]) -> list[ShapeGroup]:
-    return group_by_shape(
-        [SimpleNamespace(name=n, matrix=lambda w=w: w) for n, w in weights.items()]
-    )
+    return group_by_shape([Target.from_parameter(n, w, role="Q") for n, w in weights.items()])
 
 
 def exact_stable_rank(group: ShapeGroup, batch: torch.Tensor) -> dict[str, torch.Tensor]:

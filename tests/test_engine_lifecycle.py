@@ -12,13 +12,13 @@ import threading
 import time
 import weakref
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
 
 from spectral_callbacks.monitor.engine import SnapshotEngine, SpectralComputeError
 from spectral_callbacks.monitor.snapshot import ShapeGroup, group_by_shape, take_snapshot
+from spectral_callbacks.targets import Target
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -40,7 +40,7 @@ def _python(code: str) -> subprocess.CompletedProcess:
 # grace), so the message does not depend on how fast this machine runs the SVD.
 INSIDE_LAPACK_AT_EXIT = """
     import time, warnings
-    from types import SimpleNamespace
+    from spectral_callbacks.targets import Target
     import torch
     from spectral_callbacks.monitor import background
     from spectral_callbacks.monitor.engine import SnapshotEngine
@@ -48,7 +48,7 @@ INSIDE_LAPACK_AT_EXIT = """
     warnings.filterwarnings("ignore")
     background.ANNOUNCE_AFTER_SECONDS = 0.0
     w = torch.randn(2000, 2000)
-    groups = group_by_shape([SimpleNamespace(name="w", matrix=lambda: w)])
+    groups = group_by_shape([Target.from_parameter("w", w, role="Q")])
     engine = SnapshotEngine(lambda g, b: {"s": torch.linalg.svdvals(b)[..., 0]}, groups)
     engine.submit(take_snapshot(groups, 0))
     time.sleep(0.3)
@@ -75,7 +75,7 @@ def test_a_fit_with_no_drain_time_exits_zero() -> None:
 
 def test_a_worker_that_cannot_start_is_an_error_at_the_next_collect() -> None:
     weights = {"w": torch.randn(4, 4)}
-    groups = group_by_shape([SimpleNamespace(name="w", matrix=lambda: weights["w"])])
+    groups = group_by_shape([Target.from_parameter("w", weights["w"], role="Q")])
     engine = SnapshotEngine(lambda g, b: {"x": torch.zeros(1)}, groups, worker_threads=0)
     engine.submit(take_snapshot(groups, step=0))
     deadline = time.monotonic() + 30
@@ -93,7 +93,7 @@ def test_the_worker_thread_count_does_not_change_other_threads() -> None:
     done = _python(
         """
         import threading, torch
-        from types import SimpleNamespace
+        from spectral_callbacks.targets import Target
         from spectral_callbacks.monitor.engine import SnapshotEngine
         from spectral_callbacks.monitor.snapshot import group_by_shape, take_snapshot
         torch.set_num_threads(2)
@@ -102,7 +102,7 @@ def test_the_worker_thread_count_does_not_change_other_threads() -> None:
             seen.append(torch.get_num_threads())
             return {"x": batch.sum((-2, -1))}
         w = torch.ones(3, 3)
-        groups = group_by_shape([SimpleNamespace(name="w", matrix=lambda: w)])
+        groups = group_by_shape([Target.from_parameter("w", w, role="Q")])
         engine = SnapshotEngine(compute, groups, worker_threads=1)
         engine.submit(take_snapshot(groups, 0))
         assert len(engine.collect(wait_seconds=30)) == 1
@@ -125,7 +125,7 @@ def test_a_failed_snapshot_does_not_keep_its_batch_alive() -> None:
         raise ValueError("boom")
 
     weight = torch.randn(8, 8)
-    groups = group_by_shape([SimpleNamespace(name="w", matrix=lambda: weight)])
+    groups = group_by_shape([Target.from_parameter("w", weight, role="Q")])
     engine = SnapshotEngine(fails, groups)
     engine.submit(take_snapshot(groups, step=0))
     deadline = time.monotonic() + 30

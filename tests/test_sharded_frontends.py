@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import sharded_tracker_cases as cases
@@ -21,7 +20,7 @@ from spawn_ranks import run_ranks
 from test_ddp import run_script
 from tiny_models import RecordingLogger, read_scalars
 
-from spectral_callbacks.names import monitor_tag, scalar_tag
+from spectral_callbacks.names import MatrixLabel, monitor_tag, scalar_tag
 from spectral_callbacks.offline.events import read_event_file
 from spectral_callbacks.targets import find_targets
 
@@ -153,7 +152,7 @@ def test_raw_loop_with_spectral_tracker_under_fully_shard(tmp_path: Path) -> Non
     rank0, rank1 = run_ranks(cases.tracked_training, 2, tmp_path, str(tmp_path / "tb"))
     assert rank1["state"]["references"] == rank0["state"]["references"]  # the same on every rank
     scalars = read_scalars(tmp_path / "tb")
-    targets = [SimpleNamespace(name=n, layer=layer, role=r) for n, layer, r in rank0["targets"]]
+    targets = [MatrixLabel(n, layer, r) for n, layer, r in rank0["targets"]]
     check_against_exact(scalars, rank0["weights"], targets, k=cases.K)
 
 

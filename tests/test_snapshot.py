@@ -3,17 +3,17 @@
 from __future__ import annotations
 
 import time
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import torch
 
 from spectral_callbacks.monitor.snapshot import group_by_shape, take_snapshot
+from spectral_callbacks.targets import Target
 
 
-def _targets(weights: dict[str, torch.Tensor]) -> list[SimpleNamespace]:
-    return [SimpleNamespace(name=name, matrix=lambda w=w: w) for name, w in weights.items()]
+def _targets(weights: dict[str, torch.Tensor]) -> list[Target]:
+    return [Target.from_parameter(name, w, role="Q") for name, w in weights.items()]
 
 
 def test_groups_keep_first_seen_order_and_split_by_dtype() -> None:
@@ -142,15 +142,16 @@ def test_a_snapshot_of_targets_that_copy_themselves_never_builds_their_matrix() 
     weights = [torch.randn(6, 4), torch.randn(6, 4)]
     built: list[int] = []
 
-    def target(index: int) -> SimpleNamespace:
-        def matrix() -> torch.Tensor:
-            built.append(index)
-            return weights[index].clone()
+    class CopiesItself(Target):
+        def matrix(self) -> torch.Tensor:
+            built.append(self.layer)
+            return weights[self.layer].clone()
 
-        def copy_into(out: torch.Tensor) -> None:
-            out.copy_(weights[index])
+        def copy_values_into(self, out: torch.Tensor) -> None:
+            out.copy_(weights[self.layer])
 
-        return SimpleNamespace(name=f"w{index}", matrix=matrix, copy_into=copy_into)
+    def target(index: int) -> Target:
+        return CopiesItself.from_parameter(f"w{index}", weights[index], role="Q", layer=index)
 
     groups = group_by_shape([target(0), target(1)])
     built.clear()  # grouping reads each shape once, at construction

@@ -223,16 +223,12 @@ def test_logged_names_carry_the_stack_only_where_there_are_several():
 
 @pytest.mark.parametrize("experts", ["aggregate", "each"])
 def test_expert_scalars_are_the_mean_min_and_max_over_a_layers_experts(experts):
-    from types import SimpleNamespace
-
     from spectral_callbacks.monitor.reporting import Reporter
-    from spectral_callbacks.names import scalar_tag
+    from spectral_callbacks.names import MatrixLabel, scalar_tag
 
     generator = torch.Generator().manual_seed(0)
     targets = [
-        SimpleNamespace(
-            name=f"h.{layer}.{role}.e{e}", layer=layer, num_layers=2, role=role, expert=e
-        )
+        MatrixLabel(name=f"h.{layer}.{role}.e{e}", layer=layer, num_layers=2, role=role, expert=e)
         for layer in range(2)
         for role in ("MLP_up", "MLP_down")
         for e in range(4)

@@ -82,11 +82,10 @@ def test_reference_steps_survive_the_state_dict(
 
 
 def test_a_nan_reference_of_an_older_checkpoint_is_replaced_by_the_next_defined_snapshot() -> None:
-    from types import SimpleNamespace
-
     from spectral_callbacks.monitor.reporting import Reporter
+    from spectral_callbacks.names import MatrixLabel
 
-    target = SimpleNamespace(name="o", layer=0, num_layers=1, role="O", depth=0.0)
+    target = MatrixLabel(name="o", layer=0, num_layers=1, role="O")
     reporter = Reporter([target], metrics=("stable_rank", "compression"))
     reporter.load_state_dict({"references": {"o": math.nan}})  # the old rule's step-0 NaN
     scalars = reporter.scalars(30, {"o": {"stable_rank": 4.0}})

@@ -34,7 +34,8 @@ from dataclasses import dataclass, field, replace
 import torch
 from torch import Tensor
 
-from spectral_callbacks.functional.lowrank import AdaptedMatrices, Matmul
+from spectral_callbacks.functional.batch import Matmul, UpdateSpectrum
+from spectral_callbacks.functional.lowrank import AdaptedMatrices
 from spectral_callbacks.functional.metrics import frobenius_norm_sq
 from spectral_callbacks.functional.svd import DEFAULT_K, randomized_svd
 
@@ -75,7 +76,7 @@ class DeltaMatrices(AdaptedMatrices):
         part.owned = ()
         return part
 
-    def update_spectrum(self, k: int | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:  # type: ignore[override]
+    def update_spectrum(self, k: int | None = None) -> UpdateSpectrum:
         """The top-k singular values of each ``W_t - W_ref``, ``||W_ref||_F``, NaN for the rank (no
         adapter) and the exact ``||W_t - W_ref||_F^2``."""
         dtype = torch.promote_types(self.bases[0].dtype, torch.float32)
@@ -92,13 +93,13 @@ class DeltaMatrices(AdaptedMatrices):
         return _dense_spectrum(diff, reference, rank, self.k if k is None else k)
 
 
-def _dense_spectrum(
-    update: Tensor, base_frobenius: Tensor, rank: Tensor, k: int
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def _dense_spectrum(update: Tensor, base_frobenius: Tensor, rank: Tensor, k: int) -> UpdateSpectrum:
     """What ``functional.update_metrics`` takes for a ``(B, m, n)`` dense update: its top-k
     singular values (randomized SVD), ``||W_0||_F``, the adapter rank and the exact ``||dW||_F^2``."""
     S = randomized_svd(update, k).S  # k clamped to the smaller side there
-    return S, base_frobenius.to(S.device), rank.to(S.device), frobenius_norm_sq(update)
+    return UpdateSpectrum(
+        S, base_frobenius.to(S.device), rank.to(S.device), frobenius_norm_sq(update)
+    )
 
 
 @dataclass
@@ -205,7 +206,7 @@ class DenseUpdateMatrices(AdaptedMatrices):
         already)."""
         return frobenius_norm_sq(self.dense(torch.promote_types(self.dtype, torch.float32)))
 
-    def update_spectrum(self, k: int | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:  # type: ignore[override]
+    def update_spectrum(self, k: int | None = None) -> UpdateSpectrum:
         """The top-k singular values of each ``dW``, ``||W_0||_F``, the adapter ranks and the exact
         ``||dW||_F^2``."""
         dtype = torch.promote_types(self.dtype, torch.float32)

@@ -32,16 +32,16 @@ Example::
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 from torch import Tensor
 
-__all__ = ["AdaptedMatrices", "low_rank_singular_values"]
+from spectral_callbacks.functional.batch import Matmul, UpdateSpectrum
 
-Matmul = Callable[[Tensor, Tensor], Tensor]
+__all__ = ["AdaptedMatrices", "low_rank_singular_values"]
 
 
 @dataclass
@@ -242,11 +242,13 @@ class AdaptedMatrices:
         """``(B, r_max)`` exact singular values of each update ``U V`` (float64, zero-padded)."""
         return low_rank_singular_values(self.ups, self.downs)
 
-    def update_spectrum(self) -> tuple[Tensor, Tensor, Tensor]:
+    def update_spectrum(self) -> UpdateSpectrum:
         """What ``functional.update_metrics`` takes: the update's whole spectrum, ``||W_0||_F`` and
         each adapter's rank r."""
         rank = torch.tensor([float(u.shape[-1]) for u in self.ups], dtype=torch.float64)
-        return self.update_singular_values(), self.base_frobenius_norm(), rank.to(self.device)
+        return UpdateSpectrum(
+            self.update_singular_values(), self.base_frobenius_norm(), rank.to(self.device)
+        )
 
 
 def low_rank_singular_values(ups: Sequence[Tensor], downs: Sequence[Tensor]) -> Tensor:

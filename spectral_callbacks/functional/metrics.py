@@ -15,8 +15,8 @@ import math
 import torch
 from torch import Tensor
 
+from spectral_callbacks.functional.batch import MatrixBatch
 from spectral_callbacks.functional.esd import esd_metrics
-from spectral_callbacks.functional.lowrank import AdaptedMatrices
 from spectral_callbacks.functional.svd import DEFAULT_K, randomized_svd
 
 __all__ = [
@@ -241,7 +241,7 @@ def metrics_from_spectrum(
 
 
 def spectral_metrics(
-    W: Tensor,
+    W: Tensor | MatrixBatch,
     *,
     k: int = DEFAULT_K,
     fit_window: tuple[int, int] | None = None,
@@ -252,7 +252,8 @@ def spectral_metrics(
     r"""All metrics of ``W``: top-k SVD, exact :math:`\lVert W \rVert_F^2`, ``metrics_from_spectrum``.
 
     Args:
-        W: ``(m, n)`` or ``(B, m, n)`` float matrix (any float dtype; computed in float32 or better).
+        W: ``(m, n)`` or ``(B, m, n)`` float matrix (any float dtype; computed in float32 or better),
+            or a ``functional.batch.MatrixBatch``.
         k: ranks computed (default 32); also the default fit window ``1..k``.
         fit_window, energy: as in ``metrics_from_spectrum``.
         esd: also the ESD family of the full spectrum (``esd_alpha``, ``esd_ks_distance``,
@@ -280,11 +281,11 @@ def spectral_metrics(
     frobenius_sq = frobenius_norm_sq(W)
     out = metrics_from_spectrum(top.S, frobenius_sq, fit_window=fit_window, energy=energy)
     if esd:
-        out.update(esd_metrics(W))
+        out.update(esd_metrics(W if isinstance(W, Tensor) else W.dense()))
     return out
 
 
-def frobenius_norm_sq(W: Tensor | AdaptedMatrices) -> Tensor:
+def frobenius_norm_sq(W: Tensor | MatrixBatch) -> Tensor:
     r"""Exact squared Frobenius norm of each matrix, accumulated in float64.
 
     .. math:: \lVert W \rVert_F^2 = \sum_{i,j} W_{ij}^2
@@ -302,7 +303,7 @@ def frobenius_norm_sq(W: Tensor | AdaptedMatrices) -> Tensor:
         >>> frobenius_norm_sq(torch.tensor([[3.0, 0.0], [0.0, 4.0]]))
         tensor(25., dtype=torch.float64)
     """
-    if isinstance(W, AdaptedMatrices):  # held as factors: exact from r-sized products
+    if not isinstance(W, Tensor):  # held as factors: exact from r-sized products
         return W.frobenius_norm_sq()
     if W.device.type == "cpu" and W.dtype == torch.float32:
         # Row norms in float32, their squares summed in float64: relative error ~1e-8, and 20x

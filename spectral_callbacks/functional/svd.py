@@ -64,6 +64,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from spectral_callbacks.functional.batch import MatrixBatch
 from spectral_callbacks.functional.calibration import MethodCalibration
 from spectral_callbacks.functional.exact import gram_eigvalsh, gram_singular_values, svdvals_tall
 from spectral_callbacks.functional.krylov import (
@@ -73,7 +74,6 @@ from spectral_callbacks.functional.krylov import (
     start_block,
     top_subspace,
 )
-from spectral_callbacks.functional.lowrank import AdaptedMatrices
 from spectral_callbacks.functional.method_choice import bf16_tiles, choose_method, randomized_costs
 from spectral_callbacks.functional.precision import gram
 from spectral_callbacks.functional.precision import matmul as _matmul
@@ -165,7 +165,7 @@ class TopSVD(NamedTuple):
 
 
 def randomized_svd(
-    W: Tensor | AdaptedMatrices,
+    W: Tensor | MatrixBatch,
     k: int = DEFAULT_K,
     *,
     n_oversamples: int = DEFAULT_N_OVERSAMPLES,
@@ -246,7 +246,7 @@ def randomized_svd(
         tensor([[4.],
                 [8.]])
     """
-    if isinstance(W, AdaptedMatrices):
+    if not isinstance(W, Tensor):
         return _adapted_svd(W, k, n_oversamples, n_iter, generator, init, method, tol)
     _check_matrix(W, "W")
     _check_options(k, n_oversamples, n_iter, method, tol)
@@ -390,7 +390,7 @@ def _tidy(S: Tensor, finite: Tensor, side: int, compute_dtype: torch.dtype) -> T
 
 
 def _adapted_svd(
-    W: AdaptedMatrices,
+    W: MatrixBatch,
     k: int,
     n_oversamples: int,
     n_iter: int | None,

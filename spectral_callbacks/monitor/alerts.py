@@ -45,7 +45,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from spectral_callbacks.names import alert_tag, stack_of
+from spectral_callbacks.names import TaggedMatrix, alert_tag, stack_of
 
 #: Every kind of alert, in the order counts are logged.
 ALERT_KINDS: tuple[str, ...] = (
@@ -156,7 +156,7 @@ class AlertWatch:
         rules: the thresholds.
     """
 
-    def __init__(self, targets: Sequence[Any], rules: AlertRules) -> None:
+    def __init__(self, targets: Sequence[TaggedMatrix], rules: AlertRules) -> None:
         self.targets = {target.name: target for target in targets}
         self.rules = rules
         # Per matrix: (step, stable rank, sigma_1) of the snapshots within the window.

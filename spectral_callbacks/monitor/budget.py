@@ -43,6 +43,7 @@ import torch
 
 from spectral_callbacks.monitor.options import ConfigurationError
 from spectral_callbacks.monitor.snapshot import ShapeGroup
+from spectral_callbacks.targets.target import Target
 
 #: The default budget: this fraction of the total memory of the device the watched matrices live
 #: on (a GPU's, or the host's physical memory on the CPU). A run tuned to the memory limit leaves
@@ -66,16 +67,6 @@ def device_memory(device: str) -> int:
 def default_budget(devices: Sequence[str]) -> int:
     """:data:`DEFAULT_FRACTION` of the smallest total memory among ``devices`` (``["cpu"]`` if none)."""
     return int(DEFAULT_FRACTION * min(device_memory(device) for device in (devices or ["cpu"])))
-
-
-def copy_bytes(target: Any) -> int:
-    """The bytes a snapshot copies for ``target``: what it says (``snapshot_bytes()``), else the
-    size of its ``matrix()``."""
-    own = getattr(target, "snapshot_bytes", None)
-    if own is not None:
-        return int(own())
-    matrix = target.matrix()
-    return matrix.numel() * matrix.element_size()
 
 
 def conversion_bytes(group: ShapeGroup, batch: int) -> int:
@@ -111,14 +102,14 @@ def plan_parts(
         return list(groups)
 
     def need(group: ShapeGroup, batch: int) -> int:
-        each = max(copy_bytes(target) for target in group.targets)
+        each = max(target.snapshot_bytes() for target in group.targets)
         return batch * each + conversion_bytes(group, batch) + working_bytes(group, batch) + kept
 
     largest = max(groups, key=lambda group: need(group, 1), default=None)
     if largest is not None and need(largest, 1) > budget:
-        name = max(largest.targets, key=copy_bytes).name
+        name = max(largest.targets, key=lambda target: target.snapshot_bytes()).name
         m, n = largest.shape
-        each = max(copy_bytes(target) for target in largest.targets)
+        each = max(target.snapshot_bytes() for target in largest.targets)
         one = need(largest, 1)
         raise ConfigurationError(
             f"{caller}: `max_snapshot_bytes` ({budget} bytes = {mib(budget)}) cannot hold one "
@@ -244,11 +235,11 @@ def plan_snapshot(
         budget,
         kept,
         {p.key: conversion_bytes(p, len(p.targets)) + working(p, len(p.targets)) for p in parts},
-        {p.key: sum(copy_bytes(target) for target in p.targets) for p in parts},
+        {p.key: sum(target.snapshot_bytes() for target in p.targets) for p in parts},
     )
 
 
-def resolve_budget(value: int | str | None, targets: Sequence[Any]) -> int | None:
+def resolve_budget(value: int | str | None, targets: Sequence[Target]) -> int | None:
     """``max_snapshot_bytes`` as bytes: ``"auto"`` becomes :func:`default_budget` of the devices
     the watched parameters live on."""
     if value != "auto":

@@ -24,6 +24,7 @@ from spectral_callbacks.functional import (
     randomized_svd,
     update_metrics,
 )
+from spectral_callbacks.functional.batch import MeasuredBatch, Stack
 from spectral_callbacks.functional.calibration import MethodCalibration
 from spectral_callbacks.functional.memory import subspace_bytes, svd_working_bytes
 from spectral_callbacks.monitor.snapshot import ShapeGroup
@@ -103,11 +104,11 @@ class SpectrumCompute:
         # snapshot (on the thread that runs the compute: the worker or, inline, training's).
         self.calibration = MethodCalibration()
 
-    def __call__(self, group: ShapeGroup, batch: torch.Tensor) -> dict[str, torch.Tensor]:
-        # A batch of attention heads (targets/circuits.py) has exact spectra of its own: no SVD.
-        circuits = getattr(batch, "circuit_metrics", None)
-        if circuits is not None:
-            return circuits()
+    def __call__(self, group: ShapeGroup, batch: Stack) -> dict[str, torch.Tensor]:
+        # A batch whose metrics are exact from its own structure (a layer's attention heads,
+        # targets/circuits.py) needs no SVD.
+        if isinstance(batch, MeasuredBatch):
+            return batch.exact_metrics()
         # ‖W‖_F² exactly from the snapshot, never from the truncated spectrum (DESIGN.md §2).
         frobenius_sq = frobenius_norm_sq(batch)
         k = min(self.k, *batch.shape[-2:])
@@ -125,17 +126,16 @@ class SpectrumCompute:
         if self.warm_start and top.V is not None:
             self._subspaces[group.key] = top.V
         metrics = metrics_from_spectrum(top.S, frobenius_sq, **self.metric_options)
-        # A batch that carries an update (an adapted layer's s B A) adds its spectrum: exact.
-        update = getattr(batch, "update_spectrum", None)
-        if update is not None:
-            metrics.update(update_metrics(*update()))
+        # A batch held as an operator carries an update (an adapted layer's s B A, a fine-tune's
+        # W_t - W_ref): its spectrum adds the update family. A dense stack has none.
+        if not isinstance(batch, torch.Tensor):
+            metrics.update(update_metrics(*batch.update_spectrum()))
         seen = self._seen.get(group.key, self._taken_before)
         self._seen[group.key] = seen + 1
         final = self._esd_from is not None and seen >= self._esd_from
         if self.esd and (final or seen % self.esd_every_n_snapshots == 0):
             # The ESD needs every eigenvalue: an adapted layer's effective W0 + s B A is formed.
-            dense = getattr(batch, "dense", None)
-            metrics.update(esd_metrics(dense() if callable(dense) else batch))
+            metrics.update(esd_metrics(batch if isinstance(batch, torch.Tensor) else batch.dense()))
         return metrics
 
     def esd_due(self, snapshot: int) -> bool:
@@ -159,9 +159,9 @@ class SpectrumCompute:
         """Upper bound of the bytes one call allocates on ``batch`` matrices of ``group`` (given in
         float32, or float64): ``functional.memory.svd_working_bytes`` with these SVD options, or
         what a kind of target that computes its own metrics says (attention heads)."""
-        own = getattr(group.targets[0], "working_bytes", None)
+        own = group.targets[0].working_bytes(batch)
         if own is not None:
-            return int(own(batch))
+            return own
         m, n = group.shape
         dtype = torch.float64 if group.dtype == torch.float64 else torch.float32
         return svd_working_bytes(

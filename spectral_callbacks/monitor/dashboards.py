@@ -51,7 +51,7 @@ from spectral_callbacks.messages import rank_zero_warn
 from spectral_callbacks.monitor import background
 from spectral_callbacks.monitor.figure_process import FigureProcess
 from spectral_callbacks.monitor.figures import image_summary
-from spectral_callbacks.names import layer_label, scalar_tag
+from spectral_callbacks.names import TaggedMatrix, layer_label, scalar_tag
 from spectral_callbacks.tensorboard_adapter import add_layout, flush, logdir_of, write_summary
 
 #: The run name of the tidy rows the live figures are drawn from (their legend).
@@ -72,7 +72,7 @@ def tag_pattern(tag: str) -> str:
 
 
 def custom_scalars_layout(
-    targets: Sequence[Any], metrics: Sequence[str], finite: Collection[str] | None = None
+    targets: Sequence[TaggedMatrix], metrics: Sequence[str], finite: Collection[str] | None = None
 ) -> layout_pb2.Layout:
     """The custom-scalars layout: per metric, charts by layer and charts by role.
 
@@ -86,12 +86,12 @@ def custom_scalars_layout(
         A ``layout_pb2.Layout`` whose first section is open and the others collapsed; each chart
         holds at most :data:`MAX_LINES` exact-match tag patterns.
     """
-    stacks = list(dict.fromkeys(str(getattr(target, "stack", "")) for target in targets))
+    stacks = list(dict.fromkeys(target.stack for target in targets))
     categories = []
     for metric in metrics:
         for stack in stacks:
             categories += _stack_categories(
-                [t for t in targets if str(getattr(t, "stack", "")) == stack], stack, metric, finite
+                [t for t in targets if t.stack == stack], stack, metric, finite
             )
     for index, category in enumerate(categories):
         category.closed = index > 0
@@ -104,7 +104,7 @@ def _tag(metric: str, layer: int, role: str, num_layers: int, stack: str, expert
 
 
 def _stack_categories(
-    targets: Sequence[Any], stack: str, metric: str, finite: Collection[str] | None
+    targets: Sequence[TaggedMatrix], stack: str, metric: str, finite: Collection[str] | None
 ) -> list[Any]:
     """The by-layer and by-role sections of one metric for the targets of one stack."""
     num_layers = max((target.num_layers for target in targets), default=1)
@@ -112,7 +112,7 @@ def _stack_categories(
     roles = list(dict.fromkeys(target.role for target in targets))
     present = {(target.layer, target.role) for target in targets}
     # a layer's experts are drawn as their mean (min and max beside it in the scalars)
-    experts = {(t.layer, t.role) for t in targets if getattr(t, "expert", None) is not None}
+    experts = {(t.layer, t.role) for t in targets if t.expert is not None}
     where = f"{stack} " if stack else ""
     categories = []
     if True:
@@ -187,7 +187,7 @@ class LayoutWriter:
         metrics: the logged metrics.
     """
 
-    def __init__(self, targets: Sequence[Any], metrics: Sequence[str]) -> None:
+    def __init__(self, targets: Sequence[TaggedMatrix], metrics: Sequence[str]) -> None:
         self.targets = list(targets)
         self.metrics = tuple(metrics)
         self._tags = {
@@ -195,9 +195,7 @@ class LayoutWriter:
             if layer is not None
             else scalar_tag(metric, None, t.role, stack=stack)
             for t in self.targets
-            for stack, expert in [
-                (str(getattr(t, "stack", "")), getattr(t, "expert", None) is not None)
-            ]
+            for stack, expert in [(t.stack, t.expert is not None)]
             for metric in self.metrics
             for layer in (t.layer, None)
         }

@@ -62,6 +62,7 @@ from spectral_callbacks.messages import rank_zero_warn
 from spectral_callbacks.monitor.engine import Compute, SnapshotEngine, SnapshotResult
 from spectral_callbacks.monitor.snapshot import Snapshot, group_by_shape
 from spectral_callbacks.names import monitor_tag
+from spectral_callbacks.targets.target import Target
 
 #: Seconds a rank's training thread waits, at a scheduled point, for its result of the snapshot
 #: that is due: none. The result had ``lag`` snapshot intervals to finish; one that did not is sent
@@ -92,7 +93,7 @@ def matrix_cost(shape: Sequence[int]) -> int:
     return m * n * min(m, n)
 
 
-def partition(targets: Sequence[Any], world_size: int) -> list[int]:
+def partition(targets: Sequence[Target], world_size: int) -> list[int]:
     """The rank that analyses each target: longest-processing-time-first over :func:`matrix_cost`.
 
     Deterministic (ties broken by target order), so every rank computes the same answer without
@@ -242,7 +243,7 @@ class DistributedEngine:
     def __init__(
         self,
         compute: Compute,
-        targets: Sequence[Any],
+        targets: Sequence[Target],
         columns: Sequence[str],
         *,
         rank: int,

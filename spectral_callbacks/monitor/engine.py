@@ -66,15 +66,16 @@ from typing import Any
 
 import torch
 
+from spectral_callbacks.functional.batch import Stack
 from spectral_callbacks.messages import rank_zero_warn
 from spectral_callbacks.monitor import background
 from spectral_callbacks.monitor.budget import Ledger, plan_snapshot
 from spectral_callbacks.monitor.snapshot import ShapeGroup, Snapshot, take_snapshot
 from spectral_callbacks.monitor.streams import ComputeStreams
 
-#: ``compute(group, batch)``: ``batch`` is a float ``(B, m, n)`` stack of the group's matrices;
-#: returns metric name -> ``(B,)`` tensor. On CUDA it runs with the compute stream current.
-Compute = Callable[[ShapeGroup, torch.Tensor], dict[str, torch.Tensor]]
+#: ``compute(group, batch)``: ``batch`` is a float ``(B, m, n)`` stack of the group's matrices (or
+#: the ``functional.batch.MatrixBatch`` a kind of target snapshots itself as); returns metric name -> ``(B,)`` tensor. On CUDA it runs with the compute stream current.
+Compute = Callable[[ShapeGroup, Stack], dict[str, torch.Tensor]]
 
 _POLL_SECONDS = 0.005
 #: The name of the engine's worker thread (tests and benchmarks find the thread by it).
@@ -573,7 +574,7 @@ class SnapshotEngine:
         # On the host whatever torch.set_default_device says on the training thread.
         return torch.empty(size, dtype=torch.float64, device="cpu", pin_memory=True)
 
-    def _compute_group(self, key: str, batch: torch.Tensor, step: int) -> dict[str, torch.Tensor]:
+    def _compute_group(self, key: str, batch: Stack, step: int) -> dict[str, torch.Tensor]:
         group = self.groups[key]
         work = batch if batch.dtype in (torch.float32, torch.float64) else batch.float()
         try:
@@ -594,7 +595,7 @@ class SnapshotEngine:
                 f"(shape group {key}): {type(error).__name__}: {error}"
             ) from error
 
-    def _find_culprit(self, group: ShapeGroup, batch: torch.Tensor) -> str:
+    def _find_culprit(self, group: ShapeGroup, batch: Stack) -> str:
         """Name the matrix that fails alone, or the whole group if none does."""
         if len(group.targets) > 1:
             for index, name in enumerate(group.names):

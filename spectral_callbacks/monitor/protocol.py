@@ -41,6 +41,7 @@ from torch.distributed.tensor import DTensor
 from spectral_callbacks.monitor.compute import SpectrumCompute
 from spectral_callbacks.monitor.engine import Compute, SnapshotResult
 from spectral_callbacks.monitor.options import ConfigurationError
+from spectral_callbacks.targets.target import Target
 
 
 @runtime_checkable
@@ -115,7 +116,7 @@ class Engine(Protocol):
 
 def make_engine(
     compute: Compute,
-    targets: Sequence[Any],
+    targets: Sequence[Target],
     metrics: Sequence[str],
     *,
     max_pending: int,
@@ -179,7 +180,7 @@ def make_engine(
 
 
 def _sharded_engine(
-    compute: Compute, targets: Sequence[Any], options: dict[str, Any], drain_timeout: float
+    compute: Compute, targets: Sequence[Target], options: dict[str, Any], drain_timeout: float
 ) -> Engine:
     """The engine for DTensor weights, configured like the default compute function."""
     from spectral_callbacks.monitor.sharded import ShardedEngine, svd_group

@@ -50,12 +50,12 @@ from spectral_callbacks.names import (
     EXPERT_AGGREGATES,
     NUM_LAYERS_TAG,
     TIDY_COLUMNS,
+    TaggedMatrix,
     histogram_tag,
     monitor_tag,
     num_layers_tag,
     reference_step_tag,
     scalar_tag,
-    stack_of,
 )
 
 # Metrics that are NaN only when the matrix itself holds a NaN or Inf. Not energy_rank_90 or alpha
@@ -87,7 +87,7 @@ class Reporter:
 
     def __init__(
         self,
-        targets: Sequence[Any],
+        targets: Sequence[TaggedMatrix],
         metrics: Sequence[str],
         history_size: int = 256,
         experts: str = "aggregate",
@@ -97,7 +97,7 @@ class Reporter:
         self.each_expert = experts == "each"
         self.num_layers_of: dict[str, int] = {}
         for target in targets:
-            stack = stack_of(target)
+            stack = target.stack
             self.num_layers_of[stack] = max(self.num_layers_of.get(stack, 1), target.num_layers)
         self.num_layers = max(self.num_layers_of.values(), default=1)
         # The compression reference of each matrix: its stable rank at its first *defined* snapshot
@@ -118,21 +118,21 @@ class Reporter:
         self._of_role: dict[tuple[str, str], list[str]] = collections.defaultdict(list)
         self._of_experts: dict[tuple[str, int, str], list[str]] = collections.defaultdict(list)
         for target in targets:
-            self._of_role[(stack_of(target), target.role)].append(target.name)
+            self._of_role[(target.stack, target.role)].append(target.name)
             if _member_of(target) is not None:
                 self._of_experts[_experts_key(target)].append(target.name)
 
-    def tag(self, target: Any, metric: str) -> str:
+    def tag(self, target: TaggedMatrix, metric: str) -> str:
         """The tag of ``metric`` of one matrix (a per-expert tag for an expert's slice)."""
-        stack = stack_of(target)
+        stack = target.stack
         return scalar_tag(
             metric,
             target.layer,
             target.role,
             self.num_layers_of[stack],
             stack=stack,
-            expert=expert_of(target),
-            head=head_of(target),
+            expert=target.expert,
+            head=target.head,
         )
 
     def scalars(self, step: int, values: Mapping[str, Mapping[str, float]]) -> dict[str, float]:
@@ -161,7 +161,7 @@ class Reporter:
         scalars: dict[str, float] = {}
         for name, row in per_target.items():
             target = self.targets[name]
-            if expert_of(target) is None or self.each_expert:
+            if target.expert is None or self.each_expert:
                 for metric in self.metrics:
                     if metric in row:
                         scalars[self.tag(target, metric)] = float(row[metric])
@@ -173,7 +173,7 @@ class Reporter:
                     metric, layer, role, self.num_layers_of[stack], stack=stack, aggregate=aggregate
                 )
                 scalars[tag] = _AGGREGATE[aggregate](finite) if finite else math.nan
-        touched_roles = {(stack_of(self.targets[n]), self.targets[n].role) for n in per_target}
+        touched_roles = {(self.targets[n].stack, self.targets[n].role) for n in per_target}
         for stack, role in touched_roles:
             for metric, layer_values in self._latest_of(self._of_role[(stack, role)]).items():
                 finite = [value for value in layer_values if not math.isnan(value)]
@@ -183,15 +183,15 @@ class Reporter:
         if "compression" in self.metrics:
             for name in new_references:
                 target = self.targets[name]
-                if expert_of(target) is not None and not self.each_expert:
+                if target.expert is not None and not self.each_expert:
                     continue  # one tag per expert only where per-expert charts were asked for
-                stack = stack_of(target)
+                stack = target.stack
                 tag = reference_step_tag(
                     target.layer,
                     target.role,
                     self.num_layers_of[stack],
                     stack=stack,
-                    expert=expert_of(target),
+                    expert=target.expert,
                 )
                 scalars[tag] = float(step)
         self.history.append((step, time.time(), scalars, per_target))
@@ -265,12 +265,12 @@ class Reporter:
                                 run,
                                 step,
                                 metric,
-                                stack_of(target),
+                                target.stack,
                                 target.layer,
                                 target.depth,
                                 target.role,
-                                expert_of(target),
-                                head_of(target),
+                                target.expert,
+                                target.head,
                                 float(row[metric]),
                                 wall_time,
                             )
@@ -306,26 +306,13 @@ def num_layers_scalar(num_layers: int) -> dict[str, float]:
     return {NUM_LAYERS_TAG: float(num_layers)}
 
 
-def expert_of(target: Any) -> int | None:
-    """The expert a target is a slice of, or ``None``."""
-    expert = getattr(target, "expert", None)
-    return None if expert is None else int(expert)
-
-
-def head_of(target: Any) -> int | None:
-    """The query head of a per-head circuit target (``targets/circuits.py``), or ``None``."""
-    head = getattr(target, "head", None)
-    return None if head is None else int(head)
-
-
-def _member_of(target: Any) -> int | None:
+def _member_of(target: TaggedMatrix) -> int | None:
     """The expert or head a target is, within its (layer, role): aggregated over its layer."""
-    expert = expert_of(target)
-    return expert if expert is not None else head_of(target)
+    return target.expert if target.expert is not None else target.head
 
 
-def _experts_key(target: Any) -> tuple[str, int, str]:
-    return (stack_of(target), int(target.layer), str(target.role))
+def _experts_key(target: TaggedMatrix) -> tuple[str, int, str]:
+    return (target.stack, target.layer, target.role)
 
 
 def _mean(values: list[float]) -> float:

@@ -67,6 +67,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from spectral_callbacks.functional.batch import Stack
 from spectral_callbacks.functional.metrics import metrics_from_spectrum
 from spectral_callbacks.functional.sharded_svd import sharded_randomized_svd
 from spectral_callbacks.messages import count, rank_zero_warn
@@ -284,10 +285,10 @@ class ShardedEngine:
         self._wait_for_room(step)
         start = time.perf_counter()
         with torch.no_grad():
-            tensors = {key: group.stack() for key, group in self.groups.items()}
+            tensors: dict[str, Stack] = {key: group.stack() for key, group in self.groups.items()}
         # On CUDA the copies are queued on the training stream; the worker's compute stream waits
         # on this event (one per device) before it reads them (streams.py).
-        devices = dict.fromkeys(str(t.device) for t in tensors.values() if t.is_cuda)
+        devices = dict.fromkeys(str(t.device) for t in tensors.values() if t.device.type == "cuda")
         copied = {device: record_event(device) for device in devices}
         job = _Job(Snapshot(step, tensors, time.perf_counter() - start, copied), Future())
         self._jobs.append(job)
@@ -409,6 +410,7 @@ class ShardedEngine:
         sent = 0
         for index, (key, group) in enumerate(self.groups.items()):
             stack = snapshot.tensors.pop(key)  # freed once decomposed
+            assert isinstance(stack, torch.Tensor)  # a shard group is copied as a dense stack
             piece = group.pieces[0]
             # On the compute stream after the copy, autocast off (streams.py): the SVD and gloo's
             # host staging of its CUDA all-reduces do not queue behind training's kernels.
@@ -487,7 +489,7 @@ def _refuse_updates(targets: Sequence[Target]) -> None:
     blocks this engine decomposes would be the base's, not the effective ``W_0 + s B A``, and the
     update family would stay empty. Until the worker assembles the (small) factors over the SVD
     group, such a run is stopped at setup rather than charted as something it is not."""
-    updates = [target.name for target in targets if getattr(target, "has_update", False)]
+    updates = [target.name for target in targets if target.has_update]
     if updates:
         shown = ", ".join(updates[:3]) + (
             f" and {len(updates) - 3} more" if len(updates) > 3 else ""

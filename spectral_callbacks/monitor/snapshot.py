@@ -15,15 +15,16 @@ made *on the stream that runs training*:
 Each group is one ``(B, m, n)`` tensor allocated with one ``torch.empty`` and filled with one copy
 per matrix (``Target.copy_into``: a per-head interleaved split is gathered straight into its slot,
 not copied twice), in the parameter's dtype (the conversion to float32 happens off the main thread,
-in the engine).
+in the engine), or the batch a kind of target copies for itself (``Target.stack_batch``: an adapted
+layer's factors). Which targets form a group is theirs to say (``Target.batch_key``): nothing here
+knows what kind of target it holds.
 
 Example::
 
     >>> import torch
-    >>> from types import SimpleNamespace
+    >>> from spectral_callbacks.targets import Target
     >>> weights = [torch.ones(4, 3), torch.zeros(4, 3), torch.ones(2, 3)]
-    >>> targets = [SimpleNamespace(name=f"w{i}", matrix=lambda w=w: w)
-    ...            for i, w in enumerate(weights)]
+    >>> targets = [Target.from_parameter(f"w{i}", w, role="Q") for i, w in enumerate(weights)]
     >>> groups = group_by_shape(targets)
     >>> [(group.key, group.names) for group in groups]
     [('4x3/float32/cpu', ('w0', 'w1')), ('2x3/float32/cpu', ('w2',))]
@@ -39,26 +40,13 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
+from spectral_callbacks.functional.batch import Stack
 from spectral_callbacks.monitor.streams import record_event
-
-
-class MatrixSource(Protocol):
-    """What a snapshot needs of a target (``spectral_callbacks.targets.Target`` is one).
-
-    A target may also offer ``copy_into(out)`` (one copy into a slot of the stack); without it the
-    snapshot copies ``matrix()``. A target that is not copied as a dense matrix (an adapted layer:
-    ``targets.adapted.AdaptedTarget``) offers ``batch_key()`` (its group key and device) and
-    ``stack_batch(targets)``, which copies what it needs and returns the batch the compute
-    function gets in place of a ``(B, m, n)`` stack.
-    """
-
-    name: str
-
-    def matrix(self) -> torch.Tensor: ...
+from spectral_callbacks.targets.target import Target
 
 
 @dataclass(frozen=True)
@@ -66,7 +54,7 @@ class ShapeGroup:
     """Watched matrices of one shape, dtype and device, snapshotted and decomposed as one batch."""
 
     key: str
-    targets: tuple[Any, ...]
+    targets: tuple[Target, ...]
     device: str = "cpu"
     shape: tuple[int, int] = (0, 0)  # (m, n) of each matrix
     dtype: torch.dtype = torch.float32  # the stored (copied) dtype
@@ -87,32 +75,23 @@ class Snapshot:
     """
 
     step: int
-    tensors: dict[str, torch.Tensor]
+    tensors: dict[str, Stack]
     main_thread_seconds: float = 0.0
     copied: dict[str, Any] = field(default_factory=dict)
     copy_started: dict[str, Any] = field(default_factory=dict)
 
 
-def group_by_shape(targets: Sequence[MatrixSource]) -> list[ShapeGroup]:
-    """Group targets whose matrices share shape, dtype and device, in first-seen order."""
-    groups: dict[str, list[MatrixSource]] = {}
-    first: dict[str, tuple[tuple[int, int], torch.dtype, str]] = {}  # shape, dtype, device
+def group_by_shape(targets: Sequence[Target]) -> list[ShapeGroup]:
+    """Group targets that share a ``Target.batch_key`` (shape, dtype and device, and their kind's
+    own batch), in first-seen order."""
+    groups: dict[str, list[Target]] = {}
+    devices: dict[str, str] = {}
     for target in targets:
-        batch_key = getattr(target, "batch_key", None)
-        if batch_key is not None:
-            key, device = batch_key()
-            kind: Any = target  # a target kind that batches itself: its shape and parameter
-            shape, dtype_of = tuple(kind.shape), kind.parameter.dtype
-        else:
-            weight = target.matrix()
-            dtype = str(weight.dtype).removeprefix("torch.")
-            key = f"{weight.shape[0]}x{weight.shape[1]}/{dtype}/{weight.device}"
-            device = str(weight.device)
-            shape, dtype_of = (weight.shape[0], weight.shape[1]), weight.dtype
+        key, device = target.batch_key()
         groups.setdefault(key, []).append(target)
-        first.setdefault(key, (shape, dtype_of, device))
+        devices.setdefault(key, device)
     return [
-        ShapeGroup(key, tuple(members), first[key][2], first[key][0], first[key][1])
+        ShapeGroup(key, tuple(members), devices[key], members[0].shape, members[0].parameter.dtype)
         for key, members in groups.items()
     ]
 
@@ -138,22 +117,7 @@ def take_snapshot(groups: Sequence[ShapeGroup], step: int) -> Snapshot:
     return Snapshot(step, tensors, time.perf_counter() - start, copied, copy_started)
 
 
-def _stack(group: ShapeGroup) -> Any:
-    """One fresh ``(B, m, n)`` tensor holding the group's matrices: later updates cannot reach it
-    (or the batch a target kind copies for itself: ``stack_batch``)."""
-    stack_batch = getattr(group.targets[0], "stack_batch", None)
-    if stack_batch is not None:
-        return stack_batch(group.targets)
-    # Shape, dtype and device from the group, not from a target's matrix(): for an interleaved
-    # per-head split that is a whole copy. Allocated on the device's current stream, the training
-    # stream: its memory returns to training's pool when the engine frees it (after
-    # `record_stream` on the compute stream).
-    shape = (len(group.targets), *group.shape)
-    stack = torch.empty(shape, dtype=group.dtype, device=torch.device(group.device))
-    for slot, target in zip(stack, group.targets, strict=True):
-        copy_into = getattr(target, "copy_into", None)
-        if copy_into is not None:
-            copy_into(slot)
-        else:
-            slot.copy_(target.matrix())
-    return stack
+def _stack(group: ShapeGroup) -> Stack:
+    """The group's snapshot, as its kind of target copies it: a fresh ``(B, m, n)`` tensor of a
+    dense group (later updates cannot reach it), or the batch a kind copies for itself."""
+    return group.targets[0].stack_batch(group.targets)

@@ -33,6 +33,8 @@ from typing import Any
 
 import torch
 
+from spectral_callbacks.functional.batch import Stack
+
 __all__ = ["ComputeStreams", "record_event"]
 
 # torch's stream priorities run from 0 (the lowest, the default) to negative (higher).
@@ -62,7 +64,7 @@ class ComputeStreams:
 
     @contextlib.contextmanager
     def after_copy(
-        self, batch: torch.Tensor, copied: Mapping[str, Any]
+        self, batch: Stack, copied: Mapping[str, Any]
     ) -> Iterator[torch.cuda.Stream | None]:
         """Run the block's work on ``batch``'s compute stream, after its copy (see the module doc).
 

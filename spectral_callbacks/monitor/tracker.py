@@ -64,8 +64,10 @@ from spectral_callbacks.names import (
     TARGET_MAP_TAG,
     format_target_map,
 )
+from spectral_callbacks.targets.delta import Delta
 from spectral_callbacks.targets.first_forward import FirstForward
 from spectral_callbacks.targets.roles import FlowMap
+from spectral_callbacks.targets.target import Target
 
 # The TensorBoard writers are flushed at most this often: a running TensorBoard (which rereads its
 # files every few seconds) still shows each point within seconds, and a burst of snapshots (the
@@ -274,9 +276,7 @@ class SpectralTracker:
         # Adapted layers (targets/adapted.py) also log their update's spectrum by default; a
         # user who lists `metrics` gets exactly those (update_* names included).
         self.metrics: tuple[str, ...] = tuple(options.metrics)
-        if self.metrics == DEFAULT_METRICS and any(
-            getattr(target, "has_update", False) for target in self.targets
-        ):
+        if self.metrics == DEFAULT_METRICS and any(target.has_update for target in self.targets):
             self.metrics += UPDATE_METRICS
         if options.circuits is not False:  # asked for by name: logged whatever `metrics` lists
             self.metrics += tuple(name for name in CIRCUIT_METRICS if name not in self.metrics)
@@ -570,7 +570,7 @@ class SpectralTracker:
             waiting["optimizer"],
         )
 
-    def _find_targets(self, model: torch.nn.Module, flow: FlowMap | None = None) -> list[Any]:
+    def _find_targets(self, model: torch.nn.Module, flow: FlowMap | None = None) -> list[Target]:
         from spectral_callbacks.targets import UnwatchedExpertWarning, find_targets
         from spectral_callbacks.targets.find import TargetError, unwatched_experts_message
 
@@ -599,7 +599,7 @@ class SpectralTracker:
             )
         return targets
 
-    def _find_circuits(self, model: torch.nn.Module, targets: list[Any]) -> list[Any]:
+    def _find_circuits(self, model: torch.nn.Module, targets: list[Target]) -> list[Target]:
         """The heads of every attention layer among ``targets`` (``circuits=``)."""
         from spectral_callbacks.targets.circuits import find_circuits
         from spectral_callbacks.targets.errors import TargetError
@@ -610,7 +610,7 @@ class SpectralTracker:
         except TargetError as error:
             raise ConfigurationError(f"{self.caller}: {error}") from error
 
-    def _with_references(self, targets: list[Any], delta: Any) -> list[Any]:
+    def _with_references(self, targets: list[Target], delta: Delta) -> list[Target]:
         """The dense targets as ``DeltaTarget``s keeping their reference (``delta=``)."""
         from spectral_callbacks.monitor.options import ConfigurationError
         from spectral_callbacks.targets.delta import with_references

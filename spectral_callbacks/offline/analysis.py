@@ -18,7 +18,7 @@ from typing import Any
 import pandas as pd
 from torch import nn
 
-from spectral_callbacks.names import relative_depth
+from spectral_callbacks.names import MatrixLabel
 from spectral_callbacks.offline.loading import AnalysisError
 
 # Matrices analysed together; bounds the memory of the stacked copies for large models.
@@ -60,7 +60,10 @@ def analyze_model(
         target order (``source``: where the role came from, ``names`` or ``data flow``) (``num_layers``: of the row's stack; ``expert``: ``None`` outside experts), and the
         number of layers L of the model's deepest stack.
     """
+    import torch
+
     from spectral_callbacks.functional import spectral_metrics, update_metrics
+    from spectral_callbacks.functional.batch import MeasuredBatch
     from spectral_callbacks.monitor.snapshot import group_by_shape, take_snapshot
     from spectral_callbacks.targets import find_targets
 
@@ -73,11 +76,13 @@ def analyze_model(
             )
             snapshot = take_snapshot([chunk], step=0)
             batch = snapshot.tensors[chunk.key].float()
-            metrics = spectral_metrics(batch, **options)  # (B,) each
+            if isinstance(batch, MeasuredBatch):  # exact from its own structure (no SVD)
+                metrics = batch.exact_metrics()
+            else:
+                metrics = spectral_metrics(batch, **options)  # (B,) each
             # An adapted layer (targets/adapted.py) also carries its update: exact from factors.
-            update = getattr(batch, "update_spectrum", None)
-            if update is not None:
-                metrics.update(update_metrics(*update()))
+            if not isinstance(batch, torch.Tensor | MeasuredBatch):
+                metrics.update(update_metrics(*batch.update_spectrum()))
             for position, name in enumerate(chunk.names):
                 results[name] = {
                     metric: float(value[position]) for metric, value in metrics.items()
@@ -132,8 +137,6 @@ def write_scalars(
     Raises:
         AnalysisError: ``logdir`` is a file or cannot be created.
     """
-    from types import SimpleNamespace
-
     from spectral_callbacks import tensorboard_adapter as tb
     from spectral_callbacks.monitor.reporting import Reporter
 
@@ -144,14 +147,13 @@ def write_scalars(
         layers = int(getattr(row, "num_layers", num_layers))
         expert: Any = getattr(row, "expert", None)
         targets.append(
-            SimpleNamespace(
+            MatrixLabel(
                 name=row.parameter,
                 stack=str(getattr(row, "stack", "")),
                 layer=int(row.layer),
                 role=str(row.role),
                 expert=None if pd.isna(expert) else int(expert),
                 num_layers=layers,
-                depth=relative_depth(int(row.layer), layers),
             )
         )
     values = {row["parameter"]: {m: float(row[m]) for m in metrics} for _, row in rows.iterrows()}

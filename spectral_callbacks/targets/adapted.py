@@ -35,7 +35,7 @@ import inspect
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from torch import nn
@@ -44,6 +44,9 @@ from spectral_callbacks.functional.delta import DenseUpdateMatrices
 from spectral_callbacks.functional.lowrank import AdaptedMatrices
 from spectral_callbacks.targets.errors import TargetError
 from spectral_callbacks.targets.target import Target
+
+if TYPE_CHECKING:
+    from typing_extensions import Self
 
 __all__ = [
     "ADDITIVE_TUNERS",
@@ -237,8 +240,7 @@ class AdaptedTarget(Target):
     layer_module: nn.Module = field(default=None, repr=False, compare=False)  # type: ignore[assignment]
     adapters: tuple[str, ...] = ()
     rank: int = 0
-    #: The update family (``spectral_update_*``) is logged for this target.
-    has_update: bool = True
+    has_update: ClassVar[bool] = True
 
     @property
     def description(self) -> str:
@@ -254,8 +256,8 @@ class AdaptedTarget(Target):
         m, n = self.shape
         return f"{m}x{n}/{dtype}/{weight.device}/adapted", str(weight.device)
 
-    @staticmethod
-    def stack_batch(targets: Sequence[AdaptedTarget]) -> AdaptedMatrices:
+    @classmethod
+    def stack_batch(cls, targets: Sequence[Self]) -> AdaptedMatrices:
         """Copy the adapter factors of ``targets`` (on the calling thread / current stream).
 
         A factor shared by several targets (the ``A`` of a fused ``c_attn`` split into Q, K, V) is
@@ -339,15 +341,9 @@ class AdaptedTarget(Target):
         batch = self.stack_batch([self])
         return batch.dense(torch.promote_types(batch.dtype, torch.float32))[0]
 
-    def copy_into(self, out: torch.Tensor) -> torch.Tensor:
+    def copy_values_into(self, out: torch.Tensor) -> None:
         """Copy the current effective weight into ``out`` (a dense snapshot, when asked for one)."""
-        if tuple(out.shape) != self.shape:
-            raise ValueError(
-                f"`out` must have shape {self.shape} for {self.name}, got {tuple(out.shape)}"
-            )
-        with torch.no_grad():
-            out.copy_(self.matrix())
-        return out
+        out.copy_(self.matrix())
 
 
 @dataclass(frozen=True)
@@ -371,8 +367,8 @@ class DenseAdaptedTarget(AdaptedTarget):
         key, device = super().batch_key()
         return f"{key}-dense", device
 
-    @staticmethod
-    def stack_batch(targets: Sequence[AdaptedTarget]) -> DenseUpdateMatrices:
+    @classmethod
+    def stack_batch(cls, targets: Sequence[Self]) -> DenseUpdateMatrices:
         """Form each layer's update (once for the targets it is split into, e.g. a fused QKV) and
         reference its base (copied only where it changes), on the calling thread / current stream."""
         owned: list[torch.Tensor] = []
@@ -528,7 +524,7 @@ def adapt(target: Target, modules: Mapping[str, nn.Module]) -> Target:
     else:
         return target
     rank = _rank(layer)  # the sum over the active adapters of their r
-    fields = {name: getattr(target, name) for name in target.__dataclass_fields__}
+    fields = target.fields()
     base = layer.get_base_layer()  # type: ignore[operator]
     if quantized_base(base) is not None:
         # The rules saw the packed storage: the matrix is (out_features, in_features), whole.

@@ -38,7 +38,7 @@ Example::
     >>> [(h.layer, h.head, h.role) for h in heads][:3], heads[0].layout.num_kv_heads
     ([(0, 0, 'heads'), (0, 1, 'heads'), (1, 0, 'heads')], 2)
     >>> batch = HeadCircuit.stack_batch(heads)
-    >>> sorted(batch.circuit_metrics()), batch.circuit_metrics()["qk_spectral_norm"].shape
+    >>> sorted(batch.exact_metrics()), batch.exact_metrics()["qk_spectral_norm"].shape
     (['ov_spectral_norm', 'ov_stable_rank', 'qk_spectral_norm', 'qk_stable_rank'], torch.Size([4]))
 """
 
@@ -48,17 +48,21 @@ import math
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
 
+from spectral_callbacks.functional.batch import MeasuredBatch
 from spectral_callbacks.functional.circuits import circuit_metrics
 from spectral_callbacks.messages import rank_zero_warn
-from spectral_callbacks.names import relative_depth
 from spectral_callbacks.targets.errors import PartialTargetWarning, TargetError
 from spectral_callbacks.targets.matching import matches
 from spectral_callbacks.targets.rules import HEADS, KV_HEADS
+from spectral_callbacks.targets.target import Target
+
+if TYPE_CHECKING:
+    from typing_extensions import Self
 
 __all__ = ["AttentionLayout", "CircuitBatch", "HeadCircuit", "find_circuits"]
 
@@ -105,40 +109,37 @@ class AttentionLayout:
 
 
 @dataclass(frozen=True)
-class HeadCircuit:
+class HeadCircuit(Target):
     """One query head's QK and OV circuits: a target the snapshot copies and the engine batches.
 
-    Attributes:
-        name: ``<attention module>[head <h>]``.
+    Attributes (beyond :class:`Target`'s):
+        name: ``<attention module>[head <h>]``; ``parameter_name`` the attention module's name.
         layer, num_layers, stack: where the layer sits, as its Q target says.
         role: ``heads`` (``heads_cross`` for cross-attention).
+        shape: ``(d, d)``: the circuit's shape (never formed).
+        parameter: the query's parameter (its device and dtype are the batch's).
         head: the query head's index ``h``.
         layout: the layer's ``AttentionLayout`` (shared by its heads).
     """
 
-    name: str
-    layer: int
-    num_layers: int
-    role: str
-    head: int
-    layout: AttentionLayout = field(repr=False, compare=False)
-    stack: str = ""
-    expert: int | None = None  # never an expert's slice: read by the reporting like any target
+    layout: AttentionLayout = field(default=None, repr=False, compare=False)  # type: ignore[assignment]
 
-    @property
-    def depth(self) -> float:
-        return relative_depth(self.layer, self.num_layers)
+    @classmethod
+    def of_head(
+        cls, name: str, layout: AttentionLayout, *, layer: int, num_layers: int, role: str,
+        head: int, stack: str = "",
+    ) -> HeadCircuit:  # fmt: skip
+        """The circuits of query head ``head`` of the layer ``layout`` describes."""
+        d = layout.output.shape[0]
+        query = layout.query[0].parameter
+        return cls(
+            name, layout.name, layer, num_layers, role, (d, d), query, stack=stack, head=head,
+            layout=layout,
+        )  # fmt: skip
 
-    @property
-    def parameter(self) -> Tensor:
-        """The query's parameter (its device and dtype are the batch's)."""
-        return self.layout.query[0].parameter
-
-    @property
-    def shape(self) -> tuple[int, int]:
-        """``(d, d)``: the circuit's shape (never formed)."""
-        d = self.layout.output.shape[0]
-        return (d, d)
+    def matrix(self) -> Tensor:
+        """Never formed: the circuits are computed from the Q/K/V/O factors (``stack_batch``)."""
+        raise TypeError(f"{self.name}: a head's circuits are never formed as one matrix")
 
     def batch_key(self) -> tuple[str, str]:
         """Layers of one layout (shapes, heads, dtype, device) are one batch."""
@@ -154,7 +155,7 @@ class HeadCircuit:
         total, heads = self.layout.copy_bytes(), self.layout.num_heads
         return total // heads + (total % heads if self.head == 0 else 0)
 
-    def working_bytes(self, batch: int) -> int:
+    def working_bytes(self, batch: int) -> int | None:
         """An upper bound of what computing ``batch`` heads allocates: the float64 factors of each
         head (query and K/V repeated per head, four of ``d x d_h``) and the projections formed
         from factors (``Q_up @ Q_down``), float64."""
@@ -165,8 +166,8 @@ class HeadCircuit:
         formed = 8 * 3 * widest * d * math.ceil(batch / layout.num_heads)
         return batch * per_head + formed
 
-    @staticmethod
-    def stack_batch(targets: Sequence[HeadCircuit]) -> CircuitBatch:
+    @classmethod
+    def stack_batch(cls, targets: Sequence[Self]) -> CircuitBatch:
         """Copies of the Q/K/V/O parts of the layers ``targets`` belong to (on the calling
         thread, like every snapshot copy), and which head of which layer each target is."""
         layers: dict[int, int] = {}  # id(layout) -> index in the batch
@@ -181,21 +182,18 @@ class HeadCircuit:
                 id(part): torch.stack([_copy(layout.parts()[i]) for layout in layouts])
                 for i, part in enumerate(first.parts())
             }  # (L, rows, columns) per part
-        index = [(layers[id(t.layout)], t.head) for t in targets]
+        index = [(layers[id(t.layout)], int(t.head or 0)) for t in targets]  # head: always set
         return CircuitBatch(first, tuple(copies.values()), tuple(index))
 
 
-def _copy(target: Any) -> Tensor:
-    """A fresh copy of one target's current matrix (``copy_into`` where it has one)."""
+def _copy(target: Target) -> Tensor:
+    """A fresh copy of one target's current matrix."""
     out = torch.empty(target.shape, dtype=target.parameter.dtype, device=target.parameter.device)
-    copy_into = getattr(target, "copy_into", None)
-    if copy_into is not None:
-        return copy_into(out)
-    return out.copy_(target.matrix())
+    return target.copy_into(out)
 
 
 @dataclass
-class CircuitBatch:
+class CircuitBatch(MeasuredBatch):
     """The copies a batch of heads needs, tensor-like where the engine needs it.
 
     Attributes:
@@ -235,7 +233,7 @@ class CircuitBatch:
         for copy in self.copies:
             copy.record_stream(stream)
 
-    def circuit_metrics(self) -> dict[str, Tensor]:
+    def exact_metrics(self) -> dict[str, Tensor]:
         """``functional.circuits.circuit_metrics`` of every layer, then each target's head:
         metric -> ``(B,)`` in the targets' order."""
         query, key, value, output = self.projections()
@@ -320,14 +318,14 @@ def find_circuits(
             continue
         first = roles["O"]
         found += [
-            HeadCircuit(
+            HeadCircuit.of_head(
                 f"{layout.name}[head {h}]" if not suffix else f"{layout.name}[cross head {h}]",
-                layer,
-                first.num_layers,
-                HEADS_ROLE + suffix,
-                h,
                 layout,
-                stack,
+                layer=layer,
+                num_layers=first.num_layers,
+                role=HEADS_ROLE + suffix,
+                head=h,
+                stack=stack,
             )
             for h in range(layout.num_heads)
         ]
@@ -395,7 +393,7 @@ def _layout(
     if missing:
         raise _Refused(f"no {'/'.join(missing)} target")
     for target in roles.values():
-        if getattr(target, "expert", None) is not None:
+        if target.expert is not None:
             raise _Refused("experts' attention is not read")
         if type(target.parameter).__name__ == "DTensor":
             raise _Refused("sharded (DTensor) weights are not gathered for circuits")

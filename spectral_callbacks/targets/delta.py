@@ -16,14 +16,17 @@ import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
 from spectral_callbacks.functional.delta import DeltaMatrices
 from spectral_callbacks.targets.errors import TargetError
 from spectral_callbacks.targets.matching import clean_name
-from spectral_callbacks.targets.target import Target
+from spectral_callbacks.targets.target import Target, dense_stack
+
+if TYPE_CHECKING:
+    from typing_extensions import Self
 
 __all__ = ["DeltaTarget", "load_state_dict", "with_references"]
 
@@ -35,8 +38,7 @@ class DeltaTarget(Target):
     """A dense watched matrix with the reference weight its update ``W_t - W_ref`` is taken from."""
 
     reference: torch.Tensor = field(default=None, repr=False, compare=False)  # type: ignore[assignment]
-    #: The update family (``spectral_update_*``) is logged for this target.
-    has_update: bool = True
+    has_update: ClassVar[bool] = True
 
     def release_reference(self) -> None:
         """Drop the reference weight (at the end of the run: it is a copy of the matrix, on its
@@ -46,20 +48,13 @@ class DeltaTarget(Target):
 
     def batch_key(self) -> tuple[str, str]:
         """(group key, device): matrices of one shape, dtype and device batch together."""
-        dtype = str(self.parameter.dtype).removeprefix("torch.")
-        m, n = self.shape
-        return f"{m}x{n}/{dtype}/{self.parameter.device}/delta", str(self.parameter.device)
+        key, device = super().batch_key()
+        return f"{key}/delta", device
 
-    @staticmethod
-    def stack_batch(targets: Sequence[DeltaTarget]) -> DeltaMatrices:
+    @classmethod
+    def stack_batch(cls, targets: Sequence[Self]) -> DeltaMatrices:
         """One fresh ``(B, m, n)`` copy of the current weights, with the kept references."""
-        first = targets[0]
-        stack = torch.empty(
-            (len(targets), *first.shape), dtype=first.parameter.dtype, device=first.parameter.device
-        )
-        for slot, target in zip(stack, targets, strict=True):
-            target.copy_into(slot)
-        return DeltaMatrices.of(stack, tuple(t.reference for t in targets))
+        return DeltaMatrices.of(dense_stack(targets), tuple(t.reference for t in targets))
 
 
 def load_state_dict(path: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
@@ -117,7 +112,7 @@ def _free_bytes(device: torch.device) -> int:
     return int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
 
 
-def with_references(targets: Sequence[Any], delta: Delta, caller: str) -> list[Any]:
+def with_references(targets: Sequence[Target], delta: Delta, caller: str) -> list[Target]:
     """``targets`` with each dense one a :class:`DeltaTarget` keeping its reference weight.
 
     Targets that carry an update of their own (adapted layers) are kept as they are.
@@ -138,7 +133,7 @@ def with_references(targets: Sequence[Any], delta: Delta, caller: str) -> list[A
             f"{caller}: `delta` must be None, 'first', a state_dict or the path of one, got "
             f"{type(delta).__name__}"
         )
-    dense = [t for t in targets if not getattr(t, "has_update", False)]
+    dense = [t for t in targets if not t.has_update]
     needed: dict[torch.device, int] = {}
     for t in dense:
         size = t.shape[0] * t.shape[1] * t.parameter.element_size()
@@ -153,7 +148,7 @@ def with_references(targets: Sequence[Any], delta: Delta, caller: str) -> list[A
             )
     missing, wrong, out = [], [], []
     for t in targets:
-        if getattr(t, "has_update", False):
+        if t.has_update:
             out.append(t)
             continue
         if state is None:
@@ -171,8 +166,7 @@ def with_references(targets: Sequence[Any], delta: Delta, caller: str) -> list[A
             reference = (
                 t.rows.take(stored.detach()).to(t.parameter.device, t.parameter.dtype).clone()
             )
-        fields = {name: getattr(t, name) for name in Target.__dataclass_fields__}
-        out.append(DeltaTarget(**fields, reference=reference))
+        out.append(DeltaTarget(**t.fields(), reference=reference))
     if missing or wrong:
         listed = ", ".join((missing + wrong)[:5])
         raise TargetError(

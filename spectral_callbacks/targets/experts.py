@@ -158,20 +158,7 @@ class ExpertTarget(Target):
             name, parameter_name, layer, num_layers, role, shape, parameter, rows, stack, expert
         )
 
-    def _slice(self) -> torch.Tensor:
+    def stored(self) -> torch.Tensor:
+        """The expert's slice ``parameter[expert]``, ``(out, in)`` or ``(in, out)``: a view."""
         assert self.expert is not None
-        return self.parameter.detach()[self.expert]  # (out, in) or (in, out): a view
-
-    def matrix(self) -> torch.Tensor:
-        """The expert's current ``(out_features, in_features)`` values: a view of the tensor."""
-        return self.rows.take(self._slice())
-
-    def copy_into(self, out: torch.Tensor) -> torch.Tensor:
-        """Copy the expert's current values into ``out`` (one slot of the experts' stack)."""
-        if tuple(out.shape) != self.shape:
-            raise ValueError(
-                f"`out` must have shape {self.shape} for {self.name}, got {tuple(out.shape)}"
-            )
-        with torch.no_grad():
-            out.copy_(self.matrix())
-        return out
+        return self.parameter.detach()[self.expert]

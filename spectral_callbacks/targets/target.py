@@ -22,13 +22,17 @@ Example::
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Any, ClassVar
 
 import torch
+from typing_extensions import Self
 
+from spectral_callbacks.functional.batch import Stack
 from spectral_callbacks.messages import count
 from spectral_callbacks.names import ROLE_ORDER as ROLE_ORDER  # re-exported: targets.ROLE_ORDER
 from spectral_callbacks.names import relative_depth, role_sort_key
@@ -87,6 +91,21 @@ class Rows:
 class Target:
     """One watched matrix: a (layer, role) of the model and where its values live.
 
+    Every way the snapshot and the engine use a target is declared here with the default of a
+    dense matrix; a kind of target (``targets/experts.py``, ``targets/adapted.py``,
+    ``targets/delta.py``) is a subclass that overrides what it does differently, and the monitor
+    calls each extension point unconditionally. The extension points:
+
+    * :meth:`matrix` / :meth:`stored`: the current values (an expert reads its slice);
+    * :meth:`copy_values_into`: write them into one slot of a stack (:meth:`copy_into` checks the
+      slot's shape first);
+    * :meth:`batch_key` and :meth:`stack_batch`: which targets are snapshotted as one batch, and
+      that batch (a ``(B, m, n)`` tensor, or a ``functional.batch.MatrixBatch``);
+    * :meth:`snapshot_bytes`: what one snapshot copies for this target (the memory budget), and
+      :meth:`working_bytes` what computing its metrics needs where the kind computes them itself;
+    * :attr:`has_update`: whether its batch carries an update (the ``spectral_update_*`` family);
+    * :attr:`description`: what ``format_targets`` prints beside the shape.
+
     Attributes:
         name: unique name, the parameter name plus ``[role]`` when the parameter is fused,
             e.g. ``transformer.h.0.attn.c_attn.weight[Q]``.
@@ -102,6 +121,8 @@ class Target:
             a model has several, else ``""``; ``layer`` and ``num_layers`` are within it.
         expert: the expert's index where the matrix is one expert's slice of a mixture of
             experts (``targets/experts.py``), else ``None``.
+        head: the query head whose circuits the target is (``targets/circuits.py``), else
+            ``None``.
     """
 
     name: str
@@ -114,6 +135,11 @@ class Target:
     rows: Rows = field(default_factory=Rows, repr=False)
     stack: str = ""
     expert: int | None = None
+    head: int | None = None
+
+    #: Whether the batch of this kind carries an update whose spectrum is logged as the
+    #: ``spectral_update_*`` family (``MatrixBatch.update_spectrum``). A dense matrix has none.
+    has_update: ClassVar[bool] = False
 
     @classmethod
     def from_parameter(
@@ -144,23 +170,29 @@ class Target:
         """Relative depth ``layer / (num_layers - 1)``, 0 for a one-layer model."""
         return relative_depth(self.layer, self.num_layers)
 
+    @property
+    def description(self) -> str:
+        """What ``format_targets`` prints beside the shape (``lora r=8 (default)``); ``""`` for a
+        plain matrix."""
+        return ""
+
+    def stored(self) -> torch.Tensor:
+        """The stored 2-D weight ``rows`` are taken from, detached: the parameter itself (an
+        expert's target: its slice of the 3-D experts tensor)."""
+        return self.parameter.detach()
+
     def matrix(self) -> torch.Tensor:
         """The current ``(out_features, in_features)`` values, detached from autograd.
 
         A view of the parameter when its rows are contiguous (plain, transposed or contiguously
         fused weights); a copy of only this matrix's rows when they are interleaved per head.
         """
-        return self.rows.take(self.parameter.detach())
-
-    def snapshot_bytes(self) -> int:
-        """The bytes a snapshot copies for this target: its ``shape`` in the parameter's dtype."""
-        return self.shape[0] * self.shape[1] * self.parameter.element_size()
+        return self.rows.take(self.stored())
 
     def copy_into(self, out: torch.Tensor) -> torch.Tensor:
         """Copy the current values into ``out`` (a ``shape`` tensor, e.g. one slot of a stack).
 
-        One copy even where ``matrix()`` would need two (per-head interleaved rows copied into a
-        fresh tensor, then into the stack). Returns ``out``.
+        Checks the shape, then :meth:`copy_values_into` copies. Returns ``out``.
 
         Raises:
             ValueError: ``out`` does not have this target's ``shape``.
@@ -170,9 +202,66 @@ class Target:
                 f"`out` must have shape {self.shape} for {self.name}, got {tuple(out.shape)}"
             )
         with torch.no_grad():
-            source = self.rows.grouped(self.parameter.detach())  # (groups, rows, in), a view
-            out.view(source.shape).copy_(source)
+            self.copy_values_into(out)
         return out
+
+    def copy_values_into(self, out: torch.Tensor) -> None:
+        """Write the current values into ``out``, whose shape :meth:`copy_into` has checked.
+
+        One copy even where ``matrix()`` would need two (per-head interleaved rows copied into a
+        fresh tensor, then into the stack).
+        """
+        source = self.rows.grouped(self.stored())  # (groups, rows, in), a view
+        out.view(source.shape).copy_(source)
+
+    def batch_key(self) -> tuple[str, str]:
+        """``(group key, device)``: targets with one key are snapshotted and decomposed as one
+        batch. A dense matrix: its shape, the parameter's dtype and its device
+        (``768x768/float32/cpu``); a kind with its own batch adds a suffix (``/adapted``)."""
+        dtype = str(self.parameter.dtype).removeprefix("torch.")
+        m, n = self.shape
+        return f"{m}x{n}/{dtype}/{self.parameter.device}", str(self.parameter.device)
+
+    @classmethod
+    def stack_batch(cls, targets: Sequence[Self]) -> Stack:
+        """The snapshot of ``targets`` (this one's group, sharing its :meth:`batch_key`), copied
+        on the calling thread and the current stream: later updates cannot reach it.
+
+        A dense matrix: :func:`dense_stack`.
+        """
+        return dense_stack(targets)
+
+    def snapshot_bytes(self) -> int:
+        """The bytes a snapshot copies for this target: its ``shape`` in the parameter's dtype."""
+        return self.shape[0] * self.shape[1] * self.parameter.element_size()
+
+    def working_bytes(self, batch: int) -> int | None:
+        """An upper bound of what computing the metrics of ``batch`` targets of this kind
+        allocates, where the kind computes them itself (attention heads); ``None``: what the
+        compute function's SVD needs (``SpectrumCompute.working_bytes``)."""
+        return None
+
+    def fields(self) -> dict[str, Any]:
+        """The values of :class:`Target`'s own fields: what a kind of target built from this one
+        (``targets/adapted.py``, ``targets/delta.py``) takes over before adding its own."""
+        return {spec.name: getattr(self, spec.name) for spec in dataclasses.fields(Target)}
+
+
+def dense_stack(targets: Sequence[Target]) -> torch.Tensor:
+    """One fresh ``(B, m, n)`` tensor holding the current values of ``targets`` (one shape, dtype
+    and device), one :meth:`Target.copy_into` per slot.
+
+    Shape, dtype and device come from the first target, not from a ``matrix()`` (for an
+    interleaved per-head split that is a whole copy). Allocated on the device's current stream,
+    the training stream: its memory returns to training's pool when the engine frees it (after
+    ``record_stream`` on the compute stream).
+    """
+    first = targets[0]
+    shape = (len(targets), *first.shape)
+    stack = torch.empty(shape, dtype=first.parameter.dtype, device=first.parameter.device)
+    for slot, target in zip(stack, targets, strict=True):
+        target.copy_into(slot)
+    return stack
 
 
 @dataclass(frozen=True)
@@ -246,7 +335,7 @@ def format_targets(targets: Iterable[Target]) -> str:
           wte.weight  (10, 2)  embedding
         and 3 parameters with fewer than 2 dims (biases, norms), never watched
     """
-    targets = list(targets) if not isinstance(targets, TargetList) else targets
+    targets = targets if isinstance(targets, TargetList) else TargetList(targets)
     lines: list[str] = []
     if targets:
         rows: list[tuple[str, ...]] = [("layer", "role", "parameter", "shape")]
@@ -257,7 +346,7 @@ def format_targets(targets: Iterable[Target]) -> str:
                 (t.stack, *row) for t, row in zip(targets, rows[1:], strict=True)
             ]
         # An adapted layer says what adapts it (``lora r=8 (default)``): targets/adapted.py.
-        described = [getattr(t, "description", "") for t in targets]
+        described = [t.description for t in targets]
         if any(described):
             rows = [(*rows[0], "adapter")] + [
                 (*row, text) for row, text in zip(rows[1:], described, strict=True)
@@ -285,7 +374,7 @@ def format_targets(targets: Iterable[Target]) -> str:
             )
     else:
         lines.append("no targets")
-    skipped = getattr(targets, "skipped", [])
+    skipped = targets.skipped
     if skipped:
         lines.append("not watched:")
         lines += [
@@ -294,7 +383,7 @@ def format_targets(targets: Iterable[Target]) -> str:
                 [(s.parameter_name, _shape_text(s.shape), s.reason) for s in skipped]
             )
         ]
-    low_dim = getattr(targets, "low_dim", 0)
+    low_dim = targets.low_dim
     if low_dim:
         lines.append(
             f"and {count(low_dim, 'parameter')} with fewer than 2 dims (biases, norms), never watched"
