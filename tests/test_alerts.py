@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 import sys
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -96,19 +97,20 @@ def test_comparisons_look_back_one_window_and_only_from_after_step() -> None:
 @pytest.mark.parametrize(
     ("rules", "match"),
     [
-        (AlertRules(rank_drop=1.5), r"`rank_drop` must be a fraction in \(0, 1\).*got 1.5"),
-        (AlertRules(sigma_growth=0.5), r"`sigma_growth` must be a factor > 1.*got 0.5"),
+        (lambda: AlertRules(rank_drop=1.5), r"`rank_drop` must be a fraction in \(0, 1\).*got 1.5"),
+        (lambda: AlertRules(sigma_growth=0.5), r"`sigma_growth` must be a factor > 1.*got 0.5"),
         (
-            AlertRules(esd_alpha_low=2.0, esd_alpha_high=1.0),
+            lambda: AlertRules(esd_alpha_low=2.0, esd_alpha_high=1.0),
             r"`esd_alpha_high` must be None or a number above 2.0, e.g. 6.0, got 1.0",
         ),
-        (AlertRules(window=0), r"`window` must be a positive int of steps, got 0"),
-        ("loud", r"`alerts` must be None or an AlertRules, got 'loud'"),
+        (lambda: AlertRules(window=0), r"`window` must be a positive int of steps, got 0"),
+        (lambda: "loud", r"`alerts` must be None or an AlertRules, got 'loud'"),
     ],
 )
-def test_bad_rules_are_refused_where_they_enter(rules: object, match: str) -> None:
+def test_bad_rules_are_refused_where_they_enter(rules: Callable[[], object], match: str) -> None:
+    # AlertRules checks itself: a bad threshold fails where the rules are built.
     with pytest.raises(ConfigurationError, match=match):
-        MonitorOptions(alerts=rules)
+        MonitorOptions(alerts=rules())
 
 
 def test_on_alert_must_be_callable() -> None:

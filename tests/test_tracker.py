@@ -402,10 +402,10 @@ def test_both_engines_implement_the_protocol_and_the_factory_picks_by_world_size
     from spectral_callbacks.targets import find_targets
 
     targets = find_targets(TinyGPT())
-    options = dict(
+    options = MonitorOptions(
         max_pending=2, synchronous=False, worker_threads=1, worker_nice=None, drain_timeout=5.0
     )
-    single = make_engine(exact_compute, targets, ("stable_rank",), **options)
+    single = make_engine(exact_compute, targets, ("stable_rank",), options)
     assert type(single) is SnapshotEngine and isinstance(single, Engine)
     dist.init_process_group(
         "gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1

@@ -59,7 +59,7 @@ whichever method ran.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Literal, NamedTuple, get_args
 
 import torch
 from torch import Tensor
@@ -142,7 +142,9 @@ def default_n_iter(m: int, n: int) -> int:
     return DEFAULT_N_ITER if small <= _LARGE_SIDE else DEFAULT_N_ITER_LARGE
 
 
-METHODS = ("auto", "randomized", "subspace", "gram", "svdvals")
+#: The ``method`` of :func:`randomized_svd`.
+Method = Literal["auto", "randomized", "subspace", "gram", "svdvals"]
+METHODS: tuple[Method, ...] = get_args(Method)
 #: The paths a calibration times against each other (``svdvals`` is never among them: the Gram
 #: path was faster than it at every shape of benchmarks/method_calibration.py).
 CALIBRATED = ("randomized", "gram")

@@ -34,7 +34,7 @@ import torch
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-from spectral_callbacks.monitor.options import DEFAULT_METRICS, MonitorOptions
+from spectral_callbacks.monitor.options import DEFAULT_METRICS, MonitorOptions, with_options
 from spectral_callbacks.monitor.tracker import SpectralTracker
 
 #: The file beside each Trainer checkpoint that holds the tracker's state.
@@ -69,6 +69,7 @@ class SpectralTrainerCallback(TrainerCallback):
         ...                   callbacks=[callback])  # doctest: +SKIP
     """
 
+    @with_options
     def __init__(
         self,
         metrics: Sequence[str] = DEFAULT_METRICS,

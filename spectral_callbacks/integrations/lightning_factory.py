@@ -39,7 +39,12 @@ from typing import TYPE_CHECKING, Any
 
 from typing_extensions import override
 
-from spectral_callbacks.monitor.options import DEFAULT_METRICS, ConfigurationError, MonitorOptions
+from spectral_callbacks.monitor.options import (
+    DEFAULT_METRICS,
+    ConfigurationError,
+    MonitorOptions,
+    with_options,
+)
 from spectral_callbacks.monitor.partitioned import partitioned_error
 from spectral_callbacks.monitor.tracker import SpectralTracker
 
@@ -114,6 +119,7 @@ def monitor_class(package: str) -> type:
             >>> trainer = Trainer(callbacks=[monitor], logger=TensorBoardLogger("runs"))  # doctest: +SKIP
         """
 
+        @with_options
         def __init__(self, metrics: Sequence[str] = DEFAULT_METRICS, **options: Any) -> None:
             with raised_as_misconfiguration():
                 self.options = MonitorOptions.from_kwargs(

@@ -45,6 +45,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from spectral_callbacks.monitor.checks import is_int, is_real, require
 from spectral_callbacks.names import TaggedMatrix, alert_tag, stack_of
 
 #: Every kind of alert, in the order counts are logged.
@@ -62,7 +63,7 @@ ALERT_KINDS: tuple[str, ...] = (
 class AlertRules:
     """The thresholds of the alerts (defaults measured in benchmarks/alert_thresholds.py).
 
-    Checked where they enter, as ``MonitorOptions(alerts=...)``.
+    Each threshold is checked when the rules are built.
 
     Args:
         rank_drop: ``rank_collapse`` when the stable rank falls by more than this fraction of its
@@ -83,6 +84,9 @@ class AlertRules:
             this factor times its lowest value within the window. Default ``3.0`` (the healthy
             runs of benchmarks/logit_bound_validation.py grew at most 2.06x within 50 steps from
             step 100, the 30x lr spike 19x: docs/callback.md, Attention heads).
+
+    Raises:
+        ConfigurationError: a threshold out of range, named in the message.
     """
 
     rank_drop: float = 0.7
@@ -92,6 +96,28 @@ class AlertRules:
     window: int = 50
     after_step: int = 100
     logit_growth: float = 3.0
+
+    def __post_init__(self) -> None:
+        drop, growth = self.rank_drop, self.sigma_growth
+        require("rank_drop", drop, is_real(drop) and 0 < drop < 1, "a fraction in (0, 1), e.g. 0.5")
+        require("sigma_growth", growth, is_real(growth) and growth > 1, "a factor > 1, e.g. 2.0")
+        low, high = self.esd_alpha_low, self.esd_alpha_high
+        require("esd_alpha_low", low, low is None or is_real(low), "None or a number, e.g. 2.0")
+        above = "" if low is None else f" above {low!r}"
+        require(
+            "esd_alpha_high",
+            high,
+            high is None or is_real(high) and (low is None or high > low),
+            f"None or a number{above}, e.g. 6.0",
+        )
+        require(
+            "logit_growth",
+            self.logit_growth,
+            is_real(self.logit_growth) and self.logit_growth > 1,
+            "a factor > 1, e.g. 1.5",
+        )
+        require("window", self.window, is_int(self.window, 1), "a positive int of steps")
+        require("after_step", self.after_step, is_int(self.after_step, 0), "a step >= 0")
 
 
 #: What an alert's ``value`` and ``threshold`` are, by kind (the tables and the tab name it).

@@ -13,26 +13,58 @@ Example::
     >>> MonitorOptions(n_iter=-1)
     Traceback (most recent call last):
     ...
-    spectral_callbacks.monitor.options.ConfigurationError: `n_iter` must be None or a non-negative int, got -1
+    spectral_callbacks.monitor.checks.ConfigurationError: `n_iter` must be None or a non-negative int, got -1
+    >>> MonitorOptions.from_kwargs("SpectralMonitor", every_n_step=50)  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    TypeError: SpectralMonitor got unknown argument(s) 'every_n_step' (did you mean 'every_n_steps'?); ...
+
+Every frontend's ``__init__`` carries :func:`with_options`: its signature then lists each field of
+:class:`MonitorOptions` as a keyword-only parameter with its default (``help()``,
+``inspect.signature`` and the docs show them), so a new option is one new field here.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import math
-import numbers
 import os
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal, TypeVar
 
 from spectral_callbacks.functional.circuits import CIRCUIT_METRICS
 from spectral_callbacks.functional.esd import ESD_METRICS
 from spectral_callbacks.functional.metrics import MIN_FIT_POINTS, UPDATE_METRICS
-from spectral_callbacks.functional.svd import METHODS
+from spectral_callbacks.functional.svd import METHODS, Method
 from spectral_callbacks.monitor.alerts import AlertRules
+from spectral_callbacks.monitor.checks import (
+    ConfigurationError,
+    did_you_mean,
+    is_int,
+    is_names,
+    is_real,
+    require,
+)
 from spectral_callbacks.monitor.lr_balance import BALANCE_UNITS, LRBalance
+
+__all__ = [
+    "DEFAULT_FIGURE_ROLES",
+    "DEFAULT_METRICS",
+    "KNOWN_METRICS",
+    "ConfigurationError",
+    "MonitorOptions",
+    "check_schedule",
+    "is_int",
+    "is_names",
+    "is_real",
+    "check_lr_balance",
+    "option_names",
+    "require",
+    "with_options",
+]
 
 #: Metrics the SVD path produces, ``compression`` derived from ``stable_rank``, the update family
 #: of adapted layers (logged for them by default: see ``tracker.py``), the ESD family of the
@@ -72,47 +104,6 @@ _MAX_NICE = 19
 # at every step, which should be said at construction, not discovered in the charts.
 # (The ESD family fits the full spectrum, whatever k.)
 _FIT_RANKS = {"alpha": MIN_FIT_POINTS, "alpha_r2": MIN_FIT_POINTS}
-
-
-class ConfigurationError(ValueError):
-    """A bad argument or a setup that cannot work; the message says which and what to do.
-
-    The Lightning frontends raise it as a subclass that is also their package's
-    ``MisconfigurationException`` (what Lightning users catch); the core does not import Lightning.
-    """
-
-
-def require(name: str, value: Any, ok: bool, allowed: str) -> None:
-    """Raise :class:`ConfigurationError` "`name` must be <allowed>, got <value!r>" unless ``ok``.
-
-    The one helper every argument check goes through, so every message has the same shape.
-
-    >>> require("k", 0, False, "a positive int")
-    Traceback (most recent call last):
-    ...
-    spectral_callbacks.monitor.options.ConfigurationError: `k` must be a positive int, got 0
-    """
-    if not ok:
-        raise ConfigurationError(f"`{name}` must be {allowed}, got {value!r}")
-
-
-def is_int(value: Any, minimum: int) -> bool:
-    """An int (not a bool) of at least ``minimum``."""
-    return isinstance(value, int) and not isinstance(value, bool) and value >= minimum
-
-
-def is_real(value: Any) -> bool:
-    """A real number (not a bool)."""
-    return isinstance(value, numbers.Real) and not isinstance(value, bool)
-
-
-def is_names(value: Any) -> bool:
-    """A list or tuple of strings (a bare string is a common slip: ``roles="Q"``)."""
-    return (
-        isinstance(value, Sequence)
-        and not isinstance(value, str)
-        and all(isinstance(item, str) for item in value)
-    )
 
 
 def is_patterns(value: Any) -> bool:
@@ -233,11 +224,11 @@ class MonitorOptions:
     k: int = 32
     n_oversamples: int | None = None
     n_iter: int | None = None
-    svd_method: str = "auto"
+    svd_method: Method = "auto"
     fit_window: tuple[int, int] | None = None
     esd_every_n_snapshots: int = 10
     max_pending: int = 2
-    max_snapshot_bytes: int | str | None = "auto"
+    max_snapshot_bytes: int | Literal["auto"] | None = "auto"
     figure_every_n_steps: int | None = 1000
     figures: bool = True
     figure_roles: Sequence[str] | None = DEFAULT_FIGURE_ROLES
@@ -246,7 +237,7 @@ class MonitorOptions:
     worker_threads: int | None = 1
     worker_nice: int | None = None
     history_size: int = 256
-    experts: str = "aggregate"
+    experts: Literal["aggregate", "each"] = "aggregate"
     alerts: AlertRules | None = AlertRules()
     on_alert: Any = None
     compute: Any = None
@@ -348,7 +339,12 @@ class MonitorOptions:
             nice is None or is_int(nice, 0) and nice <= _MAX_NICE,
             f"None or a nice increment from 0 to {_MAX_NICE}",
         )
-        check_alert_rules(self.alerts)
+        require(
+            "alerts",
+            self.alerts,
+            self.alerts is None or isinstance(self.alerts, AlertRules),
+            "None or an AlertRules",
+        )
         require(
             "on_alert",
             self.on_alert,
@@ -440,11 +436,12 @@ class MonitorOptions:
             TypeError: an argument that is not an option (with the list of options).
             ConfigurationError: an option out of range.
         """
-        unknown = sorted(set(kwargs) - set(option_names()))
+        known = option_names()
+        unknown = sorted(set(kwargs) - set(known))
         if unknown:
+            named = ", ".join(f"{name!r}{did_you_mean(name, known)}" for name in unknown)
             raise TypeError(
-                f"{caller} got unknown argument(s) {', '.join(map(repr, unknown))}; its options are "
-                f"{', '.join(option_names())}"
+                f"{caller} got unknown argument(s) {named}; its options are {', '.join(known)}"
             )
         return cls(**kwargs)
 
@@ -481,35 +478,6 @@ def check_schedule(every_n_steps: Any, log_spaced_until: Any, max_overhead: Any)
     )
 
 
-def check_alert_rules(rules: Any) -> None:
-    """The checks of ``alerts`` (an ``AlertRules`` or ``None``) and of each of its thresholds."""
-    require(
-        "alerts", rules, rules is None or isinstance(rules, AlertRules), "None or an AlertRules"
-    )
-    if rules is None:
-        return
-    drop, growth = rules.rank_drop, rules.sigma_growth
-    require("rank_drop", drop, is_real(drop) and 0 < drop < 1, "a fraction in (0, 1), e.g. 0.5")
-    require("sigma_growth", growth, is_real(growth) and growth > 1, "a factor > 1, e.g. 2.0")
-    low, high = rules.esd_alpha_low, rules.esd_alpha_high
-    require("esd_alpha_low", low, low is None or is_real(low), "None or a number, e.g. 2.0")
-    above = "" if low is None else f" above {low!r}"
-    require(
-        "esd_alpha_high",
-        high,
-        high is None or is_real(high) and (low is None or high > low),
-        f"None or a number{above}, e.g. 6.0",
-    )
-    require(
-        "logit_growth",
-        rules.logit_growth,
-        is_real(rules.logit_growth) and rules.logit_growth > 1,
-        "a factor > 1, e.g. 1.5",
-    )
-    require("window", rules.window, is_int(rules.window, 1), "a positive int of steps")
-    require("after_step", rules.after_step, is_int(rules.after_step, 0), "a step >= 0")
-
-
 def check_lr_balance(balance: Any) -> None:
     """The checks of ``lr_balance`` (an ``LRBalance`` or ``None``) and of each of its fields."""
     require(
@@ -537,5 +505,43 @@ def check_lr_balance(balance: Any) -> None:
 
 
 def option_names() -> tuple[str, ...]:
-    """Every option's name, in order (frontends use it to build their signatures and docs)."""
+    """Every option's name, in the order of :class:`MonitorOptions`' fields (what
+    :meth:`MonitorOptions.from_kwargs` accepts and :func:`with_options` adds to a signature)."""
     return tuple(field.name for field in dataclasses.fields(MonitorOptions))
+
+
+_Init = TypeVar("_Init", bound=Callable[..., None])
+
+
+def with_options(init: _Init) -> _Init:
+    """Give a frontend's ``__init__(self, ..., **options)`` a signature that lists every option.
+
+    The ``**options`` parameter is replaced, in the signature ``inspect.signature`` and ``help()``
+    read, by one keyword-only parameter per field of :class:`MonitorOptions` (with its default and
+    type) that ``init`` does not already name; the function itself still takes them as keywords,
+    checked by :meth:`MonitorOptions.from_kwargs`. A new field is thereby a new parameter of every
+    frontend.
+
+    >>> @with_options
+    ... def make(metrics=("stable_rank",), **options): ...
+    >>> parameters = inspect.signature(make).parameters
+    >>> parameters["every_n_steps"]
+    <Parameter "every_n_steps: 'int' = 25">
+    >>> list(parameters) == list(option_names())
+    True
+    """
+    signature = inspect.signature(init)
+    own = [p for p in signature.parameters.values() if p.kind is not p.VAR_KEYWORD]
+    named = {p.name for p in own}
+    options = [
+        inspect.Parameter(
+            field.name,
+            inspect.Parameter.KEYWORD_ONLY,
+            default=field.default,
+            annotation=field.type,
+        )
+        for field in dataclasses.fields(MonitorOptions)
+        if field.name not in named
+    ]
+    init.__signature__ = signature.replace(parameters=[*own, *options])  # type: ignore[attr-defined]
+    return init

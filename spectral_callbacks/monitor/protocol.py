@@ -38,9 +38,10 @@ from typing import Any, Protocol, runtime_checkable
 
 from torch.distributed.tensor import DTensor
 
+from spectral_callbacks.monitor.budget import resolve_budget
 from spectral_callbacks.monitor.compute import SpectrumCompute
 from spectral_callbacks.monitor.engine import Compute, SnapshotResult
-from spectral_callbacks.monitor.options import ConfigurationError
+from spectral_callbacks.monitor.options import ConfigurationError, MonitorOptions
 from spectral_callbacks.targets.target import Target
 
 
@@ -118,15 +119,10 @@ def make_engine(
     compute: Compute,
     targets: Sequence[Target],
     metrics: Sequence[str],
+    options: MonitorOptions,
     *,
-    max_pending: int,
-    synchronous: bool,
-    worker_threads: int | None,
-    worker_nice: int | None,
-    drain_timeout: float,
+    inline: bool | None = None,
     skipped: int = 0,
-    max_snapshot_bytes: int | None = None,
-    max_delay_steps: int = 25,
 ) -> Engine:
     """The engine for this process: a ``ShardedEngine`` if a watched parameter is a DTensor, else a
     :class:`SnapshotEngine`, or under DDP a ``DistributedEngine``.
@@ -138,12 +134,14 @@ def make_engine(
         compute: the compute function each shape group goes through.
         targets: every watched matrix, in the same order on every rank.
         metrics: the logged metric names (under DDP they fix the layout the results travel in).
-        max_pending, synchronous, worker_threads, worker_nice: see ``MonitorOptions``.
-        drain_timeout: seconds of the bounded waits; under DDP it sizes the results group timeout.
+        options: what the engine reads of them: ``max_pending``, ``worker_threads``,
+            ``worker_nice``; ``drain_timeout`` (under DDP it sizes the results group timeout);
+            ``max_snapshot_bytes`` (resolved here: under several processes each rank's share must
+            fit at once; sharded DTensor weights are not counted) and ``every_n_steps`` (the delay
+            bound of a staggered snapshot).
+        inline: where the snapshots' CPU work runs, as ``placement.machine_placement`` chose
+            (``None``: ``options.synchronous``, ``None`` there being the worker).
         skipped: skips counted before a resume.
-        max_snapshot_bytes, max_delay_steps: the snapshot budget in bytes (``None``: none) and the
-            delay bound of a staggered snapshot (``SnapshotEngine``). Under several processes each
-            rank's share must fit at once; sharded (DTensor) weights are not counted.
 
     Raises:
         ConfigurationError: sharded weights with a custom ``compute`` (the sharded SVD runs the
@@ -153,20 +151,23 @@ def make_engine(
     from spectral_callbacks.monitor.engine import SnapshotEngine
     from spectral_callbacks.monitor.snapshot import group_by_shape
 
-    options: dict[str, Any] = {
-        "max_pending": max_pending,
-        "synchronous": synchronous,
-        "worker_threads": worker_threads,
-        "worker_nice": worker_nice,
+    engine_options: dict[str, Any] = {
+        "max_pending": options.max_pending,
+        "synchronous": bool(options.synchronous) if inline is None else inline,
+        "worker_threads": options.worker_threads,
+        "worker_nice": options.worker_nice,
         "skipped": skipped,
     }
     if any(isinstance(target.parameter, DTensor) for target in targets):
-        return _sharded_engine(compute, targets, options, drain_timeout)
-    options["max_snapshot_bytes"] = max_snapshot_bytes
+        return _sharded_engine(compute, targets, engine_options, options.drain_timeout)
+    engine_options["max_snapshot_bytes"] = resolve_budget(options.max_snapshot_bytes, targets)
     rank, world_size = distributed.world()
     if world_size == 1:
         return SnapshotEngine(
-            compute, group_by_shape(targets), max_delay_steps=max_delay_steps, **options
+            compute,
+            group_by_shape(targets),
+            max_delay_steps=options.every_n_steps,
+            **engine_options,
         )
     return distributed.DistributedEngine(
         compute,
@@ -174,8 +175,8 @@ def make_engine(
         distributed.result_columns(metrics),
         rank=rank,
         world_size=world_size,
-        group=distributed.results_group(2 * drain_timeout + 60),
-        **options,
+        group=distributed.results_group(2 * options.drain_timeout + 60),
+        **engine_options,
     )
 
 

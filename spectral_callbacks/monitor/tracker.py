@@ -50,6 +50,7 @@ from spectral_callbacks.monitor.options import (
     MonitorOptions,
     is_int,
     require,
+    with_options,
 )
 from spectral_callbacks.monitor.partitioned import refuse_partitioned
 from spectral_callbacks.monitor.placement import Placement, machine_placement
@@ -141,6 +142,7 @@ class SpectralTracker:
         ['linear1.weight']
     """
 
+    @with_options
     def __init__(
         self,
         model: torch.nn.Module,
@@ -344,14 +346,9 @@ class SpectralTracker:
             self.compute,
             self.targets,
             self.metrics,
-            max_pending=options.max_pending,
-            synchronous=self.placement.inline,
-            worker_threads=options.worker_threads,
-            worker_nice=options.worker_nice,
-            drain_timeout=options.drain_timeout,
+            options,
+            inline=self.placement.inline,
             skipped=self._restored_skipped,
-            max_snapshot_bytes=self.max_snapshot_bytes,
-            max_delay_steps=options.every_n_steps,
         )
         once = {
             **self._reporter.num_layers_scalars(),
