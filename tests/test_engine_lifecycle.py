@@ -117,6 +117,38 @@ def test_the_worker_thread_count_does_not_change_other_threads() -> None:
     assert done.stdout.split() == ["1", "2", "2"]
 
 
+def test_the_sharded_worker_limits_only_its_own_threads_and_is_waited_for_at_exit(
+    tmp_path: Path,
+) -> None:
+    # The sharded engine's worker once called torch.set_num_threads itself (a fresh thread then
+    # started with 1) and was a plain thread that exit did not wait for.
+    done = _python(
+        f"""
+        import threading, torch, torch.distributed as dist
+        from spectral_callbacks.monitor import background
+        from spectral_callbacks.monitor.sharded import (
+            SHARDED_WORKER_THREAD_NAME, ShardedEngine, svd_group)
+        from spectral_callbacks.targets import Target
+        torch.set_num_threads(2)
+        dist.init_process_group(
+            "gloo", init_method="file://{tmp_path / "store"}", rank=0, world_size=1)
+        targets = [Target.from_parameter("w", torch.eye(4), role="O")]
+        engine = ShardedEngine(targets, group=svd_group(timeout_seconds=30), k=2, worker_threads=1)
+        engine.offer(3)
+        waited = [thread.name for thread in background.waited_for()]
+        assert len(engine.collect(wait_seconds=30)) == 1
+        fresh = []
+        thread = threading.Thread(target=lambda: fresh.append(torch.get_num_threads()))
+        thread.start(); thread.join()
+        engine.close()
+        dist.destroy_process_group()
+        print(SHARDED_WORKER_THREAD_NAME in waited, fresh[0], torch.get_num_threads())
+        """
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["True", "2", "2"]
+
+
 def test_a_failed_snapshot_does_not_keep_its_batch_alive() -> None:
     seen: list[weakref.ref] = []
 

@@ -54,8 +54,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import os
-import queue
 import threading
 import time
 import traceback
@@ -67,7 +65,6 @@ from typing import Any
 import torch
 
 from spectral_callbacks.functional.batch import Stack
-from spectral_callbacks.messages import rank_zero_warn
 from spectral_callbacks.monitor import background
 from spectral_callbacks.monitor.budget import Ledger, plan_snapshot
 from spectral_callbacks.monitor.snapshot import ShapeGroup, Snapshot, take_snapshot
@@ -161,7 +158,7 @@ class SnapshotEngine:
         synchronous: compute inline in :meth:`submit` and wait for it (``placement.py`` says
             when). Default ``False``.
         worker_threads: intra-op threads of the worker thread (``torch.set_num_threads``, undone
-            for every other thread: see :func:`_limit_this_thread`), so a CPU SVD does not claim
+            for every other thread: see :func:`background.limit_this_thread`), so a CPU SVD does not claim
             every core training uses. ``None`` leaves torch's default. Default ``1``.
         worker_nice: raise the worker thread's nice value by this much (Linux: per thread), so on
             busy cores the scheduler runs training first and the SVD in what is left. ``None``
@@ -218,8 +215,14 @@ class SnapshotEngine:
         self._last_accepted: int | None = None
         self.pinned_allocated = 0  # pinned result buffers ever allocated (bounded by max_pending)
         self._jobs: collections.deque[_Job] = collections.deque()
-        self._queue: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
-        self._worker: threading.Thread | None = None
+        self._worker = background.Worker(
+            self._work,
+            WORKER_THREAD_NAME,
+            threads=worker_threads,
+            nice=self.worker_nice,
+            stop=self._stop_at_exit,
+            left_running="it is left running as a daemon thread and its snapshot is dropped",
+        )
         self._closing = threading.Event()
         self._streams = ComputeStreams()
         # device -> pinned result buffers free for reuse; at most max_pending exist per device.
@@ -386,8 +389,9 @@ class SnapshotEngine:
                 for done in work.done:
                     done.synchronize()  # the baseline blocks by design
             return
-        self._ensure_worker()
-        self._queue.put(job)
+        if not self._worker.alive:
+            self._closing.clear()
+        self._worker.submit(job)
 
     def collect(self, wait_seconds: float = 0.0) -> list[SnapshotResult]:
         """The results that are complete, in step order; waits up to ``wait_seconds`` for all.
@@ -424,16 +428,7 @@ class SnapshotEngine:
         thread; at exit it is waited for and what it abandons is reported, see ``background.py``).
         """
         self._closing.set()
-        worker, self._worker = self._worker, None
-        if worker is not None:
-            self._queue.put(None)
-            worker.join(timeout)
-            if worker.is_alive() and timeout > 0:  # 0: the caller chose not to wait
-                rank_zero_warn(
-                    f"SpectralMonitor's worker thread did not stop within {timeout} s; it is left "
-                    "running as a daemon thread and its snapshot is dropped",
-                    category=RuntimeWarning,
-                )
+        self._worker.close(timeout)
         for job in self._jobs:
             self._release(job)
         self._jobs.clear()
@@ -441,56 +436,29 @@ class SnapshotEngine:
 
     # --- worker side ------------------------------------------------------------------------
 
-    def _ensure_worker(self) -> None:
-        if self._worker is None:
-            self._closing.clear()
-            self._worker = background.start_daemon(
-                self._loop, WORKER_THREAD_NAME, stop=self._stop_at_exit
-            )
-
     def _stop_at_exit(self) -> str | None:
         """At interpreter exit: abandon the queued snapshots and the current one (next group)."""
         self._closing.set()
-        self._queue.put(None)
+        self._worker.wake()
         in_flight = sum(not job.future.done() for job in list(self._jobs))
         return f"{in_flight} snapshot(s) still in flight" if in_flight else None
 
-    def _loop(self) -> None:
-        try:
-            self._configure_thread()
-            failure = None
-        except Exception as error:  # noqa: BLE001 - every snapshot fails with it, on the main thread
-            failure = SpectralComputeError(
-                f"SpectralMonitor's worker thread could not start ({type(error).__name__}: {error}); "
-                f"check `worker_threads` ({self.worker_threads!r}) and `worker_nice` "
-                f"({self.worker_nice!r})"
-            )
-        while True:
-            job = self._queue.get()
-            if job is None:
-                return
-            if self._closing.is_set():
-                job.future.cancel()
-                continue
-            if failure is not None:
-                if job.future.set_running_or_notify_cancel():
-                    job.future.set_exception(failure)
-                continue
-            self._run(job)
-
-    def _configure_thread(self) -> None:
-        if self.worker_threads is not None:
-            _limit_this_thread(self.worker_threads)
-        if self.worker_nice and hasattr(os, "setpriority"):
-            try:  # on Linux a thread is a task: this lowers the priority of this thread only
-                thread = threading.get_native_id()
-                os.setpriority(
-                    os.PRIO_PROCESS,
-                    thread,
-                    os.getpriority(os.PRIO_PROCESS, thread) + self.worker_nice,
+    def _work(self, job: _Job, failure: Exception | None) -> None:
+        """One job on the worker thread (``failure``: the thread's setup failed)."""
+        if self._closing.is_set():
+            job.future.cancel()
+            return
+        if failure is not None:
+            if job.future.set_running_or_notify_cancel():
+                job.future.set_exception(
+                    SpectralComputeError(
+                        f"SpectralMonitor's worker thread could not start "
+                        f"({type(failure).__name__}: {failure}); check `worker_threads` "
+                        f"({self.worker_threads!r}) and `worker_nice` ({self.worker_nice!r})"
+                    )
                 )
-            except OSError:  # not permitted here: run at normal priority
-                pass
+            return
+        self._run(job)
 
     def _run(self, job: _Job) -> None:
         if not job.future.set_running_or_notify_cancel():
@@ -686,20 +654,3 @@ def _unpack(layout: _Packed, flat: list[float]) -> dict[str, dict[str, list[floa
         }
         for key, names, offset, batch in layout.columns
     }
-
-
-def _limit_this_thread(threads: int) -> None:
-    """``torch.set_num_threads(threads)`` for the calling thread only.
-
-    ``torch.set_num_threads`` sets the calling thread's OpenMP/MKL count *and* the process-wide
-    default that every thread which has not yet run a parallel op picks up (measured: a fresh thread
-    then reports 1 thread). So the count is fixed for this thread first (``get_num_threads``
-    initializes it), then the default is put back from a short-lived helper thread, which leaves
-    this thread's count alone.
-    """
-    default = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    torch.get_num_threads()  # this thread's count is now initialized and kept
-    helper = threading.Thread(target=torch.set_num_threads, args=(default,), daemon=True)
-    helper.start()
-    helper.join()

@@ -56,7 +56,6 @@ from __future__ import annotations
 
 import collections
 import datetime
-import queue
 import threading
 import time
 from collections.abc import Sequence
@@ -70,7 +69,8 @@ import torch.distributed as dist
 from spectral_callbacks.functional.batch import Stack
 from spectral_callbacks.functional.metrics import metrics_from_spectrum
 from spectral_callbacks.functional.sharded_svd import sharded_randomized_svd
-from spectral_callbacks.messages import count, rank_zero_warn
+from spectral_callbacks.messages import count
+from spectral_callbacks.monitor import background
 from spectral_callbacks.monitor.engine import SnapshotResult
 from spectral_callbacks.monitor.reporting import health_scalars
 from spectral_callbacks.monitor.shards import LocalPiece, ShardingError, local_piece, mesh_ranks
@@ -81,6 +81,8 @@ from spectral_callbacks.targets.target import Target
 __all__ = ["ShardGroup", "ShardedEngine", "ShardedEngineError", "ShardedResult", "svd_group"]
 
 _POLL_SECONDS = 0.005
+#: The name of the sharded engine's worker thread (tests find the thread by it).
+SHARDED_WORKER_THREAD_NAME = "SpectralMonitor-sharded-worker"
 
 
 class ShardedEngineError(RuntimeError):
@@ -175,7 +177,8 @@ class ShardedEngine:
         seed: seed of the random start blocks (the same on every rank). Default ``0``.
         synchronous: compute inline in :meth:`offer` (a baseline, and for tests). Default
             ``False``.
-        worker_threads: ``torch.set_num_threads`` in the worker thread. Default ``1``.
+        worker_threads: intra-op threads of the worker thread only (``background.Worker``). Default
+            ``1``.
         skipped: skips counted before a resume (this engine adds none). Default ``0``.
 
     Raises:
@@ -238,8 +241,17 @@ class ShardedEngine:
         self._subspaces: dict[str, torch.Tensor] = {}
         self._streams = ComputeStreams()
         self._jobs: collections.deque[_Job] = collections.deque()
-        self._queue: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
-        self._worker: threading.Thread | None = None
+        self._worker = background.Worker(
+            self._work,
+            SHARDED_WORKER_THREAD_NAME,
+            threads=worker_threads,
+            stop=self._stop_at_exit,
+            waiting_for="to leave the collective it is in (at most the SVD group's timeout)",
+            left_running=(
+                "it waits in a collective until the SVD group's timeout and is left as a daemon "
+                "thread"
+            ),
+        )
         self._stopped = threading.Event()  # set after an error or abort(): no more collectives
         self._error: BaseException | None = None
         self._skipped = skipped
@@ -296,8 +308,7 @@ class ShardedEngine:
             self._run(job)
             self._raise_if_failed()
             return True
-        self._ensure_worker()
-        self._queue.put(job)
+        self._worker.submit(job)
         return True
 
     def finish(self, step: int, *, offered: bool, deadline: float) -> None:
@@ -352,38 +363,31 @@ class ShardedEngine:
     def close(self, timeout: float = 5.0) -> None:
         """Stop the worker; a job inside a collective ends by itself or at the group's timeout."""
         self._stopped.set()
-        worker, self._worker = self._worker, None
-        if worker is not None:
-            self._queue.put(None)
-            worker.join(timeout)
-            if (
-                worker.is_alive() and timeout > 0
-            ):  # a daemon thread: it cannot keep the process alive
-                rank_zero_warn(
-                    f"the sharded spectral worker did not stop within {timeout} s (it waits in a "
-                    "collective until the SVD group's timeout); it is left as a daemon thread",
-                    category=RuntimeWarning,
-                )
+        self._worker.close(timeout)
         self._jobs.clear()
         self._subspaces.clear()  # the warm starts hold device memory; the run is over
 
     # --- worker side ------------------------------------------------------------------------
 
-    def _ensure_worker(self) -> None:
-        if self._worker is None:
-            self._worker = threading.Thread(
-                target=self._loop, name="SpectralMonitor-sharded-worker", daemon=True
-            )
-            self._worker.start()
+    def _stop_at_exit(self) -> str | None:
+        """At interpreter exit: start no more collectives; the worker returns after its job."""
+        self._stopped.set()
+        self._worker.wake()
+        in_flight = sum(not job.future.done() for job in list(self._jobs))
+        return f"{in_flight} sharded snapshot(s) still in flight" if in_flight else None
 
-    def _loop(self) -> None:
-        if self.worker_threads is not None:
-            torch.set_num_threads(self.worker_threads)
-        while True:
-            job = self._queue.get()
-            if job is None:
-                return
-            self._run(job)
+    def _work(self, job: _Job, failure: Exception | None) -> None:
+        """One job on the worker thread (``failure``: the thread's setup failed)."""
+        if failure is not None:
+            error = ShardedEngineError(
+                f"the sharded spectral worker could not start ({type(failure).__name__}: "
+                f"{failure}); check `worker_threads` ({self.worker_threads!r})"
+            )
+            self._fail(error)
+            if job.future.set_running_or_notify_cancel():
+                job.future.set_exception(error)
+            return
+        self._run(job)
 
     def _run(self, job: _Job) -> None:
         if self._stopped.is_set():  # after an error or abort: issue no more collectives
