@@ -1,6 +1,6 @@
 """Accuracy and speed of the default spectral metrics against float64 SVD and the best exact method.
 
-For every shape of DESIGN.md section 6 and every spectrum (Gaussian = flat, and sigma_i = i^(-a) for
+For every shape of docs/metrics.md (One matrix: accuracy and speed) and every spectrum (Gaussian = flat, and sigma_i = i^(-a) for
 a in {0.2, 0.5, 1.0}, built as U diag(s) V^T with random orthogonal U, V), prints:
 
 * ``sr err %``: relative error of ``stable_rank`` against float64 ``torch.linalg.svdvals`` of W;

@@ -5,7 +5,7 @@ exposes ``qkv(x) -> (q, k, v)``: the per-head queries, keys and values of shape
 ``(B, T, heads, dim)`` *before* RoPE, which is exactly what ``F.scaled_dot_product_attention``
 consumes after rotation (K and V may have fewer heads than Q: they are shared by groups of query
 heads). Parameter names follow Hugging Face / DeepSeek so ``find_targets`` rules carry over, and
-each class docstring gives its role map (DESIGN.md section 3).
+each class docstring gives its role map (docs/targets.md, Roles).
 
 Positions: the GPT adds a learned ``wpe`` for every variant, so variants are compared on equal
 footing; the variants whose design carries a decoupled rotary key (MLA, GLA, GTA) additionally

@@ -83,8 +83,8 @@ class Scale:
 
 
 # cpu: sized to finish in minutes on 2 loaded cores; reference: the study's D8/D12/D16 at width
-# 768 and 10K steps (64 x 1024 = 65,536 tokens per step: ~655M tokens; DESIGN.md does not give the
-# study's batch, so this is this project's choice); tiny: seconds, for the tests.
+# 768 and 10K steps (64 x 1024 = 65,536 tokens per step: ~655M tokens; the study does not give its
+# batch, so this is this project's choice); tiny: seconds, for the tests.
 SCALES: dict[str, dict[str, Scale]] = {
     "lifecycle": {
         "tiny": Scale((2,), 32, 2, 16, 64, 6, 2e-3, every_n_steps=2, max_bytes=100_000),

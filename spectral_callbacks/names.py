@@ -98,7 +98,7 @@ TARGET_MAP_COLUMNS: tuple[str, ...] = (
 #: Read back as the per-matrix metric ``reference_step`` (see :func:`reference_step_tag`).
 REFERENCE_STEP = "reference_step"
 
-# Canonical roles of DESIGN.md section 3, in chart order. Variants add documented extra roles.
+# Canonical roles (docs/targets.md, Roles), in chart order. Variants add documented extra roles.
 ROLES: tuple[str, ...] = ("Q", "K", "V", "O", "MLP_up", "MLP_down")
 
 # The columns of tidy rows (the callback's figure history, export, charts), in this order.

@@ -285,3 +285,14 @@ def test_an_alert_names_its_stack_and_its_unit_in_the_table(tmp_path: Path) -> N
     text = reader.Tensors("spectral_alerts/text_summary")[0].tensor_proto.string_val[0].decode()
     assert "| value | threshold | unit |" in text
     assert f"| dec | 0 | Q | {seen[0].value:.4g} | 3 | factor | 0 |" in text
+
+
+def test_sigma_growth_is_measured_from_the_lowest_value_of_the_window() -> None:
+    # 1 -> 2 -> 4 within one window: each step only 2x its previous snapshot, 4x the window's
+    # lowest (> 3x): the alert comes at 4 and names the window's first step.
+    watch = AlertWatch(TARGETS, AlertRules(after_step=0, window=50, sigma_growth=3.0))
+    assert watch.check(0, {"q": row(sigma=1.0)}) == []
+    assert watch.check(10, {"q": row(sigma=2.0)}) == []
+    (alert,) = watch.check(20, {"q": row(sigma=4.0)})
+    assert (alert.kind, alert.since_step) == ("sigma_growth", 0)
+    assert alert.value == pytest.approx(4.0)

@@ -13,11 +13,17 @@ import transformers
 from torch.profiler import ProfilerActivity, profile
 
 from spectral_callbacks import SpectralTracker
-from spectral_callbacks.monitor.budget import DEFAULT_FRACTION, device_memory, plan_snapshot
+from spectral_callbacks.monitor.budget import (
+    DEFAULT_FRACTION,
+    conversion_bytes,
+    device_memory,
+    plan_snapshot,
+)
 from spectral_callbacks.monitor.compute import SpectrumCompute
 from spectral_callbacks.monitor.options import ConfigurationError, MonitorOptions
-from spectral_callbacks.monitor.snapshot import ShapeGroup, group_by_shape
+from spectral_callbacks.monitor.snapshot import ShapeGroup, group_by_shape, take_snapshot
 from spectral_callbacks.names import scalar_tag
+from spectral_callbacks.targets import Target, find_targets
 
 
 class Recorder:
@@ -93,9 +99,12 @@ def test_a_budget_that_holds_the_snapshot_changes_nothing() -> None:
     assert not plan.staggered
 
 
-def test_a_staggered_snapshot_logs_every_matrix_at_its_copy_step_within_the_budget() -> None:
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_staggered_snapshot_logs_every_matrix_at_its_copy_step_within_the_budget(
+    dtype: torch.dtype,
+) -> None:
     seed = random.randrange(2**31)
-    model = tiny_llama(seed)
+    model = tiny_llama(seed).to(dtype)
     probe = SpectralTracker(model, writers=[Recorder()], figures=False, start_step=None)
     groups = group_by_shape(probe.targets)
     probe.close()
@@ -127,6 +136,13 @@ def test_a_staggered_snapshot_logs_every_matrix_at_its_copy_step_within_the_budg
     engine = tracker._engine
     engine_plan = engine.plan
     assert engine_plan.staggered and len(engine_plan.parts) > len(roomy.parts)
+    # The ledger counts what the copies and the float32 conversion really hold, in bytes.
+    for part in engine_plan.parts:
+        stack = take_snapshot([part], step=0).tensors[part.key]
+        assert engine_plan.copies[part.key] == stack.nbytes
+        converted = stack if stack.dtype == torch.float32 else stack.float()
+        extra = converted.nbytes if converted is not stack else 0
+        assert conversion_bytes(part, len(part.targets)) == extra
     for step in range(1, 30):
         model(tokens, labels=tokens).loss.backward()
         optimizer.step()
@@ -225,7 +241,10 @@ def test_the_working_set_bound_holds_what_the_compute_allocates(
     # The allocations of the compute (cold, then warm) measured by the profiler's memory events.
     m, n = shape
     compute = SpectrumCompute(32)
-    group = ShapeGroup("g", tuple(range(batch)), "cpu", shape, torch.float32)
+    targets = tuple(
+        Target.from_parameter(f"w{i}", torch.empty(m, n), role="Q") for i in range(batch)
+    )
+    group = ShapeGroup("g", targets, "cpu", shape, torch.float32)
     generator = torch.Generator().manual_seed(random.randrange(2**31))
     cold = torch.randn(batch, m, n, generator=generator) * scale  # 2^-60: the float64 redo path
     warm = cold + 1e-3 * scale * torch.randn(batch, m, n, generator=generator)
@@ -391,3 +410,12 @@ def test_with_tf32_a_cold_gram_route_stays_within_the_working_set_bound(
     assert routes == ["gram"]
     bound = svd_working_bytes(*shape[1:], 2, torch.float32, method="randomized", device_type="cuda")
     assert 0 < peak <= bound
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_snapshot_bytes_are_the_bytes_a_snapshot_copies(dtype: torch.dtype) -> None:
+    targets = find_targets(tiny_llama(0).to(dtype))
+    for key, stack in take_snapshot(group_by_shape(targets), step=0).tensors.items():
+        assert isinstance(stack, torch.Tensor)
+        of_group = [t for t in targets if t.batch_key()[0] == key]
+        assert sum(t.snapshot_bytes() for t in of_group) == stack.nbytes

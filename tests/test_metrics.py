@@ -1,4 +1,4 @@
-"""The metrics of DESIGN.md section 2 against spectra with known answers and a float64 reference."""
+"""The metrics of docs/metrics.md (Definitions) against spectra with known answers and a float64 reference."""
 
 from __future__ import annotations
 
@@ -211,3 +211,16 @@ def test_exact_frobenius_norm_makes_no_float64_copy_of_w(
     torch.testing.assert_close(got, expected, rtol=1e-12, atol=0)
     full_copy = 8 * W.numel()
     assert _largest_allocation(lambda: frobenius_norm_sq(W)) < full_copy / 8
+
+
+def test_update_energy_rank_90_is_the_least_rank_holding_90_percent_of_the_update() -> None:
+    from spectral_callbacks.functional import update_metrics
+
+    generator = torch.Generator().manual_seed(0)
+    ups = torch.randn(6, 24, 8, generator=generator, dtype=torch.float64)
+    downs = torch.randn(6, 8, 16, generator=generator, dtype=torch.float64)
+    S = torch.linalg.svdvals(ups @ downs)  # (6, 16), float64: the reference spectrum
+    got = update_metrics(S[:, :8], torch.ones(6, dtype=torch.float64), torch.full((6,), 8.0))
+    held = S.square().cumsum(-1) / S.square().sum(-1, keepdim=True)  # energy of the top r
+    least = (held < 0.9).sum(-1) + 1  # the least r with at least 90 %
+    assert got["update_energy_rank_90"].tolist() == least.double().tolist()

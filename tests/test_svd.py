@@ -56,7 +56,7 @@ def test_top_k_matches_float64_svdvals(shape: tuple[int, ...], method: str, seed
 
 @pytest.mark.parametrize("seed", SEEDS)
 def test_flat_gaussian_spectral_norm_within_a_tenth_of_a_percent(seed: int) -> None:
-    # The hard case: a Gaussian matrix has a flat top spectrum (DESIGN.md section 6).
+    # The hard case: a Gaussian matrix has a flat top spectrum (docs/metrics.md, One matrix: accuracy and speed).
     g = torch.Generator().manual_seed(seed)
     W = torch.randn(2, 400, 200, generator=g)
     top = randomized_svd(W, generator=g, method="randomized")
@@ -209,7 +209,10 @@ def test_a_matrix_far_from_unit_scale_reads_its_values_cold_and_warm(
         torch.testing.assert_close(warm.S / scale, unit_warm.S, rtol=1e-4, atol=0)
     else:  # exact float64
         torch.testing.assert_close(cold.S.double() / scale, exact, rtol=1e-5, atol=0)
-    for top, truth in ((cold, exact), (warm, exact * 1.001)):  # DESIGN.md section 6
+    for top, truth in (
+        (cold, exact),
+        (warm, exact * 1.001),
+    ):  # docs/metrics.md, One matrix: accuracy and speed
         torch.testing.assert_close(top.S[..., 0].double() / scale, truth[..., 0], rtol=1e-3, atol=0)
         torch.testing.assert_close(top.S.double() / scale, truth, rtol=1e-2, atol=0)
 

@@ -3,8 +3,8 @@
 A small GPT (width 256, so the randomized path runs; forced with ``svd_method="randomized"``) is
 trained with ``SpectralMonitor`` on its default warm starts; the weights are recorded at every
 scheduled step and every logged ``stable_rank`` and ``alpha`` is compared with float64
-``torch.linalg.svdvals`` of those weights: stable rank within 1 %, alpha within 0.02 (DESIGN.md
-section 6). One run has a deliberate loss spike: the learning rate jumps 30x mid-run, so the top
+``torch.linalg.svdvals`` of those weights: stable rank within 1 %, alpha within 0.02 (docs/metrics.md,
+One matrix: accuracy and speed). One run has a deliberate loss spike: the learning rate jumps 30x mid-run, so the top
 subspace rotates between two snapshots and a warm start faces real movement.
 """
 

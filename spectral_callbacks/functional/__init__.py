@@ -1,7 +1,7 @@
 """Pure tensor math of the spectral metrics: no Lightning, no state.
 
 ``randomized_svd`` computes a top-k spectrum; the metric functions turn a spectrum (and the exact
-squared Frobenius norm) into the numbers of DESIGN.md section 2; ``spectral_metrics`` does both.
+squared Frobenius norm) into the numbers of docs/metrics.md (Definitions); ``spectral_metrics`` does both.
 ``esd`` fits the power-law tail of the full eigenvalue spectrum as WeightWatcher does;
 ``circuit_metrics`` gives the per-head QK and OV circuit spectra of an attention layer.
 

@@ -1,4 +1,4 @@
-"""The spectral metrics of DESIGN.md section 2 as pure functions of a top-k spectrum.
+"""The spectral metrics of docs/metrics.md (Definitions) as pure functions of a top-k spectrum.
 
 Every function takes ``S``, the ``(..., k)`` singular values in descending order (as returned by
 ``randomized_svd``), and works batched: a leading batch shape carries through to the result. The
@@ -42,7 +42,7 @@ MIN_FIT_POINTS = 3
 #: adapters have a few dominant directions; the whole spectrum feeds the stable and energy ranks.
 UPDATE_TOP = 4
 #: The update family of an adapted layer or a fine-tune, logged as ``spectral_update_<...>``
-#: (DESIGN.md section 5; docs/logged-names.md).
+#: (docs/fine-tuning.md; docs/logged-names.md).
 UPDATE_METRICS: tuple[str, ...] = (
     "update_stable_rank",
     "update_spectral_norm",
@@ -207,7 +207,7 @@ def metrics_from_spectrum(
     fit_window: tuple[int, int] | None = None,
     energy: float = 0.9,
 ) -> dict[str, Tensor]:
-    r"""Every top-k metric of DESIGN.md section 2 (not ``compression``, not the ESD family).
+    r"""Every top-k metric of docs/metrics.md, Definitions (not ``compression``, not the ESD family).
 
     Args:
         S: ``(..., k)`` singular values, descending.

@@ -109,7 +109,7 @@ class SpectrumCompute:
         # targets/circuits.py) needs no SVD.
         if isinstance(batch, MeasuredBatch):
             return batch.exact_metrics()
-        # ‖W‖_F² exactly from the snapshot, never from the truncated spectrum (DESIGN.md §2).
+        # ‖W‖_F² exactly from the snapshot, never from the truncated spectrum (docs/metrics.md, Definitions).
         frobenius_sq = frobenius_norm_sq(batch)
         k = min(self.k, *batch.shape[-2:])
         init = self._subspaces.get(group.key) if self.warm_start else None
