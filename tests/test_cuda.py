@@ -254,7 +254,7 @@ def test_a_cold_snapshot_with_tf32_on_stays_within_its_working_set_bound(
         for i in range(2)
         for role, shape in (("up", (4096, 1024)), ("down", (1024, 4096)))
     }
-    targets = [SimpleNamespace(name=name, matrix=lambda w=w: w) for name, w in weights.items()]
+    targets = [Target.from_parameter(name, w, role="Q") for name, w in weights.items()]
     compute = SpectrumCompute(method="randomized")
     engine = SnapshotEngine(compute, group_by_shape(targets), max_pending=1)
     plan = engine.plan

@@ -289,10 +289,7 @@ def test_a_scheduled_point_never_waits_for_a_result_on_the_training_thread(
 def _slow_first_snapshot(rank: int, world_size: int) -> dict:
     """Each rank's share of three matrices, its first snapshot 1.5 s to compute (a cold start)
     and the next ones instant, at points that follow each other at once (the shortest steps)."""
-    targets = [
-        SimpleNamespace(name=f"w{i}", shape=(4, 3), matrix=lambda i=i: diagonal(1 / (i + 1)))
-        for i in range(3)
-    ]
+    targets = [Target.from_parameter(f"w{i}", diagonal(1 / (i + 1)), role="Q") for i in range(3)]
     calls = {"n": 0}
 
     def compute(group, batch):

@@ -29,6 +29,7 @@ import torch
 
 from spectral_callbacks.monitor.options import ConfigurationError
 from spectral_callbacks.names import layer_label
+from spectral_callbacks.targets.target import Target
 
 
 @dataclass(frozen=True)
@@ -47,13 +48,13 @@ class BalanceUnit:
     parameters: tuple[torch.Tensor, ...]
 
 
-def balance_units(model: torch.nn.Module, targets: Sequence[Any], per: str) -> list[BalanceUnit]:
+def balance_units(model: torch.nn.Module, targets: Sequence[Target], per: str) -> list[BalanceUnit]:
     """The units of ``targets`` (``per``: ``"matrix"`` or ``"layer"``), in the targets' order."""
     owners = _owners(model)
     names = {id(module): name for name, module in model.named_modules(remove_duplicate=False)}
-    by_module: dict[int, tuple[torch.nn.Module, list[Any]]] = {}
+    by_module: dict[int, tuple[torch.nn.Module, list[Target]]] = {}
     for target in targets:
-        module = getattr(target, "layer_module", None) or owners.get(id(target.parameter))
+        module = target.adapter_layer() or owners.get(id(target.parameter))
         if module is None:  # a parameter no module of `model` holds: nothing to scale
             continue
         by_module.setdefault(id(module), (module, []))[1].append(target)
@@ -61,14 +62,14 @@ def balance_units(model: torch.nn.Module, targets: Sequence[Any], per: str) -> l
     for module, held in by_module.values():
         if per == "layer":
             first = held[0]
-            stack = getattr(first, "stack", "")
+            stack = first.stack
             label = layer_label(first.layer, first.num_layers)
             key = f"{stack}/{label}" if stack else label
         else:
             key = names.get(id(module), held[0].parameter_name)
         names_of, parameters = units.setdefault(key, ([], []))
         names_of.extend(target.name for target in held)
-        adapted = getattr(held[0], "layer_module", None) is not None
+        adapted = held[0].adapter_layer() is not None
         parameters.extend(module.parameters(recurse=adapted))
     return [
         BalanceUnit(key, tuple(names_of), tuple(parameters))

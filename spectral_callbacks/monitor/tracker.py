@@ -920,9 +920,7 @@ class SpectralTracker:
         every watched matrix: ~13 GB for a 7B model in bf16) and the warm-start subspaces, on the
         device, which a callback object kept after ``fit()`` would otherwise hold."""
         for target in self.targets:
-            release = getattr(target, "release_reference", None)
-            if callable(release):
-                release()
+            target.release_reference()
         release = getattr(self.compute, "release", None)
         if callable(release):
             release()

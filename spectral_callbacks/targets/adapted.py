@@ -242,6 +242,10 @@ class AdaptedTarget(Target):
     rank: int = 0
     has_update: ClassVar[bool] = True
 
+    def adapter_layer(self) -> nn.Module | None:
+        """The tuner layer: its adapters are scaled with the base by a learning-rate factor."""
+        return self.layer_module
+
     @property
     def description(self) -> str:
         """``lora r=8 (default)``: what ``format_targets`` prints beside the shape."""

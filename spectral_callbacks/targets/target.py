@@ -241,6 +241,15 @@ class Target:
         compute function's SVD needs (``SpectrumCompute.working_bytes``)."""
         return None
 
+    def release_reference(self) -> None:
+        """Drop what only the run needed, once it is over (a ``delta=`` reference weight); a dense
+        matrix keeps nothing."""
+
+    def adapter_layer(self) -> torch.nn.Module | None:
+        """The adapter layer (a PEFT tuner layer) this target's update lives in, whose parameters
+        a learning-rate factor scales with the base's; ``None`` for a plain matrix."""
+        return None
+
     def fields(self) -> dict[str, Any]:
         """The values of :class:`Target`'s own fields: what a kind of target built from this one
         (``targets/adapted.py``, ``targets/delta.py``) takes over before adding its own."""
@@ -352,7 +361,7 @@ def format_targets(targets: Iterable[Target]) -> str:
                 (*row, text) for row, text in zip(rows[1:], described, strict=True)
             ]
         # Roles read from a forward say so (``find_targets(..., example_input=...)``).
-        sources = getattr(targets, "sources", {})
+        sources = targets.sources
         if any(source != "names" for source in sources.values()):
             rows = [(*rows[0], "from")] + [
                 (*row, sources.get(t.name, "names"))
