@@ -21,10 +21,10 @@ decomposed and free their bytes: each matrix is logged at the step its copy was 
 Example::
 
     >>> import torch
-    >>> from types import SimpleNamespace
     >>> from spectral_callbacks.monitor.snapshot import group_by_shape
+    >>> from spectral_callbacks.targets import Target
     >>> weights = [torch.zeros(64, 64) for _ in range(4)]
-    >>> targets = [SimpleNamespace(name=f"w{i}", matrix=lambda w=w: w) for i, w in enumerate(weights)]
+    >>> targets = [Target.from_parameter(f"w{i}", w, role="Q") for i, w in enumerate(weights)]
     >>> parts = plan_parts(group_by_shape(targets), 40_000, working_bytes=lambda g, b: 0)
     >>> [part.names for part in parts]  # 16 KiB per matrix: two fit in 40,000 bytes
     [('w0', 'w1'), ('w2', 'w3')]

@@ -22,8 +22,8 @@ holds the training process's GIL, and written here as PNG image summaries.
 
 Example::
 
-    >>> from types import SimpleNamespace
-    >>> targets = [SimpleNamespace(layer=layer, num_layers=2, role=role)
+    >>> from spectral_callbacks.names import MatrixLabel
+    >>> targets = [MatrixLabel(f"{layer}.{role}", layer=layer, role=role, num_layers=2)
     ...            for layer in (0, 1) for role in ("Q", "K")]
     >>> layout = custom_scalars_layout(targets, metrics=("stable_rank",))
     >>> [(category.title, category.closed) for category in layout.category]

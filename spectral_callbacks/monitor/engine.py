@@ -37,8 +37,8 @@ Example::
 
     >>> import torch
     >>> from spectral_callbacks.monitor.snapshot import group_by_shape, take_snapshot
-    >>> from types import SimpleNamespace
-    >>> target = SimpleNamespace(name="w", matrix=lambda: 2 * torch.eye(3))
+    >>> from spectral_callbacks.targets import Target
+    >>> target = Target.from_parameter("w", 2 * torch.eye(3), role="Q")
     >>> groups = group_by_shape([target])
     >>> def top_singular_value(group, batch):
     ...     return {"spectral_norm": torch.linalg.matrix_norm(batch, ord=2)}

@@ -9,9 +9,9 @@ as tidy rows for the figures.
 Example::
 
     >>> import math
-    >>> from types import SimpleNamespace
-    >>> targets = [SimpleNamespace(name="h.0.q", layer=0, num_layers=2, role="Q", depth=0.0),
-    ...            SimpleNamespace(name="h.1.q", layer=1, num_layers=2, role="Q", depth=1.0)]
+    >>> from spectral_callbacks.names import MatrixLabel
+    >>> targets = [MatrixLabel("h.0.q", layer=0, role="Q", num_layers=2),
+    ...            MatrixLabel("h.1.q", layer=1, role="Q", num_layers=2)]
     >>> reporter = Reporter(targets, metrics=("stable_rank", "compression"))
     >>> first = reporter.scalars(0, {"h.0.q": {"stable_rank": 20.0}, "h.1.q": {"stable_rank": 10.0}})
     >>> later = reporter.scalars(25, {"h.0.q": {"stable_rank": 5.0}, "h.1.q": {"stable_rank": 10.0}})
@@ -227,9 +227,8 @@ class Reporter:
         given to it): tag (``spectral_<metric>/L03/MLP_down``) -> every expert's latest value,
         NaN left out, for each (layer, role) whose mean/min/max that snapshot logged.
 
-        >>> from types import SimpleNamespace
-        >>> targets = [SimpleNamespace(name=f"e{e}", layer=0, num_layers=1, role="MLP_up", depth=0.0,
-        ...                            expert=e) for e in range(3)]
+        >>> from spectral_callbacks.names import MatrixLabel
+        >>> targets = [MatrixLabel(f"e{e}", layer=0, role="MLP_up", expert=e) for e in range(3)]
         >>> reporter = Reporter(targets, metrics=("stable_rank",))
         >>> values = {"e0": {"stable_rank": 2.0}, "e1": {"stable_rank": 4.0}, "e2": {"stable_rank": 3.0}}
         >>> reporter.scalars(0, values)["spectral_stable_rank/L00/MLP_up/max"]

@@ -373,9 +373,8 @@ def adapt_lowrank(target: Target, modules: Mapping[str, nn.Module]) -> Target:
             continue
         if layer.get_parameter(layout.base) is not target.parameter:
             continue
-        fields = {name: getattr(target, name) for name in target.__dataclass_fields__}
         rank = int(layer.get_parameter(layout.up).shape[1])
-        return LowRankTarget(**fields, layer_module=layer, rank=rank, layout=layout)
+        return LowRankTarget(**target.fields(), layer_module=layer, rank=rank, layout=layout)
     return target
 
 
