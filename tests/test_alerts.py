@@ -9,6 +9,7 @@ import sys
 import warnings
 from collections.abc import Callable
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
