@@ -88,6 +88,10 @@ def inputs(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def assert_one_line_error(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
     with warnings.catch_warnings(record=True) as caught:  # pytest would hide them from capsys
         warnings.simplefilter("always")
+        # What a shell user sees: Python's default filters hide DeprecationWarnings outside
+        # __main__, such as torchao's import-time ones that transformers reaches when torchao
+        # is installed (it is, for the training stacks' tests).
+        warnings.simplefilter("ignore", DeprecationWarning)
         status = main(argv)
     err = capsys.readouterr().err + "".join(f"warning: {w.message}\n" for w in caught)
     lines = err.strip().splitlines()
