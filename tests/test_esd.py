@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 
-from spectral_callbacks import SpectralTracker
+from spectral_callbacks import SpectralTracker, read_runs
 from spectral_callbacks.functional import esd
 from spectral_callbacks.functional.esd import esd_eigenvalues, esd_fit, esd_metrics
 from spectral_callbacks.names import scalar_tag
@@ -301,3 +301,7 @@ def test_the_last_snapshot_of_a_run_carries_the_esd_family(
     expected = float(esd_metrics(weights.detach().float()[None])["esd_alpha"][0])
     assert scalars[tag][last] == pytest.approx(expected, rel=1e-5)  # the last step's weights
     assert max(scalars[scalar_tag("stable_rank", 0, "Q")]) == last
+    # the last step taken again for its ESD family logs each tag once at that step (the 15-step
+    # runs' stable rank was written twice at step 15: two export rows, two points)
+    rows = read_runs([tmp_path]).rows
+    assert not rows.drop(columns=["value", "wall_time"]).duplicated().any()

@@ -62,6 +62,7 @@ from spectral_callbacks.names import (
     ALERT_SECTION,
     LR_BALANCE_SECTION,
     LR_FACTOR,
+    METRIC_PREFIX,
     TARGET_MAP_TAG,
     format_target_map,
 )
@@ -302,6 +303,8 @@ class SpectralTracker:
         self._closed = False
         self._unflushed = False
         self._flushed_at = -float("inf")
+        # The final step when _finish takes it again for the ESD family: logged once, not twice.
+        self._retaken_step: int | None = None
         if state is not None:
             self.load_state_dict(state)
         if start_step is not None:
@@ -664,6 +667,14 @@ class SpectralTracker:
     def _log(self, result: SnapshotResult) -> None:
         assert self._engine is not None
         scalars = self._reporter.scalars(result.step, result.metrics)
+        history = self._reporter.history
+        if (
+            result.step == self._retaken_step
+            and len(history) >= 2
+            and history[-2][0] == result.step
+        ):
+            self._log_retaken_esd(result.step, scalars)
+            return
         scalars.update(
             health_scalars(
                 main_thread_ms=1000 * result.main_thread_seconds,
@@ -701,6 +712,14 @@ class SpectralTracker:
         self._layout.update(experiments, scalars)  # charts appear with their first finite value
         if self.options.figures and experiments and self._figures.due(result.step):
             self._figures.draw(experiments, self._figure_rows(), result.step)
+        self._unflushed = True
+
+    def _log_retaken_esd(self, step: int, scalars: dict[str, float]) -> None:
+        """The final step taken again (_finish) and logged already adds its ESD family only: one
+        step gets one value per tag (export, charts)."""
+        esd = tuple(f"{METRIC_PREFIX}{metric}/" for metric in ESD_METRICS)
+        tb.log_scalars(self.writers, {t: v for t, v in scalars.items() if t.startswith(esd)}, step)
+        del self._reporter.history[-2]  # the figures' rows: the newer take of the step only
         self._unflushed = True
 
     def _target_map(self) -> str:
@@ -794,6 +813,7 @@ class SpectralTracker:
         # The run's end is read from its last snapshot (rank-layers): taken again when the ESD
         # cadence did not fall on it.
         again = offered and self._final_lacks_esd()
+        self._retaken_step = step if again else None
         if isinstance(self.compute, SpectrumCompute):  # the number the final snapshot gets
             self.compute.esd_from(self.schedule.snapshots - self._engine.skipped)
         if not offered:
