@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from typing import Any, NamedTuple, Protocol, TypeAlias
+from typing import Any, NamedTuple, Protocol, TypeAlias, runtime_checkable
 
 import torch
 from torch import Tensor
@@ -37,6 +37,7 @@ class UpdateSpectrum(NamedTuple):
     frobenius_sq: Tensor | None = None
 
 
+@runtime_checkable  # randomized_svd tells a batch from bad input (a list) by it
 class MatrixBatch(Protocol):
     """A batch of ``B`` matrices ``(m, n)`` held as an operator (what ``Target.stack_batch`` may
     return in place of a ``(B, m, n)`` tensor).

@@ -248,7 +248,7 @@ def randomized_svd(
         tensor([[4.],
                 [8.]])
     """
-    if not isinstance(W, Tensor):
+    if isinstance(W, MatrixBatch):
         return _adapted_svd(W, k, n_oversamples, n_iter, generator, init, method, tol)
     _check_matrix(W, "W")
     _check_options(k, n_oversamples, n_iter, method, tol)
