@@ -16,7 +16,8 @@ const glyph = (role) => GLYPHS[role] || role;
 // one role shows where a ticked run has several (a run with one stack is shown in any).
 const state = {
   catalog: [],
-  runs: null, // the ticked runs; null until the first catalog ticks the first MAX_PANELS
+  runs: [], // the ticked runs
+  ticked: false, // whether a catalog with runs has ticked the first MAX_PANELS
   wave: {metric: 'compression', role: 'Q', stack: ''},
   byRole: {metric: 'stable_rank', layer: 0, stack: ''},
   byLayer: {metric: 'stable_rank', role: 'Q', stack: ''},
@@ -81,8 +82,12 @@ async function refresh() {
     state.catalog = runs;
     state.roleOrder = roleOrder || [];
     const names = runs.map((r) => r.run);
-    // Only the first catalog ticks runs: a run the user unticked, the last one too, stays so.
-    if (state.runs === null) state.runs = names.slice(0, MAX_PANELS);
+    // Only the first catalog with runs ticks runs (an empty logdir's come before it): a run the
+    // user unticked, the last one too, stays so.
+    if (!state.ticked && names.length) {
+      state.runs = names.slice(0, MAX_PANELS);
+      state.ticked = true;
+    }
     state.runs = state.runs.filter((r) => names.includes(r));
     drawRunSelector(names);
     if (!names.length) {
