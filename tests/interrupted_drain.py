@@ -1,8 +1,7 @@
 """A plain loop whose end-of-training wait the parent interrupts with SIGINT (Ctrl-C).
 
 Run by tests/test_tracker.py: ``python interrupted_drain.py LOGDIR``. Each shape group's compute
-takes 1 s, so at the end four snapshots (about 12 s of work) are still in flight when the wait
-begins, however late a loaded machine delivers the parent's Ctrl-C. The loop is a
+takes 0.3 s, so at the end four snapshots are still in flight when the wait begins. The loop is a
 sweep of two runs: the Ctrl-C must reach it, not start the second run.
 """
 
@@ -19,7 +18,7 @@ from spectral_callbacks import SpectralTracker
 
 
 def slow(group: Any, batch: torch.Tensor) -> dict[str, torch.Tensor]:
-    time.sleep(1.0)  # one shape group's SVD
+    time.sleep(0.3)  # one shape group's SVD
     return exact_compute(group, batch)
 
 
