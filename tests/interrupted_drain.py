@@ -7,6 +7,7 @@ sweep of two runs: the Ctrl-C must reach it, not start the second run.
 
 from __future__ import annotations
 
+import signal
 import sys
 import time
 from typing import Any
@@ -23,6 +24,9 @@ def slow(group: Any, batch: torch.Tensor) -> dict[str, torch.Tensor]:
 
 
 def main(logdir: str) -> None:
+    # A shell hands a script Ctrl-C as KeyboardInterrupt; a parent that ignores SIGINT (pytest,
+    # once Lightning has handled an interrupted fit in an earlier test) would hand down SIG_IGN.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16))
     options: dict[str, Any] = dict(
         compute=slow, metrics=("stable_rank",), figures=False, every_n_steps=1, log_spaced_until=0
