@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 
 from spectral_callbacks.functional import esd_metrics
-from spectral_callbacks.monitor.compute import SpectrumCompute
+from spectral_callbacks.monitor.engines.compute import SpectrumCompute
 from spectral_callbacks.monitor.snapshot import group_by_shape, take_snapshot
 from spectral_callbacks.targets import find_targets
 

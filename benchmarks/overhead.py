@@ -2,7 +2,7 @@
 
 The variants run alternately in one process (round 1: none, default, worker, inline; round 2: ...),
 so a machine shared with other work slows them alike; the table gives medians over rounds. The
-placement variants: ``default`` chooses from the machine (``monitor/placement.py``: the worker
+placement variants: ``default`` chooses from the machine (``monitor/engines/placement.py``: the worker
 where a core is spare beside training's threads, inline where none is), ``worker`` forces the
 worker thread (``synchronous=False``), ``inline`` the training thread (``synchronous=True``); each
 has a ``-no-figures`` twin (``figures=False``). ``--train-threads N`` gives training N intra-op
@@ -64,9 +64,9 @@ from gpt import GPT, GPTConfig  # noqa: E402
 
 from spectral_callbacks import SpectralMonitor  # noqa: E402
 from spectral_callbacks.monitor import dashboards  # noqa: E402
-from spectral_callbacks.monitor.compute import SpectrumCompute  # noqa: E402
-from spectral_callbacks.monitor.engine import WORKER_THREAD_NAME  # noqa: E402
-from spectral_callbacks.monitor.placement import available_cores  # noqa: E402
+from spectral_callbacks.monitor.engines.compute import SpectrumCompute  # noqa: E402
+from spectral_callbacks.monitor.engines.engine import WORKER_THREAD_NAME  # noqa: E402
+from spectral_callbacks.monitor.engines.placement import available_cores  # noqa: E402
 from spectral_callbacks.names import monitor_tag  # noqa: E402
 
 # Keyword arguments of SpectralMonitor per variant; "none" runs without the callback. The last two

@@ -46,8 +46,8 @@ from torch.distributed.tensor import Shard, distribute_tensor, init_device_mesh
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 from gpt import GPT, GPTConfig  # noqa: E402
 
-from spectral_callbacks.monitor.compute import SpectrumCompute  # noqa: E402
-from spectral_callbacks.monitor.sharded import ShardedEngine, svd_group  # noqa: E402
+from spectral_callbacks.monitor.engines.compute import SpectrumCompute  # noqa: E402
+from spectral_callbacks.monitor.engines.sharded import ShardedEngine, svd_group  # noqa: E402
 from spectral_callbacks.monitor.snapshot import group_by_shape, take_snapshot  # noqa: E402
 from spectral_callbacks.targets import Target, find_targets  # noqa: E402
 

@@ -21,7 +21,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor, init_device_mesh
 
 from spectral_callbacks import SpectralTracker
-from spectral_callbacks.monitor import dashboards, distributed
+from spectral_callbacks.monitor import dashboards
+from spectral_callbacks.monitor.engines import distributed
 
 STEPS = 12
 # Snapshots at 0, 1, 2, 4, 8, 12; figures due from the result of step 4 on, and at the end.

@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from tiny_models import TinyGPT, WeightRecorder, token_loader  # noqa: E402
 
 from spectral_callbacks import SpectralMonitor  # noqa: E402
-from spectral_callbacks.monitor import distributed  # noqa: E402
+from spectral_callbacks.monitor.engines import distributed  # noqa: E402
 
 EVERY_N_STEPS = 4
 LOG_SPACED_UNTIL = 3  # snapshots at 0, 1, 2 and every 4 steps: several gathers in a short run

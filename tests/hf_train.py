@@ -25,7 +25,7 @@ from transformers import (
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from spectral_callbacks.hf import SpectralTrainerCallback  # noqa: E402
-from spectral_callbacks.monitor import distributed  # noqa: E402
+from spectral_callbacks.monitor.engines import distributed  # noqa: E402
 from spectral_callbacks.targets import find_targets  # noqa: E402
 
 # max_pending leaves room for every scheduled step: which steps are logged must not depend on the

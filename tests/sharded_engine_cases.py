@@ -13,9 +13,9 @@ from spawn_ranks import LargestTensor
 from torch.distributed.tensor import init_device_mesh
 
 from spectral_callbacks.functional import sharded_svd
-from spectral_callbacks.monitor import sharded as sharded_engine_module
+from spectral_callbacks.monitor.engines import sharded as sharded_engine_module
+from spectral_callbacks.monitor.engines.sharded import ShardedEngine, ShardedEngineError, svd_group
 from spectral_callbacks.monitor.schedule import SnapshotSchedule
-from spectral_callbacks.monitor.sharded import ShardedEngine, ShardedEngineError, svd_group
 from spectral_callbacks.targets import find_targets
 
 K = 8
@@ -113,7 +113,7 @@ def failing_rank(rank: int, world_size: int) -> dict[str, Any]:
             raise RuntimeError("planned failure on rank 1")
         return original(*args, **kwargs)
 
-    from spectral_callbacks.monitor import sharded
+    from spectral_callbacks.monitor.engines import sharded
 
     sharded.sharded_randomized_svd = flaky  # type: ignore[assignment]
     engine = ShardedEngine(targets, group=svd_group(timeout_seconds=5), k=K)
@@ -265,7 +265,7 @@ def indices_on_the_device(rank: int, world_size: int) -> dict[str, Any]:
     costs the training thread beyond the gather."""
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    from spectral_callbacks.monitor.shards import local_piece
+    from spectral_callbacks.monitor.engines.shards import local_piece
     from spectral_callbacks.targets import Rows, Target
 
     full = torch.randn(150, 96, generator=torch.Generator().manual_seed(0))

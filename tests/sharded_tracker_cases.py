@@ -10,7 +10,7 @@ from sharded_models import build, full_matrix, shard
 from torch.distributed.tensor import init_device_mesh
 
 from spectral_callbacks import SpectralTracker
-from spectral_callbacks.monitor import sharded
+from spectral_callbacks.monitor.engines import sharded
 from spectral_callbacks.targets import find_targets
 
 K = 8
@@ -130,7 +130,7 @@ def fsdp1_refused(rank: int, world_size: int) -> list[str]:
             else:
                 messages.append(f"not refused: use_orig_params={use_orig_params}, {type(held)}")
     # The fallback if torch renames its private marks: the public wrapper class still refuses.
-    from spectral_callbacks.monitor import partitioned
+    from spectral_callbacks.monitor.engines import partitioned
 
     partitioned._FSDP1_FLATTENED = ("_a_renamed_mark",)
     try:

@@ -13,13 +13,13 @@ import transformers
 from torch.profiler import ProfilerActivity, profile
 
 from spectral_callbacks import SpectralTracker
-from spectral_callbacks.monitor.budget import (
+from spectral_callbacks.monitor.engines.budget import (
     DEFAULT_FRACTION,
     conversion_bytes,
     device_memory,
     plan_snapshot,
 )
-from spectral_callbacks.monitor.compute import SpectrumCompute
+from spectral_callbacks.monitor.engines.compute import SpectrumCompute
 from spectral_callbacks.monitor.options import ConfigurationError, MonitorOptions
 from spectral_callbacks.monitor.snapshot import ShapeGroup, group_by_shape, take_snapshot
 from spectral_callbacks.names import scalar_tag

@@ -12,7 +12,7 @@ import torch
 
 from spectral_callbacks.functional import randomized_svd
 from spectral_callbacks.functional.calibration import MethodCalibration, decide
-from spectral_callbacks.monitor.compute import SpectrumCompute
+from spectral_callbacks.monitor.engines.compute import SpectrumCompute
 from spectral_callbacks.monitor.snapshot import ShapeGroup
 
 

@@ -24,7 +24,7 @@ from tiny_models import (
 )
 
 from spectral_callbacks.integrations.lightning import SpectralMonitor
-from spectral_callbacks.monitor.engine import WORKER_THREAD_NAME, SpectralComputeError
+from spectral_callbacks.monitor.engines.engine import WORKER_THREAD_NAME, SpectralComputeError
 from spectral_callbacks.names import NUM_LAYERS_TAG, monitor_tag, scalar_tag
 
 
@@ -252,7 +252,7 @@ def test_bad_arguments_are_named(kwargs: dict, match: str) -> None:
 def test_cuda_fit_bf16_randomized_values_are_exact_and_training_never_waits_for_the_svd() -> None:
     from cuda_checks import TimedCompute, sleep_ms
 
-    from spectral_callbacks.monitor.compute import SpectrumCompute
+    from spectral_callbacks.monitor.engines.compute import SpectrumCompute
     from spectral_callbacks.targets import find_targets
 
     sleep_ms(1)  # calibrate the GPU sleep on the main thread

@@ -20,7 +20,7 @@ from tiny_models import (
 
 from spectral_callbacks import SpectralTracker
 from spectral_callbacks.integrations.lightning import SpectralMonitor
-from spectral_callbacks.monitor.compute import SpectrumCompute
+from spectral_callbacks.monitor.engines.compute import SpectrumCompute
 from spectral_callbacks.names import scalar_tag
 
 

@@ -8,8 +8,8 @@ import pytest
 import torch
 from torch.overrides import TorchFunctionMode
 
-from spectral_callbacks.monitor import compute as compute_module
-from spectral_callbacks.monitor.compute import SpectrumCompute
+from spectral_callbacks.monitor.engines import compute as compute_module
+from spectral_callbacks.monitor.engines.compute import SpectrumCompute
 from spectral_callbacks.monitor.snapshot import ShapeGroup
 
 _PRODUCTS = {torch.matmul, torch.bmm, torch.baddbmm, torch.mm, torch.Tensor.__matmul__}

@@ -12,7 +12,7 @@ from tiny_models import RecordingLogger, TinyGPT, quiet_trainer
 from torch.utils.data import DataLoader, TensorDataset
 
 from spectral_callbacks.integrations.lightning import SpectralMonitor
-from spectral_callbacks.monitor.compute import SpectrumCompute
+from spectral_callbacks.monitor.engines.compute import SpectrumCompute
 from spectral_callbacks.monitor.snapshot import ShapeGroup
 
 

@@ -27,8 +27,8 @@ from tiny_models import RecordingLogger, TinyGPT, WeightRecorder, quiet_trainer,
 
 from spectral_callbacks.integrations.lightning import SpectralMonitor
 from spectral_callbacks.monitor import dashboards
-from spectral_callbacks.monitor.compute import SpectrumCompute
-from spectral_callbacks.monitor.engine import SnapshotEngine
+from spectral_callbacks.monitor.engines.compute import SpectrumCompute
+from spectral_callbacks.monitor.engines.engine import SnapshotEngine
 from spectral_callbacks.monitor.snapshot import group_by_shape, take_snapshot
 from spectral_callbacks.names import scalar_tag
 from spectral_callbacks.targets import Target, find_targets

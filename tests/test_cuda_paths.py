@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from spectral_callbacks.monitor.compute import SpectrumCompute
-from spectral_callbacks.monitor.engine import SnapshotEngine
+from spectral_callbacks.monitor.engines.compute import SpectrumCompute
+from spectral_callbacks.monitor.engines.engine import SnapshotEngine
 from spectral_callbacks.monitor.snapshot import group_by_shape, take_snapshot
 from spectral_callbacks.targets import Target
 

@@ -19,7 +19,7 @@ from torch.utils.tensorboard import SummaryWriter
 from spectral_callbacks import tensorboard_adapter
 from spectral_callbacks.integrations.lightning import DEFAULT_METRICS
 from spectral_callbacks.monitor import dashboards, figures
-from spectral_callbacks.monitor.compute import SpectrumCompute
+from spectral_callbacks.monitor.engines.compute import SpectrumCompute
 from spectral_callbacks.names import MatrixLabel, scalar_tag
 
 # Roles whose names are prefixes of others: K of KV, K_rope, K_g0, K_A; Q of Q_A; V of V_g0.

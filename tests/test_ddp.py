@@ -25,7 +25,7 @@ from spawn_ranks import run_session
 from tiny_models import TinyGPT, exact_compute, exact_stable_rank, read_scalars
 
 from spectral_callbacks.integrations.lightning import SpectralMonitor
-from spectral_callbacks.monitor import distributed as multi
+from spectral_callbacks.monitor.engines import distributed as multi
 from spectral_callbacks.monitor.snapshot import take_snapshot
 from spectral_callbacks.names import monitor_tag, scalar_tag
 from spectral_callbacks.targets import Target, find_targets

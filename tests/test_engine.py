@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from spectral_callbacks.monitor.engine import SnapshotEngine, SpectralComputeError
+from spectral_callbacks.monitor.engines.engine import SnapshotEngine, SpectralComputeError
 from spectral_callbacks.monitor.snapshot import ShapeGroup, group_by_shape, take_snapshot
 from spectral_callbacks.targets import Target
 
@@ -149,7 +149,7 @@ def test_max_pending_is_checked() -> None:
 def test_synchronous_compute_inside_a_callers_autocast_runs_in_float32() -> None:
     # synchronous=True computes on the calling thread, inside whatever autocast region it is in
     # (a plain loop, Fabric): the SVD's products then ran in bfloat16.
-    from spectral_callbacks.monitor.compute import SpectrumCompute
+    from spectral_callbacks.monitor.engines.compute import SpectrumCompute
 
     generator = torch.Generator().manual_seed(0)
     weights = {f"w{i}": torch.randn(96, 64, generator=generator) for i in range(2)}

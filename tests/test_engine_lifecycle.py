@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from spectral_callbacks.monitor.engine import SnapshotEngine, SpectralComputeError
+from spectral_callbacks.monitor.engines.engine import SnapshotEngine, SpectralComputeError
 from spectral_callbacks.monitor.snapshot import ShapeGroup, group_by_shape, take_snapshot
 from spectral_callbacks.targets import Target
 
@@ -43,7 +43,7 @@ INSIDE_LAPACK_AT_EXIT = """
     from spectral_callbacks.targets import Target
     import torch
     from spectral_callbacks.monitor import background
-    from spectral_callbacks.monitor.engine import SnapshotEngine
+    from spectral_callbacks.monitor.engines.engine import SnapshotEngine
     from spectral_callbacks.monitor.snapshot import group_by_shape, take_snapshot
     warnings.filterwarnings("ignore")
     background.ANNOUNCE_AFTER_SECONDS = 0.0
@@ -94,7 +94,7 @@ def test_the_worker_thread_count_does_not_change_other_threads() -> None:
         """
         import threading, torch
         from spectral_callbacks.targets import Target
-        from spectral_callbacks.monitor.engine import SnapshotEngine
+        from spectral_callbacks.monitor.engines.engine import SnapshotEngine
         from spectral_callbacks.monitor.snapshot import group_by_shape, take_snapshot
         torch.set_num_threads(2)
         seen = []
@@ -126,7 +126,7 @@ def test_the_sharded_worker_limits_only_its_own_threads_and_is_waited_for_at_exi
         f"""
         import threading, torch, torch.distributed as dist
         from spectral_callbacks.monitor import background
-        from spectral_callbacks.monitor.sharded import (
+        from spectral_callbacks.monitor.engines.sharded import (
             SHARDED_WORKER_THREAD_NAME, ShardedEngine, svd_group)
         from spectral_callbacks.targets import Target
         torch.set_num_threads(2)

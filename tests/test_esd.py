@@ -244,7 +244,7 @@ def test_logged_esd_alpha_equals_weightwatcher_along_a_trained_gpt(tmp_path: Pat
 
 
 def test_the_compute_fits_the_esd_on_the_first_snapshot_and_every_nth_after() -> None:
-    from spectral_callbacks.monitor.compute import SpectrumCompute
+    from spectral_callbacks.monitor.engines.compute import SpectrumCompute
     from spectral_callbacks.monitor.snapshot import ShapeGroup
 
     compute = SpectrumCompute(k=4, esd=True, esd_every_n_snapshots=3)
@@ -256,7 +256,7 @@ def test_the_compute_fits_the_esd_on_the_first_snapshot_and_every_nth_after() ->
 
 
 def test_a_resumed_compute_counts_on_from_the_snapshots_taken_before() -> None:
-    from spectral_callbacks.monitor.compute import SpectrumCompute
+    from spectral_callbacks.monitor.engines.compute import SpectrumCompute
     from spectral_callbacks.monitor.snapshot import ShapeGroup
 
     compute = SpectrumCompute(k=4, esd=True, esd_every_n_snapshots=3)

@@ -20,7 +20,7 @@ from spectral_callbacks.cli.main import main as cli
 from spectral_callbacks.hf import SpectralTrainerCallback
 from spectral_callbacks.hf import SpectralTrainerCallback as Again
 from spectral_callbacks.integrations.hf import STATE_FILE, trainer_logdir
-from spectral_callbacks.monitor import distributed as multi
+from spectral_callbacks.monitor.engines import distributed as multi
 from spectral_callbacks.monitor.options import ConfigurationError
 from spectral_callbacks.names import monitor_tag, scalar_tag
 from spectral_callbacks.offline.events import read_event_file

@@ -13,7 +13,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import overhead  # noqa: E402
 
-from spectral_callbacks.monitor.engine import WORKER_THREAD_NAME  # noqa: E402
+from spectral_callbacks.monitor.engines.engine import WORKER_THREAD_NAME  # noqa: E402
 
 TOY = ["--layers", "1", "--width", "32", "--block", "8", "--batch", "2", "--steps", "30"]
 
@@ -87,7 +87,7 @@ def _placed(out: str) -> dict[str, str]:
 def test_the_default_variant_is_placed_from_the_machine(
     cores: float, placed: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from spectral_callbacks.monitor import placement
+    from spectral_callbacks.monitor.engines import placement
 
     monkeypatch.setattr(placement, "available_cores", lambda: cores)
     overhead.main([*TOY, "--rounds", "1", "--variants", "default,inline-no-figures"])

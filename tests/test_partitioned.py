@@ -19,8 +19,8 @@ from tiny_models import TinyGPT
 
 from spectral_callbacks import SpectralTracker
 from spectral_callbacks.integrations.lightning import SpectralMonitor
+from spectral_callbacks.monitor.engines.partitioned import partitioning
 from spectral_callbacks.monitor.options import ConfigurationError
-from spectral_callbacks.monitor.partitioned import partitioning
 
 
 def zero3_partitioned(model: torch.nn.Module) -> torch.nn.Module:

@@ -11,9 +11,13 @@ import pytest
 import torch
 
 from spectral_callbacks import SpectralTracker
-from spectral_callbacks.monitor import placement
+from spectral_callbacks.monitor.engines import placement
+from spectral_callbacks.monitor.engines.placement import (
+    available_cores,
+    cgroup_quota,
+    choose_placement,
+)
 from spectral_callbacks.monitor.options import ConfigurationError
-from spectral_callbacks.monitor.placement import available_cores, cgroup_quota, choose_placement
 
 INLINE_TAG = "spectral_monitor/inline"
 

@@ -200,7 +200,7 @@ def test_fsdp_over_tensor_parallel_on_a_2d_mesh(tmp_path) -> None:
 
 
 def test_bad_arguments_are_refused_before_any_work(tmp_path) -> None:
-    from spectral_callbacks.monitor.sharded import ShardedEngine, svd_group
+    from spectral_callbacks.monitor.engines.sharded import ShardedEngine, svd_group
     from spectral_callbacks.targets import Target
 
     dist.init_process_group(

@@ -228,9 +228,9 @@ def test_make_engine_picks_the_sharded_engine_for_dtensors_and_refuses_a_custom_
     from torch.distributed.tensor import init_device_mesh
 
     from spectral_callbacks import SpectralTracker
+    from spectral_callbacks.monitor.engines.protocol import Engine
+    from spectral_callbacks.monitor.engines.sharded import ShardedEngine
     from spectral_callbacks.monitor.options import ConfigurationError
-    from spectral_callbacks.monitor.protocol import Engine
-    from spectral_callbacks.monitor.sharded import ShardedEngine
 
     dist.init_process_group(
         "gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1

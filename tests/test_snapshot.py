@@ -119,7 +119,7 @@ def test_cuda_copy_does_not_queue_behind_work_on_the_compute_stream() -> None:
 def test_the_compute_stream_reads_the_stack_only_after_the_copy() -> None:
     from cuda_checks import sleep_ms
 
-    from spectral_callbacks.monitor.engine import SnapshotEngine
+    from spectral_callbacks.monitor.engines.engine import SnapshotEngine
 
     weight = torch.randn(256, 256, device="cuda")
     groups = group_by_shape(_targets({"w": weight}))
@@ -168,7 +168,7 @@ def test_a_freed_stack_is_not_reused_by_training_while_the_compute_stream_reads_
     # stream - would overwrite the stack before the compute stream, still 300 ms behind, reads it.
     from cuda_checks import sleep_ms
 
-    from spectral_callbacks.monitor.engine import SnapshotEngine
+    from spectral_callbacks.monitor.engines.engine import SnapshotEngine
 
     weight = torch.randn(512, 512, device="cuda")
     expected = float(weight.double().sum())

@@ -396,9 +396,9 @@ def test_both_engines_implement_the_protocol_and_the_factory_picks_by_world_size
 ) -> None:
     import torch.distributed as dist
 
-    from spectral_callbacks.monitor.distributed import DistributedEngine
-    from spectral_callbacks.monitor.engine import SnapshotEngine
-    from spectral_callbacks.monitor.protocol import Engine, make_engine
+    from spectral_callbacks.monitor.engines.distributed import DistributedEngine
+    from spectral_callbacks.monitor.engines.engine import SnapshotEngine
+    from spectral_callbacks.monitor.engines.protocol import Engine, make_engine
     from spectral_callbacks.targets import find_targets
 
     targets = find_targets(TinyGPT())
@@ -562,7 +562,7 @@ def test_a_default_device_set_on_the_training_thread_leaves_the_host_tensors_on_
     # torch.set_default_device("cuda") in a training script: every host-side factory of the
     # reporter, the DDP payload and the pinned buffers names device="cpu". The meta device (the
     # one other device of a CPU build) stands in for CUDA: a tensor made there has no data.
-    from spectral_callbacks.monitor.distributed import ResultLayout
+    from spectral_callbacks.monitor.engines.distributed import ResultLayout
 
     torch.manual_seed(0)
     model = TinyGPT(n_layer=1, n_embd=64, n_head=4, block_size=16)

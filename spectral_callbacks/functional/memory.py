@@ -1,6 +1,6 @@
 """How many bytes ``randomized_svd`` and the metrics allocate on a batch: an upper bound from shapes.
 
-The snapshot budget (``monitor/budget.py``) is kept from this count, never by asking the device or
+The snapshot budget (``monitor/engines/budget.py``) is kept from this count, never by asking the device or
 the allocator, so it must bound what every path of ``randomized_svd`` can allocate at once, the
 rare ones included. Per matrix of the batch, with ``s = min(m, n)``, ``L = max(m, n)``, ``e`` the
 bytes of the compute dtype (4, or 8 for float64 input), ``w = k + n_oversamples`` (capped at ``s``)

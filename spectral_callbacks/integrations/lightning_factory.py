@@ -39,13 +39,13 @@ from typing import TYPE_CHECKING, Any
 
 from typing_extensions import override
 
+from spectral_callbacks.monitor.engines.partitioned import partitioned_error
 from spectral_callbacks.monitor.options import (
     DEFAULT_METRICS,
     ConfigurationError,
     MonitorOptions,
     with_options,
 )
-from spectral_callbacks.monitor.partitioned import partitioned_error
 from spectral_callbacks.monitor.tracker import SpectralTracker
 
 if TYPE_CHECKING:
@@ -272,7 +272,7 @@ def check_strategy(trainer: Any, max_overhead: float | None, strategies: Any) ->
     Raises:
         ConfigurationError: for FSDP (``FSDPStrategy``, FSDP1: its flat parameters are not
             DTensors) and DeepSpeed ZeRO-3 (partitioned parameters): no rank holds a matrix or a
-            DTensor shard of one (``monitor/partitioned.py``'s one message, which the tracker
+            DTensor shard of one (``monitor/engines/partitioned.py``'s one message, which the tracker
             also raises for such a model under the other frontends); for any other multi-process strategy than DDP and
             ``ModelParallelStrategy``; and for ``max_overhead`` with several processes (the budget
             is measured per rank, so ranks would snapshot at different steps).

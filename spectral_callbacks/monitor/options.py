@@ -166,7 +166,7 @@ class MonitorOptions:
         synchronous: where a snapshot's CPU work runs: ``True`` inline on the training thread at
             its step, ``False`` on the worker thread (on CUDA: the side stream), ``None`` chosen
             at the start of training: on the CPU the worker where a core is spare beside
-            training's intra-op threads, inline where none is (``monitor/placement.py``); on CUDA
+            training's intra-op threads, inline where none is (``monitor/engines/placement.py``); on CUDA
             the side stream. Default ``None``.
         drain_timeout: seconds to wait for in-flight snapshots at the end of training or after an
             exception. Default ``60.0``.
@@ -186,7 +186,7 @@ class MonitorOptions:
             :class:`~spectral_callbacks.monitor.alerts.Alert` (to stop the run, lower the learning
             rate, ...). Default ``None``.
         compute: replace the SVD + metrics function (``(group, batch) -> {metric: (B,) tensor}``).
-            Default ``None`` (:class:`~spectral_callbacks.monitor.compute.SpectrumCompute`).
+            Default ``None`` (:class:`~spectral_callbacks.monitor.engines.compute.SpectrumCompute`).
         delta: also log the update family (``spectral_update_*``) of each dense watched matrix
             against a reference: ``"first"`` (its weights when the tracker starts) or a base
             model's ``state_dict`` or the path of one (``.safetensors``, ``.pt``, a model

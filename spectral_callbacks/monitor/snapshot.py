@@ -45,7 +45,7 @@ from typing import Any
 import torch
 
 from spectral_callbacks.functional.batch import Stack
-from spectral_callbacks.monitor.streams import record_event
+from spectral_callbacks.monitor.engines.streams import record_event
 from spectral_callbacks.targets.target import Target
 
 

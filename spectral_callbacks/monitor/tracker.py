@@ -39,10 +39,13 @@ from spectral_callbacks.messages import rank_zero_info, rank_zero_warn
 from spectral_callbacks.monitor import background, dashboards
 from spectral_callbacks.monitor.alerts import Alert, AlertWatch, alert_table
 from spectral_callbacks.monitor.balancer import LRBalancer
-from spectral_callbacks.monitor.budget import Plan, plan_snapshot, resolve_budget
-from spectral_callbacks.monitor.compute import SpectrumCompute
-from spectral_callbacks.monitor.distributed import world
-from spectral_callbacks.monitor.engine import SnapshotResult
+from spectral_callbacks.monitor.engines.budget import Plan, plan_snapshot, resolve_budget
+from spectral_callbacks.monitor.engines.compute import SpectrumCompute
+from spectral_callbacks.monitor.engines.distributed import world
+from spectral_callbacks.monitor.engines.engine import SnapshotResult
+from spectral_callbacks.monitor.engines.partitioned import refuse_partitioned
+from spectral_callbacks.monitor.engines.placement import Placement, machine_placement
+from spectral_callbacks.monitor.engines.protocol import Engine, make_engine
 from spectral_callbacks.monitor.options import (
     DEFAULT_FIGURE_ROLES,
     DEFAULT_METRICS,
@@ -52,9 +55,6 @@ from spectral_callbacks.monitor.options import (
     require,
     with_options,
 )
-from spectral_callbacks.monitor.partitioned import refuse_partitioned
-from spectral_callbacks.monitor.placement import Placement, machine_placement
-from spectral_callbacks.monitor.protocol import Engine, make_engine
 from spectral_callbacks.monitor.reporting import Reporter, health_scalars
 from spectral_callbacks.monitor.schedule import SnapshotSchedule
 from spectral_callbacks.monitor.snapshot import group_by_shape

@@ -71,11 +71,16 @@ from spectral_callbacks.functional.metrics import metrics_from_spectrum
 from spectral_callbacks.functional.sharded_svd import sharded_randomized_svd
 from spectral_callbacks.messages import count
 from spectral_callbacks.monitor import background
-from spectral_callbacks.monitor.engine import SnapshotResult
+from spectral_callbacks.monitor.engines.engine import SnapshotResult
+from spectral_callbacks.monitor.engines.shards import (
+    LocalPiece,
+    ShardingError,
+    local_piece,
+    mesh_ranks,
+)
+from spectral_callbacks.monitor.engines.streams import ComputeStreams, record_event
 from spectral_callbacks.monitor.reporting import health_scalars
-from spectral_callbacks.monitor.shards import LocalPiece, ShardingError, local_piece, mesh_ranks
 from spectral_callbacks.monitor.snapshot import Snapshot
-from spectral_callbacks.monitor.streams import ComputeStreams, record_event
 from spectral_callbacks.targets.target import Target
 
 __all__ = ["ShardGroup", "ShardedEngine", "ShardedEngineError", "ShardedResult", "svd_group"]
@@ -152,7 +157,7 @@ class _Job:
 class ShardedEngine:
     """Decomposes the watched matrices of a sharded model where their shards live.
 
-    It implements :class:`~spectral_callbacks.monitor.protocol.Engine`, and ``make_engine`` picks
+    It implements :class:`~spectral_callbacks.monitor.engines.protocol.Engine`, and ``make_engine`` picks
     it when a watched parameter is a DTensor: ``offer`` at each scheduled step on every rank,
     ``collect`` in later hooks (every rank gets every matrix's metrics; the tracker writes them
     on rank 0 only), ``finish`` at the end of training, ``abort`` after an exception, ``close``.

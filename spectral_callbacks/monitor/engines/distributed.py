@@ -2,7 +2,7 @@
 
 Under DDP every rank holds the same weights after each optimizer step, so the matrices of a
 snapshot are split across ranks (:func:`partition`, balanced by cost) and each rank runs its share
-through its own :class:`~spectral_callbacks.monitor.engine.SnapshotEngine`, exactly as one process would.
+through its own :class:`~spectral_callbacks.monitor.engines.engine.SnapshotEngine`, exactly as one process would.
 The small results (a few floats per matrix) travel to rank 0 without a blocking collective on the
 training path:
 
@@ -59,7 +59,7 @@ import torch
 import torch.distributed as dist
 
 from spectral_callbacks.messages import rank_zero_warn
-from spectral_callbacks.monitor.engine import Compute, SnapshotEngine, SnapshotResult
+from spectral_callbacks.monitor.engines.engine import Compute, SnapshotEngine, SnapshotResult
 from spectral_callbacks.monitor.snapshot import Snapshot, group_by_shape
 from spectral_callbacks.names import monitor_tag
 from spectral_callbacks.targets.target import Target
@@ -220,7 +220,7 @@ class _Point:
 class DistributedEngine:
     """A :class:`SnapshotEngine` over this rank's share, plus the gather of every rank's results.
 
-    It implements :class:`spectral_callbacks.monitor.protocol.Engine`, so the tracker drives it
+    It implements :class:`spectral_callbacks.monitor.engines.protocol.Engine`, so the tracker drives it
     exactly as a :class:`SnapshotEngine`: every rank calls :meth:`offer` at every scheduled point
     (it issues the collective, so it never skips the call - the local engine skips and counts a
     snapshot when full), :meth:`collect` returns the gathered results on rank 0 and nothing
@@ -265,7 +265,7 @@ class DistributedEngine:
             **engine_options,
         )
         if self._local.plan.staggered:
-            from spectral_callbacks.monitor.budget import mib
+            from spectral_callbacks.monitor.engines.budget import mib
             from spectral_callbacks.monitor.options import ConfigurationError
 
             plan = self._local.plan

@@ -66,9 +66,9 @@ import torch
 
 from spectral_callbacks.functional.batch import Stack
 from spectral_callbacks.monitor import background
-from spectral_callbacks.monitor.budget import Ledger, plan_snapshot
+from spectral_callbacks.monitor.engines.budget import Ledger, plan_snapshot
+from spectral_callbacks.monitor.engines.streams import ComputeStreams
 from spectral_callbacks.monitor.snapshot import ShapeGroup, Snapshot, take_snapshot
-from spectral_callbacks.monitor.streams import ComputeStreams
 
 #: ``compute(group, batch)``: ``batch`` is a float ``(B, m, n)`` stack of the group's matrices (or
 #: the ``functional.batch.MatrixBatch`` a kind of target snapshots itself as); returns metric name -> ``(B,)`` tensor. On CUDA it runs with the compute stream current.
@@ -152,7 +152,7 @@ class SnapshotEngine:
 
     Args:
         compute: the function that turns a ``(B, m, n)`` float batch into metric tensors, for
-            example :class:`spectral_callbacks.monitor.compute.SpectrumCompute`.
+            example :class:`spectral_callbacks.monitor.engines.compute.SpectrumCompute`.
         groups: the shape groups the snapshots hold, from ``group_by_shape``.
         max_pending: how many snapshots may be submitted and not yet collected. Default ``2``.
         synchronous: compute inline in :meth:`submit` and wait for it (``placement.py`` says
@@ -164,7 +164,7 @@ class SnapshotEngine:
             busy cores the scheduler runs training first and the SVD in what is left. ``None``
             leaves it; ignored on CUDA, where the worker only enqueues kernels. Default ``None``.
         skipped: snapshots skipped before a resume, so ``skipped`` keeps counting. Default ``0``.
-        max_snapshot_bytes: the bytes the copies and working set may hold (``monitor/budget.py``);
+        max_snapshot_bytes: the bytes the copies and working set may hold (``monitor/engines/budget.py``);
             a snapshot that does not fit at once is copied in parts over consecutive steps
             (:meth:`advance`). ``None``: no bound. Default ``None``.
         max_delay_steps: a staggered snapshot copies its parts within
@@ -172,7 +172,7 @@ class SnapshotEngine:
             parts still waiting then are skipped and counted in :attr:`skipped_matrices`.
             Default ``25``.
 
-    It implements :class:`spectral_callbacks.monitor.protocol.Engine`; :meth:`submit` is the
+    It implements :class:`spectral_callbacks.monitor.engines.protocol.Engine`; :meth:`submit` is the
     lower-level hand-over of a snapshot taken elsewhere.
 
     Raises:

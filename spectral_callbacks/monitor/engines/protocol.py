@@ -12,10 +12,10 @@ The tracker drives every engine through these calls and never asks which one it 
     shutdown                 close(timeout)               stop the worker (idempotent)
     health                   pending, skipped, skipped_matrices, awaiting_results
 
-Implementations: :class:`~spectral_callbacks.monitor.engine.SnapshotEngine` (one process: a worker
-thread, a CUDA side stream), :class:`~spectral_callbacks.monitor.distributed.DistributedEngine`
+Implementations: :class:`~spectral_callbacks.monitor.engines.engine.SnapshotEngine` (one process: a worker
+thread, a CUDA side stream), :class:`~spectral_callbacks.monitor.engines.distributed.DistributedEngine`
 (DDP: each rank decomposes its share, rank 0 gets every result) and
-:class:`~spectral_callbacks.monitor.sharded.ShardedEngine` (sharded DTensor weights, FSDP2 or
+:class:`~spectral_callbacks.monitor.engines.sharded.ShardedEngine` (sharded DTensor weights, FSDP2 or
 tensor parallel: each rank snapshots its local shards, the ranks decompose every matrix together,
 and every rank gets every result).
 
@@ -38,9 +38,9 @@ from typing import Any, Protocol, runtime_checkable
 
 from torch.distributed.tensor import DTensor
 
-from spectral_callbacks.monitor.budget import resolve_budget
-from spectral_callbacks.monitor.compute import SpectrumCompute
-from spectral_callbacks.monitor.engine import Compute, SnapshotResult
+from spectral_callbacks.monitor.engines.budget import resolve_budget
+from spectral_callbacks.monitor.engines.compute import SpectrumCompute
+from spectral_callbacks.monitor.engines.engine import Compute, SnapshotResult
 from spectral_callbacks.monitor.options import ConfigurationError, MonitorOptions
 from spectral_callbacks.targets.target import Target
 
@@ -147,8 +147,8 @@ def make_engine(
         ConfigurationError: sharded weights with a custom ``compute`` (the sharded SVD runs the
             default metrics only) or with the ESD metrics (they need whole matrices).
     """
-    from spectral_callbacks.monitor import distributed
-    from spectral_callbacks.monitor.engine import SnapshotEngine
+    from spectral_callbacks.monitor.engines import distributed
+    from spectral_callbacks.monitor.engines.engine import SnapshotEngine
     from spectral_callbacks.monitor.snapshot import group_by_shape
 
     engine_options: dict[str, Any] = {
@@ -184,7 +184,7 @@ def _sharded_engine(
     compute: Compute, targets: Sequence[Target], options: dict[str, Any], drain_timeout: float
 ) -> Engine:
     """The engine for DTensor weights, configured like the default compute function."""
-    from spectral_callbacks.monitor.sharded import ShardedEngine, svd_group
+    from spectral_callbacks.monitor.engines.sharded import ShardedEngine, svd_group
 
     if not isinstance(compute, SpectrumCompute):
         raise ConfigurationError(
