@@ -64,7 +64,7 @@ def several_models(factory: object) -> tuple[Path, list]:
 
 def encoder_decoder_run(logdir: Path) -> Path:
     """A T5 of 2 encoder and 3 decoder blocks: stacks ``enc`` and ``dec``, cross-attention."""
-    from test_targets_stacks import t5
+    from hf_models import t5
 
     torch.manual_seed(0)
     model = t5()
@@ -75,7 +75,7 @@ def encoder_decoder_run(logdir: Path) -> Path:
 
 def mixture_of_experts_run(logdir: Path) -> Path:
     """A Mixtral of 3 layers x 4 experts: the experts' roles as mean, min and max."""
-    from test_experts import mixtral
+    from hf_models import mixtral
 
     torch.manual_seed(0)
     _fit(mixtral(), logdir)

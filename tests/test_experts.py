@@ -11,6 +11,7 @@ from collections import defaultdict
 
 import pytest
 import torch
+from hf_models import SMALL, deepseek_v3, mixtral, olmoe, qwen2_moe, qwen3_moe
 from hf_train import WeightRecorder as HFWeightRecorder
 from lightning.pytorch import LightningModule
 from lightning.pytorch.loggers import TensorBoardLogger
@@ -24,50 +25,6 @@ from spectral_callbacks.names import histogram_tag, parse_tag, scalar_tag
 from spectral_callbacks.targets import TargetWarning, UnwatchedExpertWarning, find_targets
 
 transformers = pytest.importorskip("transformers")
-SMALL = dict(vocab_size=64, hidden_size=16, num_hidden_layers=3, num_attention_heads=4)
-
-
-def mixtral():
-    config = transformers.MixtralConfig(
-        **SMALL, intermediate_size=24, num_key_value_heads=2, num_local_experts=4,
-        num_experts_per_tok=2,
-    )  # fmt: skip
-    return transformers.MixtralForCausalLM(config)
-
-
-def qwen3_moe():
-    config = transformers.Qwen3MoeConfig(
-        **SMALL, intermediate_size=24, moe_intermediate_size=8, num_key_value_heads=2,
-        num_experts=4, num_experts_per_tok=2, head_dim=4,
-    )  # fmt: skip
-    return transformers.Qwen3MoeForCausalLM(config)
-
-
-def qwen2_moe():
-    config = transformers.Qwen2MoeConfig(
-        **SMALL, intermediate_size=24, moe_intermediate_size=8, shared_expert_intermediate_size=8,
-        num_key_value_heads=2, num_experts=4, num_experts_per_tok=2,
-    )  # fmt: skip
-    return transformers.Qwen2MoeForCausalLM(config)
-
-
-def olmoe():
-    config = transformers.OlmoeConfig(
-        **SMALL, intermediate_size=8, num_key_value_heads=2, num_experts=4, num_experts_per_tok=2
-    )
-    return transformers.OlmoeForCausalLM(config)
-
-
-def deepseek_v3():
-    config = transformers.DeepseekV3Config(
-        **SMALL, intermediate_size=24, moe_intermediate_size=8, num_key_value_heads=4,
-        n_routed_experts=4, num_experts_per_tok=2, first_k_dense_replace=1, n_shared_experts=1,
-        kv_lora_rank=8, q_lora_rank=8, qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=4,
-        n_group=1, topk_group=1,
-    )  # fmt: skip
-    return transformers.DeepseekV3ForCausalLM(config)
-
-
 MODELS = {
     "mixtral": mixtral,
     "qwen3-moe": qwen3_moe,

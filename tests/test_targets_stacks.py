@@ -8,6 +8,7 @@ import warnings
 
 import pytest
 import torch
+from hf_models import bart, clip, mbart, siglip, t5, vision_encoder_decoder, whisper
 
 from spectral_callbacks.names import parse_tag
 from spectral_callbacks.targets import TargetWarning, find_targets, format_targets
@@ -16,127 +17,6 @@ transformers = pytest.importorskip("transformers")
 
 SELF = ("Q", "K", "V", "O")
 CROSS = ("Q_cross", "K_cross", "V_cross", "O_cross")
-
-
-def t5():
-    config = transformers.T5Config(
-        vocab_size=64, d_model=16, d_kv=4, d_ff=32, num_layers=2, num_decoder_layers=3, num_heads=4
-    )
-    return transformers.T5ForConditionalGeneration(config)
-
-
-def bart():
-    config = transformers.BartConfig(
-        vocab_size=64,
-        d_model=16,
-        encoder_layers=2,
-        decoder_layers=3,
-        encoder_attention_heads=4,
-        decoder_attention_heads=4,
-        encoder_ffn_dim=32,
-        decoder_ffn_dim=32,
-        max_position_embeddings=32,
-    )
-    return transformers.BartForConditionalGeneration(config)
-
-
-def mbart():
-    config = transformers.MBartConfig(
-        vocab_size=64,
-        d_model=16,
-        encoder_layers=2,
-        decoder_layers=3,
-        encoder_attention_heads=4,
-        decoder_attention_heads=4,
-        encoder_ffn_dim=32,
-        decoder_ffn_dim=32,
-        max_position_embeddings=32,
-    )
-    return transformers.MBartForConditionalGeneration(config)
-
-
-def whisper():
-    config = transformers.WhisperConfig(
-        vocab_size=64,
-        d_model=16,
-        encoder_layers=2,
-        decoder_layers=3,
-        encoder_attention_heads=4,
-        decoder_attention_heads=4,
-        encoder_ffn_dim=32,
-        decoder_ffn_dim=32,
-        num_mel_bins=8,
-        max_source_positions=16,
-        max_target_positions=16,
-        pad_token_id=0,
-        bos_token_id=1,
-        eos_token_id=2,
-        decoder_start_token_id=1,
-    )
-    return transformers.WhisperForConditionalGeneration(config)
-
-
-def vision_encoder_decoder():
-    vit = transformers.ViTConfig(
-        hidden_size=16,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        intermediate_size=32,
-        image_size=8,
-        patch_size=4,
-    )
-    gpt2 = transformers.GPT2Config(
-        n_embd=16,
-        n_layer=3,
-        n_head=4,
-        vocab_size=64,
-        n_positions=32,
-        add_cross_attention=True,
-        is_decoder=True,
-    )
-    config = transformers.VisionEncoderDecoderConfig.from_encoder_decoder_configs(vit, gpt2)
-    return transformers.VisionEncoderDecoderModel(config)
-
-
-def clip():
-    text = dict(
-        vocab_size=64,
-        hidden_size=16,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        intermediate_size=32,
-        max_position_embeddings=16,
-    )
-    vision = dict(
-        hidden_size=16,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        intermediate_size=32,
-        image_size=8,
-        patch_size=4,
-    )
-    return transformers.CLIPModel(transformers.CLIPConfig(text_config=text, vision_config=vision))
-
-
-def siglip():
-    text = dict(
-        vocab_size=64,
-        hidden_size=16,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        intermediate_size=32,
-        max_position_embeddings=16,
-    )
-    vision = dict(
-        hidden_size=16,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        intermediate_size=32,
-        image_size=8,
-        patch_size=4,
-    )
-    config = transformers.SiglipConfig(text_config=text, vision_config=vision)
-    return transformers.SiglipModel(config)
 
 
 # (builder, {stack: (layers, roles every layer has)})
