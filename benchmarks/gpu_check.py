@@ -50,7 +50,7 @@ BUDGETS = {"tests": 320.0, "overhead": 85.0, "svd": 35.0, "figures": 20.0}
 RESERVED_PER_RUN = 20.0
 # The stream and memory tests run first: what no CPU test can show (overlap with training, the
 # allocator's peak against the budget's bound, cold and warm), before the per-kind value checks.
-FIRST = ("tests/test_cuda.py", "svd_runs_while or peak or memory or cold_snapshot")
+FIRST = ("tests/cuda/test_cuda.py", "svd_runs_while or peak or memory or cold_snapshot")
 
 
 @dataclass
@@ -108,17 +108,18 @@ def format_table(rows: Sequence[Row], title: str) -> str:
 
 
 def gpu_test_files() -> list[Path]:
-    """The test files that hold GPU tests (``@pytest.mark.gpu``), in name order."""
+    """The test files that hold GPU tests (``@pytest.mark.gpu``), in every folder of tests/, in
+    path order."""
     return [
         path
-        for path in sorted((ROOT / "tests").glob("test_*.py"))
+        for path in sorted((ROOT / "tests").rglob("test_*.py"))
         if "mark.gpu" in path.read_text(encoding="utf-8")
     ]
 
 
 def gpu_test_runs() -> list[tuple[str, str]]:
     """(file, ``-k`` expression) of each pytest run: :data:`FIRST`'s stream and memory tests, the
-    rest of that file, then every other GPU test file in name order (``""``: the whole file).
+    rest of that file, then every other GPU test file in path order (``""``: the whole file).
 
     >>> runs = gpu_test_runs()
     >>> runs[0] == FIRST and runs[1] == (FIRST[0], f"not ({FIRST[1]})")

@@ -1,5 +1,6 @@
-"""Shared test setup: examples/ is importable, one torch thread, GPU tests skip without a GPU,
-torch's float32 precision put back after a test that sets it."""
+"""Shared test setup: the helper modules of tests/ and examples/ are importable from every test
+folder, one torch thread, GPU tests skip without a GPU, torch's float32 precision put back after a
+test that sets it."""
 
 from __future__ import annotations
 
@@ -14,7 +15,11 @@ import torch
 # otherwise oversubscribe CI's two cores, and small-matrix tests gain nothing from more.
 torch.set_num_threads(1)
 
-EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+# The tests sit in folders that mirror the package; the helpers they share (tiny_models.py, the
+# scripts run in subprocesses, the *_cases.py that spawned ranks import by name) stay in tests/.
+TESTS = Path(__file__).resolve().parent
+EXAMPLES = TESTS.parent / "examples"
+sys.path.insert(0, str(TESTS))
 sys.path.insert(0, str(EXAMPLES))
 
 

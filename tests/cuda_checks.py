@@ -2,7 +2,7 @@
 thread, recorders of events and streams.
 
 Nothing here fakes CUDA: the helpers that need a device are used by ``@pytest.mark.gpu`` tests
-only. The trap (:class:`SyncDetector`) is also tested on the CPU (tests/test_cuda_checks.py),
+only. The trap (:class:`SyncDetector`) is also tested on the CPU (tests/cuda/test_cuda_checks.py),
 against the meta device, to show it reports what it is meant to report.
 """
 

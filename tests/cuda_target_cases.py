@@ -1,4 +1,4 @@
-"""One short Lightning fit per target kind, for the GPU tests of tests/test_cuda_targets.py: every
+"""One short Lightning fit per target kind, for the GPU tests of tests/cuda/test_cuda_targets.py: every
 hook of the monitor inside the sync detector (cuda_checks.SyncDetector), every logged value beside
 a float64 reference of the weights at its step.
 

@@ -1,4 +1,4 @@
-"""What each rank runs for tests/test_cuda_ranks.py: two ranks on the one GPU (gloo), a
+"""What each rank runs for tests/cuda/test_cuda_ranks.py: two ranks on the one GPU (gloo), a
 SpectralTracker writing TensorBoard with figures (rank 0), every tracker call on the training
 thread inside the trap of cuda_checks.SyncDetector.
 
@@ -67,7 +67,7 @@ def tracked_on_one_gpu(
     """Train STEPS steps under the tracker; what the trap found on this rank's training thread,
     the engine the tracker chose and the steps whose figures were handed over.
 
-    ``device="cpu"`` runs the same on the host (tests/test_cuda_checks.py: the helper itself works
+    ``device="cpu"`` runs the same on the host (tests/cuda/test_cuda_checks.py: the helper itself works
     before a GPU runs it; the trap then has no device to catch).
     """
     from cuda_checks import SyncDetector

@@ -1,4 +1,4 @@
-"""A short real DDP run (CPU, gloo) with SpectralMonitor, for tests/test_ddp.py.
+"""A short real DDP run (CPU, gloo) with SpectralMonitor, for tests/integrations/test_ddp.py.
 
 ``python tests/ddp_train.py OUTDIR [--devices N] [--steps S] [--fail-rank R --fail-step F]
 [--max-pending P]``

@@ -2,7 +2,7 @@
 
 ``python tests/hf_train.py OUTDIR [--steps S] [--accumulate A] [--save-steps N] [--resume]
 [--logdir DIR]`` - run directly or under ``torchrun --nproc_per_node 2`` (gloo, CPU). Used by
-tests/test_hf.py: in-process through :func:`train`, and as a script for the multi-process run.
+tests/integrations/test_hf.py: in-process through :func:`train`, and as a script for the multi-process run.
 The watched matrices after every optimizer step are saved (rank 0) to ``OUTDIR/weights.pt``.
 """
 

@@ -1,6 +1,6 @@
 """A plain loop whose end-of-training wait the parent interrupts with SIGINT (Ctrl-C).
 
-Run by tests/test_tracker.py: ``python interrupted_drain.py LOGDIR``. Each shape group's compute
+Run by tests/monitor/test_tracker.py: ``python interrupted_drain.py LOGDIR``. Each shape group's compute
 takes 0.3 s, so at the end four snapshots are still in flight when the wait begins. The loop is a
 sweep of two runs: the Ctrl-C must reach it, not start the second run.
 """

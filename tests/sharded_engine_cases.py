@@ -1,4 +1,4 @@
-"""What each rank runs for tests/test_sharded_engine.py: a raw training loop on a sharded model
+"""What each rank runs for tests/monitor/engines/test_sharded_engine.py: a raw training loop on a sharded model
 with a ShardedEngine, recording the full weights (``full_tensor()``, test-only) at each snapshot."""
 
 from __future__ import annotations

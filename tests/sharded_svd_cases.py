@@ -1,4 +1,4 @@
-"""What each rank runs for tests/test_sharded_svd.py (spawned processes import this by name).
+"""What each rank runs for tests/functional/test_sharded_svd.py (spawned processes import this by name).
 
 Every rank builds the same full test matrix from a seed (the test, not the code under test, may
 hold it), keeps only its own block, and calls ``sharded_randomized_svd`` on that block alone under

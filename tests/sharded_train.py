@@ -1,4 +1,4 @@
-"""A short sharded run (CPU, gloo, 2 processes) with SpectralMonitor, for tests/test_sharded_frontends.py.
+"""A short sharded run (CPU, gloo, 2 processes) with SpectralMonitor, for tests/integrations/test_sharded_frontends.py.
 
 ``python tests/sharded_train.py OUTDIR [--tp] [--steps S] [--fail-rank R --fail-step F]
 [--checkpoint-every N] [--resume CKPT] [--suffix S]``

@@ -62,7 +62,7 @@ __all__ = [
 #: PEFT tuner types (the package under ``peft.tuners``) whose layer computes ``base(x) + x dW^T``
 #: with ``dW = sum of get_delta_weight(adapter)`` over the active adapters, in the base weight's
 #: stored layout, as their ``merge`` adds it: read as a dense update. Each is checked against
-#: ``merge_and_unload()`` in tests/test_peft.py. (LoRA itself is read as factors.)
+#: ``merge_and_unload()`` in tests/targets/test_peft.py. (LoRA itself is read as factors.)
 ADDITIVE_TUNERS = frozenset(
     {"loha", "lokr", "adalora", "vera", "randlora", "vblora", "fourierft", "c3a", "shira"}
 )

@@ -23,10 +23,10 @@ from spectral_callbacks.functional.esd import esd_eigenvalues, esd_fit, esd_metr
 from spectral_callbacks.names import scalar_tag
 from spectral_callbacks.offline.ranking import weightwatcher_label
 
-sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).parents[1]))
 from tiny_models import read_scalars  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 from data import RandomWindows, load_bytes  # noqa: E402
 from gpt import GPT, GPTConfig  # noqa: E402
 

@@ -251,7 +251,7 @@ def test_static_files_served_and_nothing_outside(tab: Tab) -> None:
 
 def test_entry_point_names_the_plugin() -> None:
     tomllib = pytest.importorskip("tomllib", reason="tomllib is Python 3.11+")
-    pyproject = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())
+    pyproject = tomllib.loads((Path(__file__).parents[2] / "pyproject.toml").read_text())
     target = pyproject["project"]["entry-points"]["tensorboard_plugins"]["spectral"]
     module, name = target.split(":")
     assert getattr(__import__(module, fromlist=[name]), name) is SpectralPlugin

@@ -20,7 +20,7 @@ from spectral_callbacks.monitor.engines.engine import SnapshotEngine, SpectralCo
 from spectral_callbacks.monitor.snapshot import ShapeGroup, group_by_shape, take_snapshot
 from spectral_callbacks.targets import Target
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def _python(code: str) -> subprocess.CompletedProcess:

@@ -27,7 +27,7 @@ from spectral_callbacks.targets import (
 )
 from spectral_callbacks.targets.roles import discover_roles
 
-sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).parents[1]))
 from tiny_models import read_scalars  # noqa: E402
 from unhelpful_model import Unhelpful  # noqa: E402
 
@@ -355,7 +355,7 @@ def _hf(name: str) -> nn.Module:
 
 
 def _nanogpt() -> nn.Module:
-    sys.path.insert(0, str(Path(__file__).parents[1] / "examples"))
+    sys.path.insert(0, str(Path(__file__).parents[2] / "examples"))
     from gpt import GPT, GPTConfig
 
     return GPT(GPTConfig(n_layer=2, n_head=4, n_embd=32, block_size=16, vocab_size=50))

@@ -30,7 +30,7 @@ from spectral_callbacks.monitor.snapshot import take_snapshot
 from spectral_callbacks.names import monitor_tag, scalar_tag
 from spectral_callbacks.targets import Target, find_targets
 
-SCRIPT = Path(__file__).resolve().parent / "ddp_train.py"
+SCRIPT = Path(__file__).resolve().parents[1] / "ddp_train.py"
 TIMEOUT_SECONDS = 180
 SCHEDULED = [0, 1, 2, 4, 8, 12, 14]  # ddp_train.py: 0, 1, 2, every 4, and the last step (14)
 

@@ -25,7 +25,7 @@ from spectral_callbacks.offline.events import read_event_file
 from spectral_callbacks.targets import find_targets
 
 pytestmark = pytest.mark.slow
-SCRIPT = Path(__file__).resolve().parent / "sharded_train.py"
+SCRIPT = Path(__file__).resolve().parents[1] / "sharded_train.py"
 SCHEDULED = [0, 1, 2, 4, 8, 10]  # sharded_train.py and the raw loop: 0, 1, 2, every 4, the last
 
 

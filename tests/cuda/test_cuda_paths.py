@@ -1,7 +1,7 @@
 """CUDA paths beside the training loop's: synchronous compute inside autocast, fp16 weights, TF32
 set through the new API, a model whose layers sit on two GPUs (skipped with one) or partly on the
-host (``@pytest.mark.gpu``). The Hugging Face Trainer's TF32 and bf16 are in tests/test_cuda_hf.py,
-TF32 through the legacy API in tests/test_svd.py."""
+host (``@pytest.mark.gpu``). The Hugging Face Trainer's TF32 and bf16 are in tests/cuda/test_cuda_hf.py,
+TF32 through the legacy API in tests/functional/test_svd.py."""
 
 from __future__ import annotations
 

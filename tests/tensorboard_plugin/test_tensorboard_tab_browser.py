@@ -40,7 +40,7 @@ TENSORBOARD = Path(sys.executable).with_name("tensorboard")
 
 @pytest.fixture(scope="module")
 def installed(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
-    return installed_copy(Path(__file__).parents[1], tmp_path_factory.mktemp("installed"))
+    return installed_copy(Path(__file__).parents[2], tmp_path_factory.mktemp("installed"))
 
 
 @pytest.fixture
@@ -102,7 +102,7 @@ def test_tab_shows_every_view_with_data_and_no_console_error(
 
 
 def test_tab_gains_points_while_a_run_is_written(installed: dict[str, str], logdir: Path) -> None:
-    script = Path(__file__).with_name("live_training.py")
+    script = Path(__file__).resolve().parents[1] / "live_training.py"
     trainer = subprocess.Popen(
         [sys.executable, str(script), str(logdir), "live", "--steps", "400", "--pause", "0.1"],
         stdout=subprocess.DEVNULL,

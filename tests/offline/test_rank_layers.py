@@ -153,7 +153,7 @@ def test_a_bad_target_is_refused_before_the_source_is_read(
 ) -> None:
     # A run without esd_alpha: reading it first answered "the run logged no esd_alpha" and the
     # bad option only after a (possibly long) load of a model.
-    run = Path(__file__).parent / "data" / "run-before-stacks"
+    run = Path(__file__).parents[1] / "data" / "run-before-stacks"
     assert main(["rank-layers", str(run), flag, value]) == 1
     error = capsys.readouterr().err.strip()
     assert f"(set with {flag})" in error and "esd_alpha" not in error, error

@@ -153,7 +153,7 @@ def test_the_benchmark_prints_a_row_per_shape_and_spectrum(
     import sys
     from pathlib import Path
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
     import method_calibration
 
     method_calibration.main(["--repeats", "1", "--shapes", "160x64,64x160"])

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import gpu_check  # noqa: E402
 
@@ -52,15 +52,16 @@ def test_the_table_has_one_row_per_result_and_escapes_cells() -> None:
 
 def test_a_stopped_test_run_keeps_what_it_finished_and_each_failure_reason() -> None:
     output = (
-        "tests/test_cuda.py::test_a PASSED   [ 50%]\n"
-        "tests/test_cuda.py::test_b FAILED   [100%]\n"
-        "tests/test_cuda.py::test_c "  # killed at the budget while test_c ran
+        "tests/cuda/test_cuda.py::test_a PASSED   [ 50%]\n"
+        "tests/cuda/test_cuda.py::test_b FAILED   [100%]\n"
+        "tests/cuda/test_cuda.py::test_c "  # killed at the budget while test_c ran
     )
     summary, failure = gpu_check.verbose_rows(
-        output + "\nFAILED tests/test_cuda.py::test_b - RuntimeError: CUDA error: out of memory\n"
+        output
+        + "\nFAILED tests/cuda/test_cuda.py::test_b - RuntimeError: CUDA error: out of memory\n"
     )
     assert summary.result == "1 passed, 1 failed"
-    assert failure.check.strip() == "tests/test_cuda.py::test_b"
+    assert failure.check.strip() == "tests/cuda/test_cuda.py::test_b"
     assert failure.note == "RuntimeError: CUDA error: out of memory"
     (only,) = gpu_check.verbose_rows(output.replace("FAILED", "PASSED"))
     assert only.result == "2 passed, 0 failed"
@@ -128,7 +129,7 @@ def test_the_figure_rows_draw_every_figure() -> None:
 def test_every_gpu_test_file_runs_and_the_stream_and_memory_tests_first() -> None:
     runs = gpu_check.gpu_test_runs()
     files = {path.relative_to(gpu_check.ROOT).as_posix() for path in gpu_check.gpu_test_files()}
-    assert {name for name, _ in runs} == files and "tests/test_cuda_targets.py" in files
-    assert runs[0] == ("tests/test_cuda.py", gpu_check.FIRST[1])
+    assert {name for name, _ in runs} == files and "tests/cuda/test_cuda_targets.py" in files
+    assert runs[0] == ("tests/cuda/test_cuda.py", gpu_check.FIRST[1])
     # Each run keeps a share of the tests' budget whatever the runs before it took.
     assert gpu_check.RESERVED_PER_RUN * len(runs) < gpu_check.BUDGETS["tests"]

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 import worker_contention  # noqa: E402
 
 TOY = ["--layers", "1", "--width", "32", "--block", "8", "--batch", "2", "--steps", "30"]

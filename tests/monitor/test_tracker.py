@@ -276,7 +276,7 @@ def test_ctrl_c_in_the_end_of_training_wait_drops_the_snapshots_at_once_in_one_l
     # 5 s for the worker and warning that it did not stop; then: close() returned normally and a
     # sweep loop started its next run. Now the snapshots are dropped in one line, then the
     # KeyboardInterrupt goes on up to the loop.
-    script = Path(__file__).with_name("interrupted_drain.py")
+    script = Path(__file__).resolve().parents[1] / "interrupted_drain.py"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(script.parent), *sys.path])}
     process = subprocess.Popen(
         [sys.executable, str(script), str(tmp_path / "run")],

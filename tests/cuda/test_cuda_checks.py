@@ -1,7 +1,7 @@
 """The GPU tests' helpers on the CPU. The trap for waits of the training thread
 (cuda_checks.SyncDetector) reports what it is meant to: a pageable copy to the meta device stands
 for one to a GPU, and the wrapped synchronize calls are recorded before they run (here they then
-fail: no CUDA). The ranks' helper of tests/test_cuda_ranks.py runs its whole course on the host."""
+fail: no CUDA). The ranks' helper of tests/cuda/test_cuda_ranks.py runs its whole course on the host."""
 
 from __future__ import annotations
 
@@ -75,7 +75,7 @@ def test_each_synchronize_call_is_reported_and_put_back_afterwards(
 
 @pytest.mark.parametrize("how", ["ddp", "sharded"])
 def test_the_rank_helper_of_the_gpu_tests_runs_on_the_cpu(how: str, tmp_path: Path) -> None:
-    # tests/test_cuda_ranks.py runs it on one GPU; here it shows the helper builds the model,
+    # tests/cuda/test_cuda_ranks.py runs it on one GPU; here it shows the helper builds the model,
     # picks the engine, hands figures over and logs every scheduled step.
     logdir = tmp_path / "tb"
     ranks = run_ranks(cases.tracked_on_one_gpu, 2, tmp_path, str(logdir), how, "cpu")
@@ -87,7 +87,7 @@ def test_the_rank_helper_of_the_gpu_tests_runs_on_the_cpu(how: str, tmp_path: Pa
 
 @pytest.mark.parametrize("kind", ["lora-two-adapters", "moe"])
 def test_the_target_kind_helper_of_the_gpu_tests_runs_on_the_cpu(kind: str) -> None:
-    # tests/test_cuda_targets.py runs it on a GPU; here it shows the fit logs every scheduled step
+    # tests/cuda/test_cuda_targets.py runs it on a GPU; here it shows the fit logs every scheduled step
     # of every matrix, each beside its float64 reference (the update of two adapters too).
     pytest.importorskip("peft")
     from cuda_target_cases import SCHEDULE, compared, run

@@ -19,7 +19,7 @@ from stack_models import BUILDERS
 from spectral_callbacks.targets import find_targets
 from spectral_callbacks.targets.lowrank import LowRankTarget
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 import stacks_table  # noqa: E402
 
 LIBRARY = {name: name.split()[0] for name in BUILDERS}

@@ -26,7 +26,7 @@ from spectral_callbacks.names import monitor_tag, scalar_tag
 from spectral_callbacks.offline.events import read_event_file
 from spectral_callbacks.targets import find_targets
 
-SCRIPT = Path(__file__).resolve().parent / "hf_train.py"
+SCRIPT = Path(__file__).resolve().parents[1] / "hf_train.py"
 Q0 = scalar_tag("stable_rank", 0, "Q")
 LAYER0_Q = "transformer.h.0.attn.c_attn.weight[Q]"
 

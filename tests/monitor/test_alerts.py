@@ -20,7 +20,7 @@ from spectral_callbacks.monitor.alerts import ALERT_KINDS, Alert, AlertRules, Al
 from spectral_callbacks.monitor.options import ConfigurationError, MonitorOptions
 from spectral_callbacks.names import MatrixLabel
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 import alert_thresholds  # noqa: E402
 from tiny_models import RecordingLogger  # noqa: E402
 

@@ -4,7 +4,7 @@ joined by gloo, a SpectralTracker writing TensorBoard with figures (``@pytest.ma
 Each tracker call of a rank's training thread runs inside cuda_checks.SyncDetector: sync-debug
 mode's reports, every ``synchronize()`` of torch.cuda, an Event or a Stream, and every pageable or
 blocking copy between host and device. The single-process engine's hooks are checked the same way
-in tests/test_cuda.py.
+in tests/cuda/test_cuda.py.
 """
 
 from __future__ import annotations

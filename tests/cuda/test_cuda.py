@@ -3,7 +3,7 @@ included), overlap, memory (the peak with two snapshots in flight, nothing accum
 
 Every test needs a CUDA device (``@pytest.mark.gpu``) and is skipped without one. ``make
 gpu-check`` runs them (``pytest -m gpu``, one run per file) and reports them in its table. The
-DDP and sharded engines' training threads are checked in tests/test_cuda_ranks.py.
+DDP and sharded engines' training threads are checked in tests/cuda/test_cuda_ranks.py.
 """
 
 from __future__ import annotations

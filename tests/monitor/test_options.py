@@ -15,7 +15,7 @@ import spectral_callbacks
 from spectral_callbacks import SpectralMonitor, SpectralTracker
 from spectral_callbacks.monitor.options import MonitorOptions, option_names
 
-DOCS = Path(__file__).resolve().parents[1] / "docs" / "callback.md"
+DOCS = Path(__file__).resolve().parents[2] / "docs" / "callback.md"
 
 
 def _frontends() -> list[Any]:

@@ -22,7 +22,7 @@ from spectral_callbacks.names import (
 COLUMNS = list(TIDY_COLUMNS)  # the order docs/cli.md states (tests/test_names.py checks that)
 # An event file of a 2-layer GPT written by the callback before stacks and experts were named
 # (commit 7163730, figures off, 30 steps): what users already have on disk must still read.
-BEFORE_STACKS = Path(__file__).parent / "data" / "run-before-stacks"
+BEFORE_STACKS = Path(__file__).parents[1] / "data" / "run-before-stacks"
 
 
 @pytest.fixture(scope="module")

@@ -745,7 +745,7 @@ def test_the_lora_example_logs_both_spectra_and_draws_the_update_rank(tmp_path: 
     import sys
     from pathlib import Path
 
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     logdir = tmp_path / "lora"
     command = [sys.executable, str(root / "examples" / "lora_finetune.py"), "--logdir", str(logdir)]
     command += ["--steps", "12", "--base-steps", "2", "--width", "64", "--layers", "2"]

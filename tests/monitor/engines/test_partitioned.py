@@ -1,6 +1,6 @@
 """Models whose parameters no rank holds a matrix of are refused by every frontend, with one message.
 
-FSDP1 is tested for real (2 gloo processes on the CPU) in tests/test_sharded_frontends.py. DeepSpeed
+FSDP1 is tested for real (2 gloo processes on the CPU) in tests/integrations/test_sharded_frontends.py. DeepSpeed
 is not installed here, so ZeRO-3 is tested the only honest way available: parameters that carry the
 attributes DeepSpeed documents for a ZeRO-3 partitioned parameter (``ds_id``, ``ds_status``,
 ``ds_numel``, ``ds_shape``) and are emptied as ZeRO-3 empties them; a real DeepSpeed run is not.
