@@ -67,9 +67,13 @@ Example::
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple, Protocol
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
+
+if TYPE_CHECKING:  # pandas and numpy are imported where rows are built (tidy_rows)
+    import numpy as np
+    import pandas as pd
 
 METRIC_PREFIX = "spectral_"
 MONITOR_SECTION = "spectral_monitor"
@@ -362,6 +366,110 @@ def parse_tag(tag: str) -> SpectralTag | None:
     if match is None or match["metric"] == "monitor" or match["stack"] == MEAN:
         return None
     return _parsed(match["metric"], match, None if match["mean"] else int(match["layer"]))
+
+
+def tidy_rows(
+    run: str,
+    tags: Sequence[str] | np.ndarray,
+    steps: Sequence[int] | np.ndarray,
+    values: Sequence[float] | np.ndarray,
+    wall_times: Sequence[float] | np.ndarray,
+    *,
+    all_scalars: bool = True,
+    listed: Iterable[str] = (),
+) -> tuple[pd.DataFrame, dict[str, int]]:
+    """The tidy rows (:data:`TIDY_COLUMNS`) of one run's scalar points, one row per point in the
+    order given: what ``export`` writes and the SPECTRAL tab reads.
+
+    Each distinct tag is parsed once (:func:`parse_tag`). ``depth`` is the layer's relative depth
+    within its stack, the stack's layer count being the last logged ``spectral_monitor/num_layers``
+    (``/<stack>``) among the points, else the deepest layer of that stack among the points' tags
+    and ``listed`` (the run's other tags) plus one.
+
+    Args:
+        run: the run's name (the ``run`` column).
+        tags, steps, values, wall_times: the points, one entry each.
+        all_scalars: keep the points of other tags as rows whose ``metric`` is the tag (stack,
+            layer, role, expert and head empty); ``False`` drops them.
+        listed: more tags of the run, read for the layer-count fallback only.
+
+    Returns:
+        The rows, and per stack with spectral rows whose layer count was not logged, the count
+        used (the caller may say so).
+
+    >>> rows, guessed = tidy_rows("a", ["spectral_alpha/L01/Q", "train/loss"], [5, 5], [2.0, 0.1],
+    ...                           [0.0, 0.0])
+    >>> rows[["metric", "layer", "depth", "role"]].to_dict("records"), guessed
+    ([{'metric': 'alpha', 'layer': 1, 'depth': 1.0, 'role': 'Q'}, \
+{'metric': 'train/loss', 'layer': None, 'depth': nan, 'role': nan}], {'': 2})
+    """
+    import numpy as np
+    import pandas as pd
+
+    codes, uniques = pd.factorize(np.asarray(tags, dtype=object), sort=False)
+    parsed = [parse_tag(str(tag)) for tag in uniques]
+    # The layer count of each stack: its last logged num_layers, else the deepest layer + 1.
+    logged: dict[str, int] = {}
+    value_array = np.asarray(values, dtype=np.float64)
+    for index, tag in enumerate(uniques):
+        stack = parse_num_layers_tag(str(tag))
+        if stack is not None:
+            logged[stack] = int(value_array[np.flatnonzero(codes == index)[-1]])
+    deepest: dict[str, int] = {}
+    for label in [*parsed, *map(parse_tag, listed)]:
+        if label is not None and label.layer is not None:
+            deepest[label.stack] = max(deepest.get(label.stack, 0), label.layer + 1)
+    guessed = {
+        stack: layers
+        for stack, layers in deepest.items()
+        if stack not in logged and any(p is not None and p.stack == stack for p in parsed)
+    }
+    num_layers = {**deepest, **logged}
+
+    def column(of: Callable[[SpectralTag], Any], other: Any, dtype: Any = object) -> np.ndarray:
+        per_tag = [other if label is None else of(label) for label in parsed]
+        return np.asarray(per_tag, dtype=dtype)[codes]
+
+    keep = np.asarray([all_scalars or label is not None for label in parsed], dtype=bool)[codes]
+    layer = column(lambda label: label.layer, None)
+
+    def nullable(column_values: np.ndarray) -> pd.arrays.IntegerArray:
+        missing = np.asarray([value is None for value in column_values], dtype=bool)
+        filled = np.where(missing, 0, column_values).astype(np.int64)
+        return pd.arrays.IntegerArray(filled, missing)
+
+    frame = pd.DataFrame(
+        {
+            "run": np.full(len(codes), run, dtype=object),
+            "step": np.asarray(steps, dtype=np.int64),
+            "metric": np.asarray(
+                [
+                    str(tag) if label is None else label.metric
+                    for tag, label in zip(uniques, parsed, strict=True)
+                ],
+                dtype=object,
+            )[codes],
+            "stack": column(lambda label: label.stack, None),
+            "layer": nullable(layer),
+            "depth": column(
+                lambda label: (
+                    np.nan
+                    if label.layer is None
+                    else relative_depth(label.layer, num_layers.get(label.stack) or 1)
+                ),
+                np.nan,
+                np.float64,
+            ),
+            "role": column(lambda label: label.series_role, None),
+            "expert": nullable(column(lambda label: label.expert, None)),
+            "head": nullable(column(lambda label: label.head, None)),
+            "value": value_array,
+            "wall_time": np.asarray(wall_times, dtype=np.float64),
+        },
+        columns=list(TIDY_COLUMNS),
+    )
+    rows = frame[keep].reset_index(drop=True) if not keep.all() else frame
+    return rows, guessed
 
 
 def _parsed(metric: str, match: re.Match[str], layer: int | None) -> SpectralTag:

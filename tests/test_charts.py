@@ -6,7 +6,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from spectral_callbacks import charts
+from spectral_callbacks import chart_data, charts
 from spectral_callbacks.names import TIDY_COLUMNS, relative_depth
 from spectral_callbacks.offline import differences
 
@@ -569,7 +569,7 @@ def test_every_surface_orders_roles_alike() -> None:
     from spectral_callbacks.names import role_sort_key
 
     found = ["MLP_down", "MLP_up", "MLP_gate", "O_cross", "Q_cross", "K_cross", "V", "Q"]
-    ordered = charts._ordered_roles(found)
+    ordered = chart_data.ordered_roles(found)
     assert ordered == sorted(found, key=role_sort_key)
     assert ordered == ["Q", "V", "Q_cross", "K_cross", "O_cross", "MLP_gate", "MLP_up", "MLP_down"]
 
@@ -584,7 +584,7 @@ def test_every_chart_orders_stacks_alike() -> None:
     ]
     columns = ["run", "step", "metric", "stack", "layer", "depth", "role", "value", "wall_time"]
     rows = pd.DataFrame.from_records(records, columns=columns)
-    assert [stack for _, stack, _ in charts._panels(rows)] == ["enc", "dec", "top"]
+    assert [stack for _, stack, _ in chart_data.run_panels(rows)] == ["enc", "dec", "top"]
     fig = charts.alpha_vs_depth(rows)
     labels = fig.axes[0].get_legend_handles_labels()[1]
     assert [label.split(" ")[-1] for label in labels] == ["enc", "dec", "top"], labels

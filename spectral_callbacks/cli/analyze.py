@@ -209,7 +209,7 @@ def print_table(rows: pd.DataFrame, title: str) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    from spectral_callbacks.charts import role_glyph
+    from spectral_callbacks.chart_data import role_glyph
     from spectral_callbacks.names import role_sort_key
 
     rows = rows.assign(stack=rows["stack"].fillna(""))

@@ -347,3 +347,36 @@ def alert_table(alerts: Sequence[Alert]) -> str:
             f"{a.value:.4g} | {a.threshold:.4g} | {a.unit} | {since} |"
         )
     return "\n".join(lines)
+
+
+def alert_rows(text: str) -> list[dict]:
+    r"""The alerts of one text entry: the Markdown table :func:`alert_table` writes, read back (the
+    SPECTRAL tab's alerts panel), one dict per row keyed by its header (``step``, ``kind``,
+    ``matrix``, ``value``, ``threshold``, ...); numbers as numbers (NaN as ``None``), an empty cell
+    as ``None``.
+
+    >>> table = "| step | kind | matrix | value | since step |\n|---|---|---|---|---|\n"
+    >>> alert_rows(table + "| 300 | sigma_growth | h.0.q | 2.5 |  |")
+    [{'step': 300, 'kind': 'sigma_growth', 'matrix': 'h.0.q', 'value': 2.5, 'since_step': None}]
+    """
+    lines = [line.strip() for line in text.splitlines() if line.strip().startswith("|")]
+    if len(lines) < 2:
+        return []
+    header = [cell.replace(" ", "_") for cell in _cells(lines[0])]
+    return [dict(zip(header, map(_cell_value, _cells(line)), strict=False)) for line in lines[2:]]
+
+
+def _cells(line: str) -> list[str]:
+    return [cell.strip() for cell in line.strip("|").split("|")]
+
+
+def _cell_value(cell: str) -> object:
+    if cell == "":
+        return None
+    for kind in (int, float):
+        try:
+            number = kind(cell)
+        except ValueError:
+            continue
+        return number if math.isfinite(number) else None  # NaN: a non_finite alert's value
+    return cell

@@ -11,22 +11,22 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import pandas as pd
-from matplotlib.axes import Axes
-from matplotlib.figure import Figure
 
-from spectral_callbacks.charts import (
-    _axes,
-    _final,
-    _legend,
-    _note_left_out,
-    _runs,
+from spectral_callbacks.chart_data import (
+    last_writes,
     metric_label,
     metric_name,
     role_glyph,
+    runs_of,
 )
+
+if TYPE_CHECKING:  # matplotlib only where metric_diff draws (the tab imports diff_curves)
+    from matplotlib.axes import Axes
+    from matplotlib.figure import Figure
 
 
 def _series(rows: pd.DataFrame, run: str, metric: str) -> pd.Series:
@@ -35,7 +35,7 @@ def _series(rows: pd.DataFrame, run: str, metric: str) -> pd.Series:
     if of_run.empty:
         have = ", ".join(sorted(map(str, rows.loc[rows["run"] == run, "metric"].unique())))
         raise ValueError(f"run {run!r} has no `{metric}` scalar; it has: {have or 'nothing'}")
-    last = _final(of_run, ["step"])
+    last = last_writes(of_run, ["step"])
     return pd.Series(last["value"].to_numpy(dtype=float), index=last["step"].to_numpy(dtype=float))
 
 
@@ -172,7 +172,7 @@ def diff_curves(
         raise ValueError(f"no rows of `{metric}` (layer={layer}, role={role}) to compare")
     if (per_series > 1).any().any():
         raise ValueError(f"`{metric}` has several (layer, role) series; pick one layer and role")
-    runs = _runs(rows)
+    runs = runs_of(rows)
     left_out: dict[str, str] = {}
     # A spectral metric's series is one matrix: the title and axis say which.
     what = metric_label(metric)
@@ -264,7 +264,9 @@ def metric_diff(
     diffs = diff_curves(
         rows, metric, baseline, pair=pair, x=x, layer=layer, role=role, smoothing=smoothing
     )
-    fig, ax = _axes(ax, (6.5, 4.0))
+    from spectral_callbacks.charts import axes_of, draw_legend, note_left_out
+
+    fig, ax = axes_of(ax, (6.5, 4.0))
     for label, diff in diffs.curves.items():
         ax.plot(
             diff.index.to_numpy(dtype=float),
@@ -278,6 +280,6 @@ def metric_diff(
     ax.set_ylabel(diffs.ylabel)
     ax.set_title(diffs.title + (f" (EMA {smoothing:g})" if smoothing else ""))
     ax.grid(alpha=0.3)
-    _legend(ax, "run" if pair is None else "pair")
-    _note_left_out(fig, diffs.left_out)  # type: ignore[arg-type]
+    draw_legend(ax, "run" if pair is None else "pair")
+    note_left_out(fig, diffs.left_out)  # type: ignore[arg-type]
     return fig  # type: ignore[return-value]

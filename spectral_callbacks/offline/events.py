@@ -46,21 +46,14 @@ Example::
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import pandas as pd
 
 from spectral_callbacks.messages import count
-from spectral_callbacks.names import (
-    TIDY_COLUMNS,
-    num_layers_tag,
-    parse_num_layers_tag,
-    parse_tag,
-    relative_depth,
-)
+from spectral_callbacks.names import TIDY_COLUMNS, num_layers_tag, tidy_rows
 from spectral_callbacks.tensorboard_adapter import tf_records
 
 COLUMNS = TIDY_COLUMNS
@@ -241,58 +234,18 @@ def read_texts(path: Path, tag: str) -> list[tuple[int, str]]:
     return found
 
 
-def _tidy(run: str, points: list[tuple[str, int, float, float]], all_scalars: bool) -> pd.DataFrame:
-    """Tidy rows of one run's points; ``depth`` is filled in later, per run."""
-    records: list[tuple[Any, ...]] = []
-    for tag, step, value, wall_time in points:
-        parsed = parse_tag(tag)
-        if parsed is not None:
-            records.append(
-                (
-                    run,
-                    step,
-                    parsed.metric,
-                    parsed.stack,
-                    parsed.layer,
-                    parsed.series_role,
-                    parsed.expert,
-                    parsed.head,
-                    value,
-                    wall_time,
-                )
-            )
-        elif all_scalars:
-            records.append((run, step, tag, None, None, None, None, None, value, wall_time))
-    frame = pd.DataFrame.from_records(
-        records, columns=[column for column in COLUMNS if column != "depth"]
-    )
-    return frame.astype(
-        {
-            "step": "int64",
-            "layer": "Int64",
-            "expert": "Int64",
-            "head": "Int64",
-            "value": "float64",
-            "wall_time": "float64",
-        }
-    )
-
-
-def _add_depth(rows: pd.DataFrame, num_layers: Mapping[str, int]) -> pd.DataFrame:
-    """``depth`` of each row within its stack (``num_layers``: stack -> layers, ``""`` the model)."""
-    pairs = rows[["stack", "layer"]].dropna().drop_duplicates()
-    depth_of = {
-        (stack, layer): relative_depth(int(layer), num_layers.get(stack) or 1)
-        for stack, layer in pairs.itertuples(index=False)
-    }
-    keys = list(zip(rows["stack"], rows["layer"], strict=True))
-    depth = pd.Series([depth_of.get(key, float("nan")) for key in keys], index=rows.index)
-    return rows.assign(depth=depth.astype("float64"))[list(COLUMNS)]  # NaN where no layer
+def _tidy(
+    run: str, points: list[tuple[str, int, float, float]], all_scalars: bool
+) -> tuple[pd.DataFrame, dict[str, int]]:
+    """Tidy rows of one run's points (``names.tidy_rows``), and the stacks whose layer count was
+    not logged."""
+    tags, steps, values, wall_times = zip(*points, strict=True) if points else ((), (), (), ())
+    return tidy_rows(run, tags, steps, values, wall_times, all_scalars=all_scalars)
 
 
 def empty_rows() -> pd.DataFrame:
     """A tidy-row DataFrame with no rows and the right columns and dtypes."""
-    return _add_depth(_tidy("", [], all_scalars=False), {})
+    return _tidy("", [], all_scalars=False)[0]
 
 
 def read_runs(
@@ -322,7 +275,7 @@ def read_runs(
             problems.append(problem)
     for run in runs:
         points = points_of[run.name]
-        rows = _tidy(run.name, points, all_scalars)
+        rows, guessed = _tidy(run.name, points, all_scalars)
         has_spectral = bool(rows["role"].notna().any())
         damaged = any(Path(p.path).parent == run.directory for p in problems)
         if not has_spectral and not (all_scalars and points) and not damaged:
@@ -335,28 +288,14 @@ def read_runs(
                     "train with SpectralMonitor among the Trainer's callbacks",
                 )
             )
-        num_layers = _num_layers(points)
-        spectral = rows.dropna(subset=["layer"])
-        for stack, layers in spectral.groupby("stack")["layer"]:
-            if stack not in num_layers:
-                num_layers[stack] = int(layers.max()) + 1
-                notes.append(
-                    f"run {run.name}: no {num_layers_tag(stack)} scalar; depth uses max layer + 1"
-                    f" = {count(num_layers[stack], 'layer')}"
-                )
-        frames.append(_add_depth(rows, num_layers))
+        notes += [
+            f"run {run.name}: no {num_layers_tag(stack)} scalar; depth uses max layer + 1"
+            f" = {count(layers, 'layer')}"
+            for stack, layers in guessed.items()
+        ]
+        frames.append(rows)
     rows = pd.concat(frames, ignore_index=True) if frames else empty_rows()
     return ReadResult(rows, problems, notes, [run.name for run in runs])
-
-
-def _num_layers(points: Iterable[tuple[str, int, float, float]]) -> dict[str, int]:
-    """The last logged ``spectral_monitor/num_layers`` of a run per stack (``""``: the model)."""
-    found: dict[str, int] = {}
-    for tag, _, value, _ in points:
-        stack = parse_num_layers_tag(tag)
-        if stack is not None:
-            found[stack] = int(value)
-    return found
 
 
 def _progress(items: list, description: str, *, enabled: bool) -> Iterable:

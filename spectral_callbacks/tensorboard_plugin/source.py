@@ -35,13 +35,8 @@ import numpy as np
 import pandas as pd
 from tensorboard.data import provider
 
-from spectral_callbacks.names import (
-    num_layers_tag,
-    parse_num_layers_tag,
-    parse_tag,
-    relative_depth,
-)
-from spectral_callbacks.offline.events import COLUMNS, empty_rows
+from spectral_callbacks.names import parse_num_layers_tag, tidy_rows
+from spectral_callbacks.offline.events import empty_rows
 
 SCALARS_PLUGIN = "scalars"
 TEXT_PLUGIN = "text"
@@ -250,73 +245,29 @@ class ScalarSource:
         self, experiment_id: str, series: Mapping[str, Sequence[tuple[str, Series]]]
     ) -> pd.DataFrame:
         """One DataFrame of the tidy rows of ``series`` (run -> (tag, series)), each series in
-        the provider's order, ``depth`` filled per run (and the num_layers rows kept), as export
-        builds them: the tag parsed once per series, not once per point."""
+        the provider's order, as export builds them (``names.tidy_rows``: each tag parsed once;
+        ``depth`` from the run's num_layers series, else the deepest layer the run lists + 1)."""
         with self._lock:
             directory = self._directories.get(experiment_id, (0.0, {}))[1]
-        # (metric, stack, layer, role, expert, head) per series
-        labels: list[tuple[str, str | None, int | None, str | None, int | None, int | None]] = []
-        runs, depths, parts = [], [], []
+        frames = []
         for run, of_run in series.items():
             of_run = [(tag, copy) for tag, copy in of_run if len(copy.step)]
-            logged = dict(of_run)
-            tags = directory.get(run, frozenset())
-            for tag, copy in of_run:
-                parsed = parse_tag(tag)  # other scalars: the tag is the metric, as export has it
-                if parsed is None:
-                    labels.append((tag, None, None, None, None, None))
-                    depths.append(np.nan)
-                else:
-                    stack, layer = parsed.stack, parsed.layer
-                    labels.append(
-                        (
-                            parsed.metric,
-                            stack,
-                            layer,
-                            parsed.series_role,
-                            parsed.expert,
-                            parsed.head,
-                        )
-                    )
-                    num_layers = _num_layers(logged.get(num_layers_tag(stack)), tags, stack)
-                    depths.append(
-                        np.nan if layer is None else relative_depth(layer, num_layers or 1)
-                    )
-                runs.append(run)
-                parts.append(copy)
-        if not parts:
-            return empty_rows()
-        counts = [len(copy.step) for copy in parts]
-
-        def each_point(values: list, dtype: type = object) -> np.ndarray:
-            return np.repeat(np.array(values, dtype=dtype), counts)
-
-        metrics, stacks, layers, roles, experts, heads = (
-            list(column) for column in zip(*labels, strict=True)
-        )
-
-        def nullable(values: list[int | None]) -> pd.arrays.IntegerArray:
-            return pd.arrays.IntegerArray(
-                each_point([value or 0 for value in values], np.int64),
-                each_point([value is None for value in values], bool),
+            if not of_run:
+                continue
+            counts = [len(copy.step) for _, copy in of_run]
+            rows, _ = tidy_rows(
+                run,
+                np.repeat(np.array([tag for tag, _ in of_run], dtype=object), counts),
+                np.concatenate([copy.step for _, copy in of_run]),
+                np.concatenate([copy.value for _, copy in of_run]),
+                np.concatenate([copy.wall_time for _, copy in of_run]),
+                listed=directory.get(run, frozenset()),
             )
-
-        columns = {
-            "run": each_point(runs),
-            "step": np.concatenate([copy.step for copy in parts]),
-            "metric": each_point(metrics),
-            "stack": each_point(stacks),
-            "layer": nullable(layers),
-            "depth": each_point(depths, np.float64),
-            "role": each_point(roles),
-            "expert": nullable(experts),
-            "head": nullable(heads),
-            "value": np.concatenate([copy.value for copy in parts]),
-            "wall_time": np.concatenate([copy.wall_time for copy in parts]),
-        }
-        return pd.DataFrame({name: columns[name] for name in COLUMNS}).astype(
-            {"metric": object, "stack": object, "role": object}
-        )
+            frames.append(rows)
+        if not frames:
+            return empty_rows()
+        rows = pd.concat(frames, ignore_index=True) if len(frames) > 1 else frames[0]
+        return rows.astype({"metric": object, "stack": object, "role": object})
 
 
 def _freshness(datum: provider.ScalarDatum | None) -> Freshness:
@@ -333,16 +284,3 @@ def _series(data: Sequence[provider.ScalarDatum]) -> Series:
         value=column("value", np.float64),
         wall_time=column("wall_time", np.float64),
     )
-
-
-def _num_layers(logged: Series | None, tags: Iterable[str], stack: str = "") -> int | None:
-    """The run's last logged ``spectral_monitor/num_layers`` of ``stack``, else the deepest
-    listed layer of that stack + 1."""
-    if logged is not None and len(logged.value):
-        return int(logged.value[-1])
-    layers = [
-        p.layer
-        for p in map(parse_tag, tags)
-        if p is not None and p.layer is not None and p.stack == stack
-    ]
-    return max(layers) + 1 if layers else None

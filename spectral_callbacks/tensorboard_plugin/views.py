@@ -26,7 +26,6 @@ Example::
 
 from __future__ import annotations
 
-import math
 import warnings
 import zlib
 from collections.abc import Iterable, Mapping, Sequence
@@ -35,16 +34,16 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from spectral_callbacks.charts import (
-    _final,
-    _ordered_roles,
+from spectral_callbacks.chart_data import (
     compression_rows,
     head_grid,
+    last_writes,
     layer_step_grid,
     one_per_layer,
+    ordered_roles,
     role_color,
 )
-from spectral_callbacks.monitor.alerts import ALERT_KINDS
+from spectral_callbacks.monitor.alerts import ALERT_KINDS, alert_rows
 from spectral_callbacks.names import ALERT_SECTION, alert_tag, ordered_stacks, parse_tag
 from spectral_callbacks.offline.differences import diff_curves
 from spectral_callbacks.tensorboard_plugin.downsample import keep_extremes
@@ -85,7 +84,7 @@ def _ordered_stacks(stacks: Iterable[str]) -> list[str]:
 
 def _metric_rows(rows: pd.DataFrame, metric: str) -> tuple[pd.DataFrame, dict[str, str]]:
     """Per-layer rows of ``metric``, a layer's experts as one row with ``low``/``high`` (as the
-    command line draws them: ``charts.one_per_layer``), and the runs left out with the reason;
+    command line draws them: ``chart_data.one_per_layer``), and the runs left out with the reason;
     ``compression`` is computed from ``stable_rank`` when not logged (a run of one snapshot, an
     analyzed model, has nothing to compress against: left out, as the command line leaves it
     out)."""
@@ -120,7 +119,7 @@ def role_order(runs: Sequence[Mapping[str, Any]]) -> list[str]:
     >>> role_order([{"roles": ["Q", "MLP_up"]}, {"roles": ["Q", "Q_cross", "MLP_gate"]}])
     ['Q', 'Q_cross', 'MLP_gate', 'MLP_up']
     """
-    return _ordered_roles([role for run in runs for role in run["roles"]])
+    return ordered_roles([role for run in runs for role in run["roles"]])
 
 
 def catalog(index: Mapping[str, Iterable[str]]) -> list[dict]:
@@ -129,7 +128,7 @@ def catalog(index: Mapping[str, Iterable[str]]) -> list[dict]:
     of alert it counts, the metrics logged per attention head (``circuits=True``), and other
     scalars.
 
-    Each role comes with its colour (:func:`~spectral_callbacks.charts.role_color`, the CLI's) and
+    Each role comes with its colour (:func:`~spectral_callbacks.chart_data.role_color`, the CLI's) and
     each stack with its line style (:func:`stack_dash`), so neither depends on the runs ticked.
 
     >>> entry = catalog({"a": ["spectral_alpha/L01/Q", "spectral_alpha/mean/Q", "train/loss"]})
@@ -149,7 +148,7 @@ def catalog(index: Mapping[str, Iterable[str]]) -> list[dict]:
             continue
         per_layer = [(p.stack, p.layer) for p in spectral if p.layer is not None]
         stacks = _ordered_stacks(p.stack for p in spectral)
-        roles = _ordered_roles([p.role for p in spectral])
+        roles = ordered_roles([p.role for p in spectral])
         scalars = sorted(tag for tag, p in parsed if p is None)
         runs.append(
             {
@@ -162,7 +161,7 @@ def catalog(index: Mapping[str, Iterable[str]]) -> list[dict]:
                     stack: sorted({layer for of, layer in per_layer if of == stack})
                     for stack in stacks or [""]
                 },
-                "expert_roles": _ordered_roles([p.role for p in spectral if p.aggregate]),
+                "expert_roles": ordered_roles([p.role for p in spectral if p.aggregate]),
                 "head_metrics": sorted({p.metric for p in spectral if p.head is not None}),
                 "alert_kinds": [k for k in ALERT_KINDS if alert_tag(k) in scalars],
                 "scalars": scalars,
@@ -241,7 +240,7 @@ def curves_by_role(
     series = []
     for run in runs:
         lines = {role: line for role, line in chosen[chosen["run"] == run].groupby("role")}
-        for role in _ordered_roles(list(lines)):
+        for role in ordered_roles(list(lines)):
             series.append({"run": run, "role": role, **_points(lines[role], max_points)})
     return series
 
@@ -280,7 +279,7 @@ def _at_step(chosen: pd.DataFrame, step: int | None, keys: list[str]) -> pd.Data
     """Per ``keys``, the last write at the latest step <= ``step`` (None: the last step)."""
     if step is not None:
         chosen = chosen[chosen["step"] <= step]
-    return _final(chosen, keys) if not chosen.empty else chosen
+    return last_writes(chosen, keys) if not chosen.empty else chosen
 
 
 def depth_profile(
@@ -413,7 +412,7 @@ def bars_by_layer(
             )
             continue
         layers = sorted(int(layer) for layer in at["layer"].unique())
-        roles = _ordered_roles(at["role"].unique())
+        roles = ordered_roles(at["role"].unique())
         table = at.pivot(index="layer", columns="role", values=["value", "low", "high"])
         table = table.reindex(layers)
         spread = {
@@ -488,38 +487,6 @@ ALERT_TEXT_TAGS: tuple[str, ...] = (f"{ALERT_SECTION}/text_summary", ALERT_SECTI
 
 #: The tags of the alert counts, ``spectral_alerts/<kind>``.
 ALERT_COUNT_TAGS: frozenset[str] = frozenset(alert_tag(kind) for kind in ALERT_KINDS)
-
-
-def alert_rows(text: str) -> list[dict]:
-    r"""The alerts of one text entry: the Markdown table the monitor writes (``alert_table``), one
-    dict per row keyed by its header (``step``, ``kind``, ``matrix``, ``value``, ``threshold``,
-    ...); numbers as numbers (NaN as ``None``), an empty cell as ``None``.
-
-    >>> table = "| step | kind | matrix | value | since step |\n|---|---|---|---|---|\n"
-    >>> alert_rows(table + "| 300 | sigma_growth | h.0.q | 2.5 |  |")
-    [{'step': 300, 'kind': 'sigma_growth', 'matrix': 'h.0.q', 'value': 2.5, 'since_step': None}]
-    """
-    lines = [line.strip() for line in text.splitlines() if line.strip().startswith("|")]
-    if len(lines) < 2:
-        return []
-    header = [cell.replace(" ", "_") for cell in _cells(lines[0])]
-    return [dict(zip(header, map(_cell_value, _cells(line)), strict=False)) for line in lines[2:]]
-
-
-def _cells(line: str) -> list[str]:
-    return [cell.strip() for cell in line.strip("|").split("|")]
-
-
-def _cell_value(cell: str) -> object:
-    if cell == "":
-        return None
-    for kind in (int, float):
-        try:
-            number = kind(cell)
-        except ValueError:
-            continue
-        return number if math.isfinite(number) else None  # NaN: a non_finite alert's value
-    return cell
 
 
 def alerts(

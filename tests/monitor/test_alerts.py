@@ -297,3 +297,29 @@ def test_sigma_growth_is_measured_from_the_lowest_value_of_the_window() -> None:
     (alert,) = watch.check(20, {"q": row(sigma=4.0)})
     assert (alert.kind, alert.since_step) == ("sigma_growth", 0)
     assert alert.value == pytest.approx(4.0)
+
+
+def test_the_alert_table_reads_back_as_the_alerts_it_was_written_from() -> None:
+    from spectral_callbacks.monitor.alerts import alert_rows, alert_table
+
+    raised = [
+        Alert("sigma_growth", 300, "h.0.attn.c_attn.weight[Q]", 0, "Q", 2.5, 2.0, 250),
+        Alert("rank_collapse", 300, "decoder.block.1.q.weight", 1, "Q", 0.75, 0.7, 260, "dec"),
+        Alert("non_finite", 310, "h.1.attn.c_proj.weight", 1, "O", math.nan, math.nan, None),
+    ]
+    rows = alert_rows(alert_table(raised))
+    assert rows == [
+        {
+            "step": a.step,
+            "kind": a.kind,
+            "matrix": a.matrix,
+            "stack": a.stack or None,  # an empty cell reads as None
+            "layer": a.layer,
+            "role": a.role,
+            "value": None if math.isnan(a.value) else a.value,
+            "threshold": None if math.isnan(a.threshold) else a.threshold,
+            "unit": a.unit or None,
+            "since_step": a.since_step,
+        }
+        for a in raised
+    ]

@@ -7,6 +7,7 @@ TensorBoard), on two real training runs; downsampled views against a long synthe
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -25,7 +26,8 @@ from torch.utils.tensorboard import SummaryWriter
 from werkzeug import test as werkzeug_test
 from werkzeug import wrappers
 
-from spectral_callbacks.charts import _ordered_roles, compression_rows, compression_wave
+from spectral_callbacks.chart_data import compression_rows, ordered_roles
+from spectral_callbacks.charts import compression_wave
 from spectral_callbacks.names import NUM_LAYERS_TAG, scalar_tag
 from spectral_callbacks.offline.events import read_runs
 from spectral_callbacks.tensorboard_plugin.plugin import SpectralPlugin
@@ -445,7 +447,7 @@ def test_a_layer_of_one_stack_is_that_stacks_layer(
     for stack in ("enc", "dec"):
         series = models_tab.get("by_role", run="2-t5", layer=0, stack=stack)["series"]
         of_stack = rows[rows["stack"] == stack]
-        assert [line["role"] for line in series] == _ordered_roles(of_stack["role"].unique())
+        assert [line["role"] for line in series] == ordered_roles(of_stack["role"].unique())
         assert ("Q_cross" in {line["role"] for line in series}) == (stack == "dec")
         for line in series:
             expected = _line_of(of_stack[of_stack["role"] == line["role"]])
@@ -583,3 +585,23 @@ def test_every_role_of_a_t5_and_of_a_mixtral_has_a_colour_of_its_own(models_tab:
     for entry in models_tab.get("runs")["runs"]:
         colors = entry["role_colors"]
         assert len(set(colors.values())) == len(colors), (entry["run"], colors)
+
+
+def test_importing_the_tab_does_not_import_matplotlib() -> None:
+    # The tab's server shapes its charts with chart_data (no matplotlib): a fresh interpreter.
+    root = str(Path(__file__).resolve().parents[1])
+    code = (
+        "import sys, spectral_callbacks.tensorboard_plugin\n"
+        "from spectral_callbacks.tensorboard_plugin import plugin, source, views\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] == 'matplotlib'))"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+        env={**os.environ, "PYTHONPATH": root},
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "[]"
