@@ -169,6 +169,12 @@ class TaggedMatrix(Protocol):
         """Relative depth ``layer / (num_layers - 1)`` (``relative_depth``)."""
         ...
 
+    @property
+    def attention_layer(self) -> str | None:
+        """The attention module whose heads this matrix is one of (a head's circuits), else
+        ``None``: the logit-growth alert takes the max over a layer's heads."""
+        ...
+
 
 @dataclass(frozen=True)
 class MatrixLabel:
@@ -181,6 +187,7 @@ class MatrixLabel:
     stack: str = ""
     expert: int | None = None
     head: int | None = None
+    attention_layer: str | None = None
 
     @property
     def depth(self) -> float:

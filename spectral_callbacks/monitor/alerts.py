@@ -262,7 +262,7 @@ class AlertWatch:
             value = row.get("qk_spectral_norm", math.nan)
             if target is None or not math.isfinite(value):
                 continue
-            layer = str(getattr(getattr(target, "layout", None), "name", name))
+            layer = target.attention_layer or name
             bound[layer] = (target, max(value, bound.get(layer, (target, -math.inf))[1]))
         raised = []
         for layer, (target, value) in bound.items():

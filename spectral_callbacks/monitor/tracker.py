@@ -40,7 +40,11 @@ from spectral_callbacks.monitor import background, dashboards
 from spectral_callbacks.monitor.alerts import Alert, AlertWatch, alert_table
 from spectral_callbacks.monitor.balancer import LRBalancer
 from spectral_callbacks.monitor.engines.budget import Plan, plan_snapshot, resolve_budget
-from spectral_callbacks.monitor.engines.compute import SpectrumCompute
+from spectral_callbacks.monitor.engines.compute import (
+    ComputeFunction,
+    SpectrumCompute,
+    as_compute_function,
+)
 from spectral_callbacks.monitor.engines.distributed import world
 from spectral_callbacks.monitor.engines.engine import SnapshotResult
 from spectral_callbacks.monitor.engines.partitioned import refuse_partitioned
@@ -242,15 +246,19 @@ class SpectralTracker:
                 f'{caller} has nowhere to write: pass `logdir="runs/exp"` (TensorBoard event '
                 "files) or `writers=[...]` (loggers with log_metrics, e.g. Fabric's fabric.loggers)"
             )
-        self.compute: Any = options.compute or SpectrumCompute(
-            options.k,
-            n_oversamples=options.n_oversamples,
-            n_iter=options.n_iter,
-            method=options.svd_method,
-            fit_window=options.fit_window,
-            esd=any(name in ESD_METRICS for name in options.metrics)
-            or options.lr_balance is not None,
-            esd_every_n_snapshots=options.esd_every_n_snapshots,
+        self.compute: ComputeFunction = (
+            SpectrumCompute(
+                options.k,
+                n_oversamples=options.n_oversamples,
+                n_iter=options.n_iter,
+                method=options.svd_method,
+                fit_window=options.fit_window,
+                esd=any(name in ESD_METRICS for name in options.metrics)
+                or options.lr_balance is not None,
+                esd_every_n_snapshots=options.esd_every_n_snapshots,
+            )
+            if options.compute is None
+            else as_compute_function(options.compute)
         )
         self.max_snapshot_bytes = resolve_budget(options.max_snapshot_bytes, self.targets)
         self._plan: Plan | None = None
@@ -498,8 +506,9 @@ class SpectralTracker:
             "schedule": self.schedule.state_dict(),
             "skipped": engine.skipped if engine is not None else self._restored_skipped,
         }
-        if callable(getattr(self.compute, "state_dict", None)):
-            state["compute"] = self.compute.state_dict()
+        compute_state = self.compute.state_dict()
+        if compute_state is not None:
+            state["compute"] = compute_state
         if self._alerts is not None:
             state["alerts"] = self._alerts.state_dict()
         if self._balancer is not None:
@@ -520,14 +529,13 @@ class SpectralTracker:
         self._reporter.load_state_dict(state)
         self.schedule.load_state_dict(dict(state.get("schedule", {})))
         self._restored_skipped = int(state.get("skipped", 0))
-        if "compute" in state and callable(getattr(self.compute, "load_state_dict", None)):
+        if "compute" in state:
             self.compute.load_state_dict(state["compute"])
         # The compute counts the snapshots it decomposes (its ESD cadence) on the worker, so at
         # checkpoint time its own count misses those still in flight; the schedule's count of
         # snapshots taken does not (counted here, on the main thread, when each was offered).
-        continue_after = getattr(self.compute, "continue_after", None)
-        if callable(continue_after) and "snapshots" in state.get("schedule", {}):
-            continue_after(self.schedule.snapshots - self._restored_skipped)
+        if "snapshots" in state.get("schedule", {}):
+            self.compute.continue_after(self.schedule.snapshots - self._restored_skipped)
         if self._alerts is not None and "alerts" in state:
             self._alerts.load_state_dict(state["alerts"])
         if self._balancer is not None and "lr_balance" in state:
@@ -726,22 +734,16 @@ class SpectralTracker:
         """The text entry of the watched matrices (``names.TARGET_MAP_COLUMNS``)."""
         rows = []
         for target in self.targets:
-            rank = getattr(target, "rank", None)
-            scaling = None
-            module = getattr(target, "layer_module", None)
-            if rank and module is not None:  # LoRA-kin: s of ΔW = s B A, summed over adapters
-                scales = getattr(module, "scaling", {})
-                scaling = sum(float(scales.get(name, 0.0)) for name in target.adapters) or None
-            expert = getattr(target, "expert", None)
+            rank, scaling = target.adapter_rank_and_scaling() or ("", None)
             rows.append(
                 (
                     target.name,
-                    getattr(target, "stack", ""),
+                    target.stack,
                     target.layer,
                     target.role,
-                    "" if expert is None else expert,
+                    "" if target.expert is None else target.expert,
                     f"{target.shape[0]}x{target.shape[1]}",
-                    rank or "",
+                    rank,
                     "" if scaling is None else f"{scaling:.6g}",
                 )
             )
@@ -941,9 +943,7 @@ class SpectralTracker:
         device, which a callback object kept after ``fit()`` would otherwise hold."""
         for target in self.targets:
             target.release_reference()
-        release = getattr(self.compute, "release", None)
-        if callable(release):
-            release()
+        self.compute.release()
 
     def _shutdown(self, wait: bool = True) -> bool:
         """Stop the engine and the figures (waiting up to 5 s unless ``wait`` is false); whether

@@ -246,6 +246,14 @@ class AdaptedTarget(Target):
         """The tuner layer: its adapters are scaled with the base by a learning-rate factor."""
         return self.layer_module
 
+    def adapter_rank_and_scaling(self) -> tuple[int, float | None] | None:
+        """``r`` (the active adapters' ranks summed) and ``s`` (their scalings summed), or
+        ``None`` for a kind of adapter without a rank."""
+        if not self.rank:
+            return None
+        scales = getattr(self.layer_module, "scaling", {})  # LoRA-kin: per adapter name
+        return self.rank, sum(float(scales.get(name, 0.0)) for name in self.adapters) or None
+
     @property
     def description(self) -> str:
         """``lora r=8 (default)``: what ``format_targets`` prints beside the shape."""

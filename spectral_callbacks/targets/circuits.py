@@ -137,6 +137,11 @@ class HeadCircuit(Target):
             layout=layout,
         )  # fmt: skip
 
+    @property
+    def attention_layer(self) -> str:
+        """The attention module whose head this is (its layout's name)."""
+        return self.layout.name
+
     def matrix(self) -> Tensor:
         """Never formed: the circuits are computed from the Q/K/V/O factors (``stack_batch``)."""
         raise TypeError(f"{self.name}: a head's circuits are never formed as one matrix")

@@ -176,6 +176,18 @@ class Target:
         plain matrix."""
         return ""
 
+    @property
+    def attention_layer(self) -> str | None:
+        """The attention module whose heads this target is one of (``targets/circuits.py``);
+        ``None`` for a matrix."""
+        return None
+
+    def adapter_rank_and_scaling(self) -> tuple[int, float | None] | None:
+        """The target map's ``r`` and ``s`` of an adapted layer (ΔW = s B A, summed over its
+        active adapters; ``s`` ``None`` where the layer states none); ``None`` for a matrix
+        without adapters."""
+        return None
+
     def stored(self) -> torch.Tensor:
         """The stored 2-D weight ``rows`` are taken from, detached: the parameter itself (an
         expert's target: its slice of the 3-D experts tensor)."""

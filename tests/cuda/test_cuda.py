@@ -27,7 +27,7 @@ from tiny_models import RecordingLogger, TinyGPT, WeightRecorder, quiet_trainer,
 
 from spectral_callbacks.integrations.lightning import SpectralMonitor
 from spectral_callbacks.monitor import dashboards
-from spectral_callbacks.monitor.engines.compute import SpectrumCompute
+from spectral_callbacks.monitor.engines.compute import ComputeFunction, SpectrumCompute
 from spectral_callbacks.monitor.engines.engine import SnapshotEngine
 from spectral_callbacks.monitor.snapshot import group_by_shape, take_snapshot
 from spectral_callbacks.names import scalar_tag
@@ -159,7 +159,7 @@ def test_the_svd_runs_while_later_training_steps_run() -> None:
     assert overlaps > 0  # a training step completed while the SVD's stream slept
 
 
-class GatedCompute:
+class GatedCompute(ComputeFunction):
     """A compute function whose calls wait until :attr:`gate` is open: the worker holds the first
     group of a snapshot (the snapshot the other groups) while the test takes the next one."""
 

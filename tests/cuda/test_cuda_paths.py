@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from spectral_callbacks.monitor.engines.compute import SpectrumCompute
+from spectral_callbacks.monitor.engines.compute import ComputeFunction, SpectrumCompute
 from spectral_callbacks.monitor.engines.engine import SnapshotEngine
 from spectral_callbacks.monitor.snapshot import group_by_shape, take_snapshot
 from spectral_callbacks.targets import Target
@@ -21,7 +21,7 @@ def _stable_rank(weight: torch.Tensor) -> float:
     return float((singular**2).sum() / singular[0] ** 2)
 
 
-class StreamRecorder:
+class StreamRecorder(ComputeFunction):
     """A compute function that records the stream each call actually ran on (the current stream
     of its batch's device at the call), before computing."""
 

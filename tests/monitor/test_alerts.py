@@ -9,7 +9,6 @@ import sys
 import warnings
 from collections.abc import Callable
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -214,9 +213,8 @@ def test_a_30x_learning_rate_spike_raises_an_alert_within_two_snapshots(tmp_path
 
 
 def test_logit_growth_reads_a_layers_max_over_heads_once_per_window() -> None:
-    layout = SimpleNamespace(name="h.0.attn")
     heads = [
-        SimpleNamespace(name=f"h.0.attn[head {h}]", layer=0, role="heads", layout=layout)
+        MatrixLabel(f"h.0.attn[head {h}]", 0, "heads", head=h, attention_layer="h.0.attn")
         for h in range(3)
     ]
     watch = AlertWatch(heads, AlertRules(after_step=0, window=100, logit_growth=1.5))

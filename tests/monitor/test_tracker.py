@@ -22,6 +22,7 @@ from tiny_models import RecordingLogger, TinyGPT, exact_compute, quiet_trainer, 
 
 from spectral_callbacks import SpectralMonitor, SpectralTracker, tensorboard_adapter
 from spectral_callbacks.monitor import dashboards
+from spectral_callbacks.monitor.engines.compute import ComputeFunction
 from spectral_callbacks.monitor.options import ConfigurationError, MonitorOptions
 from spectral_callbacks.names import monitor_tag, scalar_tag
 from spectral_callbacks.offline.events import read_event_file
@@ -306,7 +307,7 @@ def test_ctrl_c_in_the_end_of_training_wait_drops_the_snapshots_at_once_in_one_l
     assert seconds < 2.0, seconds  # one shape group's 0.3 s at most, not a 5 s join
 
 
-class _CountingCompute:
+class _CountingCompute(ComputeFunction):
     """A compute with state, as SpectrumCompute's generator will be: saved and restored."""
 
     def __init__(self) -> None:

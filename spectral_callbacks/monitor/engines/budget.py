@@ -41,6 +41,7 @@ from typing import Any
 
 import torch
 
+from spectral_callbacks.monitor.engines.compute import Compute, as_compute_function
 from spectral_callbacks.monitor.options import ConfigurationError
 from spectral_callbacks.monitor.snapshot import ShapeGroup
 from spectral_callbacks.targets.target import Target
@@ -206,29 +207,26 @@ class Plan:
 
 
 def plan_snapshot(
-    groups: Sequence[ShapeGroup], compute: Any, budget: int | None, caller: str = "SpectralMonitor"
+    groups: Sequence[ShapeGroup],
+    compute: Compute,
+    budget: int | None,
+    caller: str = "SpectralMonitor",
 ) -> Plan:
     """The :class:`Plan` for ``groups`` decomposed by ``compute`` within ``budget`` bytes.
 
     ``compute`` is asked for its working set and kept bytes (``working_bytes(group, batch)``,
-    ``kept_bytes(group)``); a compute function without them is counted with the default SVD's
-    bound and keeps nothing.
+    ``kept_bytes(group)``: a plain compute function has :class:`~spectral_callbacks.monitor.
+    engines.compute.ComputeFunction`'s defaults, the default SVD's bound and nothing kept).
 
     Raises:
         ConfigurationError: one matrix does not fit the budget alone (see :func:`plan_parts`).
     """
-    from spectral_callbacks.functional.memory import svd_working_bytes
+    function = as_compute_function(compute)
 
     def working(group: ShapeGroup, batch: int) -> int:
-        own = getattr(compute, "working_bytes", None)
-        if own is not None:
-            return int(own(group, batch))
-        m, n = group.shape
-        dtype = torch.float64 if group.dtype == torch.float64 else torch.float32
-        return svd_working_bytes(m, n, batch, dtype, device_type=group.device.split(":")[0])
+        return int(function.working_bytes(group, batch))
 
-    kept_of = getattr(compute, "kept_bytes", None)
-    kept = sum(int(kept_of(group)) for group in groups) if kept_of is not None else 0
+    kept = sum(int(function.kept_bytes(group)) for group in groups)
     parts = plan_parts(groups, budget, working, kept, caller)
     return Plan(
         tuple(parts),

@@ -1,4 +1,5 @@
-"""SpectrumCompute: the default compute function the engine runs on each shape group.
+"""SpectrumCompute: the default compute function the engine runs on each shape group, and
+ComputeFunction: what the engine, the budget and the tracker call on any compute function.
 
 It turns a ``(B, m, n)`` stack of snapshots into metric tensors: a batched randomized top-k SVD,
 warm-started from the previous snapshot's subspace, the exact ‖W‖_F², and the metrics of
@@ -12,6 +13,7 @@ otherwise interleave with training's dropout and data shuffling at moments that 
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -29,8 +31,71 @@ from spectral_callbacks.functional.calibration import MethodCalibration
 from spectral_callbacks.functional.memory import subspace_bytes, svd_working_bytes
 from spectral_callbacks.monitor.snapshot import ShapeGroup
 
+#: ``compute(group, batch)``: ``batch`` is a float ``(B, m, n)`` stack of the group's matrices (or
+#: the ``functional.batch.MatrixBatch`` a kind of target snapshots itself as); returns metric
+#: name -> ``(B,)`` tensor. On CUDA it runs with the compute stream current.
+Compute = Callable[[ShapeGroup, Stack], dict[str, torch.Tensor]]
 
-class SpectrumCompute:
+
+class ComputeFunction:
+    """A compute function and every member the budget and the tracker call on it, each declared
+    here with the default of a plain ``(group, batch) -> {metric: (B,) tensor}`` function (the
+    ``compute=`` option): its working set is the default SVD's bound, it keeps nothing between
+    snapshots and has no state to save. :class:`SpectrumCompute` overrides them; so may a user's
+    compute that keeps state (subclass this class), and :func:`as_compute_function` gives a plain
+    function the defaults.
+    """
+
+    def __call__(self, group: ShapeGroup, batch: Stack) -> dict[str, torch.Tensor]:
+        raise NotImplementedError(f"{type(self).__name__} must define __call__(group, batch)")
+
+    def working_bytes(self, group: ShapeGroup, batch: int) -> int:
+        """Upper bound of the bytes one call allocates on ``batch`` matrices of ``group``: the
+        default SVD's (``functional.memory.svd_working_bytes``)."""
+        m, n = group.shape
+        dtype = torch.float64 if group.dtype == torch.float64 else torch.float32
+        return svd_working_bytes(m, n, batch, dtype, device_type=group.device.split(":")[0])
+
+    def kept_bytes(self, group: ShapeGroup) -> int:
+        """The bytes kept for ``group`` between snapshots (a warm start's subspace): none."""
+        return 0
+
+    def state_dict(self) -> dict[str, Any] | None:
+        """What a resumed run needs to continue as this one would (saved in the tracker's
+        ``state_dict`` under ``"compute"``); ``None``: nothing."""
+        return None
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned."""
+
+    def continue_after(self, snapshots: int) -> None:
+        """``snapshots`` were taken before this run (a resume): a cadence counted in snapshots
+        continues from there."""
+
+    def release(self) -> None:
+        """Drop what only the run needed, once it is over."""
+
+
+class _PlainFunction(ComputeFunction):
+    """A plain compute function, with :class:`ComputeFunction`'s defaults."""
+
+    def __init__(self, function: Compute) -> None:
+        self.function = function
+
+    def __call__(self, group: ShapeGroup, batch: Stack) -> dict[str, torch.Tensor]:
+        return self.function(group, batch)
+
+
+def as_compute_function(compute: Compute) -> ComputeFunction:
+    """``compute`` as a :class:`ComputeFunction`: itself, or a plain function with the defaults.
+
+    >>> as_compute_function(lambda group, batch: {}).kept_bytes(ShapeGroup("2x2/float32/cpu", ()))
+    0
+    """
+    return compute if isinstance(compute, ComputeFunction) else _PlainFunction(compute)
+
+
+class SpectrumCompute(ComputeFunction):
     """The default compute function: batched randomized top-k SVD, exact ‖W‖_F², the metrics.
 
     The right subspace ``V`` of each shape group is kept and passed back as ``init`` at the next
@@ -177,8 +242,8 @@ class SpectrumCompute:
 
     def kept_bytes(self, group: ShapeGroup) -> int:
         """The bytes of the warm-start subspace kept for ``group`` between snapshots."""
-        if not self.warm_start or hasattr(group.targets[0], "working_bytes"):
-            return 0  # nothing kept (attention heads: no subspace)
+        if not self.warm_start or group.targets[0].working_bytes(len(group.targets)) is not None:
+            return 0  # nothing kept (a kind that computes its own metrics: attention heads)
         m, n = group.shape
         dtype = torch.float64 if group.dtype == torch.float64 else torch.float32
         width = self.k + self.svd_options.get("n_oversamples", DEFAULT_N_OVERSAMPLES)
@@ -205,7 +270,7 @@ class SpectrumCompute:
         states.update({device: gen.get_state() for device, gen in self._generators.items()})
         return {"seed": self.seed, "generators": states}
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Restore the generators' states (applied to a device's generator when it is created)."""
         self.seed = int(state_dict.get("seed", self.seed))
         self._restored_states = dict(state_dict.get("generators", {}))

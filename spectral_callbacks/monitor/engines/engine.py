@@ -57,7 +57,7 @@ import dataclasses
 import threading
 import time
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
@@ -67,12 +67,9 @@ import torch
 from spectral_callbacks.functional.batch import Stack
 from spectral_callbacks.monitor import background
 from spectral_callbacks.monitor.engines.budget import Ledger, plan_snapshot
+from spectral_callbacks.monitor.engines.compute import Compute
 from spectral_callbacks.monitor.engines.streams import ComputeStreams
 from spectral_callbacks.monitor.snapshot import ShapeGroup, Snapshot, take_snapshot
-
-#: ``compute(group, batch)``: ``batch`` is a float ``(B, m, n)`` stack of the group's matrices (or
-#: the ``functional.batch.MatrixBatch`` a kind of target snapshots itself as); returns metric name -> ``(B,)`` tensor. On CUDA it runs with the compute stream current.
-Compute = Callable[[ShapeGroup, Stack], dict[str, torch.Tensor]]
 
 _POLL_SECONDS = 0.005
 #: The name of the engine's worker thread (tests and benchmarks find the thread by it).

@@ -419,3 +419,17 @@ def test_snapshot_bytes_are_the_bytes_a_snapshot_copies(dtype: torch.dtype) -> N
         assert isinstance(stack, torch.Tensor)
         of_group = [t for t in targets if t.batch_key()[0] == key]
         assert sum(t.snapshot_bytes() for t in of_group) == stack.nbytes
+
+
+def test_the_plan_holds_the_warm_start_subspaces_of_dense_groups() -> None:
+    # before: every Target declares working_bytes, so SpectrumCompute.kept_bytes took every group
+    # for attention heads (which keep nothing) and the plan counted no warm-start subspace
+    weights = [torch.zeros(64, 48) for _ in range(3)] + [torch.zeros(32, 32)]
+    targets = [Target.from_parameter(f"w{i}", w, role="Q") for i, w in enumerate(weights)]
+    compute = SpectrumCompute(8, n_oversamples=4)
+    plan = plan_snapshot(group_by_shape(targets), compute, None, "test")
+    # float32 right subspaces (B, n, k + n_oversamples) per group
+    assert plan.kept == 4 * (3 * 48 * 12 + 1 * 32 * 12)
+    assert (
+        plan_snapshot(group_by_shape(targets), SpectrumCompute(8, warm_start=False), None).kept == 0
+    )
