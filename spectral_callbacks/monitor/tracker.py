@@ -217,8 +217,26 @@ class SpectralTracker:
         start_step: int | None,
         optimizer: Any,
     ) -> None:
-        """Everything that follows from the targets: budget, engine's plan, reporting, start."""
-        options, caller = self.options, self.caller
+        """Everything that follows from the targets, in named steps: what is watched, where it is
+        written, how it is computed within the budget, when, what is logged, the run's state."""
+        self._init_targets(model, targets)
+        writers = self._check_writers(writers, logdir)
+        self._init_compute()
+        world_size = self._init_schedule()
+        self._balancer = self._make_balancer(model, optimizer, world_size)
+        self._init_writers(writers, logdir)
+        self._init_metrics()
+        self._init_reporting()
+        self._init_run_state()
+        if state is not None:
+            self.load_state_dict(state)
+        if start_step is not None:
+            self.begin(start_step)
+
+    def _init_targets(self, model: torch.nn.Module, targets: list[Any]) -> None:
+        """The watched matrices: those found, with ``delta=``'s references and ``circuits=``'s
+        heads; ``figure_roles`` checked against their roles."""
+        options = self.options
         self.targets = targets
         if options.delta is not None:
             self.targets = self._with_references(self.targets, options.delta)
@@ -234,6 +252,11 @@ class SpectralTracker:
             or all(role in found for role in figure_roles),
             f"None or roles this model has ({', '.join(found)})",
         )
+
+    def _check_writers(
+        self, writers: Sequence[Any], logdir: str | os.PathLike[str] | None
+    ) -> list[Any]:
+        """``writers`` as a list of loggers, refused when the tracker would have nowhere to write."""
         writers = list(writers)
         require(
             "writers",
@@ -243,9 +266,15 @@ class SpectralTracker:
         )
         if not writers and logdir is None:  # it would compute every snapshot and keep nothing
             raise ConfigurationError(
-                f'{caller} has nowhere to write: pass `logdir="runs/exp"` (TensorBoard event '
+                f'{self.caller} has nowhere to write: pass `logdir="runs/exp"` (TensorBoard event '
                 "files) or `writers=[...]` (loggers with log_metrics, e.g. Fabric's fabric.loggers)"
             )
+        return writers
+
+    def _init_compute(self) -> None:
+        """The compute function and the snapshot budget, refused here, with the numbers, when
+        one matrix cannot fit (the engine plans alike)."""
+        options = self.options
         self.compute: ComputeFunction = (
             SpectrumCompute(
                 options.k,
@@ -263,10 +292,13 @@ class SpectralTracker:
         self.max_snapshot_bytes = resolve_budget(options.max_snapshot_bytes, self.targets)
         self._plan: Plan | None = None
         if not any(isinstance(target.parameter, DTensor) for target in self.targets):
-            # Refused here, with the numbers, when one matrix cannot fit (the engine plans alike).
             self._plan = plan_snapshot(
-                group_by_shape(self.targets), self.compute, self.max_snapshot_bytes, caller
+                group_by_shape(self.targets), self.compute, self.max_snapshot_bytes, self.caller
             )
+
+    def _init_schedule(self) -> int:
+        """Which steps get a snapshot, and this process's rank; returns the world size."""
+        options = self.options
         self.schedule = SnapshotSchedule(
             options.every_n_steps, options.log_spaced_until, options.max_overhead
         )
@@ -278,12 +310,19 @@ class SpectralTracker:
             f"None with {world_size} processes (each rank would measure its own budget and "
             "snapshot at different steps; choose `every_n_steps` instead)",
         )
-        self._balancer = self._make_balancer(model, optimizer, world_size)
+        return world_size
+
+    def _init_writers(self, writers: list[Any], logdir: str | os.PathLike[str] | None) -> None:
+        """Rank 0 writes: to ``writers`` and to its own TensorBoard writer in ``logdir``."""
         self.writers: list[Any] = list(writers) if self.rank == 0 else []
         self._own_logger: tb.LogdirWriter | None = None
         if logdir is not None and self.rank == 0:
             self._own_logger = tb.LogdirWriter(str(logdir))
             self.writers.append(self._own_logger)
+
+    def _init_metrics(self) -> None:
+        """The logged metrics: ``metrics``, plus what the targets and options add."""
+        options = self.options
         # Adapted layers (targets/adapted.py) also log their update's spectrum by default; a
         # user who lists `metrics` gets exactly those (update_* names included).
         self.metrics: tuple[str, ...] = tuple(options.metrics)
@@ -293,14 +332,21 @@ class SpectralTracker:
             self.metrics += tuple(name for name in CIRCUIT_METRICS if name not in self.metrics)
         if self._balancer is not None and "esd_alpha" not in self.metrics:  # what it reads
             self.metrics += ESD_METRICS
+
+    def _init_reporting(self) -> None:
+        """What reads the results: the alerts, the scalars, the figures, the dashboard layout."""
+        options = self.options
         self._alerts = AlertWatch(self.targets, options.alerts) if options.alerts else None
         self._reporter = Reporter(
             self.targets, self.metrics, options.history_size, experts=options.experts
         )
         self._figures = dashboards.LiveFigures(
-            figure_roles, options.figure_every_n_steps, exit_timeout=options.drain_timeout
+            options.figure_roles, options.figure_every_n_steps, exit_timeout=options.drain_timeout
         )
         self._layout = dashboards.LayoutWriter(self.targets, self.metrics)
+
+    def _init_run_state(self) -> None:
+        """The run's state before :meth:`begin`: no engine yet, nothing skipped or flushed."""
         self._engine = None
         #: Where the CPU work of each snapshot runs, chosen in :meth:`begin`.
         self.placement: Placement | None = None
@@ -313,10 +359,6 @@ class SpectralTracker:
         self._flushed_at = -float("inf")
         # The final step when _finish takes it again for the ESD family: logged once, not twice.
         self._retaken_step: int | None = None
-        if state is not None:
-            self.load_state_dict(state)
-        if start_step is not None:
-            self.begin(start_step)
 
     # --- the calls a loop makes --------------------------------------------------------------
 
