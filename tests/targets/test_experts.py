@@ -11,7 +11,15 @@ from collections import defaultdict
 
 import pytest
 import torch
-from hf_models import SMALL, deepseek_v3, mixtral, olmoe, qwen2_moe, qwen3_moe
+from hf_models import (
+    SMALL,
+    deepseek_v3,
+    mixtral,
+    olmoe,
+    qwen2_moe,
+    qwen3_moe,
+    switch_transformers,
+)
 from hf_train import WeightRecorder as HFWeightRecorder
 from lightning.pytorch import LightningModule
 from lightning.pytorch.loggers import TensorBoardLogger
@@ -312,15 +320,6 @@ class _Block(torch.nn.Module):
         self.block_sparse_moe = torch.nn.Module()
         self.block_sparse_moe.gate = torch.nn.Linear(16, 4, bias=False)
         self.block_sparse_moe.experts = torch.nn.ModuleList(_Expert() for _ in range(4))
-
-
-def switch_transformers():
-    config = transformers.SwitchTransformersConfig(
-        vocab_size=64, d_model=16, d_kv=4, d_ff=24, num_layers=2, num_decoder_layers=2,
-        num_heads=4, num_experts=4, encoder_sparse_step=2, decoder_sparse_step=2,
-        expert_capacity=8,
-    )  # fmt: skip
-    return transformers.SwitchTransformersForConditionalGeneration(config)
 
 
 def test_experts_kept_as_a_list_of_mlps_are_each_a_target_of_its_own():

@@ -19,6 +19,23 @@ import torch
 # AttentionInterface, set_attn_implementation and DeepseekV2 (all used below): transformers 4.54.
 transformers = pytest.importorskip("transformers", minversion="4.54")
 
+from hf_models import (  # noqa: E402
+    bert,
+    deepseek_v2,
+    deepseek_v3_mla,
+    gpt2,
+    gpt_neo,
+    gpt_neox,
+    gptj,
+    llama,
+    mistral,
+    opt,
+    phi,
+    phi3,
+    qwen2,
+    t5_encoder,
+    vit,
+)
 from transformers.integrations.sdpa_attention import sdpa_attention_forward  # noqa: E402
 from transformers.modeling_utils import AttentionInterface  # noqa: E402
 
@@ -36,130 +53,9 @@ def _capture_attention(module, query, key, value, attention_mask, **kwargs):
 
 AttentionInterface.register("spectral_capture", _capture_attention)
 
-SIZES = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64)
 LLAMA_ROLES = ("Q", "K", "V", "O", "MLP_gate", "MLP_up", "MLP_down")
 SIX = ("Q", "K", "V", "O", "MLP_up", "MLP_down")
 MLA_ROLES = ("Q_down", "Q_up", "KV_down", "K_rope", "K", "V", "O", "MLP_gate", "MLP_up", "MLP_down")
-
-
-def gpt2():
-    config = transformers.GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=50, n_positions=16)
-    return transformers.GPT2LMHeadModel(config)
-
-
-def gpt_neox():
-    config = transformers.GPTNeoXConfig(**SIZES, vocab_size=50, rotary_pct=0.5)
-    return transformers.GPTNeoXForCausalLM(config)
-
-
-def llama():
-    config = transformers.LlamaConfig(**SIZES, num_key_value_heads=2, vocab_size=50)
-    return transformers.LlamaForCausalLM(config)
-
-
-def mistral():
-    config = transformers.MistralConfig(**SIZES, num_key_value_heads=1, vocab_size=50)
-    return transformers.MistralForCausalLM(config)
-
-
-def qwen2():  # q/k/v carry biases
-    config = transformers.Qwen2Config(**SIZES, num_key_value_heads=2, vocab_size=50)
-    return transformers.Qwen2ForCausalLM(config)
-
-
-def phi3():  # fused qkv_proj [q; k; v] with GQA sizes, fused gate_up_proj [gate; up]
-    config = transformers.Phi3Config(**SIZES, num_key_value_heads=2, vocab_size=50, pad_token_id=0)
-    return transformers.Phi3ForCausalLM(config)
-
-
-def t5_encoder():  # nested lists encoder.block.N.layer.M; gated MLP wi_0 (gate), wi_1 (up)
-    config = transformers.T5Config(
-        d_model=32,
-        d_kv=8,
-        d_ff=64,
-        num_layers=2,
-        num_heads=4,
-        vocab_size=50,
-        feed_forward_proj="gated-gelu",
-    )
-    return transformers.T5EncoderModel(config)
-
-
-def opt():  # fc1/fc2 directly in the decoder layer
-    config = transformers.OPTConfig(
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        ffn_dim=64,
-        vocab_size=50,
-        word_embed_proj_dim=32,
-        max_position_embeddings=32,
-    )
-    return transformers.OPTForCausalLM(config)
-
-
-def gptj():  # attn.out_proj, mlp.fc_in / fc_out
-    config = transformers.GPTJConfig(
-        n_embd=32, n_layer=2, n_head=4, vocab_size=50, rotary_dim=4, n_positions=32
-    )
-    return transformers.GPTJForCausalLM(config)
-
-
-def phi():  # self_attn.dense is O
-    return transformers.PhiForCausalLM(transformers.PhiConfig(**SIZES, vocab_size=50))
-
-
-def gpt_neo():  # attn.attention.q_proj ..., mlp.c_fc / c_proj as nn.Linear; its own attention code
-    # (no attention interface), so only the projection test covers it
-    config = transformers.GPTNeoConfig(
-        hidden_size=32,
-        num_layers=2,
-        num_heads=4,
-        vocab_size=50,
-        attention_types=[[["global", "local"], 1]],
-        max_position_embeddings=32,
-    )
-    return transformers.GPTNeoForCausalLM(config)
-
-
-def bert():
-    config = transformers.BertConfig(**SIZES, vocab_size=50)
-    return transformers.BertModel(config)
-
-
-def vit():
-    config = transformers.ViTConfig(**SIZES, image_size=16, patch_size=8)
-    return transformers.ViTModel(config)
-
-
-# MLA sizes and a small MoE shared by the DeepSeek configs.
-DEEPSEEK = dict(
-    **SIZES,
-    num_key_value_heads=4,
-    vocab_size=50,
-    kv_lora_rank=8,
-    qk_nope_head_dim=8,
-    qk_rope_head_dim=4,
-    v_head_dim=6,
-    first_k_dense_replace=1,
-    moe_intermediate_size=16,
-    n_routed_experts=4,
-    num_experts_per_tok=2,
-    n_group=1,
-    topk_group=1,
-)
-
-
-def deepseek_v3():
-    # Layer 0 dense, layer 1 MoE (its shared expert is the watched MLP); rope not interleaved so
-    # position 0 leaves the rope channels in place.
-    config = transformers.DeepseekV3Config(**DEEPSEEK, q_lora_rank=16, rope_interleave=False)
-    return transformers.DeepseekV3ForCausalLM(config)
-
-
-def deepseek_v2():  # MLA without a query latent (q_lora_rank=None: a plain q_proj)
-    config = transformers.DeepseekV2Config(**DEEPSEEK, q_lora_rank=None)
-    return transformers.DeepseekV2ForCausalLM(config)
 
 
 ARCHITECTURES = {
@@ -177,7 +73,7 @@ ARCHITECTURES = {
     "bert": (bert, SIX),
     "vit": (vit, SIX),
     "deepseek_v2": (deepseek_v2, ("Q", *MLA_ROLES[2:])),
-    "deepseek_v3": (deepseek_v3, MLA_ROLES),
+    "deepseek_v3": (deepseek_v3_mla, MLA_ROLES),
 }
 
 
@@ -356,7 +252,7 @@ def test_summary_names_what_is_not_watched():
     text = format_targets(find_targets(gpt2()))
     assert "transformer.wte.weight  (50, 32)  embedding" in text
     assert "lm_head.weight          (50, 32)  tied to transformer.wte.weight" in text
-    deepseek = format_targets(find_targets(deepseek_v3()))
+    deepseek = format_targets(find_targets(deepseek_v3_mla()))
     # the router and the routed experts are watched now (test_experts.py)
     assert "Router           model.layers.1.mlp.gate.weight" in deepseek
     assert "model.layers.1.mlp.experts.down_proj[E003/MLP_down]" in deepseek

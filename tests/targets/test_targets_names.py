@@ -7,6 +7,7 @@ import warnings
 
 import pytest
 import torch
+from hf_models import FALCON, distilbert, falcon
 from torch import nn
 
 from spectral_callbacks.targets import TargetWarning, find_targets
@@ -60,20 +61,10 @@ def test_hand_written_names_map_to_their_roles(attention: str, mlp: str) -> None
 
 
 def test_distilbert() -> None:
-    config = transformers.DistilBertConfig(
-        vocab_size=64, dim=16, n_layers=2, n_heads=4, hidden_dim=32, max_position_embeddings=16
-    )
-    targets = _find(transformers.DistilBertModel(config))
+    targets = _find(distilbert())
     assert [(t.layer, t.role) for t in targets] == [
         (layer, role) for layer in (0, 1) for role in ("Q", "K", "V", "O", "MLP_up", "MLP_down")
     ]
-
-
-FALCON = {
-    "multi-query (7B)": dict(multi_query=True, new_decoder_architecture=False),
-    "grouped (40B/180B)": dict(new_decoder_architecture=True, num_kv_heads=2),
-    "multi-head": dict(multi_query=False, new_decoder_architecture=False),
-}
 
 
 def _rows_of(fused: torch.Tensor, part: torch.Tensor) -> torch.Tensor:
@@ -123,11 +114,8 @@ def test_falcon_query_key_value_is_split_as_the_attention_reads_it(layout: str) 
     changes the later tokens' outputs of the heads in g only, and changing the last token's
     query rows of head h changes that token's output of head h only.
     """
-    config = transformers.FalconConfig(
-        vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=8, **FALCON[layout]
-    )
     torch.manual_seed(0)
-    model = transformers.FalconModel(config).eval()
+    model = falcon(layout).eval()
     targets = _find(model)
     assert {t.role for t in targets} == {"Q", "K", "V", "O", "MLP_up", "MLP_down"}
     attention = model.h[1].self_attention
