@@ -27,7 +27,7 @@ so it is never charted as its frozen base alone.
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -403,6 +403,17 @@ def _is_attention_product(op: Op) -> bool:
 # --- sources and consumers --------------------------------------------------------------------
 
 
+def _breadth_first(frontier: list[Value]) -> Iterator[Value]:
+    """The values of ``frontier`` in order, each once, while the caller appends the next ones to
+    it: a breadth-first walk of at most ``_MAX_WALK`` values."""
+    seen: set[int] = set()
+    while frontier and len(seen) < _MAX_WALK:
+        current = frontier.pop(0)
+        if current.index not in seen:
+            seen.add(current.index)
+            yield current
+
+
 def _source_of(
     recording: Recording,
     value: Value,
@@ -414,13 +425,8 @@ def _source_of(
     features and tokens lie along ``feature_axis`` and ``token_axis``."""
     producers: list[Op] = []
     path: list[Value] = []
-    seen: set[int] = set()
     frontier = [value]
-    while frontier and len(seen) < _MAX_WALK:
-        current = frontier.pop(0)
-        if current.index in seen:
-            continue
-        seen.add(current.index)
+    for current in _breadth_first(frontier):
         path.append(current)
         op = current.op
         if op is None:
@@ -496,13 +502,8 @@ def _consumer(recording: Recording, value: Value, modules: dict[str, nn.Module])
     """The projection (or composite module) that first consumes ``value``."""
     found: list[Op] = []
     path: list[Value] = []
-    seen: set[int] = set()
     frontier = [value]
-    while frontier and len(seen) < _MAX_WALK:
-        current = frontier.pop(0)
-        if current.index in seen:
-            continue
-        seen.add(current.index)
+    for current in _breadth_first(frontier):
         path.append(current)
         for op in current.consumers:
             if op.weight is not None and current in op.data_inputs:

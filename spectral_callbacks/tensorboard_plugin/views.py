@@ -247,10 +247,15 @@ def curves_by_role(
 
 def _points(line: pd.DataFrame, max_points: int) -> dict[str, list]:
     """A line's steps and values, downsampled, with its spread over experts if it has one."""
+    keep, points = _downsampled(line, max_points)
+    return {**points, **_spread(line, keep)}
+
+
+def _downsampled(line: pd.DataFrame, max_points: int) -> tuple[np.ndarray, dict[str, list]]:
+    """Which points of a line are kept (``keep_extremes``), and their steps and values."""
     values = line["value"].to_numpy(float)
     keep = keep_extremes(values, max_points)
-    points = {"steps": line["step"].to_numpy()[keep].tolist(), "values": _floats(values[keep])}
-    return {**points, **_spread(line, keep)}
+    return keep, {"steps": line["step"].to_numpy()[keep].tolist(), "values": _floats(values[keep])}
 
 
 def curves_by_layer(
@@ -378,12 +383,7 @@ def curves_by_head(
     series = []
     for run in runs:
         for head, line in chosen[chosen["run"] == run].groupby("head", sort=True):
-            values = line["value"].to_numpy(float)
-            keep = keep_extremes(values, max_points)
-            steps = line["step"].to_numpy()[keep].tolist()
-            series.append(
-                {"run": run, "head": int(head), "steps": steps, "values": _floats(values[keep])}
-            )
+            series.append({"run": run, "head": int(head), **_downsampled(line, max_points)[1]})
     return series
 
 
