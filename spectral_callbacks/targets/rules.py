@@ -288,6 +288,17 @@ def _kv_b_group(ctx: Context) -> Decision | None:
     return _kv_b(ctx, suffix=f"_g{group}") if group.isdigit() else None
 
 
+def _active_copies(wrapper: nn.Module) -> list[str]:
+    """The adapter names whose copy a PEFT ``ModulesToSaveWrapper`` uses: its ``active_adapters``
+    (peft 0.15 on), else its one ``active_adapter`` (a name, or a list of them)."""
+    active = getattr(wrapper, "active_adapters", None)
+    if active is None:
+        active = getattr(wrapper, "active_adapter", None)
+    if active is None:
+        return []
+    return [active] if isinstance(active, str) else list(active)
+
+
 def _adapter_part(ctx: Context) -> Skip | None:
     """The built-in rule for the parameters of a tuner layer other than its base weight.
 
@@ -301,7 +312,7 @@ def _adapter_part(ctx: Context) -> Skip | None:
             # PEFT modules_to_save: the active trained copy is a plain target (its name is
             # cleaned to the module's own); the frozen original and inactive copies are not.
             child = ctx.modules[position - 1]
-            active = getattr(module, "active_adapters", [])
+            active = _active_copies(module)
             if child is copies and position >= 2:
                 name = next((k for k, v in copies.items() if v is ctx.modules[position - 2]), None)
                 if name in active:
