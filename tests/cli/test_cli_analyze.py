@@ -346,8 +346,12 @@ def test_the_printed_table_has_a_row_per_stack_and_layer_and_the_experts_mean(
     )
     out = capsys.readouterr().out
     assert "experts: mean (min-max)" in out
-    experts = mixtral.model.layers[0].mlp.experts
-    ranks = [_stable_rank(matrix.double()) for matrix in experts.down_proj.detach()]
+    block = mixtral.model.layers[0]
+    if hasattr(block, "block_sparse_moe"):  # transformers 4.x: a list of MLPs, w2 the down one
+        downs = [expert.w2.weight.detach() for expert in block.block_sparse_moe.experts]
+    else:  # transformers 5: the experts' down projections as one 3-D parameter
+        downs = list(block.mlp.experts.down_proj.detach())
+    ranks = [_stable_rank(matrix.double()) for matrix in downs]
     expected = f"{np.mean(ranks):.1f} ({min(ranks):.1f}-{max(ranks):.1f})"
     (row,) = [
         line

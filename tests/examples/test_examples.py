@@ -174,7 +174,7 @@ def test_attention_variants_trains_both_inits_and_draws_the_pairs(tmp_path: Path
     rows = read_runs([tmp_path], all_scalars=True).rows
     assert set(rows.run) == {"mha/gpt", "mha/zero_out", "mla/gpt", "mla/zero_out"}
     loss = rows[rows.metric == "train/loss"]
-    assert (loss.groupby("run").step.apply(list) == [[0, 1, 2, 3]] * 4).all()  # every step
+    assert loss.groupby("run").step.apply(list).tolist() == [[0, 1, 2, 3]] * 4  # every step
     tokens = rows[rows.metric == "train/tokens"].pivot(index="step", columns="run", values="value")
     assert (tokens.nunique(axis=1) == 1).all()  # the same tokens per step for every run
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import socket
 import sys
+from importlib import metadata
 from pathlib import Path
 
 import pytest
@@ -96,6 +97,10 @@ def test_logdir_follows_the_trainer(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     monkeypatch.setenv("TENSORBOARD_LOGGING_DIR", str(tmp_path / "env"))
     assert trainer_logdir(args) == str(tmp_path / "env")
     monkeypatch.delenv("TENSORBOARD_LOGGING_DIR")
+    if getattr(args, "logging_dir", None):  # transformers 4.x: set at construction, used as given
+        assert Path(args.logging_dir).parent == tmp_path / "runs"
+        assert trainer_logdir(args) == args.logging_dir
+        return
     made = tmp_path / "runs" / f"Dec01_10-00-00_{socket.gethostname()}"
     made.mkdir(parents=True)  # what the Trainer's TensorBoardCallback made a moment ago
     assert trainer_logdir(args) == str(made)
@@ -114,13 +119,17 @@ def test_bad_arguments_are_named_at_construction() -> None:
         Again(every_n_step=5)
 
 
-def test_each_trainer_given_the_other_frameworks_callback_names_the_right_class(
+# Lightning before 2.6 asks every callback whether it overrides state_dict without naming the
+# Callback class, so it rejects a non-Callback itself (ValueError 'Expected a parent') before it
+# calls any hook of it, and the hook named below is never reached.
+LIGHTNING_CALLS_ANY_CALLBACK = tuple(map(int, metadata.version("lightning").split(".")[:2])) >= (2, 6)
+
+
+def test_the_hugging_face_trainer_given_the_lightning_callback_names_the_right_class(
     tmp_path: Path,
 ) -> None:
-    # before: a bare AttributeError ('SpectralMonitor' object has no attribute 'on_init_end';
-    # 'SpectralTrainerCallback' object has no attribute 'setup', then 'on_exception')
+    # before: a bare AttributeError ('SpectralMonitor' object has no attribute 'on_init_end')
     from hf_train import tiny_gpt2
-    from tiny_models import RecordingLogger, TinyGPT, quiet_trainer, token_loader
     from transformers import Trainer, TrainingArguments
 
     from spectral_callbacks.pl import SpectralMonitor
@@ -132,6 +141,18 @@ def test_each_trainer_given_the_other_frameworks_callback_names_the_right_class(
         r"the Hugging Face Trainer takes spectral_callbacks.hf.SpectralTrainerCallback",
     ):
         Trainer(model=tiny_gpt2(), args=args, callbacks=[SpectralMonitor()])
+    assert not hasattr(SpectralMonitor(), "no_such_attribute")  # other names: as any object
+
+
+@pytest.mark.skipif(
+    not LIGHTNING_CALLS_ANY_CALLBACK,
+    reason="needs lightning 2.6: older releases reject a non-Callback before calling its hooks",
+)
+def test_a_lightning_trainer_given_the_hugging_face_callback_names_the_right_class() -> None:
+    # before: a bare AttributeError ('SpectralTrainerCallback' object has no attribute 'setup',
+    # then 'on_exception')
+    from tiny_models import RecordingLogger, TinyGPT, quiet_trainer, token_loader
+
     trainer = quiet_trainer(
         max_steps=2, logger=RecordingLogger(), callbacks=[SpectralTrainerCallback()]
     )
@@ -142,7 +163,6 @@ def test_each_trainer_given_the_other_frameworks_callback_names_the_right_class(
         r"spectral_callbacks.pl.SpectralMonitor",
     ):
         trainer.fit(TinyGPT(), token_loader())
-    assert not hasattr(SpectralMonitor(), "no_such_attribute")  # other names: as any object
 
 
 @pytest.mark.slow

@@ -33,6 +33,12 @@ from spectral_callbacks.names import histogram_tag, parse_tag, scalar_tag
 from spectral_callbacks.targets import TargetWarning, UnwatchedExpertWarning, find_targets
 
 transformers = pytest.importorskip("transformers")
+# transformers 5 keeps a mixture's experts as 3-D parameters (experts.gate_up_proj, down_proj);
+# before it, as a list of MLPs (the layout of test_experts_kept_as_a_list_of_mlps_...).
+needs_fused_experts = pytest.mark.skipif(
+    int(transformers.__version__.split(".")[0]) < 5,
+    reason="reads the experts as 3-D parameters: needs transformers 5.0",
+)
 MODELS = {
     "mixtral": mixtral,
     "qwen3-moe": qwen3_moe,
@@ -41,6 +47,24 @@ MODELS = {
     "deepseek-v3": deepseek_v3,
 }
 EXPERT_ROLES = {"MLP_gate", "MLP_up", "MLP_down"}
+# The first release with each model class (where the lower bound of transformers is older).
+ADDED_IN = {"qwen3-moe": ("Qwen3MoeConfig", "4.51"), "deepseek-v3": ("DeepseekV3Config", "4.51")}
+
+
+def models(*names):
+    """``names`` as parameters, each skipped where this transformers has no such model."""
+    return [
+        pytest.param(
+            name,
+            marks=pytest.mark.skipif(
+                not hasattr(transformers, ADDED_IN[name][0]),
+                reason=f"{name} needs transformers {ADDED_IN[name][1]}",
+            ),
+        )
+        if name in ADDED_IN
+        else name
+        for name in names
+    ]
 
 
 def _find(model):
@@ -49,6 +73,7 @@ def _find(model):
         return find_targets(model)
 
 
+@needs_fused_experts
 @pytest.mark.parametrize("name", sorted(MODELS))
 def test_every_expert_is_a_view_of_its_slice(name):
     model = MODELS[name]()
@@ -233,7 +258,7 @@ FRONTENDS = {"tracker": fit_tracker, "lightning": fit_lightning, "hf": fit_hf}
 
 
 @pytest.mark.parametrize("frontend", sorted(FRONTENDS))
-@pytest.mark.parametrize("name", ["mixtral", "qwen3-moe", "deepseek-v3"])
+@pytest.mark.parametrize("name", models("mixtral", "qwen3-moe", "deepseek-v3"))
 def test_experts_along_a_fit_match_exact_svd_and_the_aggregates_their_experts(
     name, frontend, tmp_path
 ):
@@ -249,6 +274,7 @@ CALLERS = {
 }
 
 
+@needs_fused_experts
 @pytest.mark.parametrize("frontend", sorted(FRONTENDS))
 def test_experts_no_rule_reads_are_warned_about_once_when_training_starts(frontend, tmp_path):
     model = mixtral()
@@ -374,6 +400,7 @@ def test_switch_transformers_experts_are_watched_in_each_stack():
                 assert found == expected, (stack, layer, role)
 
 
+@needs_fused_experts
 def test_an_analyzed_mixture_logs_its_experts_aggregates_and_histograms(tmp_path):
     from spectral_callbacks.offline.analysis import analyze_model, write_scalars
 

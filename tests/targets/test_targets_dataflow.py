@@ -408,6 +408,9 @@ def test_a_compiled_model_is_not_recorded_and_says_so(tmp_path: Path) -> None:
     tracker.close()
 
 
+@pytest.mark.skipif(
+    not hasattr(transformers, "DeepseekV3Config"), reason="DeepSeek-V3 needs transformers 4.51"
+)
 def test_a_key_written_in_place_is_followed_in_deepseek_v3() -> None:
     # DeepSeek-V3 builds its key with new_empty and two copy_ into slices: [k_nope; k_rope].
     config = transformers.DeepseekV3Config(
