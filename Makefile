@@ -65,9 +65,10 @@ bench: $(VENV)/.installed
 
 # Two more environments, neither of them used by `make test` or CI (docs/quickstart.md has their
 # last results). `make test-latest`: .venv-latest with the newest release of everything the ranges
-# allow (torch aside: TORCH_SPEC); `make test-lowest`: .venv-lowest with every range of
-# pyproject.toml at its lower bound (requirements/pins.py lowest). Each prints its versions, then
-# runs the suite (PYTEST_ARGS="tests/test_x.py" runs less).
+# allow (torch aside: TORCH_SPEC), and the stacks; `make test-lowest`: .venv-lowest with every range
+# of pyproject.toml but the [stacks] extra at its lower bound (requirements/pins.py lowest; the
+# stacks' tests are skipped there). Each prints its versions, then runs the suite
+# (PYTEST_ARGS="tests/test_x.py" runs less).
 PYTEST_ARGS ?=
 
 test-latest:
@@ -76,6 +77,7 @@ test-latest:
 	.venv-latest/bin/python -m pip install -q "$(TORCH_SPEC)"
 	.venv-latest/bin/python -m pip install -q --upgrade --upgrade-strategy eager \
 	    -c .venv-latest/torch.txt -e '.[dev,stacks]'
+	.venv-latest/bin/python -m pip install -q --no-deps -r $(STACKS)
 	@echo "newest releases:" && .venv-latest/bin/python requirements/pins.py versions
 	.venv-latest/bin/python -m pytest $(PYTEST_ARGS)
 
@@ -83,7 +85,7 @@ test-lowest:
 	test -x .venv-lowest/bin/python || $(PYTHON) -m venv .venv-lowest
 	.venv-lowest/bin/python requirements/pins.py lowest > .venv-lowest/lowest.txt
 	.venv-lowest/bin/python -m pip install -q "$(TORCH_SPEC)"
-	.venv-lowest/bin/python -m pip install -q -c .venv-lowest/lowest.txt -e '.[dev,stacks]'
+	.venv-lowest/bin/python -m pip install -q -c .venv-lowest/lowest.txt -e '.[dev]'
 	@echo "lower bounds:" && .venv-lowest/bin/python requirements/pins.py versions
 	.venv-lowest/bin/python -m pytest $(PYTEST_ARGS)
 

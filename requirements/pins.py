@@ -36,6 +36,9 @@ LOWEST_EXTRA = {
     # pandas 2.0, pyarrow 14 and matplotlib 3.7 were built against numpy 1.x and fail to import
     # under numpy 2 ("A module that was compiled using NumPy 1.x cannot be run in NumPy 2").
     "numpy": "numpy<2",
+    # tensorboard before 2.21 imports pkg_resources when its command starts (tensorboard/default.py),
+    # which setuptools 82 removed: `tensorboard --logdir` fails without it.
+    "setuptools": "setuptools<82",
 }
 _PIN = re.compile(r"^([A-Za-z0-9][A-Za-z0-9._-]*)==([^\s;#]+)")
 _LOWER = re.compile(r"^([A-Za-z0-9][A-Za-z0-9._-]*)(\[[^\]]*\])?\s*>=\s*([^\s,;]+)\s*$")
@@ -72,22 +75,23 @@ def diff(old: Path, new: Path) -> list[str]:
     return lines
 
 
-def _requirements() -> list[str]:
+def _requirements(extras: tuple[str, ...]) -> list[str]:
     import tomllib  # Python >= 3.11: only these developer commands need it
 
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-    extras = project["optional-dependencies"]  # what the Makefile installs: [dev] and [stacks]
-    return list(project["dependencies"]) + list(extras["dev"]) + list(extras["stacks"])
+    found = project["optional-dependencies"]
+    return list(project["dependencies"]) + [r for extra in extras for r in found[extra]]
 
 
 def lowest(skip: tuple[str, ...] = ("torch",)) -> list[str]:
     """``name==lower bound`` for every ``name>=bound`` of the package's and ``[dev]``'s ranges.
 
     Exact pins (``==``) stay as they are; ``skip`` (torch: the Makefile installs its pinned build)
-    is left out; ``LOWEST_EXTRA`` adds what the old releases need to import.
+    is left out; ``LOWEST_EXTRA`` adds what the old releases need to import. The ``[stacks]``
+    extra is not among them: its lowest ``datasets`` (3.6) needs pyarrow>=15, above pyarrow's 14.
     """
     pins: dict[str, str] = {}
-    for requirement in _requirements():
+    for requirement in _requirements(("dev",)):
         match = _LOWER.match(requirement)
         exact = _PIN.match(requirement)
         if match and _name(match[1]) not in skip:
