@@ -172,6 +172,9 @@ def find_targets(
     reconciled = reconcile(candidates, flow, modules) if flow is not None else Reconciled()
 
     blocks_with_targets = {c.block for c in candidates if c.parts and c.block}
+    vocab_sizes = frozenset(
+        m.num_embeddings for m in modules.values() if isinstance(m, nn.Embedding)
+    )
     chosen: list[Candidate] = []
     unmapped: list[str] = []  # look like targets but could not be mapped: warned about below
     unwatched_experts: list[str] = []  # routed experts no rule reads: warned about on their own
@@ -181,7 +184,8 @@ def find_targets(
         if not candidate.parts and skip is None:
             owner = (modules[candidate.name.rpartition(".")[0]],)
             inside = candidate.block in blocks_with_targets
-            skip = reason_not_matched(Context(candidate.clean, candidate.parameter, owner), inside)
+            context = Context(candidate.clean, candidate.parameter, owner)
+            skip = reason_not_matched(context, inside, vocab_sizes)
         # A deliberate skip keeps its own reason ("embedding") whatever include/exclude say.
         if skip is not None and not skip.warn:
             skipped.append(Skipped(candidate.name, shape, skip.reason))

@@ -46,7 +46,12 @@ _WRAPPER_SEGMENTS = frozenset(
     }
 )
 _LIST_TYPES = (nn.ModuleList, nn.Sequential)
-_HEAD_NAMES = frozenset({"lm_head", "head", "classifier", "score", "embed_out", "output"})
+# Modules that read the last hidden state out (outside the blocks): output heads, BERT's and
+# ViT's `pooler`, BERT's `cls` prediction head, CLIP/SigLIP's projections into the shared space.
+_HEAD_NAMES = frozenset(
+    {"lm_head", "head", "classifier", "score", "embed_out", "output", "pooler", "cls"}
+    | {"text_projection", "visual_projection", "vision_projection"}
+)
 
 
 def clean_name(name: str) -> str:
@@ -226,18 +231,29 @@ def block_of(name: str, matched: int, modules: Mapping[str, nn.Module]) -> tuple
     return None
 
 
-def reason_not_matched(ctx: Context, inside_blocks: bool) -> Skip:
-    """Why a 2-D weight no rule matched is not watched; inside a block that is worth a warning."""
+def reason_not_matched(
+    ctx: Context, inside_blocks: bool, vocab_sizes: frozenset[int] = frozenset()
+) -> Skip:
+    """Why a 2-D weight no rule matched is not watched; one that looks like a transformer weight
+    (not an embedding, a head or a norm) is worth a warning.
+
+    ``vocab_sizes``: the embeddings' numbers of rows; a weight outside the blocks with as many
+    rows maps back to the vocabulary (an output head, whatever its name).
+    """
     segments = ctx.name.split(".")
     if isinstance(ctx.modules[0], nn.Embedding) or any(
         "embed" in s or s in ("wte", "wpe") for s in segments
     ):
         return Skip("embedding")
-    if set(segments[:-1]) & _HEAD_NAMES and not inside_blocks:
+    if not inside_blocks and (
+        set(segments[:-1]) & _HEAD_NAMES or ctx.parameter.shape[0] in vocab_sizes
+    ):
         return Skip("output head")
     if inside_blocks:
         return Skip("inside a block but no rule matched", warn=True)
-    return Skip("outside the blocks; no rule matched")
+    # Not an embedding, a head or a norm: a projection of its own (a pooler, an input or a
+    # modality projection) that looks like a transformer weight, so it is named, not filed silently.
+    return Skip("outside the blocks; no rule matched", warn=True)
 
 
 def decide(

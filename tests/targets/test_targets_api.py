@@ -290,6 +290,35 @@ def test_unknown_weight_inside_a_block_warns_and_is_listed():
         find_targets(model, exclude="attn.gate")  # the way to silence it
 
 
+def test_a_weight_outside_the_blocks_that_no_rule_reads_is_named_in_one_warning():
+    # before: an input projection (and any 2-D weight outside the blocks but an embedding or a
+    # head) was listed as "outside the blocks; no rule matched" with no warning, in every mode
+    model = NanoGPT(n_layer=2)
+    model.proj_in = nn.Linear(32, 32)
+    model.bridge = nn.Linear(32, 24)
+    with pytest.warns(PartialTargetWarning, match="2 weights that look like targets") as caught:
+        targets = find_targets(model)
+    assert len(caught) == 1
+    message = str(caught[0].message)
+    assert "proj_in.weight (32, 32): outside the blocks" in message
+    assert "bridge.weight (24, 32): outside the blocks" in message
+    assert len(targets) == 12
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", category=PartialTargetWarning)
+        find_targets(model, exclude=["proj_in", "bridge"])  # the way to silence it
+
+
+def test_poolers_and_modality_projections_are_heads_not_warned_about():
+    model = NanoGPT(n_layer=2)
+    model.pooler = nn.Sequential(nn.Linear(32, 32), nn.Tanh())
+    model.text_projection = nn.Linear(32, 16, bias=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", category=PartialTargetWarning)
+        targets = find_targets(model)
+    reasons = {s.parameter_name: s.reason for s in targets.skipped}
+    assert reasons["pooler.0.weight"] == reasons["text_projection.weight"] == "output head"
+
+
 def test_layer_missing_a_role_warns():
     model = NanoGPT(n_layer=2)
     model.transformer.h[1].mlp = nn.Identity()
