@@ -19,6 +19,11 @@ Which hooks, and why (steps are ``trainer.global_step``: optimizer steps, 0 = be
   that advances ``global_step`` by more than one still triggers any grid step it jumped over).
   ``on_before_zero_grad`` would be wrong for manual optimization and fire between the optimizers of
   one batch; ``on_train_batch_start`` would see the weights one data-loading later, no better.
+* the roles are read from the first training forward (``roles_from_first_forward``): recorded from
+  ``on_train_batch_start`` to ``on_before_backward`` (or ``on_before_optimizer_step``), so the
+  whole ``training_step`` is seen whether it calls ``self(x)``, ``self.model(x)`` or several
+  children, and the weights are still those of step 0 when the roles are read. A forward that
+  ran earlier (the sanity check's validation step) may already have shown them.
 * the final step is taken in ``on_train_end``, whatever ended the fit (``max_steps``, ``max_epochs``,
   early stopping).
 * in-flight work is finished with a bounded wait and logged, and the final figures drawn, in
@@ -202,6 +207,29 @@ def monitor_class(package: str) -> type:
                     if self.options.lr_balance is not None:
                         self.tracker.attach_optimizer(_one_optimizer(trainer.optimizers))
                     self.tracker.begin(trainer.global_step)
+
+        @override
+        def on_train_batch_start(
+            self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int
+        ) -> None:
+            if self.tracker is not None:
+                self.tracker.forward_begins()
+
+        @override
+        def on_before_backward(
+            self, trainer: Trainer, pl_module: LightningModule, loss: Any
+        ) -> None:
+            if self.tracker is not None:
+                with raised_as_misconfiguration():
+                    self.tracker.forward_ends()
+
+        @override
+        def on_before_optimizer_step(
+            self, trainer: Trainer, pl_module: LightningModule, optimizer: Any
+        ) -> None:
+            if self.tracker is not None:  # a manual step whose backward Lightning did not run
+                with raised_as_misconfiguration():
+                    self.tracker.forward_ends()
 
         @override
         def on_train_batch_end(

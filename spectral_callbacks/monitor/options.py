@@ -132,8 +132,14 @@ class MonitorOptions:
             forward, the name rules checked against it (``find_targets(example_input=)``).
             Default ``None``: the name rules alone.
         roles_from_first_forward: read the roles from the first forward the model makes after
-            construction (the first training forward: recorded, not repeated); the targets, the
-            engine and the first snapshot wait for it. Default ``False``: found at construction.
+            construction (the first training forward: recorded, not repeated). ``"auto"``: the
+            name rules first (the fast path: where they place every weight of the blocks, the
+            targets are found and step 0 snapshotted at construction, and the first forward
+            must agree with them); where they cannot, the targets, the engine and the first
+            snapshot wait for that forward. ``True``: the forward always decides (the targets
+            wait for it). ``False``: the names alone. A compiled model (``torch.compile``) and
+            sharded (DTensor) weights are read by the names, said in one line.
+            Default ``"auto"``.
         every_n_steps: snapshot every this many optimizer steps. Default ``25``.
         log_spaced_until: also snapshot at the powers of two below this step (dense early points,
             where the stable rank collapses); ``0`` turns them off. Default ``1000``.
@@ -217,7 +223,7 @@ class MonitorOptions:
     exclude: Any = None
     mapping: Any = None
     example_input: Any = dataclasses.field(default=None, compare=False, repr=False)
-    roles_from_first_forward: bool = False
+    roles_from_first_forward: bool | Literal["auto"] = "auto"
     every_n_steps: int = 25
     log_spaced_until: int = 1000
     max_overhead: float | None = None
@@ -259,8 +265,9 @@ class MonitorOptions:
         require(
             "roles_from_first_forward",
             self.roles_from_first_forward,
-            isinstance(self.roles_from_first_forward, bool),
-            "True or False",
+            isinstance(self.roles_from_first_forward, bool)
+            or self.roles_from_first_forward == "auto",
+            '"auto", True or False',
         )
         require(
             "roles",

@@ -73,12 +73,25 @@ from spectral_callbacks.names import (
 from spectral_callbacks.targets.delta import Delta
 from spectral_callbacks.targets.first_forward import FirstForward
 from spectral_callbacks.targets.roles import FlowMap
-from spectral_callbacks.targets.target import Target
+from spectral_callbacks.targets.target import Target, TargetList
 
 # The TensorBoard writers are flushed at most this often: a running TensorBoard (which rereads its
 # files every few seconds) still shows each point within seconds, and a burst of snapshots (the
 # dense early schedule) costs one flush, not one each (a flush waits for the writer thread).
 FLUSH_INTERVAL_SECONDS = 1.0
+
+
+def _forward_not_followed(model: torch.nn.Module) -> str | None:
+    """Why ``model``'s forward cannot be recorded (its roles then come from the names), or None."""
+    for module in model.modules():
+        if hasattr(module, "_orig_mod") or getattr(module, "_compiled_call_impl", None):
+            return "the model is compiled (torch.compile): its forward runs a graph"
+    if any(isinstance(parameter, DTensor) for parameter in model.parameters()):
+        return (
+            "its weights are sharded (DTensor: fully_shard / tensor parallel): each rank's "
+            "forward sees its shards"
+        )
+    return None
 
 
 def _check_step(step: Any) -> None:
@@ -181,31 +194,44 @@ class SpectralTracker:
         self.options = options
         self.caller = caller
         self._first_forward: FirstForward | None = None
-        compiled = hasattr(model, "_orig_mod")  # torch.compile: the forward runs a graph
-        if options.roles_from_first_forward and compiled:
+        self._waiting: dict[str, Any] | None = None
+        watch = dict(
+            model=model,
+            writers=writers,
+            logdir=logdir,
+            state=state,
+            start_step=start_step,
+            optimizer=optimizer,
+        )
+        follow = options.roles_from_first_forward if options.example_input is None else False
+        why = _forward_not_followed(model) if follow is not False else None
+        if why is not None and follow is True:
             rank_zero_warn(
-                f"{caller}: the model is compiled (torch.compile), so its forward cannot be "
-                "recorded; the roles come from the names (pass example_input= to read them from "
-                "an eager forward of the same model)",
+                f"{caller}: {why}, so its forward cannot be recorded; the roles come from the "
+                "names (pass example_input= to read them from an eager forward of the same model)",
                 category=RuntimeWarning,
             )
-        if options.roles_from_first_forward and options.example_input is None and not compiled:
+        elif why is not None:
+            rank_zero_info(f"{caller}: roles from the names: {why}")
+        if why is not None:
+            follow = False
+        if follow == "auto":  # the names first: the fast path, which the forward must confirm
+            found = self._names_if_decided(model)
+            if found is not None:
+                self._watch(targets=found, **watch)
+                confirm = functools.partial(self._confirm, model, found)
+                self._first_forward = FirstForward(model, confirm)
+                return
+        if follow is not False:
             # Everything that needs the targets waits for the forward (_on_first_forward).
             refuse_partitioned(model, caller)
             self.targets: list[Any] = []
             self._engine: Engine | None = None
             self._closed = False
-            self._waiting = dict(
-                model=model,
-                writers=writers,
-                logdir=logdir,
-                state=state,
-                start_step=start_step,
-                optimizer=optimizer,
-            )
+            self._waiting = watch
             self._first_forward = FirstForward(model, self._on_first_forward)
             return
-        self._watch(model, self._find_targets(model), writers, logdir, state, start_step, optimizer)
+        self._watch(targets=self._find_targets(model), **watch)
 
     def _watch(
         self,
@@ -375,7 +401,7 @@ class SpectralTracker:
         if self._closed:
             raise RuntimeError(f"{self.caller} is closed: construct a new one for a new run")
         _check_step(step)
-        if self._first_forward is not None and not self._first_forward.done:
+        if self._waiting is not None:
             self._waiting["start_step"] = step  # begun when the first forward has shown the roles
             return
         options = self.options
@@ -431,7 +457,7 @@ class SpectralTracker:
         if self._closed:
             raise RuntimeError(f"{self.caller} is closed: construct a new one for a new run")
         _check_step(step)
-        if self._first_forward is not None and not self._first_forward.done:
+        if self._waiting is not None:
             self._without_a_forward(step)
         if step < self._previous_step:  # checked before any work, so the run can go on
             raise ConfigurationError(
@@ -495,8 +521,9 @@ class SpectralTracker:
 
         Idempotent; also called by ``with SpectralTracker(...)`` on exit.
         """
-        if self._first_forward is not None and not self._first_forward.done:
-            self._first_forward.cancel()  # no forward ran: nothing was watched
+        if self._first_forward is not None:
+            self._first_forward.cancel()  # a forward that comes later has nothing to tell
+        if self._waiting is not None:  # no forward ran: nothing was watched
             self._closed = True
             return
         if self._closed:
@@ -533,11 +560,11 @@ class SpectralTracker:
         The results that have finished are logged first (so the saved alerts have read them).
         Saved before the first snapshot's result came back, it waits (bounded by
         ``drain_timeout``) for that result, so a resume keeps the compression reference.
-        Saved while still waiting for the first forward (``roles_from_first_forward``), there
-        is nothing yet: ``{}``.
+        Saved while still waiting for the first forward (``roles_from_first_forward``), nothing
+        has been watched yet: the state it was given to resume from (``{}`` if none), kept as is.
         """
-        if self._first_forward is not None and not self._first_forward.done:
-            return {}
+        if self._waiting is not None:
+            return dict(self._waiting["state"] or {})
         engine = self._engine
         if engine is not None and not self._reporter.references and engine.awaiting_results:
             self._collect_and_log(wait_seconds=self.options.drain_timeout)
@@ -563,6 +590,9 @@ class SpectralTracker:
         Raises:
             RuntimeError: if the tracker has already begun (its engine counts skips from then on).
         """
+        if self._waiting is not None:  # restored when the first forward has shown the roles
+            self._waiting["state"] = dict(state)
+            return
         if self._engine is not None:
             raise RuntimeError(
                 f"{self.caller}.load_state_dict must come before the first step: construct it with "
@@ -585,42 +615,106 @@ class SpectralTracker:
 
     # --- the work ------------------------------------------------------------------------------
 
+    # --- roles from the first forward ------------------------------------------------------------
+
+    def forward_begins(self) -> None:
+        """A frontend marks where the training step's forward begins (Lightning: the batch's
+        start), so the first one is recorded whole whatever the step calls; a no-op after it."""
+        if self._first_forward is not None and not self._first_forward.done:
+            self._first_forward.open()
+
+    def forward_ends(self) -> None:
+        """... and where it ends, before the backward and the update (Lightning:
+        ``on_before_backward``): the roles are read now and, if they waited, step 0 taken."""
+        if self._first_forward is not None and not self._first_forward.done:
+            self._first_forward.close()
+
+    def _names_if_decided(self, model: torch.nn.Module) -> TargetList | None:
+        """The targets the names give, or ``None`` where they leave weights of the blocks unread
+        (none matched, several on one (layer, role), a layout or a module they cannot read):
+        then the forward decides, and the names' warnings are not given (it may read them)."""
+        from spectral_callbacks.targets.errors import TargetError
+
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            try:
+                found = self._find_targets(model)
+            except ConfigurationError as error:
+                if isinstance(error.__cause__, TargetError) and error.__cause__.undecided:
+                    return None
+                raise
+        if found.unread:
+            return None
+        for warning in caught:  # the names decide: their warnings stand
+            warnings.warn_explicit(
+                warning.message, warning.category, warning.filename, warning.lineno
+            )
+        return found
+
     def _on_first_forward(self, flow: FlowMap) -> None:
         """The first forward has shown the roles: watch them, and begin if begin was asked."""
-        waiting = self._waiting
-        targets = self._find_targets(waiting["model"], flow)
-        self._watch(
-            waiting["model"],
-            targets,
-            waiting["writers"],
-            waiting["logdir"],
-            waiting["state"],
-            waiting["start_step"],
-            waiting["optimizer"],
+        waiting, self._waiting = self._waiting, None
+        assert waiting is not None
+        targets = self._agreed(self._find_targets(waiting["model"], flow))
+        self._watch(targets=targets, **waiting)
+
+    def _confirm(self, model: torch.nn.Module, names: list[Target], flow: FlowMap) -> None:
+        """The names decided (``"auto"``): the first forward must read the same roles, layers and
+        rows. A weight it reads in another role is an error (``find_targets``' reconcile); one it
+        reads where the names read none, or in another layer, is said in one warning."""
+        from spectral_callbacks.targets.errors import PartialTargetWarning
+
+        with warnings.catch_warnings():  # what the names said is said; only the differences count
+            warnings.simplefilter("ignore")
+            read = self._find_targets(model, flow)
+        watched = {(t.name, t.stack, t.layer, t.role, t.rows) for t in names}
+        differences = sorted(
+            f"{t.name}: layer {t.layer} {t.role}"
+            for t in read
+            if (t.name, t.stack, t.layer, t.role, t.rows) not in watched
         )
+        if differences:
+            rank_zero_warn(
+                f"{self.caller}: the first forward reads {len(differences)} role(s) the names do "
+                "not (this run watches what the names give):\n  "
+                + "\n  ".join(differences[:20])
+                + "\nPass roles_from_first_forward=True to watch what the forward reads.",
+                category=PartialTargetWarning,
+            )
+
+    def _agreed(self, targets: list[Target]) -> list[Target]:
+        """Under several processes every rank must watch the same matrices (the engine's
+        collectives follow them): the ranks' readings of their own forwards are compared."""
+        _, world_size = world()
+        if world_size == 1:
+            return targets
+        import torch.distributed as dist
+
+        mine = [(t.name, t.layer, t.role) for t in targets]
+        every: list[Any] = [None] * world_size
+        dist.all_gather_object(every, mine)
+        if any(theirs != mine for theirs in every):
+            raise ConfigurationError(
+                f"{self.caller}: the ranks read different roles from their first forwards (a "
+                "data-dependent path); pass example_input= (the same batch on every rank) or "
+                "roles_from_first_forward=False (the names)"
+            )
+        return targets
 
     def _without_a_forward(self, step: int) -> None:
-        """``step`` came before any forward (``roles_from_first_forward``): the names decide."""
-        assert self._first_forward is not None
+        """``step`` came before any forward was recorded: the names decide, from this step."""
+        waiting, self._waiting = self._waiting, None
+        assert waiting is not None and self._first_forward is not None
         self._first_forward.cancel()
         rank_zero_warn(
-            f"{self.caller}: step {step} came before any forward of the model, so the roles come "
-            "from the names alone (roles_from_first_forward=True waits for the first forward)",
+            f"{self.caller}: step {step} came before any forward of the model was recorded, so "
+            "the roles come from the names alone and the first snapshot is this step's",
             category=RuntimeWarning,
         )
-        waiting = self._waiting
         targets = self._find_targets(waiting["model"])
-        self._watch(
-            waiting["model"],
-            targets,
-            waiting["writers"],
-            waiting["logdir"],
-            waiting["state"],
-            None,
-            waiting["optimizer"],
-        )
+        self._watch(targets=targets, **{**waiting, "start_step": None})
 
-    def _find_targets(self, model: torch.nn.Module, flow: FlowMap | None = None) -> list[Target]:
+    def _find_targets(self, model: torch.nn.Module, flow: FlowMap | None = None) -> TargetList:
         from spectral_callbacks.targets import UnwatchedExpertWarning, find_targets
         from spectral_callbacks.targets.find import TargetError, unwatched_experts_message
 
@@ -640,14 +734,13 @@ class SpectralTracker:
                 f"{self.caller}: {unwatched_experts_message(found.unwatched_experts)}",
                 category=UnwatchedExpertWarning,
             )
-        targets = list(found)
-        if not targets:
+        if not found:
             chosen = {key: value for key, value in options.items() if value is not None}
             raise ConfigurationError(
                 f"{self.caller} found no matrix to watch with {chosen}; print the candidates with "
                 "`spectral_callbacks.format_targets(find_targets(model))`, then pass `mapping=`"
             )
-        return targets
+        return found
 
     def _find_circuits(self, model: torch.nn.Module, targets: list[Target]) -> list[Target]:
         """The heads of every attention layer among ``targets`` (``circuits=``)."""

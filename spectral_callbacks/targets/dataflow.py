@@ -354,18 +354,18 @@ class _RecordingMode(TorchFunctionMode):
 
 
 @contextmanager
-def record(model: nn.Module, *, hook_root: bool = True) -> Iterator[Recording]:
+def record(model: nn.Module, *, running: nn.Module | None = None) -> Iterator[Recording]:
     """Record the forward passes run inside the ``with`` block (normally exactly one).
 
     Module hooks (removed on exit) tell which module each call ran in and which values each
     module returned; the function mode records each torch call. The computation is unchanged.
-    ``hook_root=False`` leaves the root module's hooks alone (for a recording started from the
-    root's own pre-hook, while torch walks that module's hooks).
+    ``running``: a module whose call is already under way (a recording started from its own
+    pre-hook, while torch walks that module's hooks): it gets none.
     """
     recording = Recording(model)
     handles = []
     for name, module in model.named_modules():
-        if module is model and not hook_root:
+        if module is running:
             continue
         handles.append(
             module.register_forward_pre_hook(lambda m, a, name=name: recording._enter(name))

@@ -4,7 +4,13 @@ from __future__ import annotations
 
 
 class TargetError(ValueError):
-    """``find_targets`` could not build a usable map: nothing found, a clash, or bad arguments."""
+    """``find_targets`` could not build a usable map: nothing found, a clash, or bad arguments.
+
+    ``undecided`` is ``True`` where the names alone could not place the weights (none matched a
+    rule, or several fell on one (layer, role)), so a forward may still read them.
+    """
+
+    undecided = False
 
 
 class TargetWarning(UserWarning):

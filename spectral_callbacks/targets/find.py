@@ -73,13 +73,15 @@ def _candidate_error(candidates: list[Candidate], filtered: bool) -> TargetError
         head = "find_targets: every target was removed by roles=/include=/exclude=."
     else:
         head = "find_targets: no weight matched a known Q/K/V/O/MLP name."
-    return TargetError(
+    error = TargetError(
         f"{head} 2-D weights in the model:\n"
         + ("\n".join(names) if names else "  (none)")
         + "\nTell find_targets their roles with mapping=, e.g. "
         "find_targets(model, mapping={'*.attn.wq': 'Q', '*.attn.wkv': Split(('K', 'V')), "
         "'*.ffn.w_in': 'MLP_up', '*.ffn.w_out': 'MLP_down'}) (see docs/targets.md)."
     )
+    error.undecided = not filtered
+    return error
 
 
 def find_targets(
@@ -177,6 +179,7 @@ def find_targets(
     )
     chosen: list[Candidate] = []
     unmapped: list[str] = []  # look like targets but could not be mapped: warned about below
+    unread: list[str] = []  # of those, the ones inside the blocks (a forward may read them)
     unwatched_experts: list[str] = []  # routed experts no rule reads: warned about on their own
     for candidate in candidates:
         shape = tuple(candidate.parameter.shape)
@@ -199,9 +202,12 @@ def find_targets(
             (unwatched_experts if experts else unmapped).append(
                 f"{candidate.name} {shape}: {skip.reason}"
             )
+            if not experts and candidate.block in blocks_with_targets:
+                unread.append(candidate.name)
         elif (refused := _not_its_matrix(candidate, modules)) is not None:
             skipped.append(Skipped(candidate.name, shape, refused.reason))
             unmapped.append(f"{candidate.name} {shape}: {refused.reason}")
+            unread.append(candidate.name)
         else:
             chosen.append(candidate)
 
@@ -244,6 +250,7 @@ def find_targets(
     )
     found = TargetList(kept, skipped, low_dim, unwatched_experts)
     found.sources = {t.name: reconciled.sources.get(t.parameter_name, NAMES) for t in kept}
+    found.unread = unread
     return found
 
 
@@ -473,9 +480,11 @@ def _check_unique(targets: list[Target]) -> None:
             )
         seen[key] = t.name
     if clashes:
-        raise TargetError(
+        error = TargetError(
             "find_targets: several weights map to the same (layer, role), so their charts would "
             "overwrite each other:\n"
             + "\n".join(clashes[:_MAX_LISTED])
             + "\nGive them distinct roles with mapping= or drop some with include=/exclude=."
         )
+        error.undecided = True
+        raise error

@@ -1,10 +1,19 @@
 """Roles read from the first forward the model makes anyway: no extra pass, no input to invent.
 
-``FirstForward(model, done)`` hooks the model's root: its next forward (the first training
-forward) runs under the recorder of ``targets/dataflow.py``, and when it returns ``done`` gets the
-roles read from it (``targets/roles.py``). The hooks remove themselves after that one forward, even
-one that raised. Recording changes nothing the forward computes and holds no activation memory
-beyond the forward's own (see ``dataflow.py``).
+``FirstForward(model, done)`` waits for the model's next forward (the first training forward) and
+records it with ``targets/dataflow.py``; when it returns, ``done`` gets the roles read from it
+(``targets/roles.py``). Which forward that is:
+
+* a call of the root or of one of its direct children, whichever comes first, to its end: a loop
+  calls ``model(x)``, and a wrapper that holds the network (a LightningModule whose
+  ``training_step`` calls ``self.model(x)``) calls a child;
+* or the span a frontend marks with :meth:`open` and :meth:`close`, when it knows where the
+  training step's forward begins and ends whatever the model calls (Lightning: from the batch's
+  start to ``on_before_backward``), so a step that calls several children is recorded whole.
+
+The hooks remove themselves after that one forward, even one that raised. Recording changes
+nothing the forward computes and holds no activation memory beyond the forward's own (see
+``dataflow.py``).
 
 Example::
 
@@ -31,12 +40,14 @@ from spectral_callbacks.targets.roles import FlowMap, roles_from_recording
 
 __all__ = ["FirstForward"]
 
+_WINDOW = "window"  # the owner of a recording a frontend opened (not a module's call)
+
 
 class FirstForward:
     """Record ``model``'s next forward and call ``done(flow)`` with the roles it shows.
 
     Args:
-        model: the module whose forward the training loop calls (its root).
+        model: the module the tracker watches (the network, or a wrapper that holds it).
         done: called once, after that forward returns, with the :class:`FlowMap`.
     """
 
@@ -46,20 +57,42 @@ class FirstForward:
         self._callback = done
         self._context: AbstractContextManager[Recording] | None = None
         self._recording: Recording | None = None
-        self._handles = [
-            model.register_forward_pre_hook(self._start),
-            model.register_forward_hook(self._finish, always_call=True),
-        ]
+        self._owner: nn.Module | str | None = None  # what started the recording under way
+        self._handles = []
+        for module in (model, *model.children()):
+            self._handles.append(
+                module.register_forward_pre_hook(lambda m, args: self._start(m, running=m))
+            )
+            self._handles.append(
+                module.register_forward_hook(
+                    lambda m, args, output: self._finish(m, output), always_call=True
+                )
+            )
 
-    def _start(self, module: nn.Module, args: Any) -> None:
+    @property
+    def recording(self) -> bool:
+        """A forward is being recorded now."""
+        return self._context is not None
+
+    def open(self) -> None:
+        """Start recording now (a frontend at the start of a training step); a no-op once done
+        or while a recording is under way."""
+        self._start(_WINDOW, running=None)
+
+    def close(self) -> None:
+        """End the recording :meth:`open` started and read the roles (before the backward)."""
+        self._finish(_WINDOW, True)
+
+    def _start(self, owner: nn.Module | str, running: nn.Module | None) -> None:
         if self._context is not None or self.done:
-            return  # a nested call of the root: one recording covers it
-        self._context = record(self.model, hook_root=False)
+            return  # a nested call, or a later forward: the recording under way covers it
+        self._owner = owner
+        self._context = record(self.model, running=running)
         self._recording = self._context.__enter__()
 
-    def _finish(self, module: nn.Module, args: Any, output: Any = None) -> None:
-        if self._context is None or self.done:
-            return
+    def _finish(self, owner: nn.Module | str, output: Any) -> None:
+        if self._context is None or self.done or owner is not self._owner:
+            return  # not the call that started the recording (a child of a recorded window)
         context, recording = self._context, self._recording
         self._context = self._recording = None
         self.cancel()

@@ -316,6 +316,9 @@ class TargetList(list):  # type: ignore[type-arg]
         #: Where each target's role came from, by target name: ``"names"`` (the rules),
         #: ``"data flow"`` (the forward, ``targets/roles.py``) or ``"names = data flow"``.
         self.sources: dict[str, str] = {}
+        #: Weights inside the blocks that look like targets but that the rules could not read
+        #: (no rule, an unknown fused layout, a module that does not compute ``x W^T``).
+        self.unread: list[str] = []
 
 
 def _shape_text(shape: tuple[int, ...]) -> str:

@@ -225,6 +225,11 @@ def test_no_targets_is_a_clear_error_listing_candidates() -> None:
             super().__init__()
             self.model = torch.nn.Sequential(torch.nn.Linear(4, 4))
 
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            # a forward that runs: the names place nothing, so the roles wait for it, and it
+            # shows none either (the same error, at the first training forward)
+            return self.model(torch.ones(2, 4)).sum()
+
     trainer = quiet_trainer(max_steps=2, logger=RecordingLogger(), callbacks=[_monitor()])
     with pytest.raises(
         MisconfigurationException,
