@@ -158,8 +158,9 @@ class _WithLoss(nn.Module):
 
 def test_the_hugging_face_trainer_reads_the_roles_from_its_first_forward(tmp_path: Path) -> None:
     transformers = pytest.importorskip("transformers")
-    from spectral_callbacks.hf import SpectralTrainerCallback
     from tiny_models import read_scalars
+
+    from spectral_callbacks.hf import SpectralTrainerCallback
 
     model = _WithLoss()
     x = tokens(batch=8)
@@ -294,9 +295,11 @@ def test_a_step_before_any_forward_lets_the_names_decide_in_one_line(
 ) -> None:
     model = Unhelpful(vocab=VOCAB, layers=2)
     tracker = SpectralTracker(model, logdir=tmp_path, figures=False)
-    with pytest.warns(RuntimeWarning, match="step 1 came before any forward") as caught:
-        with pytest.raises(ConfigurationError, match="no weight matched a known"):
-            tracker.step(1)  # and these names place nothing
+    with (
+        pytest.warns(RuntimeWarning, match="step 1 came before any forward") as caught,
+        pytest.raises(ConfigurationError, match="no weight matched a known"),
+    ):
+        tracker.step(1)  # and these names place nothing
     assert len([w for w in caught if w.category is RuntimeWarning]) == 1
 
 
