@@ -13,6 +13,13 @@ of ``tests/unhelpful_model.py``) on the CPU, one thread. Per model, the median o
 
 Prints one row per model with the times in ms and the median of the per-round ratios
 ``recorded / plain`` (each round runs one of each, back to back).
+
+Then what the default costs a run at step 0: per model and ``roles_from_first_forward`` value
+(``False``, ``"auto"``, ``True``), the median over ``--rounds`` of constructing a
+``SpectralTracker`` and running the first training forward and backward (a compute that does no
+SVD, so only what finds the targets and copies the snapshot is timed), side by side with the
+same forward and backward without a tracker. Where the names find nothing (``False`` is refused:
+the unhelpful model), the differences are taken to the run without a tracker.
 """
 
 from __future__ import annotations
@@ -31,6 +38,8 @@ sys.path[:0] = [str(ROOT), str(ROOT / "examples"), str(ROOT / "tests")]
 from gpt import GPT, GPTConfig  # noqa: E402
 from unhelpful_model import Unhelpful  # noqa: E402
 
+from spectral_callbacks import SpectralTracker  # noqa: E402
+from spectral_callbacks.monitor.options import ConfigurationError  # noqa: E402
 from spectral_callbacks.targets import find_targets  # noqa: E402
 from spectral_callbacks.targets.dataflow import record  # noqa: E402
 from spectral_callbacks.targets.roles import roles_from_recording  # noqa: E402
@@ -84,6 +93,63 @@ def main() -> None:
         print(
             f"{name} | {plain_ms:.0f} | {recorded_ms:.0f} | {read_ms:.0f} | {find_ms:.0f} | "
             f"{ratio:.2f}"
+        )
+
+    print()
+    _step_zero(models, x, args.rounds)
+
+
+def _no_svd(group: object, batch: torch.Tensor) -> dict[str, torch.Tensor]:
+    """A compute that reads nothing: the tracker's own work is what is timed."""
+    return {"stable_rank": torch.zeros(batch.shape[0])}
+
+
+class _Discard:
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        pass
+
+
+def _step_zero(models: dict[str, torch.nn.Module], x: torch.Tensor, rounds: int) -> None:
+    """Construction + first forward + backward, with each option and without a tracker."""
+    options: dict[str, object] = {"none": None, "False": False, "auto": "auto", "True": True}
+    header = ("model", *(f"{name} ms" for name in options), "auto - False ms", "True - False ms")
+    print(" | ".join(header))
+    print(" | ".join("---" for _ in header))
+    for name, model in models.items():
+
+        def run(option: object, model: torch.nn.Module = model) -> None:
+            tracker = None
+            if option is not None:
+                tracker = SpectralTracker(
+                    model,
+                    ["stable_rank"],
+                    writers=[_Discard()],
+                    figures=False,
+                    alerts=None,
+                    compute=_no_svd,
+                    synchronous=True,
+                    roles_from_first_forward=option,
+                )
+            out = model(x)
+            (out[0] if isinstance(out, tuple) else out).sum().backward()
+            model.zero_grad(set_to_none=True)
+            if tracker is not None:
+                tracker.close()
+
+        times: dict[str, list[float]] = {key: [] for key in options}
+        for _ in range(rounds):  # each round runs every option once, so load hits all alike
+            for key, option in options.items():
+                try:
+                    times[key].append(_median_ms(lambda option=option: run(option), 1))
+                except ConfigurationError:  # the names alone find nothing in this model
+                    times[key].append(float("nan"))
+        medians = {key: statistics.median(values) for key, values in times.items()}
+        # Without the names (False refused), the difference is taken to the run with no tracker.
+        base = medians["False"] if medians["False"] == medians["False"] else medians["none"]
+        print(
+            f"{name} | "
+            + " | ".join(f"{medians[key]:.0f}" for key in options)
+            + f" | {medians['auto'] - base:.0f} | {medians['True'] - base:.0f}"
         )
 
 

@@ -1,7 +1,7 @@
 """A short real DDP run (CPU, gloo) with SpectralMonitor, for tests/integrations/test_ddp.py.
 
 ``python tests/ddp_train.py OUTDIR [--devices N] [--steps S] [--fail-rank R --fail-step F]
-[--max-pending P]``
+[--max-pending P] [--unhelpful]``
 
 Lightning's ``strategy="ddp"`` re-runs this script once per extra rank (environment variables
 tell each process its rank), so it must be a file, not a function in the test. Rank 0 saves the
@@ -23,6 +23,7 @@ from lightning.pytorch.loggers import TensorBoardLogger
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from tiny_models import TinyGPT, WeightRecorder, token_loader  # noqa: E402
+from unhelpful_model import Unhelpful  # noqa: E402
 
 from spectral_callbacks import SpectralMonitor  # noqa: E402
 from spectral_callbacks.monitor.engines import distributed  # noqa: E402
@@ -42,6 +43,22 @@ class FailingGPT(TinyGPT):
         if self.global_rank == self.fail_rank and self.global_step == self.fail_step:
             raise RuntimeError(f"planned failure on rank {self.fail_rank} at step {self.fail_step}")
         return super().training_step(batch, batch_idx)
+
+
+class UnhelpfulModule(LightningModule):
+    """The unhelpful-names model (no rule reads it) trained through ``self.net(x)``: its roles
+    come from each rank's first training forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = Unhelpful(vocab=256, layers=2)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return torch.nn.functional.cross_entropy(self.net(x).flatten(0, 1), y.flatten())
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=1e-2)
 
 
 class RankZeroWeights(WeightRecorder):
@@ -67,6 +84,7 @@ def main() -> None:
     # The runs that check every scheduled step raise it, so a loaded machine cannot skip one; the
     # failure run keeps the default, which decides how much rank 0 has gathered when rank 1 fails.
     parser.add_argument("--max-pending", type=int, default=2)
+    parser.add_argument("--unhelpful", action="store_true")  # roles from the first forward
     args = parser.parse_args()
     # A CI machine may be loaded enough that a (niced) worker misses the 1 s due wait; the test
     # checks exact values at every step, so give each rank more time (the late path has its own
@@ -75,11 +93,15 @@ def main() -> None:
     torch.manual_seed(0)  # the same initial weights on every rank (DDP also broadcasts rank 0's)
     torch.set_num_threads(1)  # two processes share a small machine
     options = dict(n_layer=2, n_embd=32, n_head=2)
-    model = (
+    model: LightningModule = (
         FailingGPT(args.fail_rank, args.fail_step, **options)
         if args.fail_rank is not None
         else TinyGPT(**options)
     )
+    callbacks: list[Any] = [RankZeroWeights(args.outdir / "weights.pt")]
+    if args.unhelpful:  # no rule reads its weights, so neither can the recorder of the weights
+        torch.manual_seed(0)
+        model, callbacks = UnhelpfulModule(), []
     monitor = SpectralMonitor(
         every_n_steps=EVERY_N_STEPS,
         log_spaced_until=LOG_SPACED_UNTIL,
@@ -94,7 +116,7 @@ def main() -> None:
         strategy="ddp" if args.devices > 1 else "auto",
         max_steps=args.steps,
         logger=TensorBoardLogger(args.outdir, name="tb", version=0),
-        callbacks=[monitor, RankZeroWeights(args.outdir / "weights.pt")],
+        callbacks=[monitor, *callbacks],
         enable_progress_bar=False,
         enable_model_summary=False,
         enable_checkpointing=False,

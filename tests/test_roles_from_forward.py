@@ -342,3 +342,65 @@ def test_partial_names_inside_the_blocks_wait_for_the_forward(tmp_path: Path) ->
         model(tokens())
     assert sorted({t.role for t in tracker.targets}) == ["K", "MLP_down", "MLP_up", "O", "Q", "V"]
     tracker.close()
+
+
+# --- logged names: unchanged for the models the names read -----------------------------------
+
+
+def _named_model(name: str) -> tuple[nn.Module, dict[str, torch.Tensor]]:
+    x = tokens(batch=1, length=6)
+    if name == "nanogpt":
+        sys.path.insert(0, str(Path(__file__).parents[1] / "examples"))
+        from gpt import GPT, GPTConfig
+
+        config = GPTConfig(n_layer=2, n_head=4, n_embd=32, block_size=16, vocab_size=VOCAB)
+        return GPT(config), {"idx": x}
+    transformers = pytest.importorskip("transformers")
+    sizes = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64)
+    if name == "gpt2":
+        config = transformers.GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=VOCAB)
+        return transformers.GPT2LMHeadModel(config), {"input_ids": x}
+    if name == "llama":
+        config = transformers.LlamaConfig(**sizes, num_key_value_heads=2, vocab_size=VOCAB)
+        return transformers.LlamaForCausalLM(config), {"input_ids": x}
+    if name == "bert":
+        config = transformers.BertConfig(**sizes, vocab_size=VOCAB)
+        return transformers.BertModel(config), {"input_ids": x}
+    config = transformers.T5Config(
+        vocab_size=VOCAB,
+        d_model=32,
+        d_kv=8,
+        d_ff=64,
+        num_layers=2,
+        num_heads=4,
+        decoder_start_token_id=0,
+        pad_token_id=0,
+    )
+    # labels=input_ids, the same tensor: the decoder's stream starts from the encoder's ids
+    return transformers.T5ForConditionalGeneration(config), {"input_ids": x, "labels": x}
+
+
+def _logged_tags(model: nn.Module, batch: dict[str, torch.Tensor], option: Any) -> set[str]:
+    logger = RecordingLogger()
+    with SpectralTracker(
+        model,
+        writers=[logger],
+        figures=False,
+        svd_method="svdvals",
+        roles_from_first_forward=option,
+        alerts=None,
+    ) as tracker:
+        model(**batch)
+        tracker.step(1)
+    return {tag for _, metrics in logger.records for tag in metrics}
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama", "bert", "t5", "nanogpt"])
+def test_the_logged_names_are_those_of_the_names_alone(name: str) -> None:
+    torch.manual_seed(0)
+    model, batch = _named_model(name)
+    tags = {option: _logged_tags(model, batch, option) for option in (False, "auto", True)}
+    spectral = {tag for tag in tags[False] if tag.startswith("spectral_stable_rank/")}
+    assert len(spectral) >= 12, sorted(tags[False])
+    assert tags["auto"] == tags[False]
+    assert tags[True] == tags[False]  # the forward alone gives the same tags

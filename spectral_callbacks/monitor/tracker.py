@@ -653,10 +653,20 @@ class SpectralTracker:
 
     def _on_first_forward(self, flow: FlowMap) -> None:
         """The first forward has shown the roles: watch them, and begin if begin was asked."""
-        waiting, self._waiting = self._waiting, None
+        waiting = self._waiting
         assert waiting is not None
         targets = self._agreed(self._find_targets(waiting["model"], flow))
-        self._watch(targets=targets, **waiting)
+        self._start_watching(targets, waiting)
+
+    def _start_watching(self, targets: list[Target], waiting: dict[str, Any]) -> None:
+        """:meth:`_watch` what waited; if that raises, the tracker is still waiting (so
+        :meth:`close` only ends it, with nothing begun to shut down)."""
+        self._waiting = None
+        try:
+            self._watch(targets=targets, **waiting)
+        except BaseException:
+            self._waiting = waiting
+            raise
 
     def _confirm(self, model: torch.nn.Module, names: list[Target], flow: FlowMap) -> None:
         """The names decided (``"auto"``): the first forward must read the same roles, layers and
@@ -703,7 +713,7 @@ class SpectralTracker:
 
     def _without_a_forward(self, step: int) -> None:
         """``step`` came before any forward was recorded: the names decide, from this step."""
-        waiting, self._waiting = self._waiting, None
+        waiting = self._waiting
         assert waiting is not None and self._first_forward is not None
         self._first_forward.cancel()
         rank_zero_warn(
@@ -712,7 +722,7 @@ class SpectralTracker:
             category=RuntimeWarning,
         )
         targets = self._find_targets(waiting["model"])
-        self._watch(targets=targets, **{**waiting, "start_step": None})
+        self._start_watching(targets, {**waiting, "start_step": None})
 
     def _find_targets(self, model: torch.nn.Module, flow: FlowMap | None = None) -> TargetList:
         from spectral_callbacks.targets import UnwatchedExpertWarning, find_targets

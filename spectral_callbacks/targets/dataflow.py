@@ -126,6 +126,7 @@ class Value:
     consumers: list[Op] = field(default_factory=list, repr=False)
     made_by: list[ModuleCall] = field(default_factory=list, repr=False)  # innermost first
     fed_to: list[ModuleCall] = field(default_factory=list, repr=False)
+    floating: bool = True  # a floating-point tensor (not token ids, positions or a mask)
 
 
 @dataclass(eq=False)
@@ -195,6 +196,7 @@ class Recording:
 
     def _new_value(self, tensor: torch.Tensor, op: Op | None = None) -> Value:
         value = Value(len(self.values), tuple(tensor.shape), op)
+        value.floating = tensor.is_floating_point() or tensor.is_complex()
         self.values.append(value)
         # A tensor subclass without weak references is not found again: a new input when used.
         with suppress(TypeError):

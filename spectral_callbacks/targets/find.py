@@ -211,19 +211,6 @@ def find_targets(
         else:
             chosen.append(candidate)
 
-    if unmapped:
-        what = (
-            "weight that looks like a target is"
-            if len(unmapped) == 1
-            else "weights that look like targets are"
-        )
-        rank_zero_warn(
-            f"{len(unmapped)} {what} not watched:\n  "
-            + "\n  ".join(unmapped[:_MAX_LISTED])
-            + "\nGive them roles with mapping={pattern: role or Split(...)}, or silence this "
-            "with exclude=.",
-            category=PartialTargetWarning,
-        )
     if unwatched_experts:
         rank_zero_warn(
             unwatched_experts_message(unwatched_experts), category=UnwatchedExpertWarning
@@ -239,6 +226,19 @@ def find_targets(
     _warn_missing_roles(kept)
     if not kept:
         raise _candidate_error(candidates, filtered=any(c.parts for c in candidates))
+    if unmapped:  # (when nothing is kept, the error above lists every weight)
+        what = (
+            "weight that looks like a target is"
+            if len(unmapped) == 1
+            else "weights that look like targets are"
+        )
+        rank_zero_warn(
+            f"{len(unmapped)} {what} not watched:\n  "
+            + "\n  ".join(unmapped[:_MAX_LISTED])
+            + "\nGive them roles with mapping={pattern: role or Split(...)}, or silence this "
+            "with exclude=.",
+            category=PartialTargetWarning,
+        )
     if role_patterns is not None:
         kept = _filter_roles(kept, role_patterns, skipped)
     _check_unique(kept)

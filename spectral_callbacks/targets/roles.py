@@ -369,7 +369,9 @@ def _reads_inputs(value: Value) -> bool:
 
 def _ancestors(value: Value) -> set[int]:
     """The values ``value`` was computed from, itself included, up to the attention calls
-    before it (their outputs are kept, their inputs not) and leaving parameters out."""
+    before it (their outputs are kept, their inputs not) and leaving parameters out. Integer
+    inputs are left out too: the same token ids given to an encoder and, shifted right as labels,
+    to a decoder (T5 with ``labels=input_ids``) do not make its two stacks one stream."""
     seen = {value.index}
     frontier = [value]
     while frontier:
@@ -378,6 +380,8 @@ def _ancestors(value: Value) -> set[int]:
         if op is None or op.name in _CALLS or _is_attention_product(op):
             continue
         for parent in op.data_inputs:
+            if parent.op is None and not parent.floating:
+                continue
             if parent.index not in seen:
                 seen.add(parent.index)
                 frontier.append(parent)

@@ -77,6 +77,24 @@ def test_ddp_logs_the_exact_stable_rank_of_every_matrix_at_every_scheduled_step(
 
 
 @pytest.mark.slow
+def test_ddp_reads_the_roles_from_every_ranks_first_forward(tmp_path: Path) -> None:
+    # before: no rule reads this model, so SpectralMonitor refused it at on_fit_start
+    from unhelpful_model import Unhelpful
+
+    finished = run_script(tmp_path, "--devices", "2", "--steps", "2", "--unhelpful")
+    assert finished.returncode == 0, finished.stdout[-3000:]
+    scalars = read_scalars(tmp_path / "tb" / "version_0")
+    torch.manual_seed(0)
+    initial = Unhelpful(vocab=256, layers=2)  # the script's model, built from the same seed
+    found = find_targets(initial, example_input=torch.randint(0, 256, (1, 6)))
+    assert len(found) == 14
+    for target in found:
+        tag = scalar_tag("stable_rank", target.layer, target.role)
+        assert scalars[tag][0] == pytest.approx(exact_stable_rank(target.matrix()), rel=1e-4), tag
+        assert set(scalars[tag]) == {0, 1, 2}
+
+
+@pytest.mark.slow
 def test_ddp_each_rank_computes_its_share_of_the_matrices(ddp_run) -> None:
     scalars, _, _ = ddp_run
     owners = multi.partition(tiny_targets(), world_size=2)
