@@ -7,8 +7,10 @@ recorded forward (``targets/dataflow.py``) instead of guessing it from head coun
 output is replaced by an *index tensor* (element ``[..., j]`` holds ``j``), and the recorded
 operations between it and the consumer are replayed on it - shape operations exactly as they ran,
 element-wise ones (casts, norms, scaling, rotary mixing within a head) as the identity on the
-index. At the consumer each element then names the output row it came from; ``-1`` marks
-elements from elsewhere.
+index. A complex view (torchtitan's rotary embedding: ``view_as_complex`` of row pairs, a complex
+product, ``view_as_real``) carries the two rows of each pair as the real and imaginary parts of
+a complex index. At the consumer each element then names the output row it came from; ``-1``
+marks elements from elsewhere.
 
 Example::
 
@@ -98,6 +100,16 @@ def _propagate(op: Op, traced: dict[int, torch.Tensor]) -> list[torch.Tensor] | 
         except (RuntimeError, TypeError, IndexError, ValueError):
             return None
         return [written]
+    if op.name == "view_as_complex":  # (..., n, 2) -> (..., n): each pair of rows one number
+        pairs = traced.get(0)
+        if pairs is None or pairs.shape[-1:] != (2,):
+            return None
+        return [torch.view_as_complex(pairs.to(torch.float64).contiguous())]
+    if op.name == "view_as_real":  # (..., n) -> (..., n, 2): the pair back (exact below 2**53)
+        numbers = traced.get(0)
+        if numbers is None or not numbers.is_complex():
+            return None
+        return [torch.view_as_real(numbers.contiguous())]
     if op.name in SHAPE_OPS:
         # Other tensors in a join (``cat`` with a cached part) come from elsewhere: -1.
         others = {
