@@ -18,16 +18,14 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
+from tiny_models import RecordingLogger, quiet_trainer
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
+from unhelpful_model import Unhelpful
 
 from spectral_callbacks import SpectralTracker
 from spectral_callbacks.monitor.options import ConfigurationError
 from spectral_callbacks.targets import PartialTargetWarning, find_targets
-
-sys.path.insert(0, str(Path(__file__).parent))
-from tiny_models import RecordingLogger, quiet_trainer  # noqa: E402
-from unhelpful_model import Unhelpful  # noqa: E402
 
 VOCAB = 64
 
@@ -220,7 +218,7 @@ def test_a_plain_loop_waits_for_the_first_forward_and_snapshots_the_initial_weig
 def test_a_model_the_names_read_is_watched_at_construction_and_checked_by_the_forward(
     tmp_path: Path,
 ) -> None:
-    sys.path.insert(0, str(Path(__file__).parents[1] / "examples"))
+    sys.path.insert(0, str(Path(__file__).parents[2] / "examples"))
     from gpt import GPT, GPTConfig
 
     model = GPT(GPTConfig(n_layer=2, n_head=4, n_embd=32, block_size=16, vocab_size=VOCAB))
@@ -306,7 +304,7 @@ def test_a_step_before_any_forward_lets_the_names_decide_in_one_line(
 def test_a_compiled_or_sharded_model_is_read_by_the_names_said_in_one_line(
     tmp_path: Path, caplog: Any
 ) -> None:
-    sys.path.insert(0, str(Path(__file__).parents[1] / "examples"))
+    sys.path.insert(0, str(Path(__file__).parents[2] / "examples"))
     from gpt import GPT, GPTConfig
 
     model = torch.compile(GPT(GPTConfig(n_layer=2, n_head=4, n_embd=32, vocab_size=VOCAB)))
@@ -321,7 +319,7 @@ def test_a_compiled_or_sharded_model_is_read_by_the_names_said_in_one_line(
 
 def test_partial_names_inside_the_blocks_wait_for_the_forward(tmp_path: Path) -> None:
     # the names read Q/K/V/O of this model, not its MLP: the forward decides, and finds it
-    sys.path.insert(0, str(Path(__file__).parents[1] / "examples"))
+    sys.path.insert(0, str(Path(__file__).parents[2] / "examples"))
     from gpt import GPT, GPTConfig
 
     class Feed(nn.Module):
@@ -350,7 +348,7 @@ def test_partial_names_inside_the_blocks_wait_for_the_forward(tmp_path: Path) ->
 def _named_model(name: str) -> tuple[nn.Module, dict[str, torch.Tensor]]:
     x = tokens(batch=1, length=6)
     if name == "nanogpt":
-        sys.path.insert(0, str(Path(__file__).parents[1] / "examples"))
+        sys.path.insert(0, str(Path(__file__).parents[2] / "examples"))
         from gpt import GPT, GPTConfig
 
         config = GPTConfig(n_layer=2, n_head=4, n_embd=32, block_size=16, vocab_size=VOCAB)
