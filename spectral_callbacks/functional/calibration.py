@@ -9,7 +9,9 @@ runs the one that was faster there. Every candidate keeps the accuracy guarantee
 ``randomized_svd`` (the exact paths are exact; the randomized one stops by its residual rule), so
 which one wins changes the time, not what is promised of the result. The timed calls are real
 calls: the winner's result is returned, so calibrating a kind of call costs a few calls of each
-candidate, once.
+candidate, once. ``randomized_svd`` times them on a batch's first matrix only and runs the winner
+on the rest, so that cost is a few single matrices', not a few whole batches' (which made a
+GPT-2 small's first snapshot several times slower than the best exact method).
 
 Example::
 

@@ -271,14 +271,33 @@ def randomized_svd(
     batch = A[..., 0, 0].numel()
     calibrated = calibration if A.device.type == "cpu" else None
     key = (f"{m}x{n}", batch, str(compute_dtype), A.device.type, init is not None)
-    # An exact cold call hands back a subspace for the warm calls that follow, unless they were
-    # measured to be exact too (then eigvalsh, not eigh: the subspace would go unused).
+    # An exact cold call hands back a subspace for the warm calls that follow (priced for the
+    # whole batch), unless they were measured to be exact too (then eigvalsh, not eigh: the
+    # subspace would go unused).
     warm_is_exact = calibrated is not None and calibrated.chosen.get((*key[:-1], True)) == "gram"
+    keep_subspace = (
+        method == "auto"
+        and init is None
+        and not warm_is_exact
+        and choose_method(m, n, width, _EXPECTED_WARM_DEPTH, compute_dtype, batch=batch)
+        == "randomized"
+    )
 
-    def run(chosen: str) -> TopSVD:
+    def run(chosen: str, rows: slice = slice(None)) -> TopSVD:
+        part_init = init if init is None or init.ndim == 2 else init[rows]
         auto = method == "auto"
         return _top_svd(
-            A, k, width, chosen, auto, generator, init, n_iter, tol, rounded, warm_is_exact
+            A[rows],
+            k,
+            width,
+            chosen,
+            auto,
+            generator,
+            part_init,
+            n_iter,
+            tol,
+            rounded,
+            keep_subspace,
         )
 
     if method != "auto":
@@ -286,9 +305,22 @@ def randomized_svd(
     prior = choose_method(m, n, width, expected, compute_dtype, A.device.type, rounded, batch)
     if calibrated is None or prior not in CALIBRATED:
         return run(prior)
+    chosen = calibrated.chosen.get(key)
+    if chosen is not None:
+        return run(chosen)
     # The prior first: on a tie (or a first call's warm-up) it is kept.
     candidates = (prior, *(other for other in CALIBRATED if other != prior))
-    return calibrated.run(key, candidates, run)
+    if batch == 1:
+        return calibrated.run(key, candidates, run)
+    # The candidates are timed on the batch's first matrix only, and the winner runs on the rest:
+    # timing each candidate on the whole batch cost a GPT-2 small's first snapshot several times
+    # the best exact method's time (every matrix decomposed by both paths, up to three times).
+    # Per matrix the two paths scale alike with the batch, except the randomized path's fixed
+    # cost per call, which one matrix pays in full: a close call leans to the exact path.
+    first = calibrated.run(key, candidates, lambda candidate: run(candidate, slice(0, 1)))
+    rest = run(calibrated.chosen[key], slice(1, None))
+    V = None if first.V is None or rest.V is None else torch.cat([first.V, rest.V])
+    return TopSVD(torch.cat([first.S, rest.S]), V)
 
 
 def _top_svd(
@@ -302,14 +334,13 @@ def _top_svd(
     n_iter: int | None,
     tol: float,
     rounded: bool,
-    warm_is_exact: bool = False,
+    keep_subspace: bool = False,
 ) -> TopSVD:
     """The top k of ``A`` (already in its compute dtype) by the ``chosen`` path; ``auto``: as
-    ``method="auto"`` runs it (the float32 Gram matrix with its float64 redo, and a subspace for
-    the warm calls that will follow unless ``warm_is_exact``)."""
+    ``method="auto"`` runs it (the float32 Gram matrix with its float64 redo); ``keep_subspace``:
+    an exact path also returns the top subspace, for the warm calls that will follow."""
     m, n = A.shape[-2:]
     compute_dtype = A.dtype
-    batch = A[..., 0, 0].numel()
     expected = n_iter
     if expected is None:
         expected = _EXPECTED_WARM_DEPTH if init is not None else default_n_iter(m, n)
@@ -353,14 +384,7 @@ def _top_svd(
         # A small matrix's first call may be exact and its later ones warm: then the exact path
         # also hands back the top subspace (eigh, not eigvalsh), so there is something to warm
         # start from.
-        warm_pays = (
-            auto
-            and init is None
-            and not warm_is_exact
-            and choose_method(m, n, width, _EXPECTED_WARM_DEPTH, compute_dtype, batch=batch)
-            == "randomized"
-        )
-        subspace_width = width if warm_pays else None
+        subspace_width = width if keep_subspace else None
         if auto and compute_dtype == torch.float32:
             # A float32 Gram matrix: the product at float32's rate and no float64 copy of W
             # (a 4 x 512 x 128 batch: 2.1 ms against 3.6); what it cannot read is redone.

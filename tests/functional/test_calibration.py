@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 import torch
 
+import spectral_callbacks.functional.svd as svd_module
 from spectral_callbacks.functional import randomized_svd
 from spectral_callbacks.functional.calibration import MethodCalibration, decide
 from spectral_callbacks.monitor.engines.compute import SpectrumCompute
@@ -145,6 +146,54 @@ def test_the_monitors_compute_calibrates_each_kind_of_call_once() -> None:
     assert len(calls) == 2 * len(compute.calibration.chosen)  # timed once per kind of call
     exact = torch.linalg.svdvals(batch.double())[:, 0]
     assert torch.allclose(metrics["spectral_norm"].double(), exact, rtol=1e-4)
+
+
+@pytest.mark.parametrize("faster", ["randomized", "gram"])
+def test_a_batch_is_calibrated_on_its_first_matrix_and_the_winner_runs_on_the_rest(
+    faster: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # What each run of a path was given: (path, matrices, whether the calibration timed it).
+    inputs: list[tuple[str, int, bool]] = []
+    timing = False
+    original = svd_module._top_svd
+
+    def recording(A: torch.Tensor, k: int, width: int, chosen: str, *rest: Any) -> Any:
+        inputs.append((chosen, A.shape[0], timing))
+        return original(A, k, width, chosen, *rest)
+
+    def measure(run: Callable[[str], Any], method: str) -> tuple[float, Any]:
+        nonlocal timing
+        timing = True
+        try:
+            return (0.001 if method == faster else 1.0), run(method)
+        finally:
+            timing = False
+
+    monkeypatch.setattr(svd_module, "_top_svd", recording)
+    calibration = MethodCalibration(measure)
+    batch = torch.stack([_flat(512, 256, seed) for seed in range(6)])
+    moved = batch + 1e-3 * torch.stack([_flat(512, 256, seed) for seed in range(6, 12)])
+    exact = torch.linalg.svdvals(batch.double())[:, :16]
+    cold = randomized_svd(batch, 16, calibration=calibration)
+    timed = sorted((path, matrices) for path, matrices, was_timed in inputs if was_timed)
+    assert timed == [("gram", 1), ("randomized", 1)]  # one clear round, on one matrix
+    assert [(path, matrices) for path, matrices, was_timed in inputs if not was_timed] == [
+        (faster, 5)  # the winner on the rest of the batch
+    ]
+    assert torch.allclose(cold.S.double(), exact, rtol=1e-2)  # every matrix, the first too
+    assert cold.S[:, 0].double() == pytest.approx(exact[:, 0].tolist(), rel=3e-3)
+    assert cold.V is not None and cold.V.shape[0] == 6  # a subspace for the warm calls
+    inputs.clear()
+    warm = randomized_svd(moved, 16, init=cold.V, calibration=calibration)
+    assert sorted((path, matrices) for path, matrices, _ in inputs) == sorted(
+        [("gram", 1), ("randomized", 1), (faster, 5)]
+    )
+    exact = torch.linalg.svdvals(moved.double())[:, :16]
+    assert torch.allclose(warm.S.double(), exact, rtol=1e-2)
+    assert warm.S[:, 0].double() == pytest.approx(exact[:, 0].tolist(), rel=3e-3)
+    inputs.clear()
+    randomized_svd(batch, 16, calibration=calibration)  # the same kind again: nothing timed
+    assert inputs == [(faster, 6, False)]
 
 
 def test_the_benchmark_prints_a_row_per_shape_and_spectrum(

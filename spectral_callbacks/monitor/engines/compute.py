@@ -101,7 +101,8 @@ class SpectrumCompute(ComputeFunction):
     The right subspace ``V`` of each shape group is kept and passed back as ``init`` at the next
     snapshot (weights move little between snapshots, so a warm start reaches σ₁ in fewer power
     iterations). With ``method="auto"`` the randomized and the exact Gram path are timed against
-    each other at a group's first cold and first warm snapshot and the faster one kept
+    each other at a group's first cold and first warm snapshot, on the group's first matrix, and
+    the faster one runs on the rest and is kept
     (:class:`~spectral_callbacks.functional.calibration.MethodCalibration`). It runs on one thread
     at a time (the engine's worker, or training's when inline), so that state needs no lock.
 
