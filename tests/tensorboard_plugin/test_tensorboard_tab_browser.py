@@ -254,6 +254,33 @@ for (const item of document.querySelectorAll(
 return out;
 """
 TEXTS = "return [...document.querySelectorAll(arguments[0])].map((e) => e.textContent);"
+# Each panel's blank height below its last child, the panels (not spanning the page) alone in
+# their row of the grid, and where the bar panels end against the room their panel gives them.
+LAYOUT = """
+const out = {blank: {}, alone: [], bar_tops: []};
+const panels = [...document.querySelectorAll('section.panel')];
+for (const panel of panels) {
+  const box = panel.getBoundingClientRect();
+  const bottom = Math.max(...[...panel.children].map((c) => c.getBoundingClientRect().bottom));
+  out.blank[panel.dataset.view] = Math.round(box.bottom - bottom);
+  const row = panels.filter((p) => Math.abs(p.getBoundingClientRect().top - box.top) < 1);
+  if (!panel.classList.contains('wide') && row.length === 1) out.alone.push(panel.dataset.view);
+}
+const bars = document.querySelector('section[data-view="bars"] .plots');
+const svgs = [...bars.querySelectorAll('svg.chart')].map((s) => s.getBoundingClientRect());
+out.bars_room = bars.getBoundingClientRect().right;
+out.bars_right = Math.max(...svgs.map((r) => r.right));
+out.bar_tops = [...bars.querySelectorAll('.cell')].map((c) => Math.round(c.getBoundingClientRect().top));
+return out;
+"""
+# Per canvas of a view: whether its top row and its right column carry ink (drawing cut off there).
+CANVAS_EDGES = """
+const inked = (g, x, y, w, h) => g.getImageData(x, y, w, h).data.some((v, i) => i % 4 === 3 && v > 0);
+return [...document.querySelectorAll(`section[data-view="${arguments[0]}"] canvas`)].map((c) => {
+  const g = c.getContext('2d');
+  return [inked(g, 0, 0, c.width, 1), inked(g, c.width - 1, 0, 1, c.height)];
+});
+"""
 
 
 def _until(condition: Callable[[], object], timeout: float = 30.0) -> None:
@@ -348,7 +375,27 @@ def test_runs_of_different_models_ticked_together(
             "Q", "K", "V", "O", "Q_cross", "K_cross", "V_cross", "O_cross", "Router", "MLP_gate",
             "MLP↑", "MLP↓",
         ], legend  # fmt: skip
+        # no panel stands beside a taller one with an empty area below its chart, none alone in
+        # its row, and the bar panels fill their panel's width (before: the bars of three runs
+        # stood ~1,000 px tall in one column of the grid, the depth chart beside them ~600 px
+        # short of its panel's bottom; the diff view alone in its row)
+        layout = driver.execute_script(LAYOUT)
+        assert all(blank < 100 for blank in layout["blank"].values()), layout
+        assert layout["alone"] == [], layout
+        assert layout["bars_right"] > layout["bars_room"] - 60, layout
+        assert len({top for top in layout["bar_tops"]}) == 2, layout  # 4 panels: 2 rows of 2
+        # the colour bar's label stays inside its canvas (before: a 2-layer stack's 46 px bar
+        # cut "frobenius_norm" off at the top of the canvas)
+        Select(inside("wave", "select")[0]).select_by_value("frobenius_norm")
+        _until(lambda: inside("wave", "select")[0].get_attribute("value") == "frobenius_norm")
+        Select(inside("wave", "select")[2]).select_by_value("enc")  # the T5's 2-layer encoder
+        _until(lambda: texts("wave", "h3")[1:2] == ["2-t5 · enc"])
+        _until(lambda: len(texts("wave", "canvas")) == 4)
+        edges = driver.execute_script(CANVAS_EDGES, "wave")
+        assert edges and not any(top or right for top, right in edges), edges
         _shoot(driver, "several")
+        Select(inside("wave", "select")[0]).select_by_value("compression")
+        Select(inside("wave", "select")[2]).select_by_value("dec")
         # the one-snapshot run alone: markers, filled selects, and the wave says why it is empty
         for run in ("1-gpt2", "2-t5", "3-mixtral", "5-alerts"):
             driver.execute_script(tick, run)

@@ -230,14 +230,24 @@ export function heatmap(container, {layers, steps, values, low, high, label, wid
                                     xLabel = 'optimizer step', xName = 'step', categories = false}) {
   container.textContent = '';
   const canvas = document.createElement('canvas');
-  const left = 50, right = 90, top = 8, bottom = 34;
+  const flat = values.flat().filter((v) => v !== null);
+  let [lo, hi] = extent(flat, 0);
+  // The colour bar's column holds the bar, its two tick values and the rotated label, each as wide
+  // as it is: a long value (-1.23e-05) no longer runs into the label, and the canvas is tall
+  // enough for the label along the bar (a 3-layer run's 60 px bar cut "energy_rank_90" off).
+  const FONT = '11px sans-serif', BAR = 14, GAP = 4, LABEL = 16; // LABEL: the rotated line, a margin
+  const g = canvas.getContext('2d');
+  g.font = FONT;
+  const tickWidth = Math.max(g.measureText(format(hi)).width, g.measureText(format(lo)).width);
+  const labelLength = g.measureText(label).width;
+  const left = 50, top = 8, bottom = 34;
+  // At least 100 px, so the heatmaps of runs whose values print alike keep their columns aligned.
+  const right = Math.max(100, 16 + BAR + GAP + Math.ceil(tickWidth) + GAP + LABEL);
+  height = Math.max(height, Math.ceil(labelLength) + 2 * GAP + top + bottom);
   canvas.width = width; canvas.height = height;
   canvas.className = 'heatmap';
   container.appendChild(canvas);
-  const g = canvas.getContext('2d');
   const w = width - left - right, h = height - top - bottom;
-  const flat = values.flat().filter((v) => v !== null);
-  let [lo, hi] = extent(flat, 0);
   const cell = (v) => (v === null ? '#dddddd' : viridis((v - lo) / (hi - lo || 1)));
   // Column edges halfway between steps, as the CLI's heatmap: the schedule is dense early.
   // Categories (heads): a cell of one unit around each.
@@ -258,7 +268,7 @@ export function heatmap(container, {layers, steps, values, low, high, label, wid
       if (values[r][j] !== null) points += 1;
     });
   });
-  g.fillStyle = '#333'; g.font = '11px sans-serif'; g.textAlign = 'right';
+  g.fillStyle = '#333'; g.font = FONT; g.textAlign = 'right';
   const every = Math.ceil(layers.length / 12);
   layers.forEach((layer, r) => {
     if (r % every === 0) g.fillText('L' + layer, left - 6, top + r * rh + rh / 2 + 4);
@@ -267,12 +277,16 @@ export function heatmap(container, {layers, steps, values, low, high, label, wid
   const at = categories ? ticks(steps[0], last).filter(Number.isInteger) : ticks(x0, x1);
   for (const t of at) g.fillText(format(t), sx(t), top + h + 14);
   g.fillText(xLabel, left + w / 2, top + h + 30);
-  // Colour bar.
-  for (let i = 0; i < h; i++) { g.fillStyle = viridis(1 - i / h); g.fillRect(width - right + 16, top + i, 14, 1); }
+  // Colour bar, its values beside it, the label along it (rotated, centred on the bar).
+  const barX = width - right + 16, tickX = barX + BAR + GAP;
+  for (let i = 0; i < h; i++) { g.fillStyle = viridis(1 - i / h); g.fillRect(barX, top + i, BAR, 1); }
   g.fillStyle = '#333'; g.textAlign = 'left';
-  g.fillText(format(hi), width - right + 34, top + 10);
-  g.fillText(format(lo), width - right + 34, top + h);
-  g.save(); g.translate(width - 6, top + h / 2); g.rotate(-Math.PI / 2); g.textAlign = 'center';
+  g.fillText(format(hi), tickX, top + 10);
+  g.fillText(format(lo), tickX, top + h);
+  // Turned a quarter back, the label reads upwards along its baseline at x: its letters stand up
+  // to ~9 px left of x, descenders ~3 px right of it; at the canvas' edge, aligned across runs.
+  g.save(); g.translate(width - LABEL + 10, top + h / 2);
+  g.rotate(-Math.PI / 2); g.textAlign = 'center';
   g.fillText(label, 0, 0); g.restore();
   container.dataset.points = points;
   const tip = tooltip(container);

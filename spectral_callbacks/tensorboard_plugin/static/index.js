@@ -47,13 +47,16 @@ export async function render() {
     ['byRole', 'Metric vs step, one layer', 'one colour per role; one line style per run'],
     ['byLayer', 'Metric vs step, one role', 'one line per layer, coloured by relative depth'],
     ['depth', 'Metric vs relative depth', 'at the step of the slider (default: the last), runs overlaid'],
+    ['diff', 'Difference against a baseline run', 'aligned as spectral-callbacks plot --kind metric-diff aligns it'],
     ['bars', 'Metric by layer × role', 'at the step of the slider (default: the last), a panel per run'],
     ['heads', 'Attention heads', 'a QK/OV circuit metric (circuits=True) by layer × head at the step of the slider (default: the last), a heatmap per run; below, each head of one layer vs step'],
-    ['diff', 'Difference against a baseline run', 'aligned as spectral-callbacks plot --kind metric-diff aligns it'],
     ['alerts', 'Alerts', 'what the monitor’s alert rules raised in each ticked run, newest first'],
   ]) {
     const panel = document.createElement('section');
-    panel.className = 'panel' + (['wave', 'alerts', 'heads'].includes(view) ? ' wide' : '');
+    // The views with a panel per run span the page (their panels side by side where they fit):
+    // in a column of the grid the bars of four runs stood ~1,000 px tall beside a chart of 450.
+    // The others pair up, depth beside diff.
+    panel.className = 'panel' + (['wave', 'bars', 'alerts', 'heads'].includes(view) ? ' wide' : '');
     panel.dataset.view = view;
     panel.innerHTML = `<h2>${title}</h2><p class="blurb">${blurb}</p><div class="controls"></div>
       <div class="plots"></div><div class="message"></div>`;
@@ -254,6 +257,29 @@ function message(view, text) { panels[view].querySelector('.message').textConten
 
 function plots(view) { return panels[view].querySelector('.plots'); }
 
+/** Cells for `count` charts side by side in `parent`, in as few rows as the width allows and as
+ * many charts in each (four runs: two rows of two, not three and one); `cell()` makes the next one.
+ * A cell's share is a percentage, so a scroll bar that comes later cannot push a chart to the next
+ * row; the chart's `width` leaves room for it. */
+function sideBySide(parent, count) {
+  const MIN_WIDTH = 420, GAP = 12, SCROLLBAR = 20;
+  const row = document.createElement('div');
+  row.className = 'side-by-side';
+  parent.appendChild(row);
+  const room = parent.clientWidth || 620;  // 0 where the page is not laid out
+  const most = Math.max(1, Math.floor((room + GAP) / (MIN_WIDTH + GAP)));
+  const perRow = Math.ceil(Math.max(count, 1) / Math.ceil(Math.max(count, 1) / most));
+  const share = `calc((100% - ${GAP * (perRow - 1)}px) / ${perRow})`;
+  const cell = () => {
+    const box = document.createElement('div');
+    box.className = 'cell';
+    box.style.flexBasis = share;
+    row.appendChild(box);
+    return box;
+  };
+  return {cell, width: Math.max(MIN_WIDTH, Math.floor((room - GAP * (perRow - 1)) / perRow) - SCROLLBAR)};
+}
+
 function plotBox(parent, title = '') {
   const box = document.createElement('div');
   box.className = 'plot';
@@ -438,16 +464,17 @@ const VIEWS = {
     // Only the roles the panels hold: a role no ticked run has gets no legend entry.
     const roles = union('roles').filter((r) => json.runs.some((panel) => panel.roles.includes(r)));
     const colors = Object.fromEntries(roles.map((r) => [r, roleColor(r)]));
+    const {cell, width} = sideBySide(plots('bars'), json.runs.length);
     for (const panel of json.runs) {
       const named = (ticked().find((r) => r.run === panel.run) || {stacks: []}).stacks.length;
       const title = named ? `${panel.run} · ${stack}` : panel.run;
-      const box = plotBox(plots('bars'), panel.layers.length ? `${title} · step ${panel.step}` : title);
+      const box = plotBox(cell(), panel.layers.length ? `${title} · step ${panel.step}` : title);
       if (!panel.layers.length) {
         box.textContent = `no ${s.metric} in ${title}` + (panel.left_out ? `: ${panel.left_out}` : '');
         continue;
       }
       points += barChart(box, {groups: panel.layers, keys: panel.roles, values: panel.values, spread: panel.spread,
-                               colors, xLabel: 'layer', yLabel: s.metric, height: 220});
+                               colors, xLabel: 'layer', yLabel: s.metric, width, height: 220});
     }
     panels.bars.dataset.points = points;
     legend(plots('bars'), roles.map((r) => ({label: glyph(r), color: colors[r]})), 'role');
