@@ -85,6 +85,12 @@ FIGURE_FORMATS = (".png", ".svg", ".pdf")
 # The gid of the edge lines of a band over experts (kept out of the legend, in plotted_values).
 _SPREAD = "spread over experts"
 SPREAD_LABEL = "min–max over experts"
+# Entries in one column of a legend beside the axes: at "small" type 16 fill a 4-inch-tall
+# figure's height beside its title; a longer legend ran past the figure's bottom (and
+# constrained_layout gave up: "axes sizes collapsed to zero").
+_LEGEND_ROWS = 16
+# What a further column adds to a figure's width, so its axes keep theirs.
+_LEGEND_COLUMN_INCHES = 2.0
 
 
 def _spread_band(ax: Axes, x: np.ndarray, line: pd.DataFrame, color: object, series: str) -> None:
@@ -115,11 +121,13 @@ def _spread_band(ax: Axes, x: np.ndarray, line: pd.DataFrame, color: object, ser
         ax.fill_between(x, low, high, where=finite, color=color, alpha=0.18, linewidth=0)
 
 
-def draw_legend(ax: Axes, title: str, *, outside: bool = False) -> None:
+def draw_legend(ax: Axes, title: str, *, outside: bool = False) -> int:
     """A legend when something is labelled (a run may be named ""), else none and no warning.
 
     ``outside``: right of the axes, for legends long enough to cover the curves (a run · role
-    legend of several runs has 12 entries and more).
+    legend of several runs has 12 entries and more), in columns of at most
+    ``_LEGEND_ROWS`` entries, so it stays within the figure's height (three runs of a
+    decoder-only model, a T5 and a Mixtral have 30). Returns the number of columns (0: none).
     """
     handles, labels = ax.get_legend_handles_labels()
     entries = [
@@ -132,9 +140,10 @@ def draw_legend(ax: Axes, title: str, *, outside: bool = False) -> None:
 
         entries.append((Patch(facecolor="0.5", alpha=0.35), SPREAD_LABEL))
     if not entries:
-        return
+        return 0
     handles, labels = [h for h, _ in entries], [label for _, label in entries]
     if outside:
+        columns = -(-len(handles) // _LEGEND_ROWS)
         ax.legend(
             handles,
             labels,
@@ -142,9 +151,11 @@ def draw_legend(ax: Axes, title: str, *, outside: bool = False) -> None:
             fontsize="small",
             loc="upper left",
             bbox_to_anchor=(1.01, 1.0),
+            ncols=columns,
         )
-    else:
-        ax.legend(handles, labels, title=title, fontsize="small")
+        return columns
+    ax.legend(handles, labels, title=title, fontsize="small")
+    return 1
 
 
 def axes_of(ax: Axes | None, figsize: tuple[float, float]) -> tuple[Figure, Axes]:
@@ -258,6 +269,7 @@ def rank_vs_steps(
     chosen = select_points(rows, metric=metric, what="rank-steps", layer=layer)
     colors = role_colors(chosen["role"].unique())
     panels = run_panels(chosen)  # each run and stack its line style: the layer of each stack
+    own = ax is None
     fig, ax = axes_of(ax, (6.5, 4.0))
     for index, (run, stack, of_panel) in enumerate(panels):
         for role in colors:
@@ -287,7 +299,10 @@ def rank_vs_steps(
     named = [
         name for name, shown in (("run", len(runs_of(chosen)) > 1), ("stack", several)) if shown
     ]
-    draw_legend(ax, " · ".join([*named, "role"]), outside=True)  # beside the curves, never on them
+    # beside the curves, never on them; a figure made here widens for each further column
+    columns = draw_legend(ax, " · ".join([*named, "role"]), outside=True)
+    if own and columns > 1:
+        fig.set_size_inches(6.5 + _LEGEND_COLUMN_INCHES * (columns - 1), 4.0)
     return fig
 
 

@@ -398,6 +398,20 @@ def test_rank_steps_legend_sits_outside_the_curves(rows: pd.DataFrame) -> None:
     assert not legend.overlaps(ax.get_window_extent()), "the legend covers the curves"
 
 
+def test_a_long_rank_steps_legend_stays_inside_the_figure() -> None:
+    # before: 6 runs x 6 roles, one column of 36 entries, ran past the figure's bottom (the last
+    # runs' entries cut off) and constrained_layout collapsed the axes
+    rows = pd.concat([_rows(f"run{i}", 2, [0, 10], i) for i in range(6)])
+    fig = charts.rank_vs_steps(rows, layer=0)
+    ax = fig.axes[0]
+    fig.draw_without_rendering()  # lays the figure out as saving it does
+    legend, figure = ax.get_legend().get_window_extent(), fig.bbox
+    assert len(ax.get_legend().get_texts()) == 36
+    assert figure.y0 <= legend.y0 and legend.y1 <= figure.y1, (legend, figure)
+    assert legend.x1 <= figure.x1 and not legend.overlaps(ax.get_window_extent())
+    assert ax.get_window_extent().width > 4 * fig.dpi  # the axes keep their width (6.5-inch figure)
+
+
 def test_metric_diff_of_a_spectral_metric_names_layer_and_role(rows: pd.DataFrame) -> None:
     curves = differences.diff_curves(rows, "stable_rank", "d4", layer=1, role="K")
     assert "layer 1" in curves.title and "K" in curves.title
