@@ -199,7 +199,7 @@ def run_model(name: str, args: argparse.Namespace, g: torch.Generator) -> list[s
     ratio = {c: statistics.median(r[c] / r["best exact"] for r in rounds) for c in COLUMNS[:3]}
     count = sum(group.count for group in groups)
     shape = f"{len(groups)} groups, {count} matrices"
-    cells = [f"{median[c]:.3f}" for c in COLUMNS]
+    cells = [f"{median[c]:.4g}" for c in COLUMNS]
     verdicts = [
         f"{ratio[c]:.2f}" + ("" if ratio[c] <= TARGETS.get(c, float("inf")) else " **over**")
         for c in COLUMNS[:3]
