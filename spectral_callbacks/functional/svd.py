@@ -200,7 +200,8 @@ def randomized_svd(
 
     Args:
         W: ``(m, n)`` or ``(B, m, n)`` matrix of any float dtype; views (``W.T``, slices) are fine.
-            Or an ``AdaptedMatrices`` batch (base + low-rank factors), multiplied as factors.
+            Or a ``functional.batch.MatrixBatch`` (an adapted layer's base + low-rank factors, a
+            fine-tune's copy beside its reference, ...), multiplied through its own products.
         k: how many singular values to return (default 32); clamped to ``min(m, n)``.
         n_oversamples: extra block columns ``p`` (default 8); the block size is ``b = k + p``.
             More columns cost linearly more and converge faster on flat spectra.
@@ -257,13 +258,7 @@ def randomized_svd(
         _check_init(init, W)
     compute_dtype = torch.float64 if W.dtype == torch.float64 else torch.float32
     A = W.to(compute_dtype)
-    k = min(k, m, n)
-    width = min(k + n_oversamples, m, n)
-    # Warm or cold is decided on the host from whether `init` was given (no read of its values):
-    # it only prices the paths; the stopping rule finds the depth either way.
-    expected = n_iter
-    if expected is None:
-        expected = _EXPECTED_WARM_DEPTH if init is not None else default_n_iter(m, n)
+    k, width, expected = _sizes(m, n, k, n_oversamples, n_iter, init is not None)
     # A cold start (several full blocks) may find its subspace with products on W rounded to
     # bfloat16, where the CPU multiplies bfloat16 in matrix tiles; a warm start's one block gets
     # its values free from its own products, which a rounded W could not give.
@@ -341,25 +336,11 @@ def _top_svd(
     an exact path also returns the top subspace, for the warm calls that will follow."""
     m, n = A.shape[-2:]
     compute_dtype = A.dtype
-    expected = n_iter
-    if expected is None:
-        expected = _EXPECTED_WARM_DEPTH if init is not None else default_n_iter(m, n)
     V: Tensor | None
     if chosen in ("randomized", "subspace"):
-        if generator is None:  # made here: the exact paths draw nothing
-            generator = torch.Generator(A.device).manual_seed(0)
-        start = start_block(A, width, generator, init)
-        # The stopping rule is tested from the first block of a warm start, grown first by the
-        # residual of its leading column (which sigma_1's tight bound nearly always asks for), and
-        # from the expected depth of a cold one: each test costs an eigh of the Rayleigh
-        # quotient, which at a cold depth's basis size (200-300 columns) costs more than a Krylov
-        # step. Subspace iteration (a comparison method) has no rule: the expected cold depth.
-        depth = default_n_iter(m, n) if n_iter is None else n_iter
-        first_check = None
-        lead = n_iter is None and chosen == "randomized" and init is not None
-        if n_iter is None and chosen == "randomized":
-            first_check = 1 if lead else depth
-            depth += _EXTRA_DEPTH
+        expected = _expected_depth(m, n, n_iter, init is not None)
+        depth, first_check, lead = _iteration(m, n, n_iter, chosen, init is not None)
+        start = _start(A, width, generator, init)
         # A warm start's one or two blocks gain nothing from parts and pay their overhead
         # (GPT-2 small warm 0.422 s whole, 0.431 s in parts).
         rows_of_parts = _chunks(A, width) if init is None else [slice(None)]
@@ -397,6 +378,55 @@ def _top_svd(
     return TopSVD(_tidy(S[..., :k], finite, max(m, n), compute_dtype), V)
 
 
+def _sizes(
+    m: int, n: int, k: int, n_oversamples: int, n_iter: int | None, warm: bool
+) -> tuple[int, int, int]:
+    """``k`` clamped to the matrix, the block width ``b = k + p``, and the expected Krylov depth
+    that prices the methods (``n_iter``, else a warm or a cold start's).
+
+    Warm or cold is decided on the host from whether a start subspace was given (no read of its
+    values): it only prices the paths; the stopping rule finds the depth either way.
+    """
+    k = min(k, m, n)
+    return k, min(k + n_oversamples, m, n), _expected_depth(m, n, n_iter, warm)
+
+
+def _expected_depth(m: int, n: int, n_iter: int | None, warm: bool) -> int:
+    """The Krylov depth a call is expected to reach: ``n_iter``, else a warm or a cold start's."""
+    if n_iter is not None:
+        return n_iter
+    return _EXPECTED_WARM_DEPTH if warm else default_n_iter(m, n)
+
+
+def _iteration(
+    m: int, n: int, n_iter: int | None, chosen: str, warm: bool
+) -> tuple[int, int | None, bool]:
+    """The iterative path's largest depth, the depth its stopping rule is first tested at
+    (``None``: no rule), and whether the leading column's residual grows the first block.
+
+    The stopping rule is tested from the first block of a warm start, grown first by the residual
+    of its leading column (which sigma_1's tight bound nearly always asks for), and from the
+    expected depth of a cold one: each test costs an eigh of the Rayleigh quotient, which at a
+    cold depth's basis size (200-300 columns) costs more than a Krylov step. Subspace iteration (a
+    comparison method) has no rule: the expected cold depth.
+    """
+    depth = default_n_iter(m, n) if n_iter is None else n_iter
+    if n_iter is not None or chosen != "randomized":
+        return depth, None, False
+    return depth + _EXTRA_DEPTH, 1 if warm else depth, warm
+
+
+def _start(
+    like: Tensor, width: int, generator: torch.Generator | None, init: Tensor | None
+) -> Tensor:
+    """The start block of the iterative paths for matrices shaped like ``like`` (``init``'s
+    columns, the rest Gaussian); ``generator`` defaults to one seeded 0 on their device, made
+    here: the exact paths draw nothing."""
+    if generator is None:
+        generator = torch.Generator(like.device).manual_seed(0)
+    return start_block(like, width, generator, init)
+
+
 def _tidy(S: Tensor, finite: Tensor, side: int, compute_dtype: torch.dtype) -> Tensor:
     """``S`` with values below the rank tolerance as 0 and non-finite matrices as NaN."""
     # Values below the rank tolerance are rounding noise whose size depends on the method; report
@@ -425,22 +455,20 @@ def _adapted_svd(
     method: str,
     tol: float,
 ) -> TopSVD:
-    """``randomized_svd`` of a batch held as base + low-rank factors (``lowrank.AdaptedMatrices``).
+    """``randomized_svd`` of a batch held as an operator (``functional.batch.MatrixBatch``), by
+    the same plan as a dense one (:func:`_sizes`, :func:`_iteration`, :func:`_start`).
 
-    The Krylov products are ``W X = D (W_0 X + U (V X))`` and ``W^T Y``, on the live base: no
-    ``m x n`` matrix is formed. Where the method choice prefers an exact path (small matrices, for
-    which a block would cover most of the space anyway), the effective weights are formed here in
-    the worker, one batch at a time, and decomposed exactly.
+    The Krylov products are the batch's own ``W X`` and ``W^T Y`` (for ``lowrank.AdaptedMatrices``
+    ``D (W_0 X + U (V X))``, on the live base): no ``m x n`` matrix is formed. Where the method
+    choice prefers an exact path (small matrices, for which a block would cover most of the space
+    anyway), the matrices are formed here in the worker, one batch at a time, and decomposed
+    exactly.
     """
     _check_options(k, n_oversamples, n_iter, method, tol)
     batch, m, n = W.shape
     compute_dtype = torch.float64 if W.dtype == torch.float64 else torch.float32
     W = W.to(compute_dtype)
-    k = min(k, m, n)
-    width = min(k + n_oversamples, m, n)
-    expected = n_iter
-    if expected is None:
-        expected = _EXPECTED_WARM_DEPTH if init is not None else default_n_iter(m, n)
+    k, width, expected = _sizes(m, n, k, n_oversamples, n_iter, init is not None)
     chosen = method
     if method == "auto":
         chosen = choose_method(m, n, width, expected, compute_dtype, W.device.type, False, batch)
@@ -458,16 +486,9 @@ def _adapted_svd(
         )
     if init is not None:
         _check_init(init, torch.empty((), device="meta").expand(batch, m, n))
-    if generator is None:
-        generator = torch.Generator(W.device).manual_seed(0)
     probe = torch.empty((), dtype=compute_dtype, device=W.device).expand(batch, m, n)
-    start = start_block(probe, width, generator, init)
-    depth = default_n_iter(m, n) if n_iter is None else n_iter
-    lead = n_iter is None and chosen == "randomized" and init is not None
-    first_check = None
-    if n_iter is None and chosen == "randomized":
-        first_check = 1 if lead else depth
-        depth += _EXTRA_DEPTH
+    start = _start(probe, width, generator, init)
+    depth, first_check, lead = _iteration(m, n, n_iter, chosen, init is not None)
 
     def apply(X: Tensor) -> tuple[Tensor, Tensor | None]:
         Y = W.matmul(X, _matmul)  # (B, m, b)
