@@ -10,8 +10,9 @@ effective weight is :math:`W = W_0 + \Delta W`, with :math:`W_0` the live frozen
 and :math:`\Delta W` an ``m x n`` copy formed when the snapshot was taken.
 
 Either batch's weight spectrum is computed as for any batch (``randomized_svd`` multiplies it
-through ``AdaptedMatrices``' products); ``update_spectrum`` gives the top-k of the dense
-:math:`\Delta W` (randomized SVD) and its exact :math:`\lVert \Delta W \rVert_F^2`.
+through its products: ``DeltaMatrices`` the dense copy, ``DenseUpdateMatrices`` ``AdaptedMatrices``'
+base plus its dense update); ``update_spectrum`` gives the top-k of the dense :math:`\Delta W`
+(randomized SVD) and its exact :math:`\lVert \Delta W \rVert_F^2`.
 
 Example::
 
@@ -30,6 +31,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -43,47 +45,116 @@ __all__ = ["DeltaMatrices", "DenseUpdateMatrices"]
 
 
 @dataclass
-class DeltaMatrices(AdaptedMatrices):
-    """Snapshotted dense weights (``bases``, copies) and the references of their update.
+class DeltaMatrices:
+    r"""Snapshotted dense weights :math:`W_t` (one ``(B, m, n)`` copy) and the references of their
+    update :math:`W_t - W_\mathrm{ref}`.
+
+    The weights are multiplied as they are (``matmul``, ``rmatmul``: the randomized SVD's
+    products, one matrix at a time in the compute dtype); the update is formed only for its own
+    spectrum (:meth:`update_spectrum`).
 
     Attributes:
+        current: ``(B, m, n)`` the snapshot's copy of the weights.
         references: ``(m, n)`` each, the reference weights (kept by the target, not copied here).
         k: how many singular values of each update to compute.
+        compute_dtype: the dtype the products run in (:meth:`to`; the copy stays as it is).
+        owned: whether this batch holds the copy (a slice of a batch does not).
     """
 
+    current: Tensor
     references: tuple[Tensor, ...] = field(default=(), repr=False)
     k: int = DEFAULT_K
+    compute_dtype: torch.dtype | None = None
+    owned: bool = True
 
     @classmethod
     def of(cls, current: Tensor, references: Sequence[Tensor], k: int = DEFAULT_K) -> DeltaMatrices:
         """A batch of the ``(B, m, n)`` copy ``current`` (owned) against ``references``."""
-        count, m, n = current.shape
-        ups = tuple(current.new_zeros((m, 0)) for _ in range(count))
-        downs = tuple(current.new_zeros((0, n)) for _ in range(count))
-        return cls(
-            tuple(current.unbind(0)),
-            ups,
-            downs,
-            None,
-            (False,) * count,
-            (current,),
-            references=tuple(references),
-            k=k,
-        )
+        return cls(current, tuple(references), k)
+
+    # --- tensor-like --------------------------------------------------------------------------
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.current.shape
+
+    @property
+    def ndim(self) -> int:
+        return 3
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.compute_dtype or self.current.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.current.device
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes this batch copied: the weights' copy (a slice of the batch copied nothing)."""
+        return self.current.numel() * self.current.element_size() if self.owned else 0
+
+    def __len__(self) -> int:
+        return self.current.shape[0]
 
     def __getitem__(self, index: slice) -> DeltaMatrices:
-        part = DeltaMatrices.of(torch.stack(self.bases[index]), self.references[index], self.k)
-        part.owned = ()
-        return part
+        return replace(
+            self, current=self.current[index], references=self.references[index], owned=False
+        )
+
+    def to(self, dtype: torch.dtype) -> DeltaMatrices:
+        """The batch computing in ``dtype`` (the copy is converted one matrix at a time, per
+        product, in the worker: never a batch copy)."""
+        return self if dtype == self.dtype else replace(self, compute_dtype=dtype)
+
+    def float(self) -> DeltaMatrices:
+        return self.to(torch.float32)
+
+    def record_stream(self, stream: Any) -> None:
+        """Mark the copy as in use on ``stream`` (the caching allocator then waits for it)."""
+        if self.owned:
+            self.current.record_stream(stream)
+
+    # --- the operator -------------------------------------------------------------------------
+
+    def _weight(self, i: int, dtype: torch.dtype) -> Tensor:
+        weight = self.current[i].detach()
+        return weight if weight.dtype == dtype else weight.to(dtype)
+
+    def matmul(self, X: Tensor, mm: Matmul = torch.matmul) -> Tensor:
+        """``W_t X`` for ``X`` of shape ``(B, n, b)``."""
+        return torch.stack([mm(self._weight(i, x.dtype), x) for i, x in enumerate(X)])
+
+    def rmatmul(self, Y: Tensor, mm: Matmul = torch.matmul) -> Tensor:
+        """``W_t^T Y`` for ``Y`` of shape ``(B, m, b)``, as ``(Y^T W_t)^T`` (BLAS reads a
+        transposed W at about half the speed)."""
+        return torch.stack([mm(y.mT, self._weight(i, y.dtype)).mT for i, y in enumerate(Y)])
+
+    def dense(self, dtype: torch.dtype | None = None) -> Tensor:
+        """The ``(B, m, n)`` weights, in ``dtype`` (default: the compute dtype), a new tensor."""
+        return self.current.detach().to(dtype or self.dtype, copy=True)
+
+    def frobenius_norm_sq(self) -> Tensor:
+        """``(B,)`` exact ``||W_t||_F^2`` in float64; NaN where a value is not finite."""
+        result = torch.stack(
+            [
+                torch.linalg.vector_norm(self._weight(i, self.dtype), dim=-1, dtype=torch.float64)
+                .square()
+                .sum()
+                for i in range(len(self))
+            ]
+        )
+        return torch.where(torch.isfinite(result), result, float("nan"))
 
     def update_spectrum(self, k: int | None = None) -> UpdateSpectrum:
         """The top-k singular values of each ``W_t - W_ref``, ``||W_ref||_F``, NaN for the rank (no
         adapter) and the exact ``||W_t - W_ref||_F^2``."""
-        dtype = torch.promote_types(self.bases[0].dtype, torch.float32)
+        dtype = torch.promote_types(self.current.dtype, torch.float32)
         diff = torch.stack(
             [
                 b.to(dtype) - r.to(device=b.device, dtype=dtype)
-                for b, r in zip(self.bases, self.references, strict=True)
+                for b, r in zip(self.current.unbind(0), self.references, strict=True)
             ]
         )  # (B, m, n), formed in the worker
         reference = torch.stack(
