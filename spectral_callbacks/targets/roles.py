@@ -41,6 +41,7 @@ from spectral_callbacks.targets.dataflow import (
     LINEAR_OPS,
     MUL_OPS,
     SOFTMAX_OPS,
+    ModuleCall,
     Op,
     Recording,
     Value,
@@ -490,16 +491,12 @@ def _source_of(
                 False,
                 data[0] if data else None,
             )
-    for current in path:
-        for call in current.made_by:
-            prefix = f"{call.name}." if call.name else ""
-            if all(name.startswith(prefix) for name in weights):
-                largest = max(weights, key=lambda n: recording.model.get_parameter(n).numel())
-                main = next(op for op in producers if op.weight and op.weight.name == largest)
-                assert main.weight is not None
-                given = call.inputs[0] if call.inputs else None
-                return _Source(current, largest, main.weight.transposed, call.name, True, given)
-    return None
+    composite = _composite_call(recording, path, weights, producers, lambda v: v.made_by)
+    if composite is None:
+        return None
+    current, call, largest, transposed = composite
+    given = call.inputs[0] if call.inputs else None
+    return _Source(current, largest, transposed, call.name, True, given)
 
 
 def _consumer(recording: Recording, value: Value, modules: dict[str, nn.Module]) -> _Source | None:
@@ -522,15 +519,33 @@ def _consumer(recording: Recording, value: Value, modules: dict[str, nn.Module])
         assert op.weight is not None
         owner = op.weight.name.rpartition(".")[0]
         return _Source(op.outputs[0], op.weight.name, op.weight.transposed, owner, False, value)
+    composite = _composite_call(recording, path, weights, found, lambda v: v.fed_to)
+    if composite is None:
+        return None
+    _, call, largest, transposed = composite
+    main = next(op for op in found if op.weight and op.weight.name == largest)
+    out = call.outputs[0] if call.outputs else main.outputs[0]
+    return _Source(out, largest, transposed, call.name, True, value)
+
+
+def _composite_call(
+    recording: Recording,
+    path: list[Value],
+    weights: set[str],
+    ops: list[Op],
+    calls_of: Callable[[Value], list[ModuleCall]],
+) -> tuple[Value, ModuleCall, str, bool] | None:
+    """The first module call along ``path`` (``calls_of`` a value: the calls that made it, or
+    those it was fed to) that owns every one of ``weights``: that value, the call, the largest
+    weight (the composite's name for its projection) and whether its op reads it transposed."""
     for current in path:
-        for call in current.fed_to:
+        for call in calls_of(current):
             prefix = f"{call.name}." if call.name else ""
             if all(name.startswith(prefix) for name in weights):
                 largest = max(weights, key=lambda n: recording.model.get_parameter(n).numel())
-                main = next(op for op in found if op.weight and op.weight.name == largest)
+                main = next(op for op in ops if op.weight and op.weight.name == largest)
                 assert main.weight is not None
-                out = call.outputs[0] if call.outputs else main.outputs[0]
-                return _Source(out, largest, main.weight.transposed, call.name, True, value)
+                return current, call, largest, main.weight.transposed
     return None
 
 
