@@ -86,15 +86,17 @@ def train(
     save_steps: int | None = None,
     resume: bool = False,
     logdir: Path | None = None,
-    report_to: list[str] | None = None,
+    report_to: list[str] | str | None = None,
     arguments: dict[str, Any] | None = None,
     width: int = 32,
+    attach: bool = False,
     **options: Any,
 ) -> WeightRecorder:
     """Train, and return the recorder of the weights (every rank records; rank 0 saves them).
 
     ``arguments`` override the ``TrainingArguments`` below (``use_cpu=False, bf16=True`` ...);
-    ``width``: the model's ``n_embd``; ``options`` go to the callback.
+    ``width``: the model's ``n_embd``; ``attach``: ``callback.attach(trainer)`` (the spectra also
+    go to ``report_to``); ``options`` go to the callback.
     """
     defaults: dict[str, Any] = dict(
         output_dir=str(outdir),
@@ -121,6 +123,8 @@ def train(
         train_dataset=samples(2 * steps * accumulate * 2),
         callbacks=[callback, recorder],
     )
+    if attach:
+        callback.attach(trainer)
     trainer.train(resume_from_checkpoint=True if resume else None)
     if trainer.is_world_process_zero():
         torch.save(recorder.weights, outdir / "weights.pt")

@@ -17,8 +17,15 @@ Which hooks, and why (steps are ``state.global_step``: optimizer steps, 0 = befo
 Event files go where the Trainer's own ``TensorBoardCallback`` writes - ``TENSORBOARD_LOGGING_DIR``
 if set, else ``args.logging_dir`` (transformers 4.x), else ``<output_dir>/runs/<time>_<host>``
 (transformers 5) - so TensorBoard opened on the run shows the spectra beside the loss; or to
-``logdir=``. Under ``torchrun`` / ``accelerate launch`` every rank decomposes a share of the
-matrices and rank 0 writes them all.
+``logdir=``. The directory is said once, at ``on_train_begin``. Under ``torchrun`` /
+``accelerate launch`` every rank decomposes a share of the matrices and rank 0 writes them all.
+
+Where ``report_to`` sends the Trainer's logs (W&B, MLflow, Comet, ...): :meth:`attach` gives the
+callback its Trainer, and each snapshot's scalars then go to the ``on_log`` of the Trainer's own
+``report_to`` callbacks, at ``state.global_step`` (see :class:`_ReportTo` for why not
+``Trainer.log``). The ``TensorBoardCallback`` among them is left out: the event files above already
+hold every scalar, at the snapshot's step, with the layout, figures and alerts the SPECTRAL tab
+reads; a second copy under ``train/spectral_*`` would double every chart.
 """
 
 from __future__ import annotations
@@ -34,14 +41,21 @@ import torch
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
+from spectral_callbacks.messages import rank_zero_info, rank_zero_warn
 from spectral_callbacks.monitor.options import DEFAULT_METRICS, MonitorOptions, with_options
 from spectral_callbacks.monitor.tracker import SpectralTracker
+from spectral_callbacks.names import monitor_tag
 
 #: The file beside each Trainer checkpoint that holds the tracker's state.
 STATE_FILE = "spectral_tracker.pt"
 
 # A TensorBoardCallback directory made this long before our on_train_begin is this run's.
 _SAME_RUN_SECONDS = 120.0
+
+#: The key beside each snapshot's scalars in the ``report_to`` trackers: the optimizer step the
+#: snapshot holds (the tracker logs at ``state.global_step``, later than it where the SVD ran on a
+#: worker thread or a CUDA stream; the event files keep the snapshot's own step).
+SNAPSHOT_STEP_TAG = monitor_tag("snapshot_step")
 
 
 class SpectralTrainerCallback(TrainerCallback):
@@ -65,8 +79,9 @@ class SpectralTrainerCallback(TrainerCallback):
 
         >>> from transformers import Trainer, TrainingArguments
         >>> callback = SpectralTrainerCallback(every_n_steps=50)
-        >>> trainer = Trainer(model, TrainingArguments("out"), train_dataset=data,
-        ...                   callbacks=[callback])  # doctest: +SKIP
+        >>> trainer = Trainer(model, TrainingArguments("out", report_to=["wandb"]),
+        ...                   train_dataset=data, callbacks=[callback])  # doctest: +SKIP
+        >>> callback.attach(trainer)  # the spectra also go to report_to  # doctest: +SKIP
     """
 
     @with_options
@@ -80,6 +95,22 @@ class SpectralTrainerCallback(TrainerCallback):
         self.options = MonitorOptions.from_kwargs(type(self).__name__, metrics=metrics, **options)
         self.logdir = logdir
         self.tracker: SpectralTracker | None = None
+        self._trainer: Any = None
+        self._report: _ReportTo | None = None
+
+    def attach(self, trainer: Any) -> SpectralTrainerCallback:
+        """Also send the spectra where ``trainer``'s ``report_to`` sends its logs; returns ``self``.
+
+        Adds this callback to ``trainer`` unless it is there already, so
+        ``SpectralTrainerCallback().attach(trainer)`` is all a built Trainer needs. A callback
+        hook is not given the Trainer, which holds the ``report_to`` callbacks: hence this call.
+        Without it the spectra reach the TensorBoard event files only (a warning says so when
+        ``report_to`` names another tracker).
+        """
+        if self not in _callbacks_of(trainer):
+            trainer.add_callback(self)
+        self._trainer = trainer
+        return self
 
     def __getattr__(self, name: str) -> Any:
         # Reached only for what the class lacks: a hook of another trainer, such as Lightning's
@@ -107,9 +138,15 @@ class SpectralTrainerCallback(TrainerCallback):
         if model is None:
             raise ValueError("SpectralTrainerCallback needs the model: the Trainer passes `model=`")
         logdir = self.logdir if self.logdir is not None else trainer_logdir(args)
+        self._report = None
+        if self._trainer is not None:
+            reporting = report_to_callbacks(self._trainer)
+            self._report = _ReportTo(reporting) if reporting else None
+        self._report_hook(args, state, control, model=model, **kwargs)
         self.tracker = SpectralTracker(
             model,
             logdir=logdir,
+            writers=[self._report] if self._report is not None else [],
             start_step=state.global_step,
             state=_saved_state(args, state),
             options=self.options,
@@ -117,12 +154,25 @@ class SpectralTrainerCallback(TrainerCallback):
             optimizer=kwargs.get("optimizer") if self.options.lr_balance is not None else None,
             caller=type(self).__name__,
         )
+        self._say_where(args, logdir)
+        if self.tracker.placement is not None:  # begun: an inline step 0 is logged at step 0
+            self.tracker.step(state.global_step)
 
     def on_step_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
-        if self.tracker is not None:
-            self.tracker.step(state.global_step)
+        if self.tracker is None:
+            return
+        self._report_hook(args, state, control, **kwargs)
+        self.tracker.step(state.global_step)
+        # The same step again only logs what finished: an inline snapshot's results reach the
+        # report_to trackers at the Trainer's step of the snapshot itself, not one step later.
+        self.tracker.step(state.global_step)
+        if control.should_training_stop:
+            # The last step, drained, while the report_to trackers are open: their own
+            # on_train_end comes before ours (the Trainer lists them first) and MLflow's ends its
+            # run, so a later log_metrics would open a run of its own.
+            self.tracker.close(state.global_step)
 
     def on_save(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
@@ -137,8 +187,93 @@ class SpectralTrainerCallback(TrainerCallback):
     def on_train_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
-        if self.tracker is not None:
-            self.tracker.close(state.global_step)
+        if self.tracker is None:
+            return
+        if self._report is not None:  # stopped early (another callback): their runs may be over
+            self._report.callbacks = []
+        self.tracker.close(state.global_step)
+
+    def _report_hook(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        """What the ``report_to`` callbacks' ``on_log`` gets while this hook runs."""
+        if self._report is not None:
+            self._report.hook = (args, state, control, kwargs)
+
+    def _say_where(self, args: TrainingArguments, logdir: str | os.PathLike[str]) -> None:
+        """Where the spectra go, said once per run (rank 0); a warning if report_to misses them."""
+        name = type(self).__name__
+        where = f"{name}: TensorBoard event files in {logdir} (tensorboard --logdir {logdir})"
+        trackers = [report for report in _report_to(args) if report != "tensorboard"]
+        if self._report is not None:
+            names = ", ".join(type(callback).__name__ for callback in self._report.callbacks)
+            where += f"; the scalars also go to report_to: {names}"
+        elif trackers and self._trainer is None:
+            rank_zero_warn(
+                f"{name}: report_to={trackers!r} gets the Trainer's logs but not the spectra: call "
+                f"callback.attach(trainer) after building the Trainer (the spectra are in the "
+                f"TensorBoard event files in {logdir})",
+                category=UserWarning,
+            )
+        rank_zero_info(where)
+
+
+class _ReportTo:
+    """The Trainer's ``report_to`` callbacks as one of the tracker's writers.
+
+    ``log_metrics`` hands each snapshot's scalars to their ``on_log``, the public hook through
+    which the Trainer gives them its own logs, so each tracker stores them as it stores the loss,
+    at ``state.global_step`` (W&B under ``train/``, as ``rewrite_logs`` names the loss). Not
+    ``Trainer.log``, the public entry to that path: it would also print every scalar through the
+    progress callback, keep them in ``state.log_history`` (saved in every checkpoint's
+    ``trainer_state.json``) and hand them to the ``TensorBoardCallback``, whose event file would
+    hold a second copy beside ours.
+    """
+
+    def __init__(self, callbacks: list[TrainerCallback]) -> None:
+        self.callbacks = callbacks
+        #: ``(args, state, control, kwargs)`` of the hook running now (the tracker logs in hooks).
+        self.hook: tuple[Any, Any, Any, dict[str, Any]] | None = None
+
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        if self.hook is None:
+            return
+        args, state, control, kwargs = self.hook
+        logs = {tag: float(value) for tag, value in metrics.items()}
+        logs[SNAPSHOT_STEP_TAG] = float(step)
+        for callback in self.callbacks:
+            callback.on_log(args, state, control, logs=dict(logs), **kwargs)
+
+
+def report_to_callbacks(trainer: Any) -> list[TrainerCallback]:
+    """``trainer``'s callbacks for its ``report_to`` trackers, but its ``TensorBoardCallback``.
+
+    The classes are those ``transformers.integrations.get_reporting_integration_callbacks``
+    gives the Trainer for ``args.report_to`` (``"all"`` included); the instances are the ones
+    the Trainer made, in its callback list (``add_callback`` / ``pop_callback`` edit that list).
+    """
+    from transformers.integrations import TensorBoardCallback, get_reporting_integration_callbacks
+
+    classes = tuple(get_reporting_integration_callbacks(_report_to(trainer.args)))
+    return [
+        callback
+        for callback in _callbacks_of(trainer)
+        if isinstance(callback, classes) and not isinstance(callback, TensorBoardCallback)
+    ]
+
+
+def _callbacks_of(trainer: Any) -> list[TrainerCallback]:
+    # The list Trainer.add_callback / pop_callback edit (CallbackHandler.callbacks, in every
+    # transformers from 4.0 to 5.25); no public accessor returns the instances themselves.
+    return list(trainer.callback_handler.callbacks)
+
+
+def _report_to(args: TrainingArguments) -> list[str]:
+    """``args.report_to`` as a list (TrainingArguments already turns "all" and "none" into one)."""
+    reports = args.report_to
+    if reports is None or reports == "none":
+        return []
+    return list(reports) if isinstance(reports, list | tuple) else [reports]
 
 
 def trainer_logdir(args: TrainingArguments) -> str:
@@ -157,8 +292,7 @@ def trainer_logdir(args: TrainingArguments) -> str:
         return str(legacy)
     from transformers.integrations.integration_utils import default_logdir
 
-    reports = args.report_to if isinstance(args.report_to, list) else [args.report_to]
-    if not {"tensorboard", "all"} & set(reports):  # no TensorBoardCallback: a run of our own
+    if not {"tensorboard", "all"} & set(_report_to(args)):  # no TensorBoardCallback: our own run
         return str(_output_dir(args) / default_logdir())
     runs = _output_dir(args) / "runs"
     host = socket.gethostname()
