@@ -90,13 +90,14 @@ def train(
     arguments: dict[str, Any] | None = None,
     width: int = 32,
     attach: bool = False,
+    extra_callbacks: list[TrainerCallback] | None = None,
     **options: Any,
 ) -> WeightRecorder:
     """Train, and return the recorder of the weights (every rank records; rank 0 saves them).
 
     ``arguments`` override the ``TrainingArguments`` below (``use_cpu=False, bf16=True`` ...);
     ``width``: the model's ``n_embd``; ``attach``: ``callback.attach(trainer)`` (the spectra also
-    go to ``report_to``); ``options`` go to the callback.
+    go to ``report_to``); ``extra_callbacks`` follow the others; ``options`` go to the callback.
     """
     defaults: dict[str, Any] = dict(
         output_dir=str(outdir),
@@ -121,7 +122,7 @@ def train(
         model=tiny_gpt2(width),
         args=args,
         train_dataset=samples(2 * steps * accumulate * 2),
-        callbacks=[callback, recorder],
+        callbacks=[callback, recorder, *(extra_callbacks or [])],
     )
     if attach:
         callback.attach(trainer)

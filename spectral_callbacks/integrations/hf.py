@@ -22,14 +22,15 @@ if set, else ``args.logging_dir`` (transformers 4.x), else ``<output_dir>/runs/<
 
 Where ``report_to`` sends the Trainer's logs (W&B, MLflow, Comet, ...): :meth:`attach` gives the
 callback its Trainer, and each snapshot's scalars then go to the ``on_log`` of the Trainer's own
-``report_to`` callbacks, at ``state.global_step`` (see :class:`_ReportTo` for why not
-``Trainer.log``). The ``TensorBoardCallback`` among them is left out: the event files above already
+``report_to`` callbacks, at the snapshot's step as ``state.global_step`` (see :class:`_ReportTo`
+for why not ``Trainer.log``). The ``TensorBoardCallback`` among them is left out: the event files above already
 hold every scalar, at the snapshot's step, with the layout, figures and alerts the SPECTRAL tab
 reads; a second copy under ``train/spectral_*`` would double every chart.
 """
 
 from __future__ import annotations
 
+import copy
 import os
 import socket
 import time
@@ -44,18 +45,12 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from spectral_callbacks.messages import rank_zero_info, rank_zero_warn
 from spectral_callbacks.monitor.options import DEFAULT_METRICS, MonitorOptions, with_options
 from spectral_callbacks.monitor.tracker import SpectralTracker
-from spectral_callbacks.names import monitor_tag
 
 #: The file beside each Trainer checkpoint that holds the tracker's state.
 STATE_FILE = "spectral_tracker.pt"
 
 # A TensorBoardCallback directory made this long before our on_train_begin is this run's.
 _SAME_RUN_SECONDS = 120.0
-
-#: The key beside each snapshot's scalars in the ``report_to`` trackers: the optimizer step the
-#: snapshot holds (the tracker logs at ``state.global_step``, later than it where the SVD ran on a
-#: worker thread or a CUDA stream; the event files keep the snapshot's own step).
-SNAPSHOT_STEP_TAG = monitor_tag("snapshot_step")
 
 
 class SpectralTrainerCallback(TrainerCallback):
@@ -155,8 +150,6 @@ class SpectralTrainerCallback(TrainerCallback):
             caller=type(self).__name__,
         )
         self._say_where(args, logdir)
-        if self.tracker.placement is not None:  # begun: an inline step 0 is logged at step 0
-            self.tracker.step(state.global_step)
 
     def on_step_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
@@ -164,9 +157,6 @@ class SpectralTrainerCallback(TrainerCallback):
         if self.tracker is None:
             return
         self._report_hook(args, state, control, **kwargs)
-        self.tracker.step(state.global_step)
-        # The same step again only logs what finished: an inline snapshot's results reach the
-        # report_to trackers at the Trainer's step of the snapshot itself, not one step later.
         self.tracker.step(state.global_step)
         if control.should_training_stop:
             # The last step, drained, while the report_to trackers are open: their own
@@ -222,8 +212,11 @@ class _ReportTo:
     """The Trainer's ``report_to`` callbacks as one of the tracker's writers.
 
     ``log_metrics`` hands each snapshot's scalars to their ``on_log``, the public hook through
-    which the Trainer gives them its own logs, so each tracker stores them as it stores the loss,
-    at ``state.global_step`` (W&B under ``train/``, as ``rewrite_logs`` names the loss). Not
+    which the Trainer gives them its own logs, so each tracker stores them as it stores the loss
+    (W&B under ``train/``, as ``rewrite_logs`` names the loss), at ``state.global_step`` - that of
+    a copy of the state set to the snapshot's step: results arrive at a later hook (the next
+    ``tracker.step``; a few steps later from a worker thread or a CUDA stream), and the trackers
+    then hold each value at the step the event files hold it, the optimizer step it measures. Not
     ``Trainer.log``, the public entry to that path: it would also print every scalar through the
     progress callback, keep them in ``state.log_history`` (saved in every checkpoint's
     ``trainer_state.json``) and hand them to the ``TensorBoardCallback``, whose event file would
@@ -239,10 +232,11 @@ class _ReportTo:
         if self.hook is None:
             return
         args, state, control, kwargs = self.hook
+        at_step = copy.copy(state)  # the Trainer's own state keeps its step
+        at_step.global_step = step
         logs = {tag: float(value) for tag, value in metrics.items()}
-        logs[SNAPSHOT_STEP_TAG] = float(step)
         for callback in self.callbacks:
-            callback.on_log(args, state, control, logs=dict(logs), **kwargs)
+            callback.on_log(args, at_step, control, logs=dict(logs), **kwargs)
 
 
 def report_to_callbacks(trainer: Any) -> list[TrainerCallback]:

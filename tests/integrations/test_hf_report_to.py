@@ -10,20 +10,18 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 from hf_train import train
 from tiny_models import read_scalars
 
-from spectral_callbacks.integrations.hf import SNAPSHOT_STEP_TAG
 from spectral_callbacks.names import scalar_tag
 
 Q0 = scalar_tag("stable_rank", 0, "Q")
 # Every scheduled step of a 12-step run with every_n_steps=5 (log_spaced_until=3: 1 and 2).
 STEPS = [0, 1, 2, 5, 10, 12]
-# synchronous=True: each snapshot is computed at its step, so it reaches the trackers at that
-# step whatever the machine's load (with a worker thread it arrives a few steps later).
-RUN = dict(steps=12, every_n_steps=5, attach=True, synchronous=True, figures=False)
+RUN = dict(steps=12, every_n_steps=5, attach=True, figures=False)
 
 
 def spectral_scalars(output_dir: Path) -> dict[str, dict[int, float]]:
@@ -49,12 +47,17 @@ def mlflow_store(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     return store
 
 
+# Inline, a snapshot's results are read at the next optimizer step; on a worker thread a few
+# steps later: either way each value is stored at the step it measures.
+@pytest.mark.parametrize("synchronous", [True, False], ids=["inline", "worker"])
 def test_mlflow_file_store_gets_every_scalar_at_the_trainers_steps(
-    tmp_path: Path, mlflow_store: Path
+    tmp_path: Path, mlflow_store: Path, synchronous: bool
 ) -> None:
+    import mlflow
     from mlflow.tracking import MlflowClient
 
-    train(tmp_path, report_to=["tensorboard", "mlflow"], **RUN)
+    train(tmp_path, report_to=["tensorboard", "mlflow"], synchronous=synchronous, **RUN)
+    mlflow.flush_async_logging()  # MLflowCallback logs with synchronous=False (MLflow >= 2.8)
 
     client = MlflowClient()
     experiment = client.get_experiment_by_name("spectral")
@@ -73,8 +76,6 @@ def test_mlflow_file_store_gets_every_scalar_at_the_trainers_steps(
     assert {p.step: p.value for p in client.get_metric_history(run_id, alpha)} == pytest.approx(
         logged[alpha], rel=1e-6
     )
-    snapshot_steps = client.get_metric_history(run_id, SNAPSHOT_STEP_TAG)
-    assert all(point.value == point.step for point in snapshot_steps)
     # The Trainer's TensorBoardCallback wrote its own scalars, and no second copy of ours.
     assert "train/loss" in logged
     assert not [tag for tag in logged if "spectral" in tag and not tag.startswith("spectral_")]
@@ -95,7 +96,7 @@ def test_wandb_offline_run_gets_every_scalar_at_the_trainers_steps(
         WANDB_WATCH="false",
     ).items():
         monkeypatch.setenv(name, value)
-    train(tmp_path, report_to=["wandb"], **RUN)
+    train(tmp_path, report_to=["wandb"], synchronous=False, **RUN)
     wandb.finish()  # the Trainer leaves the run open; finishing it closes its log
 
     (run_dir,) = (tmp_path / "wandb").glob("offline-run-*")
@@ -116,6 +117,34 @@ def test_wandb_offline_run_gets_every_scalar_at_the_trainers_steps(
     assert sorted(q0) == STEPS == sorted(logged[Q0])
     for step, value in q0.items():
         assert value == pytest.approx(logged[Q0][step], rel=1e-6)
+
+
+def test_a_run_stopped_by_another_callback_keeps_its_last_snapshot_out_of_mlflow(
+    tmp_path: Path, mlflow_store: Path
+) -> None:
+    # Early stopping decides after our on_step_end: the last snapshot is taken at on_train_end,
+    # after MLflowCallback ended its run, so it goes to the event files only (no stray run).
+    import mlflow
+    from mlflow.tracking import MlflowClient
+    from transformers import TrainerCallback
+
+    class StopAtFive(TrainerCallback):
+        def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            control.should_training_stop = state.global_step == 5
+
+    train(
+        tmp_path,
+        report_to=["mlflow"],
+        extra_callbacks=[StopAtFive()],
+        synchronous=True,
+        **{**RUN, "steps": 20},
+    )
+    mlflow.flush_async_logging()
+    client = MlflowClient()
+    (run,) = client.search_runs([client.get_experiment_by_name("spectral").experiment_id])
+    history = client.get_metric_history(run.info.run_id, Q0)
+    assert [point.step for point in history] == [0, 1, 2]
+    assert sorted(spectral_scalars(tmp_path)[Q0]) == [0, 1, 2, 5]
 
 
 def test_report_to_without_attach_says_how_and_where_the_event_files_are(
