@@ -130,3 +130,33 @@ def test_a_plain_loop_hands_the_tracker_the_same_loggers(tmp_path: Path, offline
     assert [point.step for point in history] == [0, 1, 2, 4] == sorted(logged[Q0])
     for point in history:
         assert point.value == pytest.approx(logged[Q0][point.step], rel=1e-6)
+
+
+def test_keys_per_snapshot_of_gpt2_small_shape() -> None:
+    # docs/callback.md: 12 layers x 6 roles x 6 metrics + 6 x 6 means + 7 health + 6 alert counts
+    # per snapshot, and the first also one reference_step per matrix (72). Width does not count.
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    class Recording:
+        def __init__(self) -> None:
+            self.keys: list[set[str]] = []
+
+        def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+            self.keys.append(set(metrics))
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=16, n_embd=48, n_layer=12))
+    recording = Recording()
+    with SpectralTracker(
+        model,
+        writers=[recording],
+        k=8,
+        figures=False,
+        synchronous=True,
+        roles_from_first_forward=False,
+    ) as tracker:
+        tracker.step(1)
+        tracker.step(2)
+    snapshots = [len(keys) for keys in recording.keys if Q0 in keys]
+    assert snapshots == [553, 481, 481]
+    assert 12 * 6 * 6 + 6 * 6 + 7 + 6 == 481 and 481 + 12 * 6 == 553
