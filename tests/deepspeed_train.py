@@ -1,0 +1,67 @@
+"""The tiny GPT-2 of hf_train.py trained by the Hugging Face Trainer under DeepSpeed ZeRO, on CPUs.
+
+``torchrun --nproc_per_node 2 tests/deepspeed_train.py OUTDIR STAGE`` (``DS_ACCELERATOR=cpu``):
+6 optimizer steps with SpectralTrainerCallback writing to ``OUTDIR/spectral``; rank 0 saves the
+watched matrices after every step to ``OUTDIR/weights.pt`` and each rank prints the optimizer
+DeepSpeed wraps and the size of a watched weight it holds. Used by
+tests/integrations/test_deepspeed.py.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from transformers import TrainerCallback
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from hf_train import train  # noqa: E402
+
+
+class ShowZero(TrainerCallback):
+    """Prints, after the first step, what DeepSpeed runs and the watched weight this rank holds."""
+
+    def on_step_end(
+        self,
+        args: Any,
+        state: Any,
+        control: Any,
+        optimizer: Any = None,
+        model: Any = None,
+        **kw: Any,
+    ) -> None:
+        if state.global_step == 1:
+            inner = getattr(optimizer, "optimizer", optimizer)
+            stage = args.hf_deepspeed_config.config["zero_optimization"]["stage"]
+            weight = model.transformer.h[0].attn.c_attn.weight
+            print(
+                f"rank {os.environ.get('RANK')}: {type(inner).__name__}, ZeRO stage {stage}, "
+                f"c_attn holds {weight.numel()} values",
+                flush=True,
+            )
+
+
+def main() -> None:
+    outdir, stage = Path(sys.argv[1]), int(sys.argv[2])
+    config = {
+        "train_micro_batch_size_per_gpu": "auto",
+        "gradient_accumulation_steps": "auto",
+        "zero_optimization": {"stage": stage},
+        "optimizer": {"type": "AdamW", "params": {"lr": "auto"}},
+    }
+    train(
+        outdir,
+        steps=6,
+        report_to=[],
+        every_n_steps=5,
+        logdir=outdir / "spectral",
+        figures=False,
+        arguments=dict(deepspeed=config, use_cpu=False),  # DS_ACCELERATOR=cpu places it
+        extra_callbacks=[ShowZero()],
+    )
+
+
+if __name__ == "__main__":
+    main()
