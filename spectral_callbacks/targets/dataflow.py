@@ -313,6 +313,8 @@ def _projection_weight(name: str, inputs: list[Value | None], leaves: list[Any])
     ``F.linear`` uses ``W`` as ``(out, in)``; ``x @ W`` uses ``W`` as ``(in, out)`` (so a
     parameter stored that way, like Hugging Face ``Conv1D``, reads ``transposed=True``).
     """
+    if name == "einsum":
+        return _einsum_weight(inputs, leaves)
     if name not in LINEAR_OPS:
         return None
     tensors = [v for v in inputs if v is not None]
@@ -330,6 +332,37 @@ def _projection_weight(name: str, inputs: list[Value | None], leaves: list[Any])
         return None
     # x @ W multiplies by W as (in, out): the (out, in) matrix is W^T.
     return Weight(right.parameter.name, not right.parameter.transposed)
+
+
+def _einsum_weight(inputs: list[Value | None], leaves: list[Any]) -> Weight | None:
+    """The weight of an ``einsum`` that is a projection, ``"...i,oi->...o"`` (``x W^T``) or
+    ``"bti,io->bto"`` (``x W``, stored ``(in, out)``): a 2-D parameter whose one subscript is
+    contracted with the activation's last and whose other takes that place in the output, every
+    other subscript of the activation kept in order. Any other equation mixes more than a
+    projection does (heads, factors): ``None``.
+    """
+    equation = next((leaf for leaf in leaves if isinstance(leaf, str)), None)
+    tensors = [v for v in inputs if v is not None]
+    if equation is None or len(tensors) != 2 or "->" not in equation:
+        return None
+    operands, output = equation.replace(" ", "").split("->")
+    subscripts = operands.split(",")
+    if len(subscripts) != 2:
+        return None
+    weights = [i for i, v in enumerate(tensors) if v.parameter is not None]
+    if len(weights) != 1 or len(tensors[weights[0]].shape) != 2:
+        return None
+    weight, activation = tensors[weights[0]], tensors[1 - weights[0]]
+    w_sub, x_sub = subscripts[weights[0]], subscripts[1 - weights[0]]
+    if len(w_sub) != 2 or not x_sub or x_sub[-1] not in w_sub or activation.parameter is not None:
+        return None
+    contracted = x_sub[-1]
+    produced = w_sub.replace(contracted, "", 1)
+    if len(produced) != 1 or produced in x_sub or output != x_sub[:-1] + produced:
+        return None
+    assert weight.parameter is not None
+    stored_in_out = w_sub == contracted + produced  # (in, out): used as x W
+    return Weight(weight.parameter.name, weight.parameter.transposed != stored_in_out)
 
 
 class _RecordingMode(TorchFunctionMode):

@@ -286,9 +286,9 @@ def test_a_module_that_does_not_compute_its_weight_is_refused() -> None:
 
 
 def test_a_forward_that_cannot_be_followed_falls_back_to_the_names_in_one_line() -> None:
-    class Projection(nn.Linear):  # x W^T by einsum: a product the record does not read
+    class Projection(nn.Linear):  # x W^T as a broadcast product summed: no product the record reads
         def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return torch.einsum("...i,oi->...o", x, self.weight)
+            return (x.unsqueeze(-2) * self.weight).sum(-1)
 
     model = _interleaved("q_proj,k_proj,v_proj,o_proj")
     for entry in (0, 2, 4):
@@ -302,6 +302,38 @@ def test_a_forward_that_cannot_be_followed_falls_back_to_the_names_in_one_line()
         (layer, role) for layer in range(3) for role in ("Q", "K", "V", "O")
     ]
     assert {found.sources[t.name] for t in found if t.role in ("Q", "K", "V", "O")} == {"names"}
+
+
+@pytest.mark.parametrize("stored", ["(out, in)", "(in, out)"])
+def test_a_projection_written_as_einsum_is_followed(stored: str) -> None:
+    # before: einsum was a product the record did not read; the layers were "not followed" and
+    # a weight no rule names (here `u`) was not found at all
+    class Projection(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            shape = (16, 16)
+            self.u = nn.Parameter(torch.randn(shape) / 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if stored == "(out, in)":
+                return torch.einsum("...i,oi->...o", x, self.u)
+            return torch.einsum("bti,io->bto", x, self.u)
+
+    model = _interleaved("q_proj,k_proj,v_proj,o_proj")
+    for entry in (0, 2, 4):
+        model[entry].q_proj = Projection()
+    x = torch.randn(1, 5, 16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", PartialTargetWarning)
+        found = find_targets(model, example_input=x)
+    queries = [t for t in found if t.role == "Q"]
+    assert [(t.layer, t.parameter_name) for t in queries] == [
+        (layer, f"{entry}.q_proj.u") for layer, entry in enumerate((0, 2, 4))
+    ]
+    for t in queries:  # the matrix the forward multiplies by: x @ matrix().T is its output
+        projection = model.get_submodule(t.parameter_name.rpartition(".")[0])
+        torch.testing.assert_close(x @ t.matrix().T, projection(x))
+    assert {found.sources[t.name] for t in queries} == {"data flow"}
 
 
 def test_multi_head_attention_is_read_from_its_arguments() -> None:
