@@ -10,8 +10,10 @@ Which hooks, and why (steps are ``state.global_step``: optimizer steps, 0 = befo
 * ``on_save`` writes the tracker's state beside the checkpoint the Trainer just wrote
   (``<output_dir>/checkpoint-<step>/spectral_tracker.pt``); ``on_train_begin`` reads it back when
   the run resumes from that checkpoint, so compression keeps its step-0 reference.
-* ``on_train_end`` measures the last step, drains in-flight work (bounded) and draws the figures.
-  The Trainer has no exception hook: after an exception the daemon worker is abandoned with its
+* ``on_step_end`` of the last step (``control.should_training_stop``) also measures it, drains
+  in-flight work (bounded) and draws the figures, while the ``report_to`` trackers' runs are still
+  open; ``on_train_end`` does it where another callback stopped training after that hook (then
+  into the event files only). The Trainer has no exception hook: after an exception the daemon worker is abandoned with its
   snapshot, and what was logged before stays logged.
 
 Event files go where the Trainer's own ``TensorBoardCallback`` writes - ``TENSORBOARD_LOGGING_DIR``
@@ -23,9 +25,9 @@ if set, else ``args.logging_dir`` (transformers 4.x), else ``<output_dir>/runs/<
 Where ``report_to`` sends the Trainer's logs (W&B, MLflow, Comet, ...): :meth:`attach` gives the
 callback its Trainer, and each snapshot's scalars then go to the ``on_log`` of the Trainer's own
 ``report_to`` callbacks, at the snapshot's step as ``state.global_step`` (see :class:`_ReportTo`
-for why not ``Trainer.log``). The ``TensorBoardCallback`` among them is left out: the event files above already
-hold every scalar, at the snapshot's step, with the layout, figures and alerts the SPECTRAL tab
-reads; a second copy under ``train/spectral_*`` would double every chart.
+for why not ``Trainer.log``). The ``TensorBoardCallback`` among them is left out: the event files
+above already hold every scalar, at the snapshot's step, with the layout, figures and alerts the
+SPECTRAL tab reads; a second copy under ``train/spectral_*`` would double every chart.
 """
 
 from __future__ import annotations
@@ -43,7 +45,12 @@ from transformers import TrainerCallback, TrainerControl, TrainerState, Training
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from spectral_callbacks.messages import rank_zero_info, rank_zero_warn
-from spectral_callbacks.monitor.options import DEFAULT_METRICS, MonitorOptions, with_options
+from spectral_callbacks.monitor.options import (
+    DEFAULT_METRICS,
+    MonitorOptions,
+    require,
+    with_options,
+)
 from spectral_callbacks.monitor.tracker import SpectralTracker
 
 #: The file beside each Trainer checkpoint that holds the tracker's state.
@@ -101,7 +108,18 @@ class SpectralTrainerCallback(TrainerCallback):
         hook is not given the Trainer, which holds the ``report_to`` callbacks: hence this call.
         Without it the spectra reach the TensorBoard event files only (a warning says so when
         ``report_to`` names another tracker).
+
+        Raises:
+            ConfigurationError: ``trainer`` is not a ``transformers.Trainer``.
         """
+        from transformers import Trainer
+
+        require(
+            "trainer",
+            trainer,
+            isinstance(trainer, Trainer),
+            "a transformers.Trainer (the one whose report_to should get the spectra)",
+        )
         if self not in _callbacks_of(trainer):
             trainer.add_callback(self)
         self._trainer = trainer

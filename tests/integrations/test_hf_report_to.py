@@ -173,3 +173,22 @@ def test_the_event_file_directory_is_said_once(
     assert len(said) == 1
     (run,) = {path.parent for path in tmp_path.rglob("events.out.tfevents.*")}
     assert f"event files in {run} (tensorboard --logdir {run})" in said[0]
+
+
+def test_attach_names_a_wrong_trainer_and_adds_itself_once(tmp_path: Path) -> None:
+    from hf_train import samples, tiny_gpt2
+    from transformers import Trainer, TrainingArguments
+
+    from spectral_callbacks.hf import SpectralTrainerCallback
+    from spectral_callbacks.monitor.options import ConfigurationError
+
+    callback = SpectralTrainerCallback()
+    with pytest.raises(
+        ConfigurationError, match=r"`trainer` must be a transformers.Trainer .*got 'trainer'"
+    ):
+        callback.attach("trainer")
+    args = TrainingArguments(output_dir=str(tmp_path), report_to=[], use_cpu=True)
+    trainer = Trainer(model=tiny_gpt2(), args=args, train_dataset=samples(4))
+    assert callback.attach(trainer) is callback
+    callback.attach(trainer)  # again: still once in the Trainer's callbacks
+    assert trainer.callback_handler.callbacks.count(callback) == 1
