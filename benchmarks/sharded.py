@@ -48,6 +48,7 @@ from gpt import GPT, GPTConfig  # noqa: E402
 
 from spectral_callbacks.monitor.engines.compute import SpectrumCompute  # noqa: E402
 from spectral_callbacks.monitor.engines.sharded import ShardedEngine, svd_group  # noqa: E402
+from spectral_callbacks.monitor.options import MonitorOptions  # noqa: E402
 from spectral_callbacks.monitor.snapshot import group_by_shape, take_snapshot  # noqa: E402
 from spectral_callbacks.targets import Target, find_targets  # noqa: E402
 
@@ -78,7 +79,12 @@ def bytes_and_times(
                 local = distribute_tensor(matrix, mesh, [Shard(dim)], src_data_rank=None)
                 targets.append(Target.from_parameter(role, torch.nn.Parameter(local), role=role))
             engine = ShardedEngine(
-                targets, group=group, k=k, synchronous=True, comm_dtype=comm_dtype
+                targets,
+                SpectrumCompute(k),
+                MonitorOptions(max_pending=4),
+                group=group,
+                inline=True,
+                comm_dtype=comm_dtype,
             )
             for step, label in enumerate(("cold", "warm")):
                 if step:  # the weights move a little between snapshots, as in training
@@ -131,7 +137,12 @@ def training_ratio(
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    engine = ShardedEngine(find_targets(model), group=svd_group(timeout_seconds=600), k=k)
+    engine = ShardedEngine(
+        find_targets(model),
+        SpectrumCompute(k),
+        MonitorOptions(max_pending=4),  # the copies are local shards, a fraction of the weights
+        group=svd_group(timeout_seconds=600),
+    )
     generator = torch.Generator().manual_seed(rank)
     data = torch.randint(0, 256, (8, 65), generator=generator)
 

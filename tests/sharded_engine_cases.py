@@ -4,6 +4,7 @@ with a ShardedEngine, recording the full weights (``full_tensor()``, test-only) 
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -14,9 +15,11 @@ from torch.distributed.tensor import init_device_mesh
 
 from spectral_callbacks.functional import sharded_svd
 from spectral_callbacks.monitor.engines import sharded as sharded_engine_module
+from spectral_callbacks.monitor.engines.compute import SpectrumCompute
 from spectral_callbacks.monitor.engines.sharded import ShardedEngine, ShardedEngineError, svd_group
+from spectral_callbacks.monitor.options import MonitorOptions
 from spectral_callbacks.monitor.schedule import SnapshotSchedule
-from spectral_callbacks.targets import find_targets
+from spectral_callbacks.targets import Target, find_targets
 
 K = 8
 STEPS = 10
@@ -29,6 +32,24 @@ def batch(rank: int, step: int, how: str) -> tuple[torch.Tensor, torch.Tensor]:
     seed = 1000 * step + (rank if how == "fsdp" else 0)
     tokens = torch.randint(0, 256, (4, 17), generator=torch.Generator().manual_seed(seed))
     return tokens[:, :-1], tokens[:, 1:]
+
+
+def sharded_engine(
+    targets: Sequence[Target],
+    *,
+    group: Any,
+    k: int = 32,
+    max_pending: int = 4,
+    behind_timeout: float | None = None,
+    synchronous: bool = False,
+) -> ShardedEngine:
+    """A ShardedEngine as these cases build it: a ``SpectrumCompute(k)`` and ``MonitorOptions`` of
+    the rest, ``max_pending`` 4 unless given (the copies are local shards, a fraction of the
+    weights) and ``behind_timeout`` from ``drain_timeout`` (60 s) unless given."""
+    options = MonitorOptions(max_pending=max_pending, synchronous=synchronous)
+    return ShardedEngine(
+        targets, SpectrumCompute(k), options, group=group, behind_timeout=behind_timeout
+    )
 
 
 def drain(engine: ShardedEngine, last_step: int, timeout: float) -> list[Any]:
@@ -46,7 +67,7 @@ def sharded_model(rank: int, world_size: int, how: str, name: str) -> tuple[Any,
 
 def train(rank: int, world_size: int, how: str, name: str) -> dict[str, Any]:
     model, loss_of, targets = sharded_model(rank, world_size, how, name)
-    engine = ShardedEngine(targets, group=svd_group(timeout_seconds=60), k=K)
+    engine = sharded_engine(targets, group=svd_group(timeout_seconds=60), k=K)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     weights: dict[int, dict[str, torch.Tensor]] = {}
     results = []
@@ -93,7 +114,7 @@ def largest_tensors(rank: int, world_size: int) -> dict[str, Any]:
     found = {}
     for shape in sorted({target.shape for target in targets}):
         subset = [target for target in targets if target.shape == shape]
-        engine = ShardedEngine(subset, group=group, k=K, synchronous=True)
+        engine = sharded_engine(subset, group=group, k=K, synchronous=True)
         with LargestTensor() as largest:
             engine.offer(0)
         (result,) = engine.collect()
@@ -116,7 +137,7 @@ def failing_rank(rank: int, world_size: int) -> dict[str, Any]:
     from spectral_callbacks.monitor.engines import sharded
 
     sharded.sharded_randomized_svd = flaky  # type: ignore[assignment]
-    engine = ShardedEngine(targets, group=svd_group(timeout_seconds=5), k=K)
+    engine = sharded_engine(targets, group=svd_group(timeout_seconds=5), k=K)
     start = time.monotonic()
     try:
         for step in range(1000):
@@ -134,7 +155,7 @@ def failing_rank(rank: int, world_size: int) -> dict[str, Any]:
 def falling_behind(rank: int, world_size: int) -> dict[str, Any]:
     """Snapshots due faster than they are decomposed: each rank raises after behind_timeout."""
     _, _, targets = sharded_model(rank, world_size, "tp", "llama")
-    engine = ShardedEngine(
+    engine = sharded_engine(
         targets, group=svd_group(timeout_seconds=60), k=K, max_pending=1, behind_timeout=1e-4
     )
     start = time.monotonic()
@@ -178,7 +199,7 @@ def placements(rank: int, world_size: int) -> dict[str, Any]:
     for index, role in enumerate("QKV"):
         rows = Rows(start=10 * index, stop=10 * (index + 1), groups=5)
         targets.append(Target.from_parameter("fused", fused, role=role, rows=rows, fused=True))
-    engine = ShardedEngine(targets, group=svd_group(timeout_seconds=60), k=K)
+    engine = sharded_engine(targets, group=svd_group(timeout_seconds=60), k=K)
     engine.offer(0)
     (result,) = drain(engine, 0, timeout=60)
     pieces = {p.target.name: (p.split, p.rows) for g in engine.groups.values() for p in g.pieces}
@@ -224,7 +245,7 @@ def fsdp_over_tp(rank: int, world_size: int) -> dict[str, Any]:
         fully_shard(block, mesh=mesh["dp"])
     fully_shard(model, mesh=mesh["dp"])
     targets = find_targets(model)
-    engine = ShardedEngine(targets, group=group, k=K)
+    engine = sharded_engine(targets, group=group, k=K)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     weights, results = {}, []
     for step in range(5):
@@ -340,7 +361,7 @@ def cuda_engine(rank: int, world_size: int) -> dict[str, Any]:
         targets.append(
             Target.from_parameter("fused", params["fused"], role=role, rows=rows, fused=True)
         )
-    engine = ShardedEngine(targets, group=svd_group(timeout_seconds=60), k=K)
+    engine = sharded_engine(targets, group=svd_group(timeout_seconds=60), k=K)
     # The stream each decomposition actually ran on, read when it is called (on the worker).
     ran: list[int] = []
     decompose = sharded_svd.sharded_randomized_svd
@@ -410,7 +431,7 @@ def moe_experts(rank: int, world_size: int) -> dict[str, Any]:
     fully_shard(model, mesh=mesh)
     targets = find_targets(model)
     experts = [t for t in targets if t.expert is not None]
-    engine = ShardedEngine(targets, group=svd_group(timeout_seconds=60), k=K)
+    engine = sharded_engine(targets, group=svd_group(timeout_seconds=60), k=K)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     weights = {}
     for step in range(3):

@@ -29,6 +29,7 @@ from spectral_callbacks.integrations.lightning import SpectralMonitor
 from spectral_callbacks.monitor import dashboards
 from spectral_callbacks.monitor.engines.compute import ComputeFunction, SpectrumCompute
 from spectral_callbacks.monitor.engines.engine import SnapshotEngine
+from spectral_callbacks.monitor.options import MonitorOptions
 from spectral_callbacks.monitor.snapshot import group_by_shape, take_snapshot
 from spectral_callbacks.names import scalar_tag
 from spectral_callbacks.targets import Target, find_targets
@@ -203,7 +204,7 @@ def test_the_peak_with_two_snapshots_in_flight_is_within_the_documented_bound(
     }
     targets = [Target.from_parameter(name, w, role="Q") for name, w in weights.items()]
     compute = GatedCompute(SpectrumCompute(method="randomized"))
-    engine = SnapshotEngine(compute, group_by_shape(targets), max_pending=2)
+    engine = SnapshotEngine(compute, group_by_shape(targets), MonitorOptions(max_pending=2))
     plan = engine.plan
     copies = sum(plan.copies.values())
     bound = 2 * copies + max(plan.working.values()) + plan.kept
@@ -256,7 +257,7 @@ def test_a_cold_snapshot_with_tf32_on_stays_within_its_working_set_bound(
     }
     targets = [Target.from_parameter(name, w, role="Q") for name, w in weights.items()]
     compute = SpectrumCompute(method="randomized")
-    engine = SnapshotEngine(compute, group_by_shape(targets), max_pending=1)
+    engine = SnapshotEngine(compute, group_by_shape(targets), MonitorOptions(max_pending=1))
     plan = engine.plan
     bound = sum(plan.copies.values()) + max(plan.working.values()) + plan.kept
     torch.cuda.synchronize()
@@ -288,7 +289,9 @@ def test_gpu_memory_does_not_grow_over_50_snapshots_and_pinned_buffers_are_reuse
     }
     targets = [Target.from_parameter(name, w, role="Q") for name, w in weights.items()]
     groups = group_by_shape(targets)
-    engine = SnapshotEngine(SpectrumCompute(method="randomized"), groups, max_pending=2)
+    engine = SnapshotEngine(
+        SpectrumCompute(method="randomized"), groups, MonitorOptions(max_pending=2)
+    )
     allocated: list[int] = []
     for step in range(50):
         for weight in weights.values():

@@ -10,6 +10,7 @@ import torch
 
 from spectral_callbacks.monitor.engines.compute import ComputeFunction, SpectrumCompute
 from spectral_callbacks.monitor.engines.engine import SnapshotEngine
+from spectral_callbacks.monitor.options import MonitorOptions
 from spectral_callbacks.monitor.snapshot import group_by_shape, take_snapshot
 from spectral_callbacks.targets import Target
 
@@ -39,7 +40,7 @@ def _engine(weights: dict[str, torch.Tensor], **options: object) -> tuple[Snapsh
     targets = [Target.from_parameter(name, w, role="Q") for name, w in weights.items()]
     groups = group_by_shape(targets)
     compute = StreamRecorder(SpectrumCompute(k=16, method="randomized"))
-    return SnapshotEngine(compute, groups, **options), groups  # type: ignore[arg-type]
+    return SnapshotEngine(compute, groups, MonitorOptions(**options)), groups  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])

@@ -26,6 +26,7 @@ from tiny_models import TinyGPT, exact_compute, exact_stable_rank, read_scalars
 
 from spectral_callbacks.integrations.lightning import SpectralMonitor
 from spectral_callbacks.monitor.engines import distributed as multi
+from spectral_callbacks.monitor.options import MonitorOptions
 from spectral_callbacks.monitor.snapshot import take_snapshot
 from spectral_callbacks.names import monitor_tag, scalar_tag
 from spectral_callbacks.targets import Target, find_targets
@@ -206,7 +207,13 @@ def test_engine_sends_each_result_at_the_next_point_and_a_late_one_as_missing(
             return exact_compute(group, batch)
 
         engine = multi.DistributedEngine(
-            compute, targets, ("stable_rank",), rank=0, world_size=1, group=dist.group.WORLD
+            compute,
+            targets,
+            ("stable_rank",),
+            MonitorOptions(),
+            rank=0,
+            world_size=1,
+            group=dist.group.WORLD,
         )
         assert engine.lag == 1
         assert engine.submit(take_snapshot(engine.groups.values(), 0))
@@ -274,7 +281,13 @@ def test_a_scheduled_point_never_waits_for_a_result_on_the_training_thread(
             return exact_compute(group, batch)
 
         engine = multi.DistributedEngine(
-            blocked, targets, ("stable_rank",), rank=0, world_size=1, group=dist.group.WORLD
+            blocked,
+            targets,
+            ("stable_rank",),
+            MonitorOptions(),
+            rank=0,
+            world_size=1,
+            group=dist.group.WORLD,
         )
         waits: list[float] = []
         local_collect = engine._local.collect
@@ -317,7 +330,7 @@ def _slow_first_snapshot(rank: int, world_size: int) -> dict:
         return exact_compute(group, batch)
 
     engine = multi.DistributedEngine(
-        compute, targets, ("stable_rank",), rank=rank, world_size=world_size,
+        compute, targets, ("stable_rank",), MonitorOptions(), rank=rank, world_size=world_size,
         group=multi.results_group(60),
     )  # fmt: skip
     started = time.monotonic()

@@ -120,11 +120,12 @@ def test_the_compute_stream_reads_the_stack_only_after_the_copy() -> None:
     from cuda_checks import sleep_ms
 
     from spectral_callbacks.monitor.engines.engine import SnapshotEngine
+    from spectral_callbacks.monitor.options import MonitorOptions
 
     weight = torch.randn(256, 256, device="cuda")
     groups = group_by_shape(_targets({"w": weight}))
     total = lambda group, batch: {"sum": batch.double().sum((-2, -1))}  # noqa: E731
-    engine = SnapshotEngine(total, groups)
+    engine = SnapshotEngine(total, groups, MonitorOptions())
     expected = float((weight.double() * 2.0).sum())
     torch.cuda.synchronize()
     sleep_ms(300)  # training is behind: the copy runs 300 ms from now
@@ -169,6 +170,7 @@ def test_a_freed_stack_is_not_reused_by_training_while_the_compute_stream_reads_
     from cuda_checks import sleep_ms
 
     from spectral_callbacks.monitor.engines.engine import SnapshotEngine
+    from spectral_callbacks.monitor.options import MonitorOptions
 
     weight = torch.randn(512, 512, device="cuda")
     expected = float(weight.double().sum())
@@ -178,7 +180,7 @@ def test_a_freed_stack_is_not_reused_by_training_while_the_compute_stream_reads_
         sleep_ms(300)  # the compute stream reads the stack only 300 ms from now
         return {"sum": batch.double().sum((-2, -1))}
 
-    engine = SnapshotEngine(late_total, groups)
+    engine = SnapshotEngine(late_total, groups, MonitorOptions())
     torch.cuda.synchronize()
     assert engine.submit(take_snapshot(groups, step=1))
     job = engine._jobs[0]  # the worker is done once its compute is enqueued and the stack freed

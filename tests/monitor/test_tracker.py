@@ -414,8 +414,9 @@ def test_both_engines_implement_the_protocol_and_the_factory_picks_by_world_size
     try:
         group = dist.group.WORLD
         several = DistributedEngine(
-            exact_compute, targets, ("stable_rank",), rank=0, world_size=1, group=group
-        )
+            exact_compute, targets, ("stable_rank",), MonitorOptions(), rank=0, world_size=1,
+            group=group,
+        )  # fmt: skip
         assert isinstance(several, Engine)
         assert (
             several.offer(0) and several.collect(wait_seconds=0.2) == []

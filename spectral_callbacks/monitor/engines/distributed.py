@@ -60,6 +60,7 @@ import torch.distributed as dist
 
 from spectral_callbacks.messages import rank_zero_warn
 from spectral_callbacks.monitor.engines.engine import Compute, SnapshotEngine, SnapshotResult
+from spectral_callbacks.monitor.options import MonitorOptions
 from spectral_callbacks.monitor.snapshot import Snapshot, group_by_shape
 from spectral_callbacks.names import monitor_tag
 from spectral_callbacks.targets.target import Target
@@ -232,12 +233,13 @@ class DistributedEngine:
         compute: the compute function (see :class:`SnapshotEngine`).
         targets: every watched matrix, in the same order on every rank.
         columns: the metric names sent to rank 0 (:func:`result_columns`).
+        options: read as :class:`SnapshotEngine` reads them (``max_pending``,
+            ``worker_threads``, ``worker_nice``, ``synchronous``). The result of a snapshot is sent
+            ``max(1, max_pending - 1)`` scheduled points after it was taken.
         rank, world_size: this process and the number of processes.
         group: the process group the results travel on (a gloo group, see :func:`results_group`).
-        max_pending: as for :class:`SnapshotEngine`. The result of a snapshot is sent
-            ``max(1, max_pending - 1)`` scheduled points after it was taken. Default ``2``.
-        engine_options: passed on to :class:`SnapshotEngine` (``synchronous``, ``worker_threads``,
-            ``skipped``, ...).
+        inline, budget, skipped: as for :class:`SnapshotEngine` (a budget that cannot hold this
+            rank's share at once is refused: several processes never stagger a snapshot).
     """
 
     def __init__(
@@ -245,12 +247,14 @@ class DistributedEngine:
         compute: Compute,
         targets: Sequence[Target],
         columns: Sequence[str],
+        options: MonitorOptions,
         *,
         rank: int,
         world_size: int,
         group: Any,
-        max_pending: int = 2,
-        **engine_options: Any,
+        inline: bool | None = None,
+        budget: int | None = None,
+        skipped: int = 0,
     ) -> None:
         owners = partition(targets, world_size)
         self.rank, self.world_size, self.group = rank, world_size, group
@@ -261,8 +265,10 @@ class DistributedEngine:
         self._local = SnapshotEngine(
             compute,
             group_by_shape(self.owned),
-            max_pending=max_pending,
-            **engine_options,
+            options,
+            inline=inline,
+            budget=budget,
+            skipped=skipped,
         )
         if self._local.plan.staggered:
             from spectral_callbacks.monitor.engines.budget import mib
@@ -277,8 +283,8 @@ class DistributedEngine:
                 "`max_snapshot_bytes` to at least that, or watch fewer matrices (`roles=`, `exclude=`)"
             )
         self.groups = self._local.groups
-        self.max_pending = max_pending
-        self.lag = max(1, max_pending - 1)
+        self.max_pending = options.max_pending
+        self.lag = max(1, self.max_pending - 1)
         self.missed = 0  # results not done at their point: sent as missing, counted as skipped
         self._points: collections.deque[_Point] = collections.deque()
         self._done: dict[int, SnapshotResult] = {}

@@ -42,7 +42,8 @@ Example::
     >>> groups = group_by_shape([target])
     >>> def top_singular_value(group, batch):
     ...     return {"spectral_norm": torch.linalg.matrix_norm(batch, ord=2)}
-    >>> engine = SnapshotEngine(top_singular_value, groups)
+    >>> from spectral_callbacks.monitor.options import MonitorOptions
+    >>> engine = SnapshotEngine(top_singular_value, groups, MonitorOptions())
     >>> engine.submit(take_snapshot(groups, step=0))
     True
     >>> [(result.step, result.metrics) for result in engine.collect(wait_seconds=10)]
@@ -69,6 +70,7 @@ from spectral_callbacks.monitor import background
 from spectral_callbacks.monitor.engines.budget import Ledger, plan_snapshot
 from spectral_callbacks.monitor.engines.compute import Compute
 from spectral_callbacks.monitor.engines.streams import ComputeStreams
+from spectral_callbacks.monitor.options import MonitorOptions
 from spectral_callbacks.monitor.snapshot import ShapeGroup, Snapshot, take_snapshot
 
 _POLL_SECONDS = 0.005
@@ -151,61 +153,59 @@ class SnapshotEngine:
         compute: the function that turns a ``(B, m, n)`` float batch into metric tensors, for
             example :class:`spectral_callbacks.monitor.engines.compute.SpectrumCompute`.
         groups: the shape groups the snapshots hold, from ``group_by_shape``.
-        max_pending: how many snapshots may be submitted and not yet collected. Default ``2``.
-        synchronous: compute inline in :meth:`submit` and wait for it (``placement.py`` says
-            when). Default ``False``.
-        worker_threads: intra-op threads of the worker thread (``torch.set_num_threads``, undone
-            for every other thread: see :func:`background.limit_this_thread`), so a CPU SVD does not claim
-            every core training uses. ``None`` leaves torch's default. Default ``1``.
-        worker_nice: raise the worker thread's nice value by this much (Linux: per thread), so on
-            busy cores the scheduler runs training first and the SVD in what is left. ``None``
-            leaves it; ignored on CUDA, where the worker only enqueues kernels. Default ``None``.
+        options: what the engine reads of them:
+
+            * ``max_pending``: how many snapshots may be submitted and not yet collected.
+            * ``worker_threads``: intra-op threads of the worker thread (``torch.set_num_threads``,
+              undone for every other thread: see :func:`background.limit_this_thread`), so a CPU
+              SVD does not claim every core training uses. ``None`` leaves torch's default.
+            * ``worker_nice``: raise the worker thread's nice value by this much (Linux: per
+              thread), so on busy cores the scheduler runs training first and the SVD in what is
+              left. ``None`` leaves it; ignored on CUDA, where the worker only enqueues kernels.
+            * ``every_n_steps``: the delay bound of a staggered snapshot, which copies its parts
+              within ``max(every_n_steps, 2 * parts)`` steps of its scheduled step; the matrices
+              of parts still waiting then are skipped and counted in :attr:`skipped_matrices`.
+            * ``synchronous``: where ``inline`` is ``None``, ``True`` computes inline.
+
+            ``max_snapshot_bytes`` is not read: ``budget`` is its resolved value.
+        inline: compute inline in :meth:`submit` and wait for it, as ``placement.py`` chose.
+            Default ``None``: ``bool(options.synchronous)``.
+        budget: the bytes the copies and working set may hold (``monitor/engines/budget.py``,
+            ``resolve_budget``); a snapshot that does not fit at once is copied in parts over
+            consecutive steps (:meth:`advance`). ``None``: no bound. Default ``None``.
         skipped: snapshots skipped before a resume, so ``skipped`` keeps counting. Default ``0``.
-        max_snapshot_bytes: the bytes the copies and working set may hold (``monitor/engines/budget.py``);
-            a snapshot that does not fit at once is copied in parts over consecutive steps
-            (:meth:`advance`). ``None``: no bound. Default ``None``.
-        max_delay_steps: a staggered snapshot copies its parts within
-            ``max(max_delay_steps, 2 * parts)`` steps of its scheduled step; the matrices of
-            parts still waiting then are skipped and counted in :attr:`skipped_matrices`.
-            Default ``25``.
 
     It implements :class:`spectral_callbacks.monitor.engines.protocol.Engine`; :meth:`submit` is the
     lower-level hand-over of a snapshot taken elsewhere.
 
     Raises:
-        ValueError: if ``max_pending`` is not a positive int.
-        ConfigurationError: one matrix does not fit ``max_snapshot_bytes`` alone.
+        ConfigurationError: one matrix does not fit ``budget`` alone.
     """
 
     def __init__(
         self,
         compute: Compute,
         groups: Sequence[ShapeGroup],
+        options: MonitorOptions,
         *,
-        max_pending: int = 2,
-        synchronous: bool = False,
-        worker_threads: int | None = 1,
-        worker_nice: int | None = None,
+        inline: bool | None = None,
+        budget: int | None = None,
         skipped: int = 0,
-        max_snapshot_bytes: int | None = None,
-        max_delay_steps: int = 25,
     ) -> None:
-        if not isinstance(max_pending, int) or max_pending < 1:
-            raise ValueError(f"`max_pending` must be a positive int, got {max_pending!r}")
         self.compute = compute
-        self.plan = plan_snapshot(groups, compute, max_snapshot_bytes)
+        self.plan = plan_snapshot(groups, compute, budget)
         self.groups = {part.key: part for part in self.plan.parts}
-        self.ledger = Ledger(max_snapshot_bytes, self.plan.kept)
-        self.max_delay_steps = max(max_delay_steps, 2 * len(self.plan.parts))
+        self.ledger = Ledger(budget, self.plan.kept)
+        self.max_delay_steps = max(options.every_n_steps, 2 * len(self.plan.parts))
         self._round: _Round | None = None
         self._skipped_matrices = 0
         self._tokens = 0  # ledger tokens handed out, one per copy
-        self.max_pending = max_pending
-        self.synchronous = synchronous
-        self.worker_threads = worker_threads
+        self.max_pending = options.max_pending
+        self.synchronous = bool(options.synchronous) if inline is None else inline
+        self.worker_threads = options.worker_threads
         # On CUDA the worker only enqueues kernels: lowering its priority would only add latency.
         on_cuda = any(group.device.startswith("cuda") for group in self.groups.values())
-        self.worker_nice = None if on_cuda else worker_nice
+        self.worker_nice = None if on_cuda else options.worker_nice
         # The skip count lives here only: changed by _skip and by finish() retaking a skipped step.
         self._skipped = skipped
         self._last_skipped: int | None = None
@@ -215,7 +215,7 @@ class SnapshotEngine:
         self._worker = background.Worker(
             self._work,
             WORKER_THREAD_NAME,
-            threads=worker_threads,
+            threads=self.worker_threads,
             nice=self.worker_nice,
             stop=self._stop_at_exit,
             left_running="it is left running as a daemon thread and its snapshot is dropped",

@@ -34,7 +34,7 @@ Rules every implementation keeps:
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 from torch.distributed.tensor import DTensor
 
@@ -134,11 +134,12 @@ def make_engine(
         compute: the compute function each shape group goes through.
         targets: every watched matrix, in the same order on every rank.
         metrics: the logged metric names (under DDP they fix the layout the results travel in).
-        options: what the engine reads of them: ``max_pending``, ``worker_threads``,
-            ``worker_nice``; ``drain_timeout`` (under DDP it sizes the results group timeout);
-            ``max_snapshot_bytes`` (resolved here: under several processes each rank's share must
-            fit at once; sharded DTensor weights are not counted) and ``every_n_steps`` (the delay
-            bound of a staggered snapshot).
+        options: passed to the engine, which reads what it needs (``max_pending``,
+            ``worker_threads``, ``worker_nice``, ``every_n_steps`` as the delay bound of a
+            staggered snapshot, ``drain_timeout``); read here: ``drain_timeout`` (it sizes the
+            results and SVD groups' timeouts) and ``max_snapshot_bytes`` (resolved here into the
+            engine's budget: under several processes each rank's share must fit at once;
+            sharded DTensor weights are not counted).
         inline: where the snapshots' CPU work runs, as ``placement.machine_placement`` chose
             (``None``: ``options.synchronous``, ``None`` there being the worker).
         skipped: skips counted before a resume.
@@ -151,37 +152,40 @@ def make_engine(
     from spectral_callbacks.monitor.engines.engine import SnapshotEngine
     from spectral_callbacks.monitor.snapshot import group_by_shape
 
-    engine_options: dict[str, Any] = {
-        "max_pending": options.max_pending,
-        "synchronous": bool(options.synchronous) if inline is None else inline,
-        "worker_threads": options.worker_threads,
-        "worker_nice": options.worker_nice,
-        "skipped": skipped,
-    }
     if any(isinstance(target.parameter, DTensor) for target in targets):
-        return _sharded_engine(compute, targets, engine_options, options.drain_timeout)
-    engine_options["max_snapshot_bytes"] = resolve_budget(options.max_snapshot_bytes, targets)
+        return _sharded_engine(compute, targets, options, inline=inline, skipped=skipped)
+    budget = resolve_budget(options.max_snapshot_bytes, targets)
     rank, world_size = distributed.world()
     if world_size == 1:
         return SnapshotEngine(
             compute,
             group_by_shape(targets),
-            max_delay_steps=options.every_n_steps,
-            **engine_options,
+            options,
+            inline=inline,
+            budget=budget,
+            skipped=skipped,
         )
     return distributed.DistributedEngine(
         compute,
         targets,
         distributed.result_columns(metrics),
+        options,
         rank=rank,
         world_size=world_size,
         group=distributed.results_group(2 * options.drain_timeout + 60),
-        **engine_options,
+        inline=inline,
+        budget=budget,
+        skipped=skipped,
     )
 
 
 def _sharded_engine(
-    compute: Compute, targets: Sequence[Target], options: dict[str, Any], drain_timeout: float
+    compute: Compute,
+    targets: Sequence[Target],
+    options: MonitorOptions,
+    *,
+    inline: bool | None,
+    skipped: int,
 ) -> Engine:
     """The engine for DTensor weights, configured like the default compute function."""
     from spectral_callbacks.monitor.engines.sharded import ShardedEngine, svd_group
@@ -197,19 +201,12 @@ def _sharded_engine(
             "(DTensor) weights are never gathered: drop them from `metrics`, or analyze a saved "
             "checkpoint with `spectral-callbacks rank-layers`"
         )
-    svd = compute.svd_options
     return ShardedEngine(
         targets,
+        compute,
+        options,
         # Like DDP's results group: a rank that never arrives becomes an error, bounded.
-        group=svd_group(timeout_seconds=max(60.0, 2 * drain_timeout + 60)),
-        k=compute.k,
-        n_oversamples=svd.get("n_oversamples"),
-        n_iter=svd.get("n_iter"),
-        metric_options=compute.metric_options,
-        max_pending=options["max_pending"],
-        behind_timeout=max(drain_timeout, 1.0),
-        warm_start=compute.warm_start,
-        synchronous=options["synchronous"],
-        worker_threads=options["worker_threads"],
-        skipped=options["skipped"],
+        group=svd_group(timeout_seconds=max(60.0, 2 * options.drain_timeout + 60)),
+        inline=inline,
+        skipped=skipped,
     )

@@ -38,12 +38,15 @@ name the culprit (collectives on one rank alone); both would desynchronize the g
 Example (one process, a one-rank gloo group)::
 
     >>> import tempfile, time, torch, torch.distributed as dist
+    >>> from spectral_callbacks.monitor.engines.compute import SpectrumCompute
+    >>> from spectral_callbacks.monitor.options import MonitorOptions
     >>> from spectral_callbacks.targets import Target
     >>> store = tempfile.NamedTemporaryFile(delete=False).name
     >>> dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
     >>> weight = torch.diag(torch.tensor([3.0, 1.0, 1.0, 1.0]))
     >>> engine = ShardedEngine([Target.from_parameter("w", weight, role="O")],
-    ...                        group=svd_group(timeout_seconds=30), k=2)
+    ...                        SpectrumCompute(k=2), MonitorOptions(),
+    ...                        group=svd_group(timeout_seconds=30))
     >>> engine.offer(step=0)
     True
     >>> engine.finish(0, offered=True, deadline=time.monotonic() + 30)
@@ -71,6 +74,7 @@ from spectral_callbacks.functional.metrics import metrics_from_spectrum
 from spectral_callbacks.functional.sharded_svd import sharded_randomized_svd
 from spectral_callbacks.messages import count
 from spectral_callbacks.monitor import background
+from spectral_callbacks.monitor.engines.compute import SpectrumCompute
 from spectral_callbacks.monitor.engines.engine import SnapshotResult
 from spectral_callbacks.monitor.engines.shards import (
     LocalPiece,
@@ -79,6 +83,7 @@ from spectral_callbacks.monitor.engines.shards import (
     mesh_ranks,
 )
 from spectral_callbacks.monitor.engines.streams import ComputeStreams, record_event
+from spectral_callbacks.monitor.options import MonitorOptions
 from spectral_callbacks.monitor.reporting import health_scalars
 from spectral_callbacks.monitor.snapshot import Snapshot
 from spectral_callbacks.targets.target import Target
@@ -167,24 +172,24 @@ class ShardedEngine:
             order on every rank.
         group: the SVD's process group (:func:`svd_group`), never training's. Every rank of the
             targets' device mesh must be in it.
-        k: singular values per matrix. Default ``32``.
-        n_oversamples, n_iter: passed to ``sharded_randomized_svd``; ``None`` keeps its defaults.
+        compute: the default compute function the ranks configure the SVD like: its ``k``, its
+            ``n_oversamples`` and ``n_iter`` (passed to ``sharded_randomized_svd``; its
+            ``method`` is not read), its ``metric_options`` (``fit_window``) and ``warm_start``
+            (start each group from its previous subspace).
+        options: what the engine reads of them: ``max_pending`` (snapshots that may be queued or
+            computing), ``drain_timeout`` (``behind_timeout`` unless given), ``worker_threads``
+            (intra-op threads of the worker thread only, ``background.Worker``) and
+            ``synchronous`` (where ``inline`` is ``None``).
+        inline: compute inline in :meth:`offer` (a baseline, and for tests). Default ``None``:
+            ``bool(options.synchronous)``.
+        skipped: skips counted before a resume (this engine adds none). Default ``0``.
+        behind_timeout: seconds :meth:`offer` waits for room when ``max_pending`` are in flight
+            before it raises. Default ``None``: ``max(options.drain_timeout, 1.0)``.
         comm_dtype: the dtype the Krylov blocks travel in (``sharded_randomized_svd``). Default
             ``torch.bfloat16``: half the bytes of float32, with the same stable rank and alpha
             along the tested training runs (the Rayleigh-Ritz step always sums in float64).
             ``None`` sends float32.
-        metric_options: passed to ``metrics_from_spectrum`` (``fit_window``, ...).
-        max_pending: snapshots that may be queued or computing. Default ``4``: the copies are
-            local shards, a fraction of the weights.
-        behind_timeout: seconds :meth:`offer` waits for room when ``max_pending`` are in flight
-            before it raises. Default ``60``.
-        warm_start: start each group from its previous subspace. Default ``True``.
         seed: seed of the random start blocks (the same on every rank). Default ``0``.
-        synchronous: compute inline in :meth:`offer` (a baseline, and for tests). Default
-            ``False``.
-        worker_threads: intra-op threads of the worker thread only (``background.Worker``). Default
-            ``1``.
-        skipped: skips counted before a resume (this engine adds none). Default ``0``.
 
     Raises:
         ValueError: an argument is out of range, or this rank is not in ``group``.
@@ -196,24 +201,21 @@ class ShardedEngine:
     def __init__(
         self,
         targets: Sequence[Target],
+        compute: SpectrumCompute,
+        options: MonitorOptions,
         *,
         group: Any,
-        k: int = 32,
-        n_oversamples: int | None = None,
-        n_iter: int | None = None,
-        metric_options: dict[str, Any] | None = None,
-        comm_dtype: torch.dtype | None = torch.bfloat16,
-        max_pending: int = 4,
-        behind_timeout: float = 60.0,
-        warm_start: bool = True,
-        seed: int = 0,
-        synchronous: bool = False,
-        worker_threads: int | None = 1,
+        inline: bool | None = None,
         skipped: int = 0,
+        behind_timeout: float | None = None,
+        comm_dtype: torch.dtype | None = torch.bfloat16,
+        seed: int = 0,
     ) -> None:
-        for name, value in (("k", k), ("max_pending", max_pending)):
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"`{name}` must be a positive int, got {value!r}")
+        k = compute.k
+        if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+            raise ValueError(f"`k` must be a positive int, got {k!r}")
+        if behind_timeout is None:
+            behind_timeout = max(options.drain_timeout, 1.0)
         if not targets:
             raise ValueError("`targets` is empty: pass what find_targets returned for the model")
         if not behind_timeout > 0:
@@ -231,17 +233,16 @@ class ShardedEngine:
         self.group = group
         self.k = k
         self.svd_options: dict[str, Any] = {"comm_dtype": comm_dtype}
-        if n_oversamples is not None:
-            self.svd_options["n_oversamples"] = n_oversamples
-        if n_iter is not None:
-            self.svd_options["n_iter"] = n_iter
-        self.metric_options = dict(metric_options or {})
-        self.max_pending = max_pending
+        for name in ("n_oversamples", "n_iter"):
+            if name in compute.svd_options:
+                self.svd_options[name] = compute.svd_options[name]
+        self.metric_options = dict(compute.metric_options)
+        self.max_pending = options.max_pending
         self.behind_timeout = behind_timeout
-        self.warm_start = warm_start
+        self.warm_start = compute.warm_start
         self.seed = seed
-        self.synchronous = synchronous
-        self.worker_threads = worker_threads
+        self.synchronous = bool(options.synchronous) if inline is None else inline
+        self.worker_threads = options.worker_threads
         self.groups = _group(local_piece(target, group_rank) for target in targets)
         self._subspaces: dict[str, torch.Tensor] = {}
         self._streams = ComputeStreams()
@@ -249,7 +250,7 @@ class ShardedEngine:
         self._worker = background.Worker(
             self._work,
             SHARDED_WORKER_THREAD_NAME,
-            threads=worker_threads,
+            threads=self.worker_threads,
             stop=self._stop_at_exit,
             waiting_for="to leave the collective it is in (at most the SVD group's timeout)",
             left_running=(

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from spectral_callbacks.monitor.engines.engine import SnapshotEngine, SpectralComputeError
+from spectral_callbacks.monitor.options import MonitorOptions
 from spectral_callbacks.monitor.snapshot import ShapeGroup, group_by_shape, take_snapshot
 from spectral_callbacks.targets import Target
 
@@ -24,7 +25,7 @@ def exact_stable_rank(group: ShapeGroup, batch: torch.Tensor) -> dict[str, torch
 
 def test_results_match_a_float64_reference_per_matrix() -> None:
     weights = {"a": torch.randn(16, 8), "b": torch.randn(16, 8), "c": torch.randn(8, 32)}
-    engine = SnapshotEngine(exact_stable_rank, _groups(weights))
+    engine = SnapshotEngine(exact_stable_rank, _groups(weights), MonitorOptions())
     groups = list(engine.groups.values())
     assert engine.submit(take_snapshot(groups, step=5))
     [result] = engine.collect(wait_seconds=30)
@@ -44,7 +45,7 @@ def test_bfloat16_snapshots_reach_compute_as_float32() -> None:
         return {"one": torch.ones(batch.shape[0])}
 
     groups = _groups({"w": torch.randn(4, 4, dtype=torch.bfloat16)})
-    engine = SnapshotEngine(record_dtype, groups)
+    engine = SnapshotEngine(record_dtype, groups, MonitorOptions())
     engine.submit(take_snapshot(groups, step=0))
     assert len(engine.collect(wait_seconds=30)) == 1
     engine.close()
@@ -59,7 +60,7 @@ def test_a_slow_engine_skips_and_counts_instead_of_queueing() -> None:
         return {"x": torch.zeros(batch.shape[0])}
 
     groups = _groups({"w": torch.randn(4, 4)})
-    engine = SnapshotEngine(blocked, groups, max_pending=2)
+    engine = SnapshotEngine(blocked, groups, MonitorOptions(max_pending=2))
     accepted = [engine.submit(take_snapshot(groups, step=s)) for s in range(6)]
     assert accepted == [True, True, False, False, False, False]
     assert engine.pending == 2 and engine.skipped == 4
@@ -79,7 +80,7 @@ def test_worker_error_is_raised_on_the_main_thread_naming_the_matrix() -> None:
 
     weights = {"h.0.q": torch.randn(4, 4), "h.1.q": torch.full((4, 4), float("nan"))}
     groups = _groups(weights)
-    engine = SnapshotEngine(fails_on_nan, groups)
+    engine = SnapshotEngine(fails_on_nan, groups, MonitorOptions())
     engine.submit(take_snapshot(groups, step=12))
     deadline = time.monotonic() + 30
     with pytest.raises(SpectralComputeError, match=r"matrix 'h\.1\.q' at step 12.*LinAlgError"):
@@ -98,7 +99,7 @@ def test_results_before_an_error_are_handed_over_first() -> None:
         return {"x": torch.zeros(batch.shape[0])}
 
     groups = _groups({"w": torch.randn(3, 3)})
-    engine = SnapshotEngine(fails_second_time, groups, max_pending=3)
+    engine = SnapshotEngine(fails_second_time, groups, MonitorOptions(max_pending=3))
     engine.submit(take_snapshot(groups, step=0))
     engine.submit(take_snapshot(groups, step=1))
     time.sleep(0.2)
@@ -117,7 +118,7 @@ def test_close_returns_within_its_timeout_even_if_the_worker_is_stuck() -> None:
         return {"x": torch.zeros(batch.shape[0])}
 
     groups = _groups({"w": torch.randn(3, 3)})
-    engine = SnapshotEngine(stuck, groups)
+    engine = SnapshotEngine(stuck, groups, MonitorOptions())
     engine.submit(take_snapshot(groups, step=0))
     start = time.monotonic()
     assert engine.collect(wait_seconds=0.2) == []
@@ -135,7 +136,7 @@ def test_synchronous_mode_has_the_result_at_once_on_the_calling_thread() -> None
         return {"x": torch.zeros(batch.shape[0])}
 
     groups = _groups({"w": torch.randn(3, 3)})
-    engine = SnapshotEngine(where, groups, synchronous=True)
+    engine = SnapshotEngine(where, groups, MonitorOptions(synchronous=True))
     engine.submit(take_snapshot(groups, step=4))
     assert [r.step for r in engine.collect()] == [4]
     assert threads == [threading.current_thread()]
@@ -143,7 +144,7 @@ def test_synchronous_mode_has_the_result_at_once_on_the_calling_thread() -> None
 
 def test_max_pending_is_checked() -> None:
     with pytest.raises(ValueError, match="`max_pending` must be a positive int, got 0"):
-        SnapshotEngine(exact_stable_rank, [], max_pending=0)
+        SnapshotEngine(exact_stable_rank, [], MonitorOptions(max_pending=0))
 
 
 def test_synchronous_compute_inside_a_callers_autocast_runs_in_float32() -> None:
@@ -154,7 +155,9 @@ def test_synchronous_compute_inside_a_callers_autocast_runs_in_float32() -> None
     generator = torch.Generator().manual_seed(0)
     weights = {f"w{i}": torch.randn(96, 64, generator=generator) for i in range(2)}
     groups = _groups(weights)
-    engine = SnapshotEngine(SpectrumCompute(k=8, method="randomized"), groups, synchronous=True)
+    engine = SnapshotEngine(
+        SpectrumCompute(k=8, method="randomized"), groups, MonitorOptions(synchronous=True)
+    )
     with torch.autocast("cpu", dtype=torch.bfloat16):
         engine.submit(take_snapshot(groups, step=0))
     (result,) = engine.collect()

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from spectral_callbacks.monitor.engines.engine import SnapshotEngine, SpectralComputeError
+from spectral_callbacks.monitor.options import MonitorOptions
 from spectral_callbacks.monitor.snapshot import ShapeGroup, group_by_shape, take_snapshot
 from spectral_callbacks.targets import Target
 
@@ -44,12 +45,15 @@ INSIDE_LAPACK_AT_EXIT = """
     import torch
     from spectral_callbacks.monitor import background
     from spectral_callbacks.monitor.engines.engine import SnapshotEngine
+    from spectral_callbacks.monitor.options import MonitorOptions
     from spectral_callbacks.monitor.snapshot import group_by_shape, take_snapshot
     warnings.filterwarnings("ignore")
     background.ANNOUNCE_AFTER_SECONDS = 0.0
     w = torch.randn(2000, 2000)
     groups = group_by_shape([Target.from_parameter("w", w, role="Q")])
-    engine = SnapshotEngine(lambda g, b: {"s": torch.linalg.svdvals(b)[..., 0]}, groups)
+    engine = SnapshotEngine(
+        lambda g, b: {"s": torch.linalg.svdvals(b)[..., 0]}, groups, MonitorOptions()
+    )
     engine.submit(take_snapshot(groups, 0))
     time.sleep(0.3)
     engine.close(timeout=0)
@@ -76,7 +80,11 @@ def test_a_fit_with_no_drain_time_exits_zero() -> None:
 def test_a_worker_that_cannot_start_is_an_error_at_the_next_collect() -> None:
     weights = {"w": torch.randn(4, 4)}
     groups = group_by_shape([Target.from_parameter("w", weights["w"], role="Q")])
-    engine = SnapshotEngine(lambda g, b: {"x": torch.zeros(1)}, groups, worker_threads=0)
+    # worker_threads=0 makes the worker's start fail (torch.set_num_threads(0) raises);
+    # MonitorOptions refuses it, so it is set past the check.
+    options = MonitorOptions()
+    object.__setattr__(options, "worker_threads", 0)
+    engine = SnapshotEngine(lambda g, b: {"x": torch.zeros(1)}, groups, options)
     engine.submit(take_snapshot(groups, step=0))
     deadline = time.monotonic() + 30
     with pytest.raises(
@@ -95,6 +103,7 @@ def test_the_worker_thread_count_does_not_change_other_threads() -> None:
         import threading, torch
         from spectral_callbacks.targets import Target
         from spectral_callbacks.monitor.engines.engine import SnapshotEngine
+        from spectral_callbacks.monitor.options import MonitorOptions
         from spectral_callbacks.monitor.snapshot import group_by_shape, take_snapshot
         torch.set_num_threads(2)
         seen = []
@@ -103,7 +112,7 @@ def test_the_worker_thread_count_does_not_change_other_threads() -> None:
             return {"x": batch.sum((-2, -1))}
         w = torch.ones(3, 3)
         groups = group_by_shape([Target.from_parameter("w", w, role="Q")])
-        engine = SnapshotEngine(compute, groups, worker_threads=1)
+        engine = SnapshotEngine(compute, groups, MonitorOptions(worker_threads=1))
         engine.submit(take_snapshot(groups, 0))
         assert len(engine.collect(wait_seconds=30)) == 1
         engine.close()
@@ -128,12 +137,16 @@ def test_the_sharded_worker_limits_only_its_own_threads_and_is_waited_for_at_exi
         from spectral_callbacks.monitor import background
         from spectral_callbacks.monitor.engines.sharded import (
             SHARDED_WORKER_THREAD_NAME, ShardedEngine, svd_group)
+        from spectral_callbacks.monitor.engines.compute import SpectrumCompute
+        from spectral_callbacks.monitor.options import MonitorOptions
         from spectral_callbacks.targets import Target
         torch.set_num_threads(2)
         dist.init_process_group(
             "gloo", init_method="file://{tmp_path / "store"}", rank=0, world_size=1)
         targets = [Target.from_parameter("w", torch.eye(4), role="O")]
-        engine = ShardedEngine(targets, group=svd_group(timeout_seconds=30), k=2, worker_threads=1)
+        engine = ShardedEngine(
+            targets, SpectrumCompute(k=2), MonitorOptions(max_pending=4, worker_threads=1),
+            group=svd_group(timeout_seconds=30))
         engine.offer(3)
         waited = [thread.name for thread in background.waited_for()]
         assert len(engine.collect(wait_seconds=30)) == 1
@@ -158,7 +171,7 @@ def test_a_failed_snapshot_does_not_keep_its_batch_alive() -> None:
 
     weight = torch.randn(8, 8)
     groups = group_by_shape([Target.from_parameter("w", weight, role="Q")])
-    engine = SnapshotEngine(fails, groups)
+    engine = SnapshotEngine(fails, groups, MonitorOptions())
     engine.submit(take_snapshot(groups, step=0))
     deadline = time.monotonic() + 30
     with pytest.raises(SpectralComputeError, match="boom") as caught:

@@ -201,7 +201,7 @@ def test_fsdp_over_tensor_parallel_on_a_2d_mesh(tmp_path) -> None:
 
 
 def test_bad_arguments_are_refused_before_any_work(tmp_path) -> None:
-    from spectral_callbacks.monitor.engines.sharded import ShardedEngine, svd_group
+    from spectral_callbacks.monitor.engines.sharded import svd_group
     from spectral_callbacks.targets import Target
 
     dist.init_process_group(
@@ -211,14 +211,16 @@ def test_bad_arguments_are_refused_before_any_work(tmp_path) -> None:
         group = svd_group(timeout_seconds=30)
         targets = [Target.from_parameter("w", torch.eye(4), role="O")]
         with pytest.raises(ValueError, match="`k` must be a positive int, got 0"):
-            ShardedEngine(targets, group=group, k=0)
+            cases.sharded_engine(targets, group=group, k=0)
         with pytest.raises(ValueError, match="`max_pending` must be a positive int, got 0"):
-            ShardedEngine(targets, group=group, max_pending=0)
+            cases.sharded_engine(targets, group=group, max_pending=0)
         with pytest.raises(ValueError, match="`behind_timeout` must be positive"):
-            ShardedEngine(targets, group=group, behind_timeout=0)
+            cases.sharded_engine(targets, group=group, behind_timeout=0)
         with pytest.raises(ValueError, match="`targets` is empty"):
-            ShardedEngine([], group=group)
-        engine = ShardedEngine(targets, group=group, k=2)  # a one-rank group: the plain problem
+            cases.sharded_engine([], group=group)
+        engine = cases.sharded_engine(
+            targets, group=group, k=2
+        )  # a one-rank group: the plain problem
         engine.offer(3)
         (result,) = cases.drain(engine, 3, timeout=30)
         assert result.step == 3 and result.metrics["w"]["stable_rank"] == pytest.approx(4.0)
