@@ -111,15 +111,15 @@ def test_the_esd_cadence_continues_after_a_resume_from_a_checkpoint(tmp_path: Pa
 
 
 class HeldCompute(SpectrumCompute):
-    """The default compute whose calls wait, once ``hold`` is set, until ``release`` is."""
+    """The default compute whose calls wait, once ``hold`` is set, until ``proceed`` is."""
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        self.hold, self.release = threading.Event(), threading.Event()
+        self.hold, self.proceed = threading.Event(), threading.Event()
 
     def __call__(self, group: Any, batch: torch.Tensor) -> dict[str, torch.Tensor]:
         if self.hold.is_set():
-            self.release.wait(timeout=60)
+            self.proceed.wait(timeout=60)
         return super().__call__(group, batch)
 
 
@@ -137,7 +137,7 @@ def test_a_checkpoint_taken_while_a_snapshot_is_in_flight_keeps_the_esd_cadence(
     compute.hold.set()
     tracker.step(4)
     state = tracker.state_dict()
-    compute.release.set()
+    compute.proceed.set()
     tracker.close()
     assert state["schedule"]["snapshots"] == 5
 
