@@ -122,10 +122,8 @@ def test_bad_arguments_are_named_at_construction() -> None:
 # Lightning before 2.6 asks every callback whether it overrides state_dict without naming the
 # Callback class, so it rejects a non-Callback itself (ValueError 'Expected a parent') before it
 # calls any hook of it, and the hook named below is never reached.
-LIGHTNING_CALLS_ANY_CALLBACK = tuple(map(int, metadata.version("lightning").split(".")[:2])) >= (
-    2,
-    6,
-)
+LIGHTNING = tuple(int(part) for part in metadata.version("lightning").split(".")[:2])
+LIGHTNING_CALLS_ANY_CALLBACK = LIGHTNING >= (2, 6)
 
 
 def test_the_hugging_face_trainer_given_the_lightning_callback_names_the_right_class(
