@@ -406,9 +406,11 @@ def tidy_rows(
 
     >>> rows, guessed = tidy_rows("a", ["spectral_alpha/L01/Q", "train/loss"], [5, 5], [2.0, 0.1],
     ...                           [0.0, 0.0])
-    >>> rows[["metric", "layer", "depth", "role"]].to_dict("records"), guessed
-    ([{'metric': 'alpha', 'layer': 1, 'depth': 1.0, 'role': 'Q'}, \
-{'metric': 'train/loss', 'layer': None, 'depth': nan, 'role': nan}], {'': 2})
+    >>> rows[["metric", "layer", "depth"]].to_dict("records"), guessed
+    ([{'metric': 'alpha', 'layer': 1, 'depth': 1.0}, \
+{'metric': 'train/loss', 'layer': None, 'depth': nan}], {'': 2})
+    >>> rows.role[0], rows.role.isna().tolist()  # a missing role: nan, or None before pandas 3
+    ('Q', [False, True])
     """
     import numpy as np
     import pandas as pd
