@@ -1,9 +1,10 @@
 """Shared test setup: the helper modules of tests/ and examples/ are importable from every test
 folder, one torch thread, GPU tests skip without a GPU, torch's float32 precision put back after a
-test that sets it."""
+test that sets it, the package's logger as it was after every test."""
 
 from __future__ import annotations
 
+import logging
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -32,6 +33,18 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.get_closest_marker("gpu") is not None
         ):  # the marker, not a keyword: a folder named gpu is one
             item.add_marker(skip_gpu)
+
+
+@pytest.fixture(autouse=True)
+def restored_package_logger() -> Iterator[None]:
+    """The "spectral_callbacks" logger's level, propagation and handlers put back after each test:
+    a benchmark's main() run in-process sets its level to WARNING, and every later test that reads
+    an INFO note through caplog then saw none (the full suite failed where the test alone passed)."""
+    logger = logging.getLogger("spectral_callbacks")
+    saved = (logger.level, logger.propagate, list(logger.handlers), logger.disabled)
+    yield
+    logger.setLevel(saved[0])
+    logger.propagate, logger.handlers[:], logger.disabled = saved[1], saved[2], saved[3]
 
 
 @pytest.fixture
