@@ -34,7 +34,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -43,7 +42,17 @@ import torch
 import spectral_callbacks.functional.svd as svd_module
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from model_snapshot import Group, exact_candidates, merged, model_groups, movement  # noqa: E402
+import model_snapshot  # noqa: E402
+from model_snapshot import (  # noqa: E402
+    CLOCKS,
+    Group,
+    add_snapshot_arguments,
+    exact_candidates,
+    merged,
+    model_groups,
+    movement,
+    seconds,
+)
 
 from spectral_callbacks.monitor.engines.compute import SpectrumCompute  # noqa: E402
 from spectral_callbacks.monitor.snapshot import ShapeGroup  # noqa: E402
@@ -100,16 +109,6 @@ def run_of(
         V = V + 0.5 * torch.randn(V.shape, generator=g)
         snapshots.append(snapshots[-1] + movement(W.shape, (U, V), update * norm, g))
     return snapshots
-
-
-CLOCKS = {"wall": time.perf_counter, "cpu": time.thread_time}
-clock = CLOCKS["wall"]
-
-
-def seconds(fn: Callable[[], object]) -> float:
-    start = clock()
-    fn()
-    return clock() - start
 
 
 class CountingCompute(SpectrumCompute):
@@ -216,21 +215,8 @@ HEADER = (
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--models", nargs="+", choices=MODELS, default=["gpt2", "qwen2-10x896"])
-    parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--rounds", type=int, default=3, help="runs per model (median)")
-    parser.add_argument(
-        "--trained", type=float, default=0.3, help="movement from init, relative Frobenius"
-    )
-    parser.add_argument(
-        "--update", type=float, default=0.05, help="movement between snapshots, relative Frobenius"
-    )
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument(
-        "--clock",
-        choices=tuple(CLOCKS),
-        default="wall",
-        help="wall time, or this thread's CPU time (less sensitive to a loaded machine)",
-    )
+    add_snapshot_arguments(parser)
     parser.add_argument("--quick", action="store_true", help="the toy model, one round")
     args = parser.parse_args(argv)
     if args.quick:
@@ -243,9 +229,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> list[str]:
-    global clock
     args = parse_args(argv)
-    clock = CLOCKS[args.clock]
+    model_snapshot.clock = CLOCKS[args.clock]  # what model_snapshot.seconds reads
     torch.set_num_threads(args.threads)
     g = torch.Generator().manual_seed(args.seed)
     print(

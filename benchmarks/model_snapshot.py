@@ -351,19 +351,15 @@ HEADER = (
 )
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--models", nargs="+", choices=MODELS, default=["gpt2"])
+def add_snapshot_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of a run of synthetic snapshots (threads, movement, seed, clock), shared with
+    ``first_snapshot.py``."""
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--repeats", type=int, default=3, help="interleaved rounds (median)")
     parser.add_argument(
         "--trained", type=float, default=0.3, help="movement from init, relative Frobenius"
     )
     parser.add_argument(
         "--update", type=float, default=0.05, help="movement between snapshots, relative Frobenius"
-    )
-    parser.add_argument(
-        "--check", type=int, default=2, help="matrices per group checked against float64"
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
@@ -372,6 +368,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default="wall",
         help="wall time, or this thread's CPU time (less sensitive to a loaded machine)",
     )
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--models", nargs="+", choices=MODELS, default=["gpt2"])
+    parser.add_argument("--repeats", type=int, default=3, help="interleaved rounds (median)")
+    parser.add_argument(
+        "--check", type=int, default=2, help="matrices per group checked against float64"
+    )
+    add_snapshot_arguments(parser)
     parser.add_argument(
         "--weightwatcher",
         action="store_true",
