@@ -50,6 +50,7 @@ from spectral_callbacks.monitor.engines.engine import SnapshotResult
 from spectral_callbacks.monitor.engines.partitioned import refuse_partitioned
 from spectral_callbacks.monitor.engines.placement import Placement, machine_placement
 from spectral_callbacks.monitor.engines.protocol import Engine, make_engine
+from spectral_callbacks.monitor.interrupts import ctrl_c_after
 from spectral_callbacks.monitor.options import (
     DEFAULT_FIGURE_ROLES,
     DEFAULT_METRICS,
@@ -811,10 +812,14 @@ class SpectralTracker:
             return
         deadline = time.monotonic() + wait_seconds
         while True:  # collect() hands finished results over before raising a later error
-            for result in engine.collect(wait_seconds=max(0.0, deadline - time.monotonic())):
-                self._log(result)
-            if not engine.pending or time.monotonic() >= deadline:
-                self._flush()
+            results = engine.collect(wait_seconds=max(0.0, deadline - time.monotonic()))
+            done = not engine.pending or time.monotonic() >= deadline
+            with ctrl_c_after():  # the wait above is interruptible, a write half-done is not
+                for result in results:
+                    self._log(result)
+                if done:
+                    self._flush()
+            if done:
                 return
 
     def _log(self, result: SnapshotResult) -> None:
@@ -1111,7 +1116,8 @@ class SpectralTracker:
                 self._engine.close(timeout=0.0)
             self._figures.close(timeout=0.0)
         self._release_run_memory()
-        self._flush(now=True)
-        if self._own_logger is not None:
-            self._own_logger.finalize("success")
+        with ctrl_c_after():
+            self._flush(now=True)
+            if self._own_logger is not None:
+                self._own_logger.finalize("success")
         return interrupted
