@@ -7,6 +7,7 @@ sweep of two runs: the Ctrl-C must reach it, not start the second run.
 
 from __future__ import annotations
 
+import faulthandler
 import signal
 import sys
 import time
@@ -27,6 +28,7 @@ def main(logdir: str) -> None:
     # A shell hands a script Ctrl-C as KeyboardInterrupt; a parent that ignores SIGINT (pytest,
     # once Lightning has handled an interrupted fit in an earlier test) would hand down SIG_IGN.
     signal.signal(signal.SIGINT, signal.default_int_handler)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # the test's look when it hangs
     model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16))
     options: dict[str, Any] = dict(
         compute=slow, metrics=("stable_rank",), figures=False, every_n_steps=1, log_spaced_until=0

@@ -8,6 +8,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 import warnings
 from pathlib import Path
@@ -286,25 +287,69 @@ def test_ctrl_c_in_the_end_of_training_wait_drops_the_snapshots_at_once_in_one_l
         text=True,
         env=env,
     )
-    assert process.stderr is not None and process.stdout is not None
-    lines = []
-    for line in process.stderr:
-        lines.append(line)
-        if "waiting up to" in line:
-            break
-    time.sleep(0.5)  # inside the wait
-    interrupted_at = time.monotonic()
-    process.send_signal(signal.SIGINT)
-    after = process.stdout.readline()  # the sweep's handler runs once close() raised
-    seconds = time.monotonic() - interrupted_at  # not counting the interpreter's own teardown
-    rest = process.stderr.read().splitlines()
+    # Each pipe read on a thread of its own: every wait below is bounded, and a script that hangs
+    # fails this test with its threads' stacks (SIGUSR1: faulthandler) instead of hanging the suite.
+    out, err = _LineReader(process.stdout), _LineReader(process.stderr)
+    try:
+        waiting = err.first("waiting up to", timeout=120)
+        assert waiting is not None, _stacks_of(process, err)
+        time.sleep(0.5)  # inside the wait
+        interrupted_at = time.monotonic()
+        process.send_signal(signal.SIGINT)
+        after = out.first("", timeout=60)  # the sweep's handler runs once close() raised
+        seconds = time.monotonic() - interrupted_at  # not counting the interpreter's own teardown
+        assert after is not None, _stacks_of(process, err)
+        status = process.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"the script did not exit after the Ctrl-C: {_stacks_of(process, err)}")
+    finally:
+        process.kill()
+    out.thread.join(10)
+    err.thread.join(10)
+    lines = err.lines[: err.lines.index(waiting) + 1]
+    rest = err.lines[len(lines) :]
     assert after.strip() == "the sweep got the KeyboardInterrupt", after
-    assert process.stdout.read() == ""  # no second run
-    assert process.wait(timeout=60) == -signal.SIGINT  # what an uncaught Ctrl-C exits with
+    assert out.lines == [after]  # no second run
+    assert status == -signal.SIGINT  # what an uncaught Ctrl-C exits with
     assert "waiting up to" in lines[-1] and "Ctrl-C drops them" in lines[-1], lines
     assert re.search(r"Ctrl-C: stopped waiting; [1-4] snapshot\(s\) dropped", rest[0]), rest
     assert rest[-1] == "KeyboardInterrupt", rest  # its traceback, as for any Ctrl-C
     assert seconds < 2.0, seconds  # one shape group's 0.3 s at most, not a 5 s join
+
+
+class _LineReader:
+    """The lines of a pipe, read on a daemon thread; :meth:`first` waits for one, bounded."""
+
+    def __init__(self, pipe: Any) -> None:
+        self.lines: list[str] = []
+        self._added = threading.Condition()
+        self.thread = threading.Thread(target=self._read, args=(pipe,), daemon=True)
+        self.thread.start()
+
+    def _read(self, pipe: Any) -> None:
+        for line in pipe:
+            with self._added:
+                self.lines.append(line.rstrip("\n"))
+                self._added.notify_all()
+        with self._added:  # the pipe closed: no line is coming
+            self._added.notify_all()
+
+    def first(self, text: str, timeout: float) -> str | None:
+        """The first line containing ``text`` within ``timeout`` seconds, else ``None``."""
+        with self._added:
+            self._added.wait_for(
+                lambda: any(text in line for line in self.lines) or not self.thread.is_alive(),
+                timeout,
+            )
+            return next((line for line in self.lines if text in line), None)
+
+
+def _stacks_of(process: subprocess.Popen[str], err: _LineReader) -> str:
+    """What the script printed, with where each of its threads is now (if it still runs)."""
+    if process.poll() is None:
+        process.send_signal(signal.SIGUSR1)  # interrupted_drain.py: faulthandler dumps the stacks
+        time.sleep(2)
+    return "\n".join(err.lines[-150:])
 
 
 class _CountingCompute(ComputeFunction):
