@@ -34,7 +34,13 @@ from typing import TYPE_CHECKING
 import numpy as np
 import pandas as pd
 
-from spectral_callbacks.names import ROLES, ordered_stacks, relative_depth, role_sort_key
+from spectral_callbacks.names import (
+    ROLES,
+    ordered_stacks,
+    relative_depth,
+    role_sort_key,
+    split_group,
+)
 
 if TYPE_CHECKING:  # torch is imported only where compression is computed
     import torch
@@ -114,16 +120,50 @@ PALETTE: tuple[str, ...] = (
 )  # fmt: skip
 
 
-# Roles that sit beside a canonical one in the same model, in tab20's light partner of a
-# canonical colour: a decoder's cross-attention beside its self-attention (T5, BART, Whisper),
-# the gate beside MLP_up (Llama, Mixtral's experts). Hashed into the four spare colours they
-# met each other (K_cross, Q_cross and a Mixtral's Router were all C9).
+# tab20's light partner of each tab10 colour (the same order).
+LIGHT: tuple[str, ...] = (
+    "#aec7e8", "#ffbb78", "#98df8a", "#ff9896", "#c5b0d5",
+    "#c49c94", "#f7b6d2", "#c7c7c7", "#dbdb8d", "#9edae5",
+)  # fmt: skip
+
+# Roles that sit beside a canonical one in the same model take the canonical colour's light
+# partner: a decoder's cross-attention beside its self-attention (T5, BART, Whisper), the gate
+# beside MLP_up (Llama, Mixtral's experts).
 PARTNER_COLORS: dict[str, str] = {
-    "Q_cross": "#aec7e8",
-    "K_cross": "#ffbb78",
-    "V_cross": "#98df8a",
-    "O_cross": "#ff9896",
-    "MLP_gate": "#c5b0d5",
+    "Q_cross": LIGHT[0],
+    "K_cross": LIGHT[1],
+    "V_cross": LIGHT[2],
+    "O_cross": LIGHT[3],
+    "MLP_gate": LIGHT[4],
+}
+
+# The attention variants' roles and the MoE's, fixed so that no two roles of one model share a
+# colour (hashed into four spare colours, MLA's Q_up and K_rope were both grey): MLA / MFA /
+# DeepSeek (with its router and shared experts) in the spare colours; TPA's factors, which
+# replace Q, K and V, in the colour of the role they factor (A) and its light partner (B).
+VARIANT_COLORS: dict[str, str] = {
+    "Q_down": PALETTE[6],
+    "Q_up": PALETTE[7],
+    "KV_down": PALETTE[8],
+    "K_rope": PALETTE[9],
+    "KV": LIGHT[9],
+    "Router": LIGHT[5],
+    "MLP_shared_gate": LIGHT[6],
+    "MLP_shared_up": LIGHT[7],
+    "MLP_shared_down": LIGHT[8],
+    "Q_A": PALETTE[0],
+    "Q_B": LIGHT[0],
+    "K_A": PALETTE[1],
+    "K_B": LIGHT[1],
+    "V_A": PALETTE[2],
+    "V_B": LIGHT[2],
+}
+
+# GLA's latent groups K_g<i> / V_g<i> (no plain K or V beside them): groups 0 and 1 in the base
+# role's colour and its light partner, groups 2 and 3 in spare light colours.
+_GROUP_COLORS: dict[str, tuple[str, ...]] = {
+    "K": (PALETTE[1], LIGHT[1], LIGHT[6], LIGHT[7]),
+    "V": (PALETTE[2], LIGHT[2], LIGHT[8], LIGHT[5]),
 }
 
 
@@ -131,19 +171,25 @@ def role_color(role: str) -> str:
     """The colour of ``role`` in every chart, whichever roles a chart holds.
 
     The six canonical roles own the first six colours; the cross-attention roles and
-    ``MLP_gate`` the light partner of Q, K, V, O and MLP_up (``PARTNER_COLORS``); any other role
-    (a variant's ``Q_down``, ``Router``, ...) gets one of the remaining four by a hash of its
-    name, so it too keeps its colour from chart to chart and run to run.
+    ``MLP_gate`` the light partner of Q, K, V, O and MLP_up (``PARTNER_COLORS``); the attention
+    variants' and the MoE's roles a fixed colour each (``VARIANT_COLORS``), distinct within each
+    model of ``examples/attention_variants.py``; any other role one of the four spare colours by a hash
+    of its name, so it too keeps its colour from chart to chart and run to run.
 
     >>> role_color("Q"), role_color("MLP_down"), role_color("Q_cross")
     ('#1f77b4', '#8c564b', '#aec7e8')
-    >>> role_color("Q_down") == role_color("Q_down")
+    >>> role_color("Q_up") != role_color("K_rope")
     True
     """
     if role in ROLES:
         return PALETTE[ROLES.index(role)]
     if role in PARTNER_COLORS:
         return PARTNER_COLORS[role]
+    if role in VARIANT_COLORS:
+        return VARIANT_COLORS[role]
+    base, group = split_group(role)
+    if group is not None and base in _GROUP_COLORS and group < len(_GROUP_COLORS[base]):
+        return _GROUP_COLORS[base][group]
     spare = PALETTE[len(ROLES) :]
     return spare[zlib.crc32(role.encode()) % len(spare)]
 

@@ -553,18 +553,27 @@ ROLE_ORDER: tuple[str, ...] = (
 _GROUP_SUFFIX = re.compile(r"^(?P<base>.+)_g(?P<group>\d+)$")
 
 
+def split_group(role: str) -> tuple[str, int | None]:
+    """``(base role, latent group)`` of a GLA group role such as ``K_g1``; ``(role, None)`` else.
+
+    >>> split_group("K_g1"), split_group("Q"), split_group("zz_g1")
+    (('K', 1), ('Q', None), ('zz_g1', None))
+    """
+    match = _GROUP_SUFFIX.match(role)
+    if match and match["base"] in ROLE_ORDER:
+        return match["base"], int(match["group"])
+    return role, None
+
+
 def role_sort_key(role: str) -> tuple[int, int, str]:
     """Sort key putting roles in chart order; ``K_g1`` (latent group 1 of GLA) sorts with ``K``.
 
     >>> sorted(["MLP_down", "V_g0", "K_g1", "Q", "K_g0", "zz"], key=role_sort_key)
     ['Q', 'K_g0', 'K_g1', 'V_g0', 'MLP_down', 'zz']
     """
-    base, group = role, 0
-    match = _GROUP_SUFFIX.match(role)
-    if match and match["base"] in ROLE_ORDER:
-        base, group = match["base"], int(match["group"])
+    base, group = split_group(role)
     position = ROLE_ORDER.index(base) if base in ROLE_ORDER else len(ROLE_ORDER)
-    return (position, group, role)
+    return (position, group or 0, role)
 
 
 def stack_of(target: object) -> str:

@@ -9,6 +9,9 @@ import torch
 from attention import ATTENTION_CLASSES, apply_rope
 from gpt import GPT, GPTConfig
 
+from spectral_callbacks.chart_data import role_color
+from spectral_callbacks.targets import find_targets
+
 VARIANTS = sorted(ATTENTION_CLASSES)
 TINY = dict(n_layer=2, n_head=4, n_embd=32, block_size=16)
 
@@ -209,3 +212,23 @@ def test_bad_config_names_the_argument(overrides: dict, match: str) -> None:
 def test_sequence_longer_than_block_size_is_refused() -> None:
     with pytest.raises(ValueError, match="exceeds block_size 16"):
         tiny_gpt("mha")(torch.zeros(1, 17, dtype=torch.long))
+
+
+@pytest.mark.parametrize("attention", VARIANTS)
+def test_no_two_roles_of_a_variant_share_a_colour(attention: str) -> None:
+    # Hashed into four spare colours, MLA's Q_up and K_rope were both grey in the tab's bars.
+    config = GPTConfig(attention=attention, n_layer=1, n_head=4, n_embd=64, block_size=16)
+    roles = {target.role for target in find_targets(GPT(config))}
+    colors = {role: role_color(role) for role in roles}
+    assert len(set(colors.values())) == len(roles), colors
+
+
+def test_no_two_roles_of_a_deepseek_or_encoder_decoder_layout_share_a_colour() -> None:
+    for roles in (
+        # DeepSeek-V2/V3: MLA, a router, routed and shared experts
+        ("Q_down", "Q_up", "KV_down", "K_rope", "K", "V", "O", "Router", "MLP_gate", "MLP_up")
+        + ("MLP_down", "MLP_shared_gate", "MLP_shared_up", "MLP_shared_down"),
+        ("Q", "K", "V", "O", "Q_cross", "K_cross", "V_cross", "O_cross", "MLP_up", "MLP_down"),
+    ):
+        colors = [role_color(role) for role in roles]
+        assert len(set(colors)) == len(roles), dict(zip(roles, colors, strict=True))
