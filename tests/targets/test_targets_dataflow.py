@@ -143,6 +143,7 @@ def test_logged_stable_rank_equals_float64_along_a_short_fit(
         figures=False,
         every_n_steps=2,
         svd_method="svdvals",
+        max_pending=8,  # room for every scheduled step: which are logged is not the worker's pace
         **how,
     ) as tracker:
         # Read from the training forward itself: nothing is watched (or snapshotted) before it.
@@ -558,6 +559,7 @@ def test_a_hand_made_lora_in_the_unhelpful_model_is_watched_as_its_effective_wei
         figures=False,
         every_n_steps=2,
         svd_method="svdvals",
+        max_pending=8,  # room for every scheduled step: which are logged is not the worker's pace
         example_input=x,
     ) as tracker:
         for step in range(1, 5):
