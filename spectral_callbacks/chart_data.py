@@ -138,7 +138,7 @@ PARTNER_COLORS: dict[str, str] = {
 }
 
 # The attention variants' roles and the MoE's, fixed so that no two roles of one model share a
-# colour (hashed into four spare colours, MLA's Q_up and K_rope were both grey): MLA / MFA /
+# colour (four spare colours by hash cannot tell MLA's four extra roles apart): MLA / MFA /
 # DeepSeek (with its router and shared experts) in the spare colours; TPA's factors, which
 # replace Q, K and V, in the colour of the role they factor (A) and its light partner (B).
 VARIANT_COLORS: dict[str, str] = {

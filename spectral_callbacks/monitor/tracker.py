@@ -813,13 +813,12 @@ class SpectralTracker:
         deadline = time.monotonic() + wait_seconds
         while True:  # collect() hands finished results over before raising a later error
             results = engine.collect(wait_seconds=max(0.0, deadline - time.monotonic()))
-            done = not engine.pending or time.monotonic() >= deadline
-            with ctrl_c_after():  # the wait above is interruptible, a write half-done is not
-                for result in results:
-                    self._log(result)
-                if done:
-                    self._flush()
-            if done:
+            if results:  # the wait above is interruptible, a write half-done is not
+                with ctrl_c_after():
+                    for result in results:
+                        self._log(result)
+            if not engine.pending or time.monotonic() >= deadline:
+                self._flush()
                 return
 
     def _log(self, result: SnapshotResult) -> None:
@@ -927,7 +926,8 @@ class SpectralTracker:
             return
         clock = time.monotonic()
         if now or clock - self._flushed_at >= FLUSH_INTERVAL_SECONDS:
-            tb.flush(tb.summary_writers(self.writers))
+            with ctrl_c_after():
+                tb.flush(tb.summary_writers(self.writers))
             self._unflushed, self._flushed_at = False, clock
 
     def _warn_if_non_finite(self) -> None:
@@ -1116,8 +1116,8 @@ class SpectralTracker:
                 self._engine.close(timeout=0.0)
             self._figures.close(timeout=0.0)
         self._release_run_memory()
-        with ctrl_c_after():
-            self._flush(now=True)
-            if self._own_logger is not None:
+        self._flush(now=True)
+        if self._own_logger is not None:
+            with ctrl_c_after():
                 self._own_logger.finalize("success")
         return interrupted

@@ -47,7 +47,7 @@ def mlflow_store(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     monkeypatch.setenv("DO_NOT_TRACK", "true")
     # MLflowCallback logs asynchronously, and MLflow's queue writes batches on 10 threads: two
     # batches that create a metric's file in the file store at once lose one of them ("[Errno 17]
-    # File exists", an ERROR line in its log; seen in CI). One thread writes them in order.
+    # File exists", an ERROR line in its log). One thread writes them in order.
     monkeypatch.setenv("MLFLOW_ASYNC_LOGGING_THREADPOOL_SIZE", "1")
     return store
 
