@@ -48,7 +48,7 @@ from spectral_callbacks.monitor.checks import (
     is_real,
     require,
 )
-from spectral_callbacks.monitor.lr_balance import BALANCE_UNITS, LRBalance
+from spectral_callbacks.monitor.lr_balance import LRBalance
 
 __all__ = [
     "DEFAULT_FIGURE_ROLES",
@@ -60,7 +60,6 @@ __all__ = [
     "is_int",
     "is_names",
     "is_real",
-    "check_lr_balance",
     "option_names",
     "require",
     "with_options",
@@ -409,7 +408,12 @@ class MonitorOptions:
             and all(isinstance(p, str) and is_int(n, 1) for p, n in circuits.items()),
             "True, False or a dict {pattern: number of query heads}, e.g. {'*.attn': 12}",
         )
-        check_lr_balance(self.lr_balance)
+        require(  # its fields are checked by LRBalance itself
+            "lr_balance",
+            self.lr_balance,
+            self.lr_balance is None or isinstance(self.lr_balance, LRBalance),
+            "None or an LRBalance, e.g. LRBalance(low=0.7, high=1.3)",
+        )
 
     def _check_fit_ranks(self) -> None:
         """``k`` (and ``fit_window``) leave each fitted metric asked for enough ranks to fit."""
@@ -483,32 +487,6 @@ def check_schedule(every_n_steps: Any, log_spaced_until: Any, max_overhead: Any)
         max_overhead is None or is_real(max_overhead) and 0 < max_overhead < 1,
         "a fraction in (0, 1) such as 0.01 for 1 %, or None",
     )
-
-
-def check_lr_balance(balance: Any) -> None:
-    """The checks of ``lr_balance`` (an ``LRBalance`` or ``None``) and of each of its fields."""
-    require(
-        "lr_balance",
-        balance,
-        balance is None or isinstance(balance, LRBalance),
-        "None or an LRBalance, e.g. LRBalance(low=0.7, high=1.3)",
-    )
-    if balance is None:
-        return
-    low, high = balance.low, balance.high
-    require(
-        "low",
-        low,
-        is_real(low) and math.isfinite(low) and low > 0,
-        "a factor > 0 (TempBalance's lr_min_ratio), e.g. 0.7",
-    )
-    require(
-        "high",
-        high,
-        is_real(high) and math.isfinite(high) and high >= low,
-        f"a finite factor >= low={low!r} (TempBalance's lr_max_ratio), e.g. 1.3",
-    )
-    require("per", balance.per, balance.per in BALANCE_UNITS, f"one of {BALANCE_UNITS}")
 
 
 def option_names() -> tuple[str, ...]:

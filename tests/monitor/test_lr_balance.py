@@ -9,6 +9,7 @@ balancer's own state.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 from collections.abc import Callable
 from pathlib import Path
@@ -255,13 +256,37 @@ def test_a_param_group_mixing_a_watched_matrix_is_refused_in_one_line() -> None:
     assert "\n" not in str(error.value) and "balanced_param_groups" in str(error.value)
 
 
-def test_the_band_and_the_granularity_are_checked() -> None:
-    with pytest.raises(ConfigurationError, match=r"`low` must be a factor > 0 .*, got 0"):
-        MonitorOptions(lr_balance=LRBalance(low=0))
-    with pytest.raises(ConfigurationError, match=r"`high` must be a finite factor >= low=0.9"):
-        MonitorOptions(lr_balance=LRBalance(low=0.9, high=0.8))
-    with pytest.raises(ConfigurationError, match=r"`per` must be one of \('matrix', 'layer'\)"):
-        MonitorOptions(lr_balance=LRBalance(per="block"))
+@pytest.mark.parametrize(
+    ("arguments", "message"),
+    [
+        ({"low": 0}, r"`low` must be a finite factor > 0 .*, got 0$"),
+        ({"low": -0.5}, r"`low` must be a finite factor > 0 .*, got -0.5$"),
+        ({"low": float("nan")}, r"`low` must be a finite factor > 0 .*, got nan$"),
+        ({"low": float("inf")}, r"`low` must be a finite factor > 0 .*, got inf$"),
+        ({"low": "0.7"}, r"`low` must be a finite factor > 0 .*, got '0.7'$"),
+        ({"low": True}, r"`low` must be a finite factor > 0 .*, got True$"),
+        ({"low": 1.5, "high": 1.0}, r"`high` must be a finite factor >= low=1.5 .*, got 1.0$"),
+        ({"high": float("nan")}, r"`high` must be a finite factor >= low=0.7 .*, got nan$"),
+        ({"high": "1.3"}, r"`high` must be a finite factor >= low=0.7 .*, got '1.3'$"),
+        ({"per": "block"}, r"`per` must be one of \('matrix', 'layer'\), got 'block'$"),
+        ({"per": None}, r"`per` must be one of \('matrix', 'layer'\), got None$"),
+    ],
+)
+def test_a_bad_band_or_granularity_fails_at_construction(
+    arguments: dict[str, object], message: str
+) -> None:
+    with pytest.raises(ConfigurationError, match=message) as error:
+        LRBalance(**arguments)  # type: ignore[arg-type]
+    assert "\n" not in str(error.value)
+
+
+def test_a_good_band_constructs_and_a_replaced_field_is_checked_again() -> None:
+    assert LRBalance(low=1, high=1, per="layer") == LRBalance(low=1.0, high=1.0, per="layer")
+    with pytest.raises(ConfigurationError, match=r"`low` must be a finite factor > 0"):
+        dataclasses.replace(LRBalance(), low=0.0)
+
+
+def test_lr_balance_must_be_an_lr_balance() -> None:
     with pytest.raises(ConfigurationError, match=r"`lr_balance` must be None or an LRBalance"):
         MonitorOptions(lr_balance=(0.7, 1.3))
 
