@@ -65,6 +65,23 @@ def report_problems(command: str, result: ReadResult, outcome: str) -> int:
     return 1 if result.problems else 0
 
 
+def read_whole(command: str, source: str, outcome: str) -> ReadResult:
+    """Read the run(s) of ``source`` for a command that needs every point: a problem (a damaged
+    event file, no spectral scalars) is an error, in the words ``export`` and ``plot`` use.
+
+    Every problem but the last is printed as an error line; the last is raised as a
+    :class:`CommandError` that ends with ``outcome`` (what the command did not do). The notes
+    (a depth without ``num_layers``) are left out: these commands read no depth.
+    """
+    result = read_runs([source], progress=sys.stderr.isatty())
+    if result.problems:
+        *first, last = result.problems
+        for problem in first:
+            say(command, "error", str(problem))
+        raise CommandError(f"{last} — {outcome}")
+    return result
+
+
 def step_range(text: str) -> tuple[int | None, int | None]:
     """Parse ``A:B`` (inclusive, either end may be empty) for ``--steps``.
 

@@ -22,7 +22,7 @@ from typing import Any
 
 import pandas as pd
 
-from spectral_callbacks.cli.common import CommandError, say
+from spectral_callbacks.cli.common import CommandError, read_whole, say
 from spectral_callbacks.functional.metrics import UPDATE_TOP
 from spectral_callbacks.messages import count
 from spectral_callbacks.names import TARGET_MAP_TAG, parse_target_map
@@ -73,7 +73,7 @@ def run(args: argparse.Namespace) -> int:
 def adapted_rows(source: str, energy: float) -> tuple[pd.DataFrame, str]:
     """One row per adapted matrix at the run's latest step with its update logged (see
     :func:`spectral_callbacks.offline.ranking.lora_ranks`), and where it came from."""
-    from spectral_callbacks.offline.events import find_runs, read_runs, read_texts
+    from spectral_callbacks.offline.events import find_runs, read_texts
 
     runs, _ = find_runs([source]) if Path(source).is_dir() else ([], [])
     if len(runs) != 1:
@@ -81,6 +81,7 @@ def adapted_rows(source: str, energy: float) -> tuple[pd.DataFrame, str]:
             f"{source}: --lora reads one run's directory (the log directory a LoRA fine-tune "
             f"watched by the monitor wrote), found {len(runs)} runs"
         )
+    rows = read_whole("rank-layers", source, "no rank was suggested").rows
     texts = [entry for path in runs[0].files for entry in read_texts(path, TARGET_MAP_TAG)]
     targets = pd.DataFrame(parse_target_map(texts[-1][1])) if texts else pd.DataFrame()
     if targets.empty or not (targets["r"] != "").any():
@@ -89,7 +90,6 @@ def adapted_rows(source: str, energy: float) -> tuple[pd.DataFrame, str]:
             "run begins); --lora reads a PEFT LoRA fine-tune watched by the monitor"
         )
     targets = targets[targets["r"] != ""]
-    rows = read_runs([source]).rows
     metrics = ["update_energy_rank_90", "update_frobenius_norm"]
     metrics += [f"update_sv_{i}" for i in range(1, UPDATE_TOP + 1)]
     rows = rows[rows["metric"].isin(metrics) & rows["layer"].notna()]

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from spectral_callbacks.cli.analyze import ARCH_HELP, BASE_HELP
-from spectral_callbacks.cli.common import CommandError, say
+from spectral_callbacks.cli.common import CommandError, read_whole, say
 from spectral_callbacks.messages import count
 
 if TYPE_CHECKING:
@@ -136,9 +136,9 @@ def matrix_alphas(source: str, arch: str | None, base: str | None) -> tuple[pd.D
 
 
 def _from_run(source: str) -> tuple[pd.DataFrame, str]:
-    from spectral_callbacks.offline.events import read_runs
-
-    result = read_runs([source])
+    # A damaged file may end inside a snapshot: a ranking of part of one would allocate the
+    # sparsity over part of the model, so the damage is the error, not the α it hid.
+    result = read_whole("rank-layers", source, "nothing was ranked")
     rows = result.rows
     rows = rows[(rows["metric"] == "esd_alpha") & rows["layer"].notna()]
     if "expert" in rows:

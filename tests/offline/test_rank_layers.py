@@ -212,3 +212,45 @@ def test_the_table_keeps_its_headers_when_stdout_is_not_a_terminal() -> None:
     header = next(line for line in out.getvalue().splitlines() if "rank" in line and "role" in line)
     for column in ("ESD α", "WeightWatcher", "block α", "block sparsity"):
         assert column in header, header
+
+
+def _record_offset(data: bytes, index: int) -> int:
+    """Where record ``index`` of a TFRecord file begins (length, length crc, payload, crc)."""
+    offset = 0
+    for _ in range(index):
+        offset += 8 + 4 + int.from_bytes(data[offset : offset + 8], "little") + 4
+    return offset
+
+
+@pytest.mark.parametrize("damage", ["checksum mismatch", "truncated record"])
+def test_rank_layers_on_a_damaged_event_file_names_the_damage_as_export_does(
+    damage: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # before: "the run logged no esd_alpha; train with metrics=[..., 'esd_alpha']" where the
+    # damage hid every esd_alpha the run logged
+    from torch.utils.tensorboard import SummaryWriter
+
+    with SummaryWriter(str(tmp_path)) as writer:
+        writer.add_scalar("spectral_stable_rank/L00/Q", 9.0, 0)
+        for layer, alpha in ((0, 3.0), (1, 5.0)):
+            writer.add_scalar(f"spectral_esd_alpha/L{layer:02d}/Q", alpha, 5)
+    (event_file,) = tmp_path.glob("events.out.tfevents.*")
+    data = bytearray(event_file.read_bytes())
+    first_alpha = _record_offset(data, 2)  # record 0: the file version, 1: stable_rank
+    if damage == "checksum mismatch":
+        data[first_alpha + 8 + 4 + 5] ^= 0xFF  # inside its payload
+    else:
+        del data[first_alpha + 20 :]
+    event_file.write_bytes(bytes(data))
+
+    assert main(["export", str(tmp_path), "-o", str(tmp_path / "rows.csv")]) == 1
+    exported = capsys.readouterr().err.strip().splitlines()
+    assert main(["rank-layers", str(tmp_path)]) == 1
+    ranked = capsys.readouterr().err.strip().splitlines()
+    assert len(ranked) == 1 and ranked[0].startswith("spectral-callbacks rank-layers: error: ")
+    assert f"{event_file}: damaged event file ({damage}) after 2 readable events" in ranked[0]
+    assert "esd_alpha" not in ranked[0] and ranked[0].endswith("— nothing was ranked")
+    problem = exported[-1].removeprefix("spectral-callbacks export: error: ").split(" — ")[0]
+    assert (
+        ranked[0].removeprefix("spectral-callbacks rank-layers: error: ").split(" — ")[0] == problem
+    )
