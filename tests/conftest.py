@@ -1,12 +1,15 @@
 """Shared test setup: the helper modules of tests/ and examples/ are importable from every test
 folder, one torch thread, GPU tests skip without a GPU, torch's float32 precision put back after a
-test that sets it, the package's logger as it was after every test."""
+test that sets it, the package's logger as it was after every test, and each test's ``random``
+module seeded with the run's fresh seed, printed in the header and by a failing test
+(``tests/seeds.py``)."""
 
 from __future__ import annotations
 
 import logging
+import random
 import sys
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from pathlib import Path
 
 import pytest
@@ -23,6 +26,12 @@ EXAMPLES = TESTS.parent / "examples"
 sys.path.insert(0, str(TESTS))
 sys.path.insert(0, str(EXAMPLES))
 
+from seeds import SEED_VARIABLE, run_seed  # noqa: E402 - tests/ is on the path from here on
+
+
+def pytest_report_header() -> str:
+    return f"random seed: {SEED_VARIABLE}={run_seed()} (fixed by setting it)"
+
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if torch.cuda.is_available():
@@ -33,6 +42,29 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.get_closest_marker("gpu") is not None
         ):  # the marker, not a keyword: a folder named gpu is one
             item.add_marker(skip_gpu)
+
+
+@pytest.fixture(autouse=True)
+def seeded_random() -> Iterator[int]:
+    """Python's ``random`` seeded with the run's seed before each test, so a test's
+    ``random.randrange(2**31)`` draws are new each run, the same whether the test runs alone or in
+    the suite, and replayable from the seed a failure prints; the module's state put back after."""
+    state = random.getstate()
+    random.seed(run_seed())
+    yield run_seed()
+    random.setstate(state)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(
+    item: pytest.Item, call: pytest.CallInfo[None]
+) -> Generator[None, pytest.TestReport, pytest.TestReport]:
+    """A failing test's report names the seed of its ``random`` draws and how to replay them."""
+    report = yield
+    if report.failed:
+        replay = f"{SEED_VARIABLE}={run_seed()} pytest '{item.nodeid}' replays its draws"
+        report.sections.append(("random seed", replay))
+    return report
 
 
 @pytest.fixture(autouse=True)

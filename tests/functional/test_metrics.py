@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 import torch
+from seeds import run_seed
 from torch.profiler import ProfilerActivity, profile
 
 import spectral_callbacks.functional.metrics as metrics_module
@@ -23,7 +24,7 @@ from spectral_callbacks.functional import (
     stable_rank,
 )
 
-SEEDS = [0, random.SystemRandom().randrange(2**31)]
+SEEDS = [0, run_seed()]
 KEYS = {"stable_rank", "alpha", "alpha_r2", "spectral_norm", "frobenius_norm", "energy_rank_90"}
 
 
