@@ -10,7 +10,8 @@ server imports this module, never matplotlib.
 * selecting rows with a clear error: :func:`select_rows`, :func:`select_points`;
 * the value a chart shows: :func:`last_writes` (the last finite write per series),
   :func:`fallbacks` (where that was older than the series' newest step), :func:`one_per_layer`
-  (a layer's experts as one point with their spread), :func:`layer_step_grid` (a heatmap's
+  (a layer's experts, or its heads, as one point with their spread; :func:`spread_over` and
+  :func:`spread_label` name which), :func:`layer_step_grid` (a heatmap's
   cells), :func:`compression_rows` (logged, or computed from the stable rank), :func:`depths`;
 * how rows split into panels: :func:`runs_of`, :func:`stacks_of`, :func:`run_panels`,
   :func:`panel_title`, :func:`missing_runs`.
@@ -28,7 +29,7 @@ Example::
 from __future__ import annotations
 
 import zlib
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -36,6 +37,7 @@ import pandas as pd
 
 from spectral_callbacks.names import (
     ROLES,
+    is_heads_role,
     ordered_stacks,
     relative_depth,
     role_sort_key,
@@ -322,20 +324,23 @@ def panel_title(run: str, stack: str) -> str:
     return f"{run} · {stack}" if stack else run
 
 
-# One point of a chart: a matrix, or a layer's experts of one role, at one step.
+# One point of a chart: a matrix, or a layer's experts of one role (or its heads), at one step.
 POINT_COLUMNS = ["run", "stack", "layer", "role", "step", "metric"]
 
 
 def one_per_layer(rows: pd.DataFrame) -> pd.DataFrame:
-    """``rows`` with one row per (run, stack, layer, role, step, metric) and the spread over
-    experts: the row of a layer's experts of one role holds their mean as ``value`` and their min
-    and max as ``low`` and ``high`` (both NaN for a matrix that is not an expert); ``stack`` is
-    ``""`` where rows have none.
+    """``rows`` with one row per (run, stack, layer, role, step, metric) and the spread over a
+    layer's experts or heads: the row of a layer's experts of one role (or of its attention
+    heads, for a circuit metric such as ``qk_spectral_norm``) holds their mean as ``value`` and
+    their min and max as ``low`` and ``high`` (both NaN for a lone matrix); ``stack`` is ``""``
+    where rows have none. :func:`spread_over` says which of the two a role's spread is over.
 
-    Experts come as per-expert rows (the callback's history; an export with ``experts="each"``)
-    or as their logged aggregates (role ``MLP_down/mean``, ``/min``, ``/max``, as ``export``
-    reads them); where both are present the logged aggregates are kept. NaN values are left out
-    of the mean, min and max, as the callback leaves them out.
+    Experts and heads come as their own rows (the callback's history; an export with
+    ``experts="each"``; every head's ``spectral_<metric>/L00/H03/heads``) or as their logged
+    aggregates (role ``MLP_down/mean``, ``/min``, ``/max``, ``heads/mean`` ..., as ``export``
+    reads them); where both are present the logged aggregates are kept, so a head's own value is
+    never a point of its role's line. NaN values are left out of the mean, min and max, as the
+    callback leaves them out.
 
     >>> rows = pd.DataFrame({"run": "a", "step": 0, "metric": "alpha", "layer": [0, 1, 1, 1],
     ...     "role": ["Q", "MLP_up", "MLP_up", "MLP_up"], "expert": [None, 0, 1, 2],
@@ -343,33 +348,59 @@ def one_per_layer(rows: pd.DataFrame) -> pd.DataFrame:
     >>> one_per_layer(rows)[["layer", "role", "value", "low", "high"]].to_dict("records")
     [{'layer': 0, 'role': 'Q', 'value': 0.5, 'low': nan, 'high': nan}, \
 {'layer': 1, 'role': 'MLP_up', 'value': 3.0, 'low': 1.0, 'high': 6.0}]
+    >>> heads = pd.DataFrame({"run": "a", "step": 0, "metric": "qk_spectral_norm", "layer": 0,
+    ...     "role": ["heads", "heads", "heads/mean", "heads/min", "heads/max"],
+    ...     "head": [0, 1, None, None, None], "value": [1.0, 3.0, 2.0, 1.0, 3.0], "wall_time": 0.0})
+    >>> one_per_layer(heads)[["role", "value", "low", "high"]].to_dict("records")
+    [{'role': 'heads', 'value': 2.0, 'low': 1.0, 'high': 3.0}]
     """
     rows = rows.assign(stack=rows["stack"].fillna("") if "stack" in rows else "")
     roles = rows["role"].astype("string")
     aggregate = roles.str.extract(r"/(mean|min|max)$", expand=False)
     of_aggregate = aggregate.notna().to_numpy(dtype=bool)
-    of_expert = (
-        rows["expert"].notna().to_numpy(dtype=bool)
-        if "expert" in rows
-        else np.zeros(len(rows), dtype=bool)
-    )
-    plain = rows[~of_aggregate & ~of_expert].assign(low=np.nan, high=np.nan)
-    if not (of_aggregate.any() or of_expert.any()):
+    # an expert's or a head's own value: one member of what its layer's aggregates are over
+    of_member = np.zeros(len(rows), dtype=bool)
+    for column in ("expert", "head"):
+        if column in rows:
+            of_member |= rows[column].notna().to_numpy(dtype=bool)
+    plain = rows[~of_aggregate & ~of_member].assign(low=np.nan, high=np.nan)
+    if not (of_aggregate.any() or of_member.any()):
         return plain
     logged = rows[of_aggregate].assign(
         role=roles[of_aggregate].str.rsplit("/", n=1).str[0].astype(object),
         aggregate=aggregate[of_aggregate].astype(object),
     )
     spread = spread_rows(logged, "aggregate")
-    computed = spread_rows(rows[of_expert & ~of_aggregate], None)
-    if len(spread) and len(computed):  # an "each" export: its logged aggregates win
+    computed = spread_rows(rows[of_member & ~of_aggregate], None)
+    if len(spread) and len(computed):  # members beside their logged aggregates: those win
         logged_points = pd.MultiIndex.from_frame(spread[POINT_COLUMNS].astype(object))
         computed_points = pd.MultiIndex.from_frame(computed[POINT_COLUMNS].astype(object))
         computed = computed[~computed_points.isin(logged_points)]
     joined = pd.concat([f for f in (plain, spread, computed) if len(f)], ignore_index=True)
-    if "expert" in rows:
-        joined["expert"] = pd.array([pd.NA] * len(joined), dtype="Int64")
+    for column in ("expert", "head"):
+        if column in rows:
+            joined[column] = pd.array([pd.NA] * len(joined), dtype="Int64")
     return joined.astype({"layer": rows["layer"].dtype})
+
+
+def spread_over(role: str) -> str:
+    """What the spread (``low``/``high``) of ``role``'s line is over, as a chart names it:
+    ``"heads"`` for a layer's attention heads (a circuit metric), else ``"experts"``.
+
+    >>> spread_over("heads"), spread_over("heads_cross"), spread_over("MLP_down")
+    ('heads', 'heads', 'experts')
+    """
+    return "heads" if is_heads_role(role) else "experts"
+
+
+def spread_label(over: Iterable[str]) -> str:
+    """The legend entry of the bands (or whiskers) spanning what ``over`` names (each a
+    :func:`spread_over`): ``min–max over heads``, ``min–max over experts``, or both.
+
+    >>> spread_label(["heads"]), spread_label(["experts", "experts"])
+    ('min–max over heads', 'min–max over experts')
+    """
+    return f"min–max over {' / '.join(sorted(set(over), reverse=True)) or 'experts'}"
 
 
 def spread_rows(rows: pd.DataFrame, aggregate_column: str | None) -> pd.DataFrame:

@@ -24,7 +24,9 @@ axes. ``save_figure`` writes one to ``.png``, ``.svg`` or ``.pdf``.
 
 A role of a mixture of experts is one point per layer, the mean over the layer's experts, with
 their min-max as a band around the line (a whisker on a bar): :func:`one_per_layer` reads the
-experts from per-expert rows or from their logged aggregates (role ``MLP_down/mean`` ...).
+experts from per-expert rows or from their logged aggregates (role ``MLP_down/mean`` ...). A
+circuit metric (``qk_spectral_norm`` ..., role ``heads``) is drawn alike over a layer's heads,
+and the legend says "min–max over heads".
 
 Runs a chart cannot draw (a single snapshot where a curve or a reference is needed) are left out
 with the reason written under the figure and kept in ``fig.left_out`` (run -> reason), so a caller
@@ -74,6 +76,8 @@ from spectral_callbacks.chart_data import (
     runs_of,
     select_points,
     select_rows,
+    spread_label,
+    spread_over,
     stacks_of,
 )
 
@@ -82,9 +86,9 @@ _LINE_STYLES = ("-", "--", ":", "-.", (0, (5, 1)), (0, (3, 1, 1, 1, 1, 1)))
 FIGURE_FORMATS = (".png", ".svg", ".pdf")
 
 
-# The gid of the edge lines of a band over experts (kept out of the legend, in plotted_values).
-_SPREAD = "spread over experts"
-SPREAD_LABEL = "min–max over experts"
+# The gid of the edge lines of a band over a layer's experts or heads, followed by what it is
+# over (kept out of the legend, in plotted_values): "spread heads".
+_SPREAD = "spread"
 # Entries in one column of a legend beside the axes: at "small" type 16 fill a 4-inch-tall
 # figure's height beside its title; a longer legend ran past the figure's bottom (and
 # constrained_layout gave up: "axes sizes collapsed to zero").
@@ -93,10 +97,12 @@ _LEGEND_ROWS = 16
 _LEGEND_COLUMN_INCHES = 2.0
 
 
-def _spread_band(ax: Axes, x: np.ndarray, line: pd.DataFrame, color: object, series: str) -> None:
-    """The min-max over experts around one drawn line, where its points are experts: a shaded
-    band between two thin edge lines, ``<series> min`` and ``<series> max`` (a lone point gets a
-    whisker)."""
+def _spread_band(
+    ax: Axes, x: np.ndarray, line: pd.DataFrame, color: object, series: str, role: str
+) -> None:
+    """The min-max around one drawn line of ``role``, where its points are a layer's experts or
+    heads (:func:`spread_over`): a shaded band between two thin edge lines, ``<series> min`` and
+    ``<series> max`` (a lone point gets a whisker)."""
     if "low" not in line:
         return
     low, high = line["low"].to_numpy(dtype=float), line["high"].to_numpy(dtype=float)
@@ -112,7 +118,7 @@ def _spread_band(ax: Axes, x: np.ndarray, line: pd.DataFrame, color: object, ser
             linewidth=0.7,
             alpha=0.7,
             marker="_" if lone else None,
-            gid=_SPREAD,
+            gid=f"{_SPREAD} {spread_over(role)}",
             label=f"{series} {end}",
         )
     if lone:
@@ -130,15 +136,18 @@ def draw_legend(ax: Axes, title: str, *, outside: bool = False) -> int:
     decoder-only model, a T5 and a Mixtral have 30). Returns the number of columns (0: none).
     """
     handles, labels = ax.get_legend_handles_labels()
+    gids = [str(getattr(h, "get_gid", lambda: None)() or "") for h in handles]
     entries = [
         (h, label)
-        for h, label in zip(handles, labels, strict=True)
-        if getattr(h, "get_gid", lambda: None)() != _SPREAD
+        for h, label, gid in zip(handles, labels, gids, strict=True)
+        if not gid.startswith(_SPREAD)
     ]
-    if len(entries) < len(handles):  # the band edges: one entry says what the bands are
+    # the band edges: one entry says what the bands are over (a layer's experts, or its heads)
+    over = [gid.split(" ", 1)[1] for gid in gids if gid.startswith(f"{_SPREAD} ")]
+    if over:
         from matplotlib.patches import Patch
 
-        entries.append((Patch(facecolor="0.5", alpha=0.35), SPREAD_LABEL))
+        entries.append((Patch(facecolor="0.5", alpha=0.35), spread_label(over)))
     if not entries:
         return 0
     handles, labels = [h for h, _ in entries], [label for _, label in entries]
@@ -219,7 +228,7 @@ def alpha_vs_depth(
             label = f"{run} {stack}" if stack else run
             depth = line["depth"].to_numpy(dtype=float)
             (drawn,) = ax.plot(depth, line["value"].to_numpy(), marker="o", label=label)
-            _spread_band(ax, depth, line, drawn.get_color(), label)
+            _spread_band(ax, depth, line, drawn.get_color(), label, role)
     ax.set_xlabel("relative depth i / (L − 1)")
     ax.set_ylabel(metric_label("alpha"))
     ax.set_title(title or f"α of {role_glyph(role)} vs relative depth")
@@ -290,7 +299,7 @@ def rank_vs_steps(
                 marker="o" if len(line) == 1 else None,
                 label=label,
             )
-            _spread_band(ax, steps, line, colors[role], label)
+            _spread_band(ax, steps, line, colors[role], label, role)
     ax.set_xlabel("optimizer step")
     ax.set_ylabel(metric_label(metric))
     ax.set_title(f"{metric_name(metric)} of layer {layer} vs steps")
@@ -411,7 +420,7 @@ def metric_vs_steps_by_layer(
                 label=label,
                 marker="o" if len(line) == 1 else None,
             )
-            _spread_band(ax, steps, line, shade, label)
+            _spread_band(ax, steps, line, shade, label, role)
     ax.set_xlabel("optimizer step")
     ax.set_ylabel(metric_label(metric))
     ax.set_title(f"{metric_name(metric)} of {role_glyph(role)} vs steps")
@@ -451,17 +460,17 @@ def compression_by_layer(rows: pd.DataFrame, *, ax: Axes | None = None) -> Figur
         layers = np.sort(of_run["layer"].unique()).astype(int)
         colors = role_colors(of_run["role"].unique())  # this run's roles: no gap, no stray entry
         width = 0.8 / len(colors)
-        spread = False
+        spread_roles: list[str] = []
         for i, role in enumerate(colors):
             bars = of_run[of_run["role"] == role].set_index("layer").reindex(layers)
             heights = bars["value"].to_numpy(dtype=float)
             x = np.arange(len(layers)) + (i - (len(colors) - 1) / 2) * width
             ax.bar(x, heights, width=width, color=colors[role], label=role_glyph(role))
             low, high = bars["low"].to_numpy(dtype=float), bars["high"].to_numpy(dtype=float)
-            experts = np.isfinite(low) & np.isfinite(high)
-            if experts.any():  # the bar is the experts' mean: a whisker spans their min-max
-                ax.vlines(x[experts], low[experts], high[experts], color="black", linewidth=0.8)
-                spread = True
+            members = np.isfinite(low) & np.isfinite(high)
+            if members.any():  # the bar is the experts' mean: a whisker spans their min-max
+                ax.vlines(x[members], low[members], high[members], color="black", linewidth=0.8)
+                spread_roles.append(role)
         ax.set_xticks(np.arange(len(layers)), [str(layer) for layer in layers])
         ax.set_xlabel("layer")
         ax.set_ylabel("final compression (%)")
@@ -469,9 +478,9 @@ def compression_by_layer(rows: pd.DataFrame, *, ax: Axes | None = None) -> Figur
         ax.axhline(0.0, color="black", linewidth=0.8)
         ax.grid(axis="y", alpha=0.3)
         handles, labels = ax.get_legend_handles_labels()
-        if spread:  # after the roles
+        if spread_roles:  # after the roles
             handles.append(Line2D([], [], color="black", linewidth=0.8))
-            labels.append(SPREAD_LABEL)
+            labels.append(spread_label(spread_over(role) for role in spread_roles))
         # Right of the axes: inside, it would cover the first layers' bars (compression reaches ~90 %).
         ax.legend(
             handles,
@@ -494,7 +503,7 @@ def compression_wave(rows: pd.DataFrame, role: str = "Q") -> Figure:
     logged, left_out = compression_rows(rows)
     of_all = one_per_layer(logged)
     chosen = select_rows(of_all, metric="compression", what="compression-wave", role=role)
-    experts = bool(np.isfinite(chosen["low"].to_numpy(dtype=float)).any())
+    spread = bool(np.isfinite(chosen["low"].to_numpy(dtype=float)).any())
     left_out = {**missing_runs(of_all, chosen, f"no compression of {role_glyph(role)}"), **left_out}
     panels = run_panels(chosen)  # one per run and stack
     fig = Figure(figsize=(7.0, 3.0 * len(panels)), layout="constrained")
@@ -516,9 +525,9 @@ def compression_wave(rows: pd.DataFrame, role: str = "Q") -> Figure:
         ax.set_ylabel("layer")
         ax.yaxis.set_major_locator(MaxNLocator(integer=True))
         ax.invert_yaxis()  # L0 on the first row, as in the SPECTRAL tab
-        of_experts = ", mean over experts" if experts else ""
+        of_members = f", mean over {spread_over(role)}" if spread else ""
         ax.set_title(
-            f"Compression wave of {role_glyph(role)}{of_experts} — {panel_title(run, stack)}"
+            f"Compression wave of {role_glyph(role)}{of_members} — {panel_title(run, stack)}"
         )
     note_left_out(fig, left_out)
     return fig

@@ -104,6 +104,20 @@ REFERENCE_STEP = "reference_step"
 
 # Canonical roles (docs/targets.md, Roles), in chart order. Variants add documented extra roles.
 ROLES: tuple[str, ...] = ("Q", "K", "V", "O", "MLP_up", "MLP_down")
+#: The role of a layer's per-head circuit values (``spectral_qk_spectral_norm/L00/heads/max``);
+#: ``heads_cross`` for cross-attention.
+HEADS_ROLE = "heads"
+
+
+def is_heads_role(role: str) -> bool:
+    """Whether ``role`` holds a layer's attention heads (``heads``, ``heads_cross``), whose
+    aggregates are over heads, not over experts.
+
+    >>> is_heads_role("heads"), is_heads_role("heads_cross"), is_heads_role("MLP_up")
+    (True, True, False)
+    """
+    return role == HEADS_ROLE or role.startswith(f"{HEADS_ROLE}_")
+
 
 # The columns of tidy rows (the callback's figure history, export, charts), in this order.
 # ``stack`` is "" for a model with one stack; ``expert`` is empty (<NA>) outside experts, and an

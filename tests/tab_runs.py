@@ -121,3 +121,30 @@ def alerts_run(logdir: Path) -> list:
             model.linear2.weight.mul_(5.0)
         tracker.step(3)
     return raised
+
+
+def circuits_run(logdir: Path, steps: int = 8) -> Path:
+    """The example GPT with grouped-query attention (3 layers, 4 query heads over 2 K/V groups)
+    watched with ``circuits=True`` at each of ``steps`` snapshots (0 .. steps - 1), its weights
+    moved by fresh noise between them: each head's QK/OV metrics and their mean, min and max."""
+    from gpt import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    model = GPT(
+        GPTConfig(n_layer=3, n_head=4, n_kv_head=2, n_embd=32, block_size=16, attention="gqa")
+    )
+    with SpectralTracker(
+        model,
+        logdir=logdir,
+        circuits=True,
+        every_n_steps=1,
+        log_spaced_until=0,
+        synchronous=True,
+        figures=False,
+    ) as tracker:
+        for step in range(1, steps):
+            with torch.no_grad():
+                for parameter in model.parameters():
+                    parameter.add_(torch.randn_like(parameter), alpha=0.05)
+            tracker.step(step)
+    return logdir

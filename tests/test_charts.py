@@ -466,7 +466,7 @@ def test_an_expert_role_is_drawn_as_its_mean_within_a_min_max_band(form: str) ->
     np.testing.assert_allclose(by_label["m min"], final.min().to_numpy())
     np.testing.assert_allclose(by_label["m max"], final.max().to_numpy())
     assert len(ax.collections) == 1  # the shaded band
-    assert [t.get_text() for t in ax.get_legend().get_texts()] == ["m", charts.SPREAD_LABEL]
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == ["m", "min–max over experts"]
 
     fig = charts.rank_vs_steps(drawn, layer=1)
     table = charts.plotted_values(fig)
@@ -485,7 +485,7 @@ def test_an_expert_role_is_drawn_as_its_mean_within_a_min_max_band(form: str) ->
     mlp = bars[bars.series == "MLP↑"].set_index("x")["y"].sort_index()
     np.testing.assert_allclose(mlp, compression.groupby("layer")["value"].mean())
     legend = [t.get_text() for t in ax.get_legend().get_texts()]
-    assert legend == ["Q", "MLP↑", charts.SPREAD_LABEL]
+    assert legend == ["Q", "MLP↑", "min–max over experts"]
     (whiskers,) = ax.collections
     spans = sorted((seg[0][1], seg[1][1]) for seg in whiskers.get_segments())
     expected = compression.groupby("layer")["value"].agg(["min", "max"]).to_numpy()
@@ -602,3 +602,26 @@ def test_every_chart_orders_stacks_alike() -> None:
     fig = charts.alpha_vs_depth(rows)
     labels = fig.axes[0].get_legend_handles_labels()[1]
     assert [label.split(" ")[-1] for label in labels] == ["enc", "dec", "top"], labels
+
+
+def test_a_circuit_metric_is_drawn_as_its_heads_mean_within_a_band_named_over_heads(
+    tmp_path,
+) -> None:
+    # before: the band around a layer's heads was labelled "min–max over experts"
+    from tab_runs import circuits_run
+
+    from spectral_callbacks.offline.events import read_runs
+
+    rows = read_runs([circuits_run(tmp_path / "gqa")]).rows
+    heads = rows[(rows["metric"] == "qk_spectral_norm") & rows["head"].notna()]
+    of_layer = heads[heads["layer"] == 1].groupby("step")["value"]
+    fig = charts.rank_vs_steps(rows, layer=1, metric="qk_spectral_norm")
+    table = charts.plotted_values(fig)
+    assert sorted(set(table.series)) == ["heads", "heads max", "heads min"]
+    mean = table[table.series == "heads"].set_index("x")["y"]
+    assert mean.index.tolist() == of_layer.mean().index.tolist()  # one point per step
+    np.testing.assert_allclose(mean, of_layer.mean(), rtol=1e-6)
+    np.testing.assert_array_equal(table[table.series == "heads min"]["y"], of_layer.min())
+    np.testing.assert_array_equal(table[table.series == "heads max"]["y"], of_layer.max())
+    legend = [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
+    assert legend == ["heads", "min–max over heads"]

@@ -56,6 +56,7 @@ from torch import Tensor, nn
 from spectral_callbacks.functional.batch import MeasuredBatch
 from spectral_callbacks.functional.circuits import circuit_metrics
 from spectral_callbacks.messages import rank_zero_warn
+from spectral_callbacks.names import HEADS_ROLE
 from spectral_callbacks.targets.errors import PartialTargetWarning, TargetError
 from spectral_callbacks.targets.matching import matches
 from spectral_callbacks.targets.rules import HEADS, KV_HEADS
@@ -66,8 +67,6 @@ if TYPE_CHECKING:
 
 __all__ = ["AttentionLayout", "CircuitBatch", "HeadCircuit", "find_circuits"]
 
-#: The role of a layer's heads in logged tags (``spectral_qk_spectral_norm/L00/heads/max``).
-HEADS_ROLE = "heads"
 #: Roles that are not a plain Q/K/V/O: a layer holding one has a layout the circuits do not read.
 _REFUSED_ROLES = {"KV": "tied K/V (GTA)", "Q_A": "TPA factors", "K_A": "TPA factors"}
 _ROPE_DIM = ("qk_rope_head_dim", "rope_dim")

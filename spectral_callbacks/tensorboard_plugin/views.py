@@ -8,7 +8,9 @@ Stacks (encoder and decoder, text and vision towers) stay apart: a view of one l
 role is of one ``stack``, which a model with one stack (``""``) is in whatever the stack asked,
 so a decoder-only run is drawn beside either stack of an encoder-decoder; the depth profile draws
 one curve per (run, stack). A role of a mixture-of-experts layer, logged as its mean, min and max
-over the layer's experts, is drawn as the mean with ``low``/``high`` (the min and max) beside it. Lines are downsampled with
+over the layer's experts, is drawn as the mean with ``low``/``high`` (the min and max) beside it,
+and so is a circuit metric of a layer's attention heads (role ``heads``; ``over`` says which of
+the two a spread spans). Lines are downsampled with
 :func:`~spectral_callbacks.tensorboard_plugin.downsample.keep_extremes`; with ``max_points`` at
 least the series' length every row is returned as exported. Charts that the command line also
 draws reuse its definitions (``spectral_callbacks.charts``): compression computed from
@@ -42,9 +44,16 @@ from spectral_callbacks.chart_data import (
     one_per_layer,
     ordered_roles,
     role_color,
+    spread_over,
 )
 from spectral_callbacks.monitor.alerts import ALERT_KINDS, alert_rows
-from spectral_callbacks.names import ALERT_SECTION, alert_tag, ordered_stacks, parse_tag
+from spectral_callbacks.names import (
+    ALERT_SECTION,
+    alert_tag,
+    is_heads_role,
+    ordered_stacks,
+    parse_tag,
+)
 from spectral_callbacks.offline.differences import diff_curves
 from spectral_callbacks.tensorboard_plugin.downsample import keep_extremes
 
@@ -104,12 +113,14 @@ def _in_stack(rows: pd.DataFrame, stack: str) -> pd.DataFrame:
     return rows[(rows["stack"] == stack) | ~rows["run"].isin(named)]
 
 
-def _spread(line: pd.DataFrame, keep: np.ndarray | slice = slice(None)) -> dict[str, list]:
-    """``low``/``high`` of a line of an experts' role (nothing for a plain matrix's)."""
+def _spread(line: pd.DataFrame, keep: np.ndarray | slice = slice(None)) -> dict[str, Any]:
+    """``low``/``high`` of a line of a layer's experts or heads, and ``over``: which of the two
+    (``chart_data.spread_over``); nothing for a plain matrix's."""
     low, high = line["low"].to_numpy(float), line["high"].to_numpy(float)
     if np.isnan(low).all() and np.isnan(high).all():
         return {}
-    return {"low": _floats(low[keep]), "high": _floats(high[keep])}
+    over = spread_over(str(line["role"].iloc[0]))
+    return {"low": _floats(low[keep]), "high": _floats(high[keep]), "over": over}
 
 
 def role_order(runs: Sequence[Mapping[str, Any]]) -> list[str]:
@@ -124,9 +135,9 @@ def role_order(runs: Sequence[Mapping[str, Any]]) -> list[str]:
 
 def catalog(index: Mapping[str, Iterable[str]]) -> list[dict]:
     """What each run logged, from its tags: spectral metrics, roles, layers, stacks (with the
-    layers of each: ``""`` for a model with one stack), the roles logged over experts, the kinds
-    of alert it counts, the metrics logged per attention head (``circuits=True``), and other
-    scalars.
+    layers of each: ``""`` for a model with one stack), the roles logged over experts, the roles
+    and metrics logged per attention head (``circuits=True``), the kinds of alert it counts,
+    and other scalars.
 
     Each role comes with its colour (:func:`~spectral_callbacks.chart_data.role_color`, the CLI's) and
     each stack with its line style (:func:`stack_dash`), so neither depends on the runs ticked.
@@ -139,6 +150,10 @@ def catalog(index: Mapping[str, Iterable[str]]) -> list[dict]:
     >>> moe = catalog({"m": ["spectral_alpha/dec/L00/MLP_up/max", "spectral_alpha/enc/L02/Q"]})[0]
     >>> moe["roles"], moe["expert_roles"], moe["stacks"], moe["stack_layers"]
     (['Q', 'MLP_up'], ['MLP_up'], ['enc', 'dec'], {'enc': [2], 'dec': [0]})
+    >>> heads = catalog({"h": ["spectral_qk_spectral_norm/L00/H01/heads",
+    ...                        "spectral_qk_spectral_norm/L00/heads/max"]})[0]
+    >>> heads["expert_roles"], heads["head_roles"], heads["head_metrics"]
+    ([], ['heads'], ['qk_spectral_norm'])
     """
     runs = []
     for run, tags in index.items():
@@ -161,7 +176,10 @@ def catalog(index: Mapping[str, Iterable[str]]) -> list[dict]:
                     stack: sorted({layer for of, layer in per_layer if of == stack})
                     for stack in stacks or [""]
                 },
-                "expert_roles": ordered_roles([p.role for p in spectral if p.aggregate]),
+                "expert_roles": ordered_roles(
+                    [p.role for p in spectral if p.aggregate and not is_heads_role(p.role)]
+                ),
+                "head_roles": ordered_roles([p.role for p in spectral if is_heads_role(p.role)]),
                 "head_metrics": sorted({p.metric for p in spectral if p.head is not None}),
                 "alert_kinds": [k for k in ALERT_KINDS if alert_tag(k) in scalars],
                 "scalars": scalars,
@@ -246,7 +264,8 @@ def curves_by_role(
 
 
 def _points(line: pd.DataFrame, max_points: int) -> dict[str, list]:
-    """A line's steps and values, downsampled, with its spread over experts if it has one."""
+    """A line's steps and values, downsampled, with its spread over experts or heads if it has
+    one."""
     keep, points = _downsampled(line, max_points)
     return {**points, **_spread(line, keep)}
 
@@ -416,7 +435,11 @@ def bars_by_layer(
         table = at.pivot(index="layer", columns="role", values=["value", "low", "high"])
         table = table.reindex(layers)
         spread = {
-            role: {"low": _floats(table["low"][role]), "high": _floats(table["high"][role])}
+            role: {
+                "low": _floats(table["low"][role]),
+                "high": _floats(table["high"][role]),
+                "over": spread_over(role),
+            }
             for role in roles
             if table["low"][role].notna().any() or table["high"][role].notna().any()
         }

@@ -108,7 +108,7 @@ function showTip(container, tip, event, html) {
  * Lines: series = [{label, color, dash, xs, ys, markers, low, high}]. Hover shows the nearest point
  * of each line. A series of one point (a model at rest, written by `analyze`) is drawn as a
  * marker, as `spectral-callbacks plot` does: a path of one point draws nothing. `low`/`high`
- * (a role of experts: the min and max over a layer's experts) draw a band around the line, a
+ * (the min and max over a layer's experts, or over its heads) draw a band around the line, a
  * whisker at a lone point.
  */
 export function lineChart(container, {series, xLabel, yLabel, width = 620, height = 300, zeroLine = false}) {
@@ -309,7 +309,7 @@ export function heatmap(container, {layers, steps, values, low, high, label, wid
 
 /**
  * Grouped bars: groups (layers) along x, one bar per key (role) in each, values[key][group];
- * spread[key] = {low, high} (a role of experts) adds a whisker from the min to the max.
+ * spread[key] = {low, high} (a layer's experts or heads) adds a whisker from the min to the max.
  */
 export function barChart(container, {groups, keys, values, spread = {}, colors, xLabel, yLabel, width = 620, height = 260}) {
   container.textContent = '';

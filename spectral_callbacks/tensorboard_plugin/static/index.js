@@ -478,8 +478,8 @@ const VIEWS = {
     }
     panels.bars.dataset.points = points;
     legend(plots('bars'), roles.map((r) => ({label: glyph(r), color: colors[r]})), 'role');
-    if (json.runs.some((panel) => Object.keys(panel.spread || {}).length)) {
-      note('bars', 'a bar of experts is their mean, its whisker the min … max over the layer’s experts');
+    for (const over of spreadsOver(json.runs.flatMap((panel) => Object.values(panel.spread || {})))) {
+      note('bars', `a bar of a layer’s ${over} is their mean, its whisker the min … max over the ${over}`);
     }
     notDrawn('bars', 'bar panel');
   },
@@ -494,10 +494,11 @@ const VIEWS = {
     }
     s.metric = valid(s.metric, metrics, 'qk_spectral_norm');
     const stack = stackOf(s);
-    const layers = layersIn(stack);
-    s.layer = valid(s.layer, layers, 0);
     const params = {run: state.runs.slice(0, MAX_PANELS), metric: s.metric, step: s.step, stack};
     const json = await getJson('heads', params);
+    // the layers with heads (a layer without attention has none: asking for it is an error)
+    const layers = [...new Set(json.runs.flatMap((panel) => panel.layers))].sort((a, b) => a - b);
+    s.layer = valid(s.layer, layers, 0);
     const lines = await getJson('by_head', {run: state.runs, metric: s.metric, layer: s.layer, stack});
     controls('heads', [s, metrics, layers, json.steps, stacksTicked()], () => [
       select('metric', metrics, s.metric, setter('heads', 'metric')),
@@ -651,7 +652,6 @@ function alertTable(box, alerts) {
   return alerts.length;
 }
 
-/** Under a chart with a role of experts: how its spread is drawn. */
 /** Say which ticked runs a view with one panel per run leaves out (it draws MAX_PANELS at most). */
 function notDrawn(view, what) {
   const left = state.runs.slice(MAX_PANELS);
@@ -661,8 +661,14 @@ function notDrawn(view, what) {
   }
 }
 
+/** What the spreads of `items` are over ('experts', 'heads'), as the server names them. */
+function spreadsOver(items) { return [...new Set(items.filter((x) => x.low).map((x) => x.over))].sort(); }
+
+/** Under a chart with a layer's experts or heads as one line: how its spread is drawn. */
 function spreadNote(view, series) {
-  if (series.some((x) => x.low)) note(view, 'a role of experts: the line is their mean, the band their min … max');
+  for (const over of spreadsOver(series)) {
+    note(view, `a layer’s ${over}: the line is their mean, the band their min … max over the ${over}`);
+  }
 }
 
 function note(view, text) {
