@@ -26,7 +26,10 @@ the stack asked (see ``views.py``).
 Lines carry at most ``max_points`` points per series (default 2,000; first, last, min and max
 of each bucket kept), heatmaps at most ``max_columns`` columns (default 400). Scalars are read
 only through ``context.data_provider`` (see ``source.py``). Bad parameters answer HTTP 400 with
-a one-line message saying what to pass.
+a one-line message saying what to pass: a malformed value, a run the logdir does not hold, or a
+metric, stack, layer or role that none of the runs asked for logged (the message lists what they
+did log). A combination of logged values with no series (a metric logged at some layers only) is
+an empty answer, which the page says in the view.
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ from __future__ import annotations
 import json
 import mimetypes
 import posixpath
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 
 import pandas as pd
@@ -106,8 +109,8 @@ class SpectralPlugin(base_plugin.TBPlugin):
         metric = request.args.get("metric", "compression")
         role = request.args.get("role", "Q")
         stack = _stack(request)
-        keep = lambda p: p.metric == metric and p.role == role and _of(p, stack)  # noqa: E731
-        rows = self._source.rows(*_where(request), self._wanted(request, [run], keep, metric))
+        wanted = self._wanted(request, [run], metric, role=role, stack=stack)
+        rows = self._source.rows(*_where(request), wanted)
         columns = _int(request, "max_columns", MAX_COLUMNS, least=2)
         return _json(request, views.compression_wave(rows, run, metric, role, columns, stack))
 
@@ -116,8 +119,8 @@ class SpectralPlugin(base_plugin.TBPlugin):
         metric = request.args.get("metric", "stable_rank")
         layer = _int(request, "layer", 0, least=0)
         stack = _stack(request)
-        keep = lambda p: p.metric == metric and p.layer == layer and _of(p, stack)  # noqa: E731
-        rows = self._source.rows(*_where(request), self._wanted(request, runs, keep, metric))
+        wanted = self._wanted(request, runs, metric, layer=layer, stack=stack)
+        rows = self._source.rows(*_where(request), wanted)
         points = _int(request, "max_points", MAX_POINTS, least=4)
         series = views.curves_by_role(rows, runs, metric, layer, points, stack)
         return _json(request, {"series": series})
@@ -127,8 +130,8 @@ class SpectralPlugin(base_plugin.TBPlugin):
         metric = request.args.get("metric", "stable_rank")
         role = request.args.get("role", "Q")
         stack = _stack(request)
-        keep = lambda p: p.metric == metric and p.role == role and _of(p, stack)  # noqa: E731
-        rows = self._source.rows(*_where(request), self._wanted(request, runs, keep, metric))
+        wanted = self._wanted(request, runs, metric, role=role, stack=stack)
+        rows = self._source.rows(*_where(request), wanted)
         points = _int(request, "max_points", MAX_POINTS, least=4)
         series = views.curves_by_layer(rows, runs, metric, role, points, stack)
         return _json(request, {"series": series})
@@ -137,10 +140,9 @@ class SpectralPlugin(base_plugin.TBPlugin):
         runs = _runs_of(request)
         metric = request.args.get("metric", "alpha")
         role = request.args.get("role", "Q")
-        keep = lambda p: p.metric == metric and p.role == role  # noqa: E731
         step = _optional_int(request, "step", least=0)
         rows, steps = self._at_step(
-            request, self._wanted(request, runs, keep, metric), metric, step
+            request, self._wanted(request, runs, metric, role=role), metric, step
         )
         return _json(request, views.depth_profile(rows, runs, metric, role, step, steps))
 
@@ -149,7 +151,7 @@ class SpectralPlugin(base_plugin.TBPlugin):
         metric = request.args.get("metric", "compression")
         step = _optional_int(request, "step", least=0)
         stack = _stack(request)
-        wanted = self._wanted(request, runs, lambda p: p.metric == metric and _of(p, stack), metric)
+        wanted = self._wanted(request, runs, metric, stack=stack)
         rows, steps = self._at_step(request, wanted, metric, step)
         return _json(request, views.bars_by_layer(rows, runs, metric, step, steps, stack))
 
@@ -204,8 +206,8 @@ class SpectralPlugin(base_plugin.TBPlugin):
         metric = request.args.get("metric", "qk_spectral_norm")
         step = _optional_int(request, "step", least=0)
         stack = _stack(request)
-        keep = lambda p: p.metric == metric and p.head is not None and _of(p, stack)  # noqa: E731
-        rows = self._source.rows(*_where(request), self._wanted(request, runs, keep, metric))
+        wanted = self._wanted(request, runs, metric, stack=stack, heads=True)
+        rows = self._source.rows(*_where(request), wanted)
         return _json(request, views.heads_by_layer(rows, runs, metric, step, stack))
 
     def _by_head(self, request: Request) -> Response:
@@ -213,10 +215,8 @@ class SpectralPlugin(base_plugin.TBPlugin):
         metric = request.args.get("metric", "qk_spectral_norm")
         layer = _int(request, "layer", 0, least=0)
         stack = _stack(request)
-        keep = lambda p: (  # noqa: E731
-            p.metric == metric and p.head is not None and p.layer == layer and _of(p, stack)
-        )
-        rows = self._source.rows(*_where(request), self._wanted(request, runs, keep, metric))
+        wanted = self._wanted(request, runs, metric, layer=layer, stack=stack, heads=True)
+        rows = self._source.rows(*_where(request), wanted)
         points = _int(request, "max_points", MAX_POINTS, least=4)
         return _json(
             request, {"series": views.curves_by_head(rows, runs, metric, layer, points, stack)}
@@ -234,31 +234,42 @@ class SpectralPlugin(base_plugin.TBPlugin):
     # --- helpers ------------------------------------------------------------------------------
 
     def _wanted(
-        self, request: Request, runs: list[str], keep: Callable[[SpectralTag], bool], metric: str
+        self,
+        request: Request,
+        runs: list[str],
+        metric: str,
+        *,
+        layer: int | None = None,
+        role: str | None = None,
+        stack: str | None = None,
+        heads: bool = False,
     ) -> dict[str, list[str]]:
-        """The per-layer tags of each of ``runs`` that ``keep`` accepts.
+        """The per-layer tags of ``metric`` of each of ``runs`` at ``layer``, of ``role`` and in
+        ``stack`` (``None``: any): each head's own tags where ``heads``, else the other series,
+        a layer's experts and heads read through their mean, min and max.
 
         Compression that was not logged is computed from stable rank (as the CLI charts do), so
         then the stable-rank tags are wanted: their whole series, for the first snapshot.
+
+        Raises:
+            errors.InvalidArgumentError: a run the logdir does not hold, or a metric, stack,
+                layer or role that none of ``runs`` logged (the answer lists those they did);
+                a combination of logged ones that has no series is no error (an empty view).
         """
         directory = self._source.directory(*_where(request), runs)
-        wanted: dict[str, list[str]] = {}
-        for run in runs:
-            parsed = {tag: parse_tag(tag) for tag in sorted(directory.get(run, ()))}
-            spectral = {  # a layer's experts are read through their mean, min and max
-                t: p
-                for t, p in parsed.items()
-                if p is not None and p.layer is not None and p.expert is None
-            }
-            tags = [t for t, p in spectral.items() if keep(p)]
-            if not tags and metric == "compression":
-                ranks = {
-                    t: p._replace(metric="compression")
-                    for t, p in spectral.items()
-                    if p.metric == "stable_rank"
-                }
-                tags = [t for t, p in ranks.items() if keep(p)]
-            wanted[run] = tags
+        unknown = [run for run in runs if run not in directory]
+        if unknown:
+            known = ", ".join(sorted(directory)) or "none yet"
+            raise errors.InvalidArgumentError(
+                f"`run` must be a run of this logdir ({known}), got {', '.join(map(repr, unknown))}"
+            )
+        series = {run: _series_of(directory[run], metric, heads) for run in runs}
+        wanted = {
+            run: [t for t, p in of_run.items() if _at(p, layer, role, stack)]
+            for run, of_run in series.items()
+        }
+        if not any(wanted.values()):
+            _check_logged(directory, runs, series, metric, layer, role, stack, heads)
         return wanted
 
     def _at_step(
@@ -278,6 +289,97 @@ class SpectralPlugin(base_plugin.TBPlugin):
             rows = self._source.rows(*where, wanted)
             return rows, rows["step"].unique().tolist()
         return self._source.last_rows(*where, wanted)
+
+
+def _series_of(tags: Iterable[str], metric: str, heads: bool) -> dict[str, SpectralTag]:
+    """The per-layer series of ``metric`` among ``tags`` (each head's where ``heads``, else the
+    others, none of one expert), parsed; compression not logged is the stable rank's series."""
+    parsed = {tag: parse_tag(tag) for tag in sorted(tags)}
+    spectral = {
+        t: p
+        for t, p in parsed.items()
+        if p is not None and p.layer is not None and p.expert is None
+        and (p.head is not None) == heads
+    }  # fmt: skip
+    of_metric = {t: p for t, p in spectral.items() if p.metric == metric}
+    if not of_metric and metric == "compression":
+        return {
+            t: p._replace(metric="compression")
+            for t, p in spectral.items()
+            if p.metric == "stable_rank"
+        }
+    return of_metric
+
+
+def _at(parsed: SpectralTag, layer: int | None, role: str | None, stack: str | None) -> bool:
+    """Whether a series is at ``layer``, of ``role`` and in ``stack`` (``None``: any)."""
+    return (
+        (layer is None or parsed.layer == layer)
+        and (role is None or parsed.role == role)
+        and (stack is None or _of(parsed, stack))
+    )
+
+
+def _check_logged(
+    directory: Mapping[str, Iterable[str]],
+    runs: list[str],
+    series: Mapping[str, Mapping[str, SpectralTag]],
+    metric: str,
+    layer: int | None,
+    role: str | None,
+    stack: str | None,
+    heads: bool,
+) -> None:
+    """Raise ``InvalidArgumentError`` for the first of ``metric``, ``stack``, ``layer``, ``role``
+    that none of ``runs`` logged, listing the values they did log (a view asked for nothing
+    that exists, not a view of an empty series)."""
+    found = [p for of_run in series.values() for p in of_run.values()]
+    named = "the ticked runs" if len(runs) > 1 else f"run {runs[0]!r}"
+    if not found:
+        logged = {
+            p.metric
+            for run in runs
+            for p in map(parse_tag, directory[run])
+            if p is not None and p.layer is not None and (p.head is not None) == heads
+        }
+        if not heads and "stable_rank" in logged:
+            logged.add("compression")
+        what = "a per-head metric (circuits=True)" if heads else "a metric"
+        raise errors.InvalidArgumentError(
+            f"`metric` must be {what} {named} logged ({', '.join(sorted(logged)) or 'none'}), "
+            f"got {metric!r}"
+        )
+    if stack:  # a run of one stack is in every stack
+        found = _narrowed(found, "stack", stack, lambda p: _of(p, stack), named, metric)
+    if layer is not None:
+        found = _narrowed(found, "layer", layer, lambda p: p.layer == layer, named, metric)
+    if role is not None:
+        _narrowed(found, "role", role, lambda p: p.role == role, named, metric)
+
+
+def _narrowed(
+    found: list[SpectralTag],
+    name: str,
+    value: object,
+    keep: Callable[[SpectralTag], bool],
+    named: str,
+    metric: str,
+) -> list[SpectralTag]:
+    """The series of ``found`` that ``keep`` accepts; none: ``InvalidArgumentError`` naming the
+    ``name`` (stack, layer, role) and the values ``found`` has."""
+    kept = [p for p in found if keep(p)]
+    if not kept:
+        logged = sorted({str(getattr(p, name)) for p in found} - {""}, key=_natural)
+        raise errors.InvalidArgumentError(
+            f"`{name}` must be a {name} where {named} logged {metric} "
+            f"({', '.join(logged) or 'none'}), got {value!r}"
+        )
+    return kept
+
+
+def _natural(text: str) -> tuple[int, str]:
+    """Layers in numeric order (2 before 10), names in alphabetical order."""
+    return (int(text), "") if text.isdigit() else (1 << 30, text)
 
 
 def _is(

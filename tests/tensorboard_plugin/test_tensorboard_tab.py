@@ -18,7 +18,7 @@ import numpy as np
 import pandas as pd
 import pytest
 from cli_runs import training_runs
-from tab_runs import several_models
+from tab_runs import circuits_run, several_models
 from tensorboard.backend import application
 from tensorboard.backend.event_processing import data_provider, plugin_event_multiplexer
 from tensorboard.plugins import base_plugin
@@ -30,6 +30,7 @@ from spectral_callbacks.chart_data import compression_rows, ordered_roles
 from spectral_callbacks.charts import compression_wave
 from spectral_callbacks.names import NUM_LAYERS_TAG, scalar_tag
 from spectral_callbacks.offline.events import read_runs
+from spectral_callbacks.tensorboard_plugin import views
 from spectral_callbacks.tensorboard_plugin.plugin import SpectralPlugin
 
 ROUTE = "/data/plugin/spectral/"
@@ -243,6 +244,64 @@ def test_bad_parameters_answer_400_with_what_to_pass(
     assert code == 400 and message in text
 
 
+@pytest.mark.parametrize(
+    ("route", "params", "message"),
+    [
+        ("by_role", {"run": "c"}, "`run` must be a run of this logdir (a, b), got 'c'"),
+        (
+            "by_layer",
+            {"run": ["a", "c", "d"]},
+            "`run` must be a run of this logdir (a, b), got 'c', 'd'",
+        ),
+        ("wave", {"run": "c"}, "`run` must be a run of this logdir (a, b), got 'c'"),
+        ("depth", {"run": "../a"}, "`run` must be a run of this logdir (a, b), got '../a'"),
+        ("bars", {"run": "c"}, "`run` must be a run of this logdir (a, b), got 'c'"),
+        ("heads", {"run": "c"}, "`run` must be a run of this logdir (a, b), got 'c'"),
+        ("by_head", {"run": "c"}, "`run` must be a run of this logdir (a, b), got 'c'"),
+        (
+            "by_role",
+            {"run": "a", "metric": "stable_rnk"},
+            "`metric` must be a metric run 'a' logged (alpha, alpha_r2, compression, ",
+        ),
+        ("by_layer", {"run": ["a", "b"], "metric": "nope"}, "the ticked runs logged (alpha, "),
+        ("wave", {"run": "a", "metric": "loss"}, "got 'loss'"),
+        ("bars", {"run": "a", "metric": "train/loss"}, "got 'train/loss'"),
+        ("depth", {"run": "a", "metric": "qk_spectral_norm"}, "got 'qk_spectral_norm'"),
+        (
+            "heads",
+            {"run": "a"},
+            "`metric` must be a per-head metric (circuits=True) run 'a' logged (none), "
+            "got 'qk_spectral_norm'",
+        ),
+        (
+            "by_role",
+            {"run": "a", "layer": 9},
+            "`layer` must be a layer where run 'a' logged stable_rank (0, 1, 2), got 9",
+        ),
+        (
+            "by_role",
+            {"run": ["a", "b"], "metric": "alpha", "layer": 3},
+            "`layer` must be a layer where the ticked runs logged alpha (0, 1, 2), got 3",
+        ),
+        (
+            "by_layer",
+            {"run": "a", "role": "q"},
+            "`role` must be a role where run 'a' logged stable_rank (K, MLP_down, MLP_up, O, Q, V), "
+            "got 'q'",
+        ),
+        ("wave", {"run": "a", "role": "Q_cross"}, "`role` must be a role where run 'a' logged"),
+        ("depth", {"run": "a", "role": "KV"}, "got 'KV'"),
+    ],
+)
+def test_an_unknown_run_metric_layer_or_role_answers_400_naming_what_was_logged(
+    tab: Tab, route: str, params: dict, message: str
+) -> None:
+    # before: HTTP 200 with empty data ({"series": []}), the page drawing an empty chart
+    code, text = tab.fail(route, **params)
+    assert code == 400 and message in text, text
+    assert "\n" not in text.strip()
+
+
 def test_static_files_served_and_nothing_outside(tab: Tab) -> None:
     response = tab.client.get(ROUTE + "static/index.js")
     assert response.status_code == 200 and response.mimetype == "text/javascript"
@@ -350,7 +409,8 @@ def test_compression_not_logged_is_computed_from_stable_rank(tmp_path: Path) -> 
 
 def test_a_run_that_appears_later_is_served_without_asking_runs_first(long_run: Path) -> None:
     tab = Tab(long_run)
-    assert tab.get("by_role", run="later")["series"] == []  # not there yet
+    code, text = tab.fail("by_role", run="later")  # not there yet: no run of the logdir
+    assert code == 400 and "`run` must be a run of this logdir (long), got 'later'" in text
     with SummaryWriter(str(long_run / "later")) as writer:
         writer.add_scalar(scalar_tag("stable_rank", 0, "V"), 3.0, 0)
     tab.multiplexer.AddRunsFromDirectory(str(long_run))
@@ -605,3 +665,63 @@ def test_importing_the_tab_does_not_import_matplotlib() -> None:
     )
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip() == "[]"
+
+
+# --- a run with per-head circuits ------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def circuits(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return circuits_run(tmp_path_factory.mktemp("circuits") / "tb" / "gqa").parent
+
+
+def test_a_circuit_metric_is_its_heads_mean_with_the_min_and_max_beside_it(
+    circuits: Path,
+) -> None:
+    # before: "Metric vs step" drew qk_spectral_norm as one zig-zag line of the role "heads",
+    # each head and their mean in turn (40 points for 8 steps), and /runs listed "heads" among
+    # the roles logged over experts
+    tab = Tab(circuits)
+    (entry,) = tab.get("runs")["runs"]
+    assert (entry["expert_roles"], entry["head_roles"]) == ([], ["heads"])
+    rows = read_runs([circuits]).rows
+    heads = rows[(rows["metric"] == "qk_spectral_norm") & rows["head"].notna()]
+    steps = sorted(int(step) for step in heads["step"].unique())
+    assert len(steps) == 8 and heads["head"].nunique() == 4
+    by_role = tab.get("by_role", run="gqa", metric="qk_spectral_norm", layer=1)["series"]
+    by_layer = tab.get("by_layer", run="gqa", metric="qk_spectral_norm", role="heads")["series"]
+    # the tab reads a layer's heads through their mean, min and max; from every head's own
+    # rows as well (what export gives) the view is the same
+    every_head = views.curves_by_role(rows, ["gqa"], "qk_spectral_norm", 1, 2_000)
+    assert [line["role"] for line in by_role] == [line["role"] for line in every_head] == ["heads"]
+    assert [line["layer"] for line in by_layer] == [0, 1, 2]
+    lines = [(1, by_role[0]), (1, every_head[0]), *((line["layer"], line) for line in by_layer)]
+    for layer, line in lines:
+        of_layer = heads[heads["layer"] == layer].groupby("step")["value"]
+        assert line["steps"] == steps  # one point per step
+        np.testing.assert_allclose(line["values"], of_layer.mean(), rtol=1e-6)
+        assert line["low"] == of_layer.min().tolist() and line["high"] == of_layer.max().tolist()
+        assert line["over"] == "heads"
+    (panel,) = tab.get("bars", run="gqa", metric="qk_spectral_norm")["runs"]
+    assert panel["roles"] == ["heads"] and panel["spread"]["heads"]["over"] == "heads"
+    last = heads[heads["step"] == steps[-1]].groupby("layer")["value"]
+    assert panel["spread"]["heads"]["high"] == last.max().tolist()
+
+
+def test_a_stack_or_a_heads_layer_no_run_logged_answers_400(
+    models_tab: Tab, circuits: Path
+) -> None:
+    code, text = models_tab.fail("by_role", run="2-t5", stack="vision")
+    assert (
+        code == 400
+        and ("`stack` must be a stack where run '2-t5' logged stable_rank (dec, enc), got 'vision'")
+        in text
+    )
+    # a run of one stack is in every stack: no error for it
+    assert models_tab.get("by_role", run="1-gpt2", stack="vision")["series"]
+    code, text = Tab(circuits).fail("by_head", run="gqa", layer=3)
+    assert (
+        code == 400
+        and ("`layer` must be a layer where run 'gqa' logged qk_spectral_norm (0, 1, 2), got 3")
+        in text
+    )
