@@ -3,11 +3,14 @@ final figures written by the child, not waited for, and waited for at exit only 
 
 from __future__ import annotations
 
+import gc
 import io
 import subprocess
 import sys
+import textwrap
 import threading
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -174,3 +177,68 @@ def test_a_tracker_returns_before_its_final_figures_are_written(tmp_path: Path) 
     assert time.monotonic() - start < 10 and not held.closed  # not waiting for the figures
     held.release.set()
     assert dashboards.wait_for_figures(timeout=10) and held.closed
+
+
+def _resource_warnings(run: Any) -> list[str]:
+    """The ResourceWarnings (an unclosed pipe, a child never waited for) raised while ``run()``
+    runs and by the garbage it leaves, in any thread."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", ResourceWarning)
+        run()
+        gc.collect()
+    return [str(w.message) for w in caught if issubclass(w.category, ResourceWarning)]
+
+
+def test_the_final_figures_leave_no_pipe_open(tmp_path: Path) -> None:
+    # before: "ResourceWarning: unclosed file <_io.BufferedReader name=5>" from
+    # monitor/dashboards.py (the figure process's answer pipe) at the exit of every run that
+    # drew final figures
+    def final_figures() -> None:
+        writer = dashboards.FigureWriter()
+        writer.submit_final([str(tmp_path / "run")], _rows(), step=20)
+        writer.close()
+        assert dashboards.wait_for_figures(timeout=120)
+
+    assert _resource_warnings(final_figures) == []
+    assert list((tmp_path / "run").glob(f"events.out.tfevents.*{EVENT_FILE_SUFFIX}"))
+
+
+def test_a_child_that_died_leaves_no_pipe_open_when_it_is_replaced() -> None:
+    def restart() -> None:
+        process = FigureProcess()
+        try:
+            process.render(_rows(), ("Q",))
+            process._child.kill()  # type: ignore[union-attr]
+            process._child.wait()  # type: ignore[union-attr]
+            process.render(_rows(), ("Q",))  # a new child; the dead one's pipes are closed
+        finally:
+            process.close()
+
+    assert _resource_warnings(restart) == []
+
+
+@pytest.mark.slow
+def test_a_run_that_draws_final_figures_exits_without_a_resource_warning(tmp_path: Path) -> None:
+    script = textwrap.dedent(
+        """
+        import sys, torch
+        from spectral_callbacks import SpectralTracker
+
+        torch.manual_seed(0)
+        model = torch.nn.TransformerEncoderLayer(16, 2, dim_feedforward=32)
+        with SpectralTracker(model, logdir=sys.argv[1], synchronous=True, k=4) as tracker:
+            for step in (1, 2):
+                tracker.step(step)
+        """
+    )
+    done = subprocess.run(
+        [sys.executable, "-W", "error::ResourceWarning", "-c", script, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "ResourceWarning" not in done.stderr and "Exception ignored" not in done.stderr, (
+        done.stderr
+    )
+    assert list(tmp_path.glob(f"events.out.tfevents.*{EVENT_FILE_SUFFIX}"))  # figures were drawn
