@@ -3,9 +3,13 @@
 Names say what a weight is only by convention; the forward pass says it by use. ``record`` wraps a
 forward the model makes anyway (or one on an example input) and writes down, without changing
 anything it computes, each torch function call as an :class:`Op` whose inputs and outputs are
-:class:`Value` nodes, plus each module call's input and output values (forward hooks). Nothing is
-copied and no tensor is kept alive: a tensor is found again by ``id`` and checked by a weak
-reference, so the record costs a few Python objects per call, never activation memory.
+:class:`Value` nodes (shapes), plus each module call's input and output values (forward hooks).
+No tensor of the forward's data is kept alive: a tensor is found again by ``id`` and checked by a
+weak reference; a shape operation, which the replay runs again, keeps stand-ins on the meta device
+for its floating-point arguments and only its small integer ones (an index). So a forward under
+activation checkpointing frees what it frees without the record. The ops and values refer to each
+other; :meth:`Recording.release` breaks those cycles once the roles are read, so the record goes
+with its last reference, not at the cyclic collector's next pass.
 
 ``targets/roles.py`` reads roles from the record (attention calls, the projections feeding them,
 gated MLPs); ``targets/provenance.py`` replays the shape operations between a projection and an
@@ -134,9 +138,11 @@ class Op:
     """One torch function call: its name, input values (tensors in argument order), outputs.
 
     ``template`` and ``spec`` rebuild the call's arguments with other tensors in place of the
-    recorded ones (``provenance.py`` replays shape operations on index tensors); the tensors of
-    other arguments are kept only for shape operations (an index of ``__getitem__``), never the
-    data of arithmetic.
+    recorded ones (``provenance.py`` replays shape operations on index tensors). No tensor of the
+    forward's data is kept: a shape operation's floating-point tensors are stand-ins on the meta
+    device (their shape and dtype), its small integer and boolean ones (the index of a
+    ``__getitem__``) are kept (moved to the CPU when the recording ends); every other op keeps
+    only its plain arguments (numbers, strings, dtypes, slices), never an object that may hold data.
     """
 
     index: int
@@ -219,16 +225,16 @@ class Recording:
             return
         if not any(isinstance(leaf, torch.Tensor) for leaf in leaves):
             return  # a new tensor made from nothing (a mask, positions): an input when used
-        keep_tensors = name in SHAPE_OPS
+        replayed = name in SHAPE_OPS
         inputs: list[Value | None] = []
         template: list[Any] = []
         for leaf in leaves:
             if isinstance(leaf, torch.Tensor):
                 inputs.append(self.value_of(leaf))
-                template.append(leaf if keep_tensors else None)
+                template.append(stand_in(leaf) if replayed else None)
             else:
                 inputs.append(None)
-                template.append(leaf)
+                template.append(leaf if _plain(leaf) else DROPPED)
         op = Op(len(self.ops), name, func, inputs, [], template, spec)
         op.modules = tuple(self._module_stack)
         fresh = {id(t) for t in leaves if isinstance(t, torch.Tensor)}
@@ -268,6 +274,43 @@ class Recording:
         source.consumers.append(op)
         self.ops.append(op)
 
+    # --- after the forward -----------------------------------------------------------------------
+
+    def close(self) -> None:
+        """The forward is over: the index tensors kept on an accelerator are moved to the CPU,
+        once each (the replay runs there), and the lookup by ``id`` is dropped."""
+        self._by_id.clear()
+        self._module_stack.clear()
+        moved: dict[int, torch.Tensor] = {}
+        for op in self.ops:
+            for slot, leaf in enumerate(op.template):
+                if isinstance(leaf, torch.Tensor) and leaf.device.type not in ("cpu", "meta"):
+                    if id(leaf) not in moved:
+                        moved[id(leaf)] = leaf.to("cpu")
+                    op.template[slot] = moved[id(leaf)]
+
+    def release(self) -> None:
+        """Break the record's reference cycles (an op names its values, a value its op and its
+        consumers), so it is freed when the last reference goes, not at the cyclic collector's
+        next pass; call it once the roles are read. The record is empty afterwards."""
+        for value in self.values:
+            value.op = None
+            value.consumers.clear()
+            value.made_by.clear()
+            value.fed_to.clear()
+        for op in self.ops:
+            op.inputs.clear()
+            op.outputs.clear()
+            op.template.clear()
+            op.view_chain = ()
+        for call in self.module_calls:
+            call.inputs.clear()
+            call.outputs.clear()
+        self.values.clear()
+        self.ops.clear()
+        self.module_calls.clear()
+        self._by_id.clear()
+
     # --- module hooks ---------------------------------------------------------------------------
 
     def _enter(self, name: str) -> None:
@@ -284,6 +327,41 @@ class Recording:
             value.fed_to.append(call)
         for value in made:
             value.made_by.append(call)
+
+
+# An integer or boolean tensor argument of a shape operation (an index, a mask) up to this size is
+# kept for the replay; a larger one is a stand-in, and the replay stops at its op.
+INDEX_BYTES = 1 << 20
+
+
+class _Dropped:
+    """An argument the record does not keep (an object that is neither a tensor nor plain)."""
+
+    def __repr__(self) -> str:
+        return "DROPPED"
+
+
+DROPPED = _Dropped()
+_PLAIN: tuple[type, ...] = (int, float, bool, complex, str, bytes, type(None), type(...))
+_PLAIN += (torch.dtype, torch.device, torch.layout, torch.memory_format)
+
+
+def _plain(leaf: Any) -> bool:
+    """A value that holds no tensor: a number, a string, a dtype, a slice of numbers."""
+    if isinstance(leaf, slice):
+        return all(_plain(part) for part in (leaf.start, leaf.stop, leaf.step))
+    return isinstance(leaf, _PLAIN)
+
+
+def stand_in(tensor: torch.Tensor) -> torch.Tensor:
+    """What a shape operation's record keeps of ``tensor``: a small integer or boolean tensor (an
+    index) itself, detached; anything else an empty tensor of its shape and dtype on the meta
+    device (a floating-point tensor of the forward is never kept: the replay puts an index tensor
+    in its place)."""
+    index = not (tensor.is_floating_point() or tensor.is_complex())
+    if index and tensor.numel() * tensor.element_size() <= INDEX_BYTES:
+        return tensor.detach()
+    return torch.empty(tensor.shape, dtype=tensor.dtype, device="meta")
 
 
 def op_name(func: Callable[..., Any]) -> str:
@@ -416,6 +494,7 @@ def record(model: nn.Module, *, running: nn.Module | None = None) -> Iterator[Re
     finally:
         for handle in handles:
             handle.remove()
+        recording.close()
 
 
 @dataclass(frozen=True)
@@ -429,16 +508,18 @@ def tree_flatten(tree: Any) -> tuple[list[Any], Any]:
     """The leaves of nested tuples, lists and dicts, in order, and the structure with each leaf
     replaced by its ``_Slot`` (what :func:`tree_unflatten` fills back in)."""
     leaves: list[Any] = []
+    return leaves, _walk(tree, leaves)
 
-    def walk(node: Any) -> Any:
-        if isinstance(node, (tuple, list)):
-            return _same_kind(node, [walk(item) for item in node])
-        if isinstance(node, dict):
-            return {key: walk(value) for key, value in node.items()}
-        leaves.append(node)
-        return _Slot(len(leaves) - 1)
 
-    return leaves, walk(tree)
+def _walk(node: Any, leaves: list[Any]) -> Any:
+    # A module-level function, not a closure over ``leaves``: a closure that calls itself is a
+    # reference cycle, and it would hold the forward's tensors until the cyclic collector ran.
+    if isinstance(node, (tuple, list)):
+        return _same_kind(node, [_walk(item, leaves) for item in node])
+    if isinstance(node, dict):
+        return {key: _walk(value, leaves) for key, value in node.items()}
+    leaves.append(node)
+    return _Slot(len(leaves) - 1)
 
 
 def _same_kind(node: tuple | list, items: list[Any]) -> Any:

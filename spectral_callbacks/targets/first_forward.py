@@ -13,7 +13,7 @@ records it with ``targets/dataflow.py``; when it returns, ``done`` gets the role
 
 The hooks remove themselves after that one forward, even one that raised. Recording changes
 nothing the forward computes and holds no activation memory beyond the forward's own (see
-``dataflow.py``).
+``dataflow.py``); the record is released as soon as the roles are read from it.
 
 Example::
 
@@ -98,8 +98,14 @@ class FirstForward:
         self.cancel()
         context.__exit__(None, None, None)  # the function mode and module hooks end here
         if output is None or recording is None:
+            if recording is not None:
+                recording.release()
             return  # the forward raised: nothing to read (the names decide, see the tracker)
-        self._callback(roles_from_recording(recording))
+        try:
+            flow = roles_from_recording(recording)
+        finally:
+            recording.release()  # freed now, not by the cyclic collector some steps later
+        self._callback(flow)
 
     def cancel(self) -> None:
         """Stop waiting for a forward (the hooks are removed; a recording under way ends)."""
@@ -108,5 +114,8 @@ class FirstForward:
             handle.remove()
         self._handles = []
         if self._context is not None:
-            context, self._context, self._recording = self._context, None, None
+            context, recording = self._context, self._recording
+            self._context = self._recording = None
             context.__exit__(None, None, None)
+            if recording is not None:
+                recording.release()

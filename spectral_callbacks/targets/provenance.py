@@ -87,6 +87,8 @@ def replay(recording: Recording, source: Value, target: Value) -> torch.Tensor |
 
 def _propagate(op: Op, traced: dict[int, torch.Tensor]) -> list[torch.Tensor] | None:
     """The index tensors of ``op``'s outputs given those of its traced inputs."""
+    if not _replayable(op, traced):
+        return None
     if op.name == "write":  # base[...].copy_(src): the base's index with src's written there
         return _write(op, traced)
     if op.name == "__setitem__":  # x[key] = y: x's index with y's written at key
@@ -115,7 +117,7 @@ def _propagate(op: Op, traced: dict[int, torch.Tensor]) -> list[torch.Tensor] | 
         others = {
             slot: torch.full(leaf.shape, -1, dtype=torch.long)
             for slot, leaf in enumerate(op.template)
-            if isinstance(leaf, torch.Tensor) and slot not in traced and leaf.is_floating_point()
+            if isinstance(leaf, torch.Tensor) and slot not in traced and _is_data(leaf)
         }
         args, kwargs = rebuild(op, {**others, **traced})
         func = torch.Tensor.reshape if op.name == "view" else op.func  # an expanded index
@@ -161,6 +163,23 @@ def _write(op: Op, traced: dict[int, torch.Tensor]) -> list[torch.Tensor] | None
     except RuntimeError:
         return None
     return [base]
+
+
+def _replayable(op: Op, traced: dict[int, torch.Tensor]) -> bool:
+    """Whether the record kept every argument the replay of ``op`` (and of the shape ops of a
+    write's view) reads: an integer argument too large to keep is only a stand-in."""
+    steps = [(op, traced), *((step, {}) for step in op.view_chain)]
+    return not any(
+        isinstance(leaf, torch.Tensor) and leaf.is_meta and not _is_data(leaf)
+        for step, replaced in steps
+        for slot, leaf in enumerate(step.template)
+        if slot not in replaced
+    )
+
+
+def _is_data(tensor: torch.Tensor) -> bool:
+    """A tensor of the forward's numbers (recorded as a stand-in), not an index or a mask."""
+    return tensor.is_floating_point() or tensor.is_complex()
 
 
 def _broadcasts_to(shape: tuple[int, ...], target: tuple[int, ...]) -> bool:

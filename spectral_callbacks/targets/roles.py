@@ -167,7 +167,10 @@ def discover_roles(
     devices = [p.device for p in model.parameters() if p.device.type == "cuda"]
     with torch.random.fork_rng(devices=devices[:1]), torch.no_grad(), record(model) as rec:
         forward(runner)
-    return roles_from_recording(rec)
+    try:
+        return roles_from_recording(rec)
+    finally:
+        rec.release()
 
 
 def roles_from_recording(recording: Recording) -> FlowMap:
