@@ -122,7 +122,8 @@ def is_heads_role(role: str) -> bool:
 # The columns of tidy rows (the callback's figure history, export, charts), in this order.
 # ``stack`` is "" for a model with one stack; ``expert`` is empty (<NA>) outside experts, and an
 # aggregate over experts is a row whose role carries it (``MLP_down/mean``); ``head`` is the query
-# head of a per-head circuit value (``heads`` role), else empty.
+# head of a per-head circuit value (``heads`` role), else empty. Read columns as ``rows["head"]``:
+# ``rows.head`` is ``DataFrame.head``, the method (docs/cli.md says so where it shows pandas).
 TIDY_COLUMNS: tuple[str, ...] = (
     "run",
     "step",
@@ -423,7 +424,7 @@ def tidy_rows(
     >>> rows[["metric", "layer", "depth"]].to_dict("records"), guessed
     ([{'metric': 'alpha', 'layer': 1, 'depth': 1.0}, \
 {'metric': 'train/loss', 'layer': None, 'depth': nan}], {'': 2})
-    >>> rows.role[0], rows.role.isna().tolist()  # a missing role: nan, or None before pandas 3
+    >>> rows["role"][0], rows["role"].isna().tolist()  # a missing role: nan, or None before pandas 3
     ('Q', [False, True])
     """
     import numpy as np

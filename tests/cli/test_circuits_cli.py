@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import numpy as np
@@ -98,3 +99,29 @@ def test_the_tabs_heads_views_read_the_same_values(run: Path) -> None:
     assert [s["head"] for s in series] == [0, 1, 2, 3]
     want = rows[(rows["metric"] == "qk_spectral_norm") & (rows["layer"] == 2) & (rows["head"] == 1)]
     np.testing.assert_allclose(series[1]["values"], want.sort_values("step")["value"])
+
+
+def _tidy_rows_example() -> str:
+    """The pandas example of docs/cli.md's "Tidy rows" section."""
+    text = (Path(__file__).resolve().parents[2] / "docs" / "cli.md").read_text()
+    section = text.split("## Tidy rows", 1)[1].split("\n## ", 1)[0]
+    (code,) = re.findall(r"```python\n(.*?)```", section, flags=re.DOTALL)
+    return code
+
+
+def test_the_docs_pandas_example_reads_each_heads_rows_by_its_column(
+    run: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # before: a user following the docs' attribute style wrote rows.head.notna(), which is
+    # DataFrame.head (the method), not the head column, and failed
+    code = _tidy_rows_example()
+    attributes = re.findall(r"\brows\.(\w+)\b(?!\()", code)
+    assert attributes == [], f"docs/cli.md reads columns as attributes: {attributes}"
+    monkeypatch.chdir(tmp_path)
+    assert main(["export", str(run), "-o", "runs.parquet"]) == 0
+    scope: dict[str, object] = {}
+    exec(compile(code, "docs/cli.md", "exec"), scope)  # noqa: S102 - the documented example
+    heads = scope["heads"]
+    assert isinstance(heads, pd.DataFrame) and len(heads) > 0
+    assert heads["head"].notna().all() and set(heads["metric"]) == {"qk_spectral_norm"}
+    assert set(heads["head"]) == {0, 1, 2, 3}
