@@ -25,6 +25,7 @@ Variants (``ATTENTION_CLASSES`` maps the ``attention=`` name to the class):
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING
 
 import torch
@@ -73,6 +74,9 @@ class CausalAttention(nn.Module):
         self.head_dim = config.head_dim
         self.num_key_value_heads = config.n_head
         self.dropout = config.dropout
+        # The logit scale the softmax applies, declared as Hugging Face attention modules do:
+        # 1/sqrt of the query-key dot product's width (variants with rotary channels widen it).
+        self.scaling = 1.0 / math.sqrt(config.head_dim)
 
     def qkv(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         raise NotImplementedError
@@ -90,7 +94,7 @@ class CausalAttention(nn.Module):
             k, v = k.repeat_interleave(repeats, dim=1), v.repeat_interleave(repeats, dim=1)
         dropout = self.dropout if self.training else 0.0
         y = F.scaled_dot_product_attention(
-            q, k, v, dropout_p=dropout, is_causal=True
+            q, k, v, dropout_p=dropout, is_causal=True, scale=self.scaling
         )  # (B, h, T, dv)
         y = y.transpose(1, 2).reshape(B, T, -1)  # (B, T, h * dv)
         return self.out(y)
@@ -171,6 +175,7 @@ class MultiHeadLatentAttention(CausalAttention):
         self.v_head_dim = config.value_dim
         self.rope_dim = self.qk_rope_head_dim
         qk_dim = self.qk_nope_head_dim + self.qk_rope_head_dim
+        self.scaling = 1.0 / math.sqrt(qk_dim)
         self.q_a_proj = nn.Linear(d, self.q_lora_rank, bias=config.bias)
         self.q_a_layernorm = nn.RMSNorm(self.q_lora_rank)
         self.q_b_proj = nn.Linear(self.q_lora_rank, h * qk_dim, bias=False)
@@ -221,6 +226,7 @@ class GroupedLatentAttention(CausalAttention):
         self.qk_nope_head_dim, self.qk_rope_head_dim = config.nope_dim, config.rope_dim
         self.v_head_dim = config.value_dim
         self.rope_dim = self.qk_rope_head_dim
+        self.scaling = 1.0 / math.sqrt(self.qk_nope_head_dim + self.qk_rope_head_dim)
         g = self.n_latent_groups
         self.q_proj = nn.Linear(
             d, h * (self.qk_nope_head_dim + self.qk_rope_head_dim), bias=config.bias

@@ -11,11 +11,21 @@ through the OV circuit:
 with :math:`W_Q^h, W_K^g, W_V^g` the ``(d_h, d)`` rows of head :math:`h` (K/V head :math:`g(h)`
 of its group under GQA/MQA), :math:`W_O^h` the ``(d, d_h)`` columns of the output projection.
 Both are ``d x d`` of rank at most ``d_h``. The logit of head :math:`h` between tokens i and j is
-:math:`x_i^\top W_{QK}^h x_j / \sqrt{d_h}`, so
+:math:`s\,(W_Q^h x_i + b_Q^h)^\top P_{ij} (W_K^{g} x_j + b_K^{g})`, with :math:`s` the logit scale
+the attention applies (:math:`1/\sqrt{d_h}` is only SDPA's default), :math:`b` the projections'
+biases and :math:`P_{ij}` the rotation RoPE puts between them (the identity without RoPE). Writing
+each projection with its bias as one map on :math:`\tilde x = [x; 1]`,
+:math:`\tilde W = [W \; b]`,
 
-.. math:: |\mathrm{logit}_{ij}| \le \frac{\sigma_1(W_{QK}^h)}{\sqrt{d_h}} \lVert x_i \rVert \lVert x_j \rVert,
+.. math::
 
-``qk_spectral_norm`` is that bound per unit input norms.
+    |\mathrm{logit}_{ij}| \le s\,\sigma_1(\tilde W_Q^{h\top} \tilde W_K^{g})
+        \lVert \tilde x_i \rVert \lVert \tilde x_j \rVert \ \text{(no rotation)}, \qquad
+    |\mathrm{logit}_{ij}| \le s\,\lVert \tilde W_Q^h \rVert_2 \lVert \tilde W_K^g \rVert_2
+        \lVert \tilde x_i \rVert \lVert \tilde x_j \rVert \ \text{(any rotation)},
+
+``qk_logit_bound`` is the one that holds (``rotary`` says which); ``qk_spectral_norm`` is
+:math:`s\,\sigma_1(W_{QK}^h)` of the weights alone, the circuit at relative distance 0.
 
 The spectrum of a product :math:`A B^\top` of tall factors (``(..., m, r)`` and ``(..., n, r)``)
 is exact without an ``m x n`` matrix: with reduced QRs :math:`A = Q_A R_A` and
@@ -44,16 +54,20 @@ from torch import Tensor
 
 __all__ = [
     "CIRCUIT_METRICS",
+    "augmented",
     "circuit_metrics",
     "circuit_singular_values",
     "key_factors",
     "output_factors",
+    "qk_norm_logit_bound",
     "query_factors",
 ]
 
 #: The per-head metrics, logged as ``spectral_<name>`` (docs/logged-names.md).
 CIRCUIT_METRICS: tuple[str, ...] = (
     "qk_spectral_norm",
+    "qk_logit_bound",
+    "qk_norm_logit_bound",
     "qk_stable_rank",
     "ov_spectral_norm",
     "ov_stable_rank",
@@ -164,6 +178,19 @@ def output_factors(output: Tensor, num_heads: int) -> Tensor:
     return output.reshape(*output.shape[:-2], d, num_heads, columns // num_heads).movedim(-2, -3)
 
 
+def augmented(weight: Tensor, bias: Tensor | None) -> Tensor:
+    r"""The ``(..., rows, d + 1)`` map :math:`\tilde W = [W \; b]` on :math:`[x; 1]`, which is
+    :math:`W x + b`: a projection's bias folded in as one more input column (``weight`` itself
+    where there is no bias).
+
+    >>> augmented(torch.eye(2), torch.tensor([5.0, 6.0])) @ torch.tensor([1.0, 2.0, 1.0])
+    tensor([6., 8.])
+    """
+    if bias is None:
+        return weight
+    return torch.cat([weight, bias.to(weight.dtype).unsqueeze(-1)], dim=-1)
+
+
 def circuit_metrics(
     query: Tensor,
     key: Tensor,
@@ -173,8 +200,12 @@ def circuit_metrics(
     num_kv_heads: int,
     *,
     scale: float | None = None,
+    query_bias: Tensor | None = None,
+    key_bias: Tensor | None = None,
+    rotary: bool = False,
 ) -> dict[str, Tensor]:
-    r"""Per head: ``qk_spectral_norm``, ``qk_stable_rank``, ``ov_spectral_norm``, ``ov_stable_rank``.
+    r"""Per head: ``qk_spectral_norm``, ``qk_logit_bound``, ``qk_stable_rank``,
+    ``ov_spectral_norm``, ``ov_stable_rank``.
 
     .. math::
 
@@ -182,8 +213,11 @@ def circuit_metrics(
         \mathrm{qk\_stable\_rank}_h = \frac{\sum_i \sigma_i(W_{QK}^h)^2}{\sigma_1(W_{QK}^h)^2},
 
     and likewise for :math:`W_{OV}^h` (its norm unscaled); the spectra are complete (rank at most
-    ``d_h``), so the Frobenius norms are exact sums. :math:`s` is the attention's logit scale,
-    :math:`1/\sqrt{d_h}` by default.
+    ``d_h``), so the Frobenius norms are exact sums. ``qk_logit_bound`` bounds
+    :math:`|\mathrm{logit}_{ij}| / (\lVert \tilde x_i \rVert \lVert \tilde x_j \rVert)` (module
+    docstring): :math:`s\,\sigma_1(\tilde W_Q^{h\top} \tilde W_K^g)` without a rotation between
+    the factors, :math:`s\,\lVert \tilde W_Q^h \rVert_2 \lVert \tilde W_K^g \rVert_2` with one
+    (``rotary``); without biases :math:`\tilde x = x`.
 
     Args:
         query: ``(..., H * d_h, d)`` query rows, head-major.
@@ -192,7 +226,12 @@ def circuit_metrics(
         output: ``(..., d, H * d_v)`` output projection.
         num_heads: ``H`` query heads.
         num_kv_heads: ``G`` K/V heads (``H`` for MHA, 1 for MQA).
-        scale: the logit scale; default ``None`` is ``1 / sqrt(d_h)``.
+        scale: the logit scale the attention applies; default ``None`` is SDPA's default,
+            ``1 / sqrt(d_h)`` (give the module's own wherever it sets one).
+        query_bias: ``(..., H * d_h)`` the query projection's bias; default ``None`` (none).
+        key_bias: ``(..., G * d_h)`` the key projection's bias; default ``None`` (none).
+        rotary: a position-dependent rotation (RoPE) acts between the query and the key; default
+            ``False``.
 
     Returns:
         metric name -> ``(..., H)`` float64.
@@ -203,6 +242,9 @@ def circuit_metrics(
         >>> out = circuit_metrics(2 * eye, eye, eye, eye, num_heads=2, num_kv_heads=2)
         >>> out["qk_spectral_norm"], out["qk_stable_rank"]  # sigma = (2, 2), d_h = 2
         (tensor([1.4142, 1.4142], dtype=torch.float64), tensor([2., 2.], dtype=torch.float64))
+        >>> biased = circuit_metrics(2 * eye, eye, eye, eye, 2, 2, key_bias=torch.ones(4))
+        >>> biased["qk_logit_bound"]  # 2 * sigma_1([I  1]) / sqrt(2) = 2 sqrt(3) / sqrt(2)
+        tensor([2.4495, 2.4495], dtype=torch.float64)
     """
     head_dim = query.shape[-2] // num_heads
     scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
@@ -214,18 +256,67 @@ def circuit_metrics(
             group, dim=-3
         )
 
-    R_query, R_output = (
-        _triangle(query_factors(query, num_heads)),
-        _triangle(output_factors(output, num_heads)),
-    )
-    qk = torch.linalg.svdvals(R_query @ shared(key).mT)  # (..., H, d_h)
+    R_query, R_key = _triangle(query_factors(query, num_heads)), shared(key)
+    R_output = _triangle(output_factors(output, num_heads))
+    qk = torch.linalg.svdvals(R_query @ R_key.mT)  # (..., H, d_h)
     ov = torch.linalg.svdvals(R_output @ shared(value).mT)  # (..., H, d_v)
+    if query_bias is not None or key_bias is not None:
+        # The biases as one more input column of each factor: the same d_h x d_h cores.
+        R_query = _triangle(query_factors(augmented(query, query_bias), num_heads))
+        R_key = shared(augmented(key, key_bias))
+    if rotary:  # a rotation between the factors: only their norms bound the product
+        bound = _spectral_norm(R_query) * _spectral_norm(R_key)
+    elif query_bias is None and key_bias is None:
+        bound = qk[..., 0]
+    else:
+        bound = torch.linalg.svdvals(R_query @ R_key.mT)[..., 0]
     return {
         "qk_spectral_norm": scale * qk[..., 0],
+        "qk_logit_bound": scale * bound,
         "qk_stable_rank": _stable_rank(qk),
         "ov_spectral_norm": ov[..., 0],
         "ov_stable_rank": _stable_rank(ov),
     }
+
+
+def qk_norm_logit_bound(scale: float, query_norm: Tensor, key_norm: Tensor) -> Tensor:
+    r"""The bound on :math:`|\mathrm{logit}_{ij}|` whatever the inputs, of an attention whose
+    query and key are normalized (QK-norm) before their product.
+
+    A normalization of width :math:`n` with gain :math:`\gamma` and shift :math:`\beta` (RMSNorm:
+    :math:`\beta = 0`; LayerNorm) writes :math:`\gamma \odot u + \beta` with
+    :math:`\lVert u \rVert \le \sqrt{n}` (:math:`u = y / \sqrt{\mathrm{mean}(y^2) + \epsilon}`, or
+    centred), so each head's normalized query or key has norm at most
+    :math:`\max|\gamma| \sqrt{n} + \lVert \beta \rVert`, a rotation after it (RoPE) changes no
+    norm, and
+
+    .. math:: |\mathrm{logit}_{ij}| \le s\,(\max|\gamma_Q| \sqrt{n_Q} + \lVert \beta_Q \rVert)
+        (\max|\gamma_K| \sqrt{n_K} + \lVert \beta_K \rVert).
+
+    Args:
+        scale: the logit scale :math:`s`.
+        query_norm: ``(..., 2, n_Q)``: the query norm's effective gain :math:`\gamma` and shift
+            :math:`\beta` (zeros for RMSNorm).
+        key_norm: ``(..., 2, n_K)``: the key norm's.
+
+    Returns:
+        ``(...)`` float64.
+
+    >>> gain_and_shift = torch.stack([torch.full((4,), 2.0), torch.zeros(4)])
+    >>> qk_norm_logit_bound(0.5, gain_and_shift, gain_and_shift)  # 0.5 * (2 * 2) ** 2
+    tensor(8., dtype=torch.float64)
+    """
+
+    def largest(norm: Tensor) -> Tensor:
+        gain, shift = norm.double().unbind(-2)
+        return gain.abs().amax(-1) * math.sqrt(gain.shape[-1]) + shift.norm(dim=-1)
+
+    return scale * largest(query_norm) * largest(key_norm)
+
+
+def _spectral_norm(R: Tensor) -> Tensor:
+    """σ₁ of each ``(..., r, r)`` triangle (that of its tall factor)."""
+    return torch.linalg.svdvals(R)[..., 0]
 
 
 def _stable_rank(S: Tensor) -> Tensor:

@@ -198,8 +198,10 @@ class MonitorOptions:
             directory). Keeps one copy of every watched matrix on its device for the whole run,
             refused at construction when it does not fit (docs/fine-tuning.md). Default ``None``.
         circuits: also log the QK and OV circuits of every attention head
-            (``qk_spectral_norm``, the bound on a head's attention logit per unit input norms,
-            ``qk_stable_rank``, ``ov_spectral_norm``, ``ov_stable_rank``; docs/logged-names.md),
+            (``qk_spectral_norm``, the distance-0 QK circuit times the logit scale the module
+            declares; ``qk_logit_bound`` or ``qk_norm_logit_bound`` where a bound on the logits
+            holds for the layer's kind; ``qk_stable_rank``, ``ov_spectral_norm``,
+            ``ov_stable_rank``; docs/logged-names.md),
             computed exactly from the snapshot's copies of Q/K/V/O off the training thread.
             ``True`` reads each layer's head count from its module or config; a dict
             ``{pattern: num_heads}`` gives it for the attention modules it matches (fnmatch, as

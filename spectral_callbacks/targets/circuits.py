@@ -25,8 +25,19 @@ Refused, in one line naming the layer: tied or per-group latent K/V (GTA's ``KV`
 TPA factors, experts, sharded (DTensor) weights, and a layer whose head count cannot be read
 (give it with ``circuits={pattern: num_heads}``, matched like ``find_targets``' ``mapping``).
 
-With RoPE, ``W_Q^{h\top} W_K^h`` is the circuit at relative distance 0; at other distances a rotation
-sits between the factors, so :math:`\sigma_1` is still the bound of the unrotated channels only.
+What each layer's QK values are depends on what the attention does to its logits, read from the
+module (``targets/qk_logits.py``: the logit scale it declares, a rotation, QK-norm, the biases):
+
+* ``qk_spectral_norm``: :math:`s\,\sigma_1(W_Q^{h\top} W_K^{g})` of the weights alone, the circuit
+  at relative distance 0; left out where the scale is not read;
+* ``qk_logit_bound``: a bound on :math:`|\mathrm{logit}_{ij}| / (\lVert \tilde x_i \rVert
+  \lVert \tilde x_j \rVert)` (:math:`\tilde x = [x; 1]` where the projections have biases),
+  logged only where it holds: without RoPE the augmented circuit's :math:`s\,\sigma_1`, with
+  RoPE the product of the augmented factors' norms times :math:`s`; none with QK-norm, for
+  factored (MLA, MFA) layouts (normalizations and rotary channels sit between their factors),
+  or where the scale is not read;
+* ``qk_norm_logit_bound``: with QK-norm, the bound on :math:`|\mathrm{logit}_{ij}|` whatever the
+  inputs, from the norms' gains (``functional.circuits.qk_norm_logit_bound``).
 
 Example::
 
@@ -44,6 +55,7 @@ Example::
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
@@ -54,11 +66,20 @@ import torch
 from torch import Tensor, nn
 
 from spectral_callbacks.functional.batch import MeasuredBatch
-from spectral_callbacks.functional.circuits import circuit_metrics
+from spectral_callbacks.functional.circuits import circuit_metrics, qk_norm_logit_bound
 from spectral_callbacks.messages import rank_zero_warn
 from spectral_callbacks.names import HEADS_ROLE
 from spectral_callbacks.targets.errors import PartialTargetWarning, TargetError
 from spectral_callbacks.targets.matching import matches
+from spectral_callbacks.targets.qk_logits import (
+    SCALE_ATTRIBUTES,
+    BiasRows,
+    NormGain,
+    bias_of,
+    norm_gains,
+    read_rotary,
+    read_scale,
+)
 from spectral_callbacks.targets.rules import HEADS, KV_HEADS
 from spectral_callbacks.targets.target import Target
 
@@ -84,8 +105,13 @@ class AttentionLayout:
         num_kv_heads: ``G`` K/V heads.
         query_rows: rows of each query head that meet the key (``d_h``; fewer than the head's
             rows where its last ones are rotary).
-        scale: the logit scale, ``1 / sqrt(query head rows)`` as the attention applies it.
+        scale: the logit scale the attention module declares (``qk_logits.read_scale``);
+            ``None`` where it declares none.
         name: the attention module's name (``transformer.h.0.attn``).
+        rotary: RoPE rotates its queries and keys.
+        query_bias, key_bias: the projections' biases (rows as the targets'), or ``None``.
+        norms: the query and key norms' gains under QK-norm, or ``None``.
+        no_bound: why ``qk_logit_bound`` does not hold for this layer (``""``: it holds).
     """
 
     query: tuple[Any, ...]
@@ -95,16 +121,33 @@ class AttentionLayout:
     num_heads: int
     num_kv_heads: int
     query_rows: int
-    scale: float
+    scale: float | None
     name: str
+    rotary: bool = False
+    query_bias: BiasRows | None = None
+    key_bias: BiasRows | None = None
+    norms: tuple[NormGain, NormGain] | None = None
+    no_bound: str = ""
 
     def parts(self) -> tuple[Any, ...]:
         """Every target this layout copies, each once."""
         return tuple(dict.fromkeys((*self.query, *self.key, *self.value, self.output)))
 
+    def small_parts(self) -> tuple[BiasRows | NormGain | None, ...]:
+        """The vectors copied beside the matrices: query and key biases, their norms' gains."""
+        norms = self.norms or (None, None)
+        return (self.query_bias, self.key_bias, *norms)
+
+    def kind(self) -> str:
+        """What the layers of one batch share beyond shapes: which vectors, RoPE, a bound."""
+        present = "".join("1" if part is not None else "0" for part in self.small_parts())
+        scaled = "s" if self.scale is not None else "u"
+        return f"{present}{'r' if self.rotary else ''}{scaled}{'b' if not self.no_bound else ''}"
+
     def copy_bytes(self) -> int:
         """What one copy of the layer's parts costs (their shapes in their dtypes)."""
-        return sum(part.snapshot_bytes() for part in self.parts())
+        small = sum(part.nbytes() for part in self.small_parts() if part is not None)
+        return sum(part.snapshot_bytes() for part in self.parts()) + small
 
 
 @dataclass(frozen=True)
@@ -151,7 +194,8 @@ class HeadCircuit(Target):
         shapes = "|".join("x".join(map(str, part.shape)) for part in layout.parts())
         device = str(self.parameter.device)
         dtype = str(self.parameter.dtype).removeprefix("torch.")
-        key = f"circuits/{layout.num_heads}h{layout.num_kv_heads}g/{shapes}/{dtype}/{device}"
+        kind = layout.kind()
+        key = f"circuits/{layout.num_heads}h{layout.num_kv_heads}g{kind}/{shapes}/{dtype}/{device}"
         return key, device
 
     def snapshot_bytes(self) -> int:
@@ -186,8 +230,15 @@ class HeadCircuit(Target):
                 id(part): torch.stack([_copy(layout.parts()[i]) for layout in layouts])
                 for i, part in enumerate(first.parts())
             }  # (L, rows, columns) per part
+            small = tuple(
+                None
+                if part is None
+                else torch.stack([lay.small_parts()[i].copy() for lay in layouts])  # type: ignore[union-attr]
+                for i, part in enumerate(first.small_parts())
+            )  # (L, rows) biases, (L, 2, width) norms' gain and shift
+        scales = torch.tensor([math.nan if lay.scale is None else lay.scale for lay in layouts])
         index = [(layers[id(t.layout)], int(t.head or 0)) for t in targets]  # head: always set
-        return CircuitBatch(first, tuple(copies.values()), tuple(index))
+        return CircuitBatch(first, tuple(copies.values()), tuple(index), small, scales)
 
 
 def _copy(target: Target) -> Tensor:
@@ -204,11 +255,15 @@ class CircuitBatch(MeasuredBatch):
         layout: the layout every layer in the batch shares (its parts in ``layout.parts()`` order).
         copies: per part, the ``(L, rows, columns)`` copies of the batch's ``L`` layers.
         index: per target, ``(layer in the batch, head)``.
+        small: per ``layout.small_parts()``, the ``(L, ...)`` float64 copies (or ``None``).
+        scales: ``(L,)`` each layer's logit scale (NaN where not read).
     """
 
     layout: AttentionLayout
     copies: tuple[Tensor, ...]
     index: tuple[tuple[int, int], ...]
+    small: tuple[Tensor | None, ...] = (None, None, None, None)
+    scales: Tensor | None = None
 
     @property
     def dtype(self) -> torch.dtype:
@@ -231,20 +286,37 @@ class CircuitBatch(MeasuredBatch):
         return self
 
     def __getitem__(self, index: slice) -> CircuitBatch:
-        return CircuitBatch(self.layout, self.copies, self.index[index])
+        return CircuitBatch(self.layout, self.copies, self.index[index], self.small, self.scales)
 
     def record_stream(self, stream: Any) -> None:
-        for copy in self.copies:
-            copy.record_stream(stream)
+        for copy in (*self.copies, *self.small):
+            if copy is not None:
+                copy.record_stream(stream)
 
     def exact_metrics(self) -> dict[str, Tensor]:
         """``functional.circuits.circuit_metrics`` of every layer, then each target's head:
         metric -> ``(B,)`` in the targets' order."""
         query, key, value, output = self.projections()
         layout = self.layout
+        query_bias, key_bias, query_norm, key_norm = (
+            None if part is None else part.to(query.device) for part in self.small
+        )
         metrics = circuit_metrics(
-            query, key, value, output, layout.num_heads, layout.num_kv_heads, scale=layout.scale
-        )  # metric -> (L, H)
+            query, key, value, output, layout.num_heads, layout.num_kv_heads, scale=1.0,
+            query_bias=query_bias, key_bias=key_bias, rotary=layout.rotary,
+        )  # metric -> (L, H), the logit scale applied per layer below  # fmt: skip
+        assert self.scales is not None
+        scales = self.scales.to(query.device, torch.float64)[:, None]  # (L, 1)
+        if layout.scale is None:  # not read: nothing is scaled, nothing is a bound
+            del metrics["qk_spectral_norm"], metrics["qk_logit_bound"]
+        else:
+            metrics["qk_spectral_norm"] = metrics["qk_spectral_norm"] * scales
+            metrics["qk_logit_bound"] = metrics["qk_logit_bound"] * scales
+            if layout.no_bound:
+                del metrics["qk_logit_bound"]
+            if query_norm is not None and key_norm is not None:
+                per_layer = qk_norm_logit_bound(1.0, query_norm, key_norm)[:, None] * scales
+                metrics["qk_norm_logit_bound"] = per_layer.expand_as(metrics["qk_stable_rank"])
         layer = torch.tensor([i for i, _ in self.index])
         head = torch.tensor([h for _, h in self.index])
         return {name: value[layer, head] for name, value in metrics.items()}
@@ -289,11 +361,13 @@ def find_circuits(
 
     Returns:
         The heads in (stack, layer, head) order; layers that cannot be read are left out with one
-        ``PartialTargetWarning`` naming each and why.
+        ``PartialTargetWarning`` naming each and why, and layers whose logit scale is not read
+        are named in one more (their QK values are not scaled, nor called a bound).
 
     Raises:
-        TargetError: ``heads`` is not a mapping of patterns to positive ints, or no attention
-            layer could be read.
+        TargetError: ``heads`` is not a mapping of patterns to positive ints, a pattern of it
+            matches no attention layer or gives a layer another head count than its module has,
+            or no attention layer could be read.
     """
     if heads is not None and not (
         isinstance(heads, Mapping)
@@ -311,15 +385,20 @@ def find_circuits(
         by_layer[(target.stack, target.layer, suffix)][role.removesuffix(suffix)] = target
     found: list[HeadCircuit] = []
     refused: list[str] = []
+    unscaled: list[str] = []
+    attention_names: list[str] = []
     for (stack, layer, suffix), roles in by_layer.items():
         if "O" not in roles:
             continue  # no attention here (an MLP-only layer, or roles= left its O out)
+        attention_names.append(_attention_name(roles))
+        where = f"{stack} " if stack else ""
         try:
             layout = _layout(roles, modules, heads or {})
         except _Refused as refusal:
-            where = f"{stack} " if stack else ""
             refused.append(f"{where}layer {layer} ({_attention_name(roles)}): {refusal}")
             continue
+        if layout.scale is None:
+            unscaled.append(f"{where}layer {layer} ({layout.name})")
         first = roles["O"]
         found += [
             HeadCircuit.of_head(
@@ -333,11 +412,32 @@ def find_circuits(
             )
             for h in range(layout.num_heads)
         ]
+    unmatched = [
+        pattern
+        for pattern in heads or {}
+        if not any(matches([pattern], name) is not None for name in attention_names)
+    ]
+    if unmatched:
+        raise TargetError(
+            f"circuits: pattern(s) {unmatched} match no attention layer; the attention modules "
+            f"are {attention_names[:6]}{' ...' if len(attention_names) > 6 else ''}"
+        )
     if refused:
         rank_zero_warn(
             "QK/OV circuits are not computed for "
             + "; ".join(refused)
             + ". Where a head count is missing, give it with circuits={pattern: num_heads}.",
+            category=PartialTargetWarning,
+        )
+    if unscaled:
+        rank_zero_warn(
+            "the logit scale of "
+            + ", ".join(unscaled[:6])
+            + (" ..." if len(unscaled) > 6 else "")
+            + " is not declared on its module (none of `"
+            + "`, `".join(SCALE_ATTRIBUTES)
+            + "`): qk_spectral_norm and qk_logit_bound are not logged for it. Set the attention "
+            "module's `scaling` to the scale its softmax applies.",
             category=PartialTargetWarning,
         )
     if not found and by_layer:
@@ -414,7 +514,15 @@ def _layout(
             raise _Refused(f"K reads {roles['K'].shape[1]} inputs, neither d={d} nor a KV_down")
         key, value = (roles["K"], latent), (roles["V"], latent)
     given = next((n for pattern, n in heads.items() if matches([pattern], name) is not None), None)
-    num_heads = given or _lookup(modules, name, HEADS)
+    own = _lookup(modules, name, HEADS)
+    if given is not None and own is not None and given != own:
+        pattern = next(p for p in heads if matches([p], name) is not None)
+        raise TargetError(
+            f"circuits={{{pattern!r}: {given}}} gives {name} {given} query heads, but the module "
+            f"has {own} ({'/'.join(HEADS)}) and {_lookup(modules, name, KV_HEADS) or own} K/V "
+            "heads: leave the layer out of `circuits` (its own count is read)"
+        )
+    num_heads = given or own
     if num_heads is None:
         raise _Refused("its head count is not on the module or its config")
     q_rows, k_rows, v_rows = query[0].shape[0], key[0].shape[0], value[0].shape[0]
@@ -422,7 +530,7 @@ def _layout(
     if q_rows % num_heads or o_columns % num_heads:
         raise _Refused(f"{q_rows} query rows or {o_columns} output columns per {num_heads} heads")
     per_head = q_rows // num_heads
-    kv_heads = _lookup(modules, name, KV_HEADS) if given is None else None
+    kv_heads = _lookup(modules, name, KV_HEADS)
     if kv_heads is None or k_rows % kv_heads:
         kv_heads = k_rows // per_head if k_rows % per_head == 0 else num_heads
     rope = _lookup(modules, name, _ROPE_DIM) or 0
@@ -435,6 +543,38 @@ def _layout(
         )
     if v_rows % kv_heads or o_columns // num_heads != v_rows // kv_heads:
         raise _Refused(f"{v_rows} value rows do not fit {kv_heads} K/V heads and O's columns")
-    return AttentionLayout(
-        query, key, value, roles["O"], num_heads, kv_heads, k_head, 1.0 / math.sqrt(per_head), name
+    return _with_logits(
+        AttentionLayout(query, key, value, roles["O"], num_heads, kv_heads, k_head, None, name),
+        modules,
+    )
+
+
+def _with_logits(layout: AttentionLayout, modules: Mapping[str, nn.Module]) -> AttentionLayout:
+    """``layout`` with what its attention does to the logits (``targets/qk_logits.py``): the
+    scale, RoPE, QK-norm, the biases, and why ``qk_logit_bound`` does not hold where it does not."""
+    module = modules.get(layout.name)
+    if module is None:
+        return dataclasses.replace(layout, no_bound="its attention module is not found")
+    per_head = layout.query[0].shape[0] // layout.num_heads
+    scale, _ = read_scale(module, per_head)
+    norms = norm_gains(module)
+    factored = len(layout.query) > 1 or len(layout.key) > 1 or layout.query_rows != per_head
+    biases: tuple[BiasRows | None, ...] = (None, None)
+    if not factored:
+        biases = tuple(bias_of(part[0], dict(modules)) for part in (layout.query, layout.key))
+    no_bound = ""
+    if scale is None:
+        no_bound = "its logit scale is not read"
+    elif norms is not None:
+        no_bound = "QK-norm: the logit does not grow with the inputs' norms"
+    elif factored:
+        no_bound = "factored Q/K: normalizations and rotary channels sit between the factors"
+    return dataclasses.replace(
+        layout,
+        scale=scale,
+        rotary=read_rotary(module),
+        query_bias=biases[0],
+        key_bias=biases[1],
+        norms=norms if isinstance(norms, tuple) else None,
+        no_bound=no_bound,
     )

@@ -47,6 +47,7 @@ def test_export_reads_each_heads_value_with_its_head(run: Path, tmp_path: Path) 
     assert sorted(heads["head"].dropna().astype(int).unique()) == [0, 1, 2, 3]
     assert set(heads["metric"]) == {
         "qk_spectral_norm",
+        "qk_logit_bound",  # the example GQA: no biases, no RoPE, its scale declared
         "qk_stable_rank",
         "ov_spectral_norm",
         "ov_stable_rank",

@@ -86,15 +86,30 @@ def _split(q, k, v, o, heads, kv_heads, rows):
     ]
 
 
+def query_key_biases(model: torch.nn.Module, layer: int, head: int) -> tuple[torch.Tensor, ...]:
+    """Head ``head``'s query and key biases in float64 (zeros where the projections have none)."""
+    attn = model.transformer.h[layer].attn
+    if type(getattr(attn, "c_attn", None)).__name__ == "Conv1D":  # GPT-2: [q; k; v] biases
+        rows = attn.embed_dim // attn.num_heads
+        b_q, b_k, _ = attn.c_attn.bias.detach().double().split(attn.embed_dim)
+        return b_q[head * rows : (head + 1) * rows], b_k[head * rows : (head + 1) * rows]
+    return (), ()
+
+
 def reference_spectra(model: torch.nn.Module) -> dict[tuple[int, int], dict[str, object]]:
-    """(layer, head) -> the singular values of the formed d x d products and the four metrics."""
+    """(layer, head) -> the singular values of the formed d x d products and the four metrics,
+    and the logit bound from the formed (d + 1) x (d + 1) product of the bias-augmented maps."""
     found = {}
     for layer, (heads, scale) in formed_heads(model).items():
         for h, (W_q, W_k, W_v, W_o) in enumerate(heads):
             rows, d_v = W_q.shape[0], W_v.shape[0]
             qk = torch.linalg.svdvals(W_q.T @ W_k)[:rows]  # (d, d) formed: the reference only
             ov = torch.linalg.svdvals(W_o @ W_v)[:d_v]
+            b_q, b_k = query_key_biases(model, layer, h)
+            if len(b_q):  # [W b] acting on [x; 1]
+                W_q, W_k = torch.cat([W_q, b_q[:, None]], 1), torch.cat([W_k, b_k[:, None]], 1)
             found[(layer, h)] = {
+                "qk_logit_bound": scale * torch.linalg.svdvals(W_q.T @ W_k)[0].item(),
                 "qk": qk,
                 "ov": ov,
                 "qk_spectral_norm": scale * qk[0].item(),
@@ -252,3 +267,43 @@ def test_a_head_count_the_modules_lack_is_given_by_pattern() -> None:
         find_circuits(model, targets, {"*.attn": 0})
     with pytest.raises(ConfigurationError, match=r"`circuits` must be True, False or a dict"):
         SpectralTracker(model, writers=[Recorder()], circuits={"*.attn": "4"})
+
+
+def test_a_head_count_that_contradicts_the_module_or_matches_nothing_is_refused() -> None:
+    model = example_gpt("gqa")  # 8 query heads, 2 K/V heads on each attention module
+    targets = find_targets(model)
+    with pytest.raises(
+        TargetError,
+        match=r"circuits=\{'transformer.h.\*.attn': 4\} gives transformer.h.0.attn 4 query heads, "
+        r"but the module has 8 .* and 2 K/V heads",
+    ):
+        find_circuits(model, targets, {"transformer.h.*.attn": 4})
+    with pytest.raises(
+        TargetError, match=r"pattern\(s\) \['blocks.\*.attn'\] match no attention layer; .*"
+        r"\['transformer.h.0.attn', 'transformer.h.1.attn'\]"
+    ):  # fmt: skip
+        find_circuits(model, targets, {"blocks.*.attn": 8})
+    heads = find_circuits(model, targets, {"transformer.h.*.attn": 8})  # the module's own count
+    assert heads[0].layout.num_kv_heads == 2
+
+
+def test_a_layer_whose_scale_is_not_declared_logs_no_scaled_value_and_no_bound() -> None:
+    class Attention(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.wq, self.wk, self.wv, self.wo = (torch.nn.Linear(16, 16) for _ in range(4))
+
+    model = torch.nn.Module()
+    model.layers = torch.nn.ModuleList([torch.nn.Module() for _ in range(2)])
+    for block in model.layers:
+        block.attn = Attention()
+    writer = Recorder()
+    with pytest.warns(
+        PartialTargetWarning, match=r"the logit scale of layer 0 \(layers.0.attn\), layer 1 .* "
+        r"is not declared on its module"
+    ):  # fmt: skip
+        SpectralTracker(
+            model, writers=[writer], circuits={"layers.*.attn": 4}, synchronous=True, start_step=0
+        ).close()
+    metrics = {parse_tag(tag).metric for tag in writer.logged[0] if "/heads" in tag}
+    assert metrics == {"qk_stable_rank", "ov_spectral_norm", "ov_stable_rank"}
