@@ -88,7 +88,8 @@ LR_BALANCE_SECTION = "spectral_lr_balance"
 #: The text entry of the watched matrices (:func:`format_target_map`), written when a run begins.
 TARGET_MAP_TAG = f"{MONITOR_SECTION}/targets"
 #: Its columns: the matrix's name, where it is logged, its ``out x in`` shape, and for an adapted
-#: layer its adapter's rank r and scaling s (ΔW = s B A); empty where they do not apply.
+#: layer its adapter's rank r, scaling s (ΔW = s B A) and the rule s was computed by
+#: (``lora``: lora_alpha / r; ``rslora``: lora_alpha / sqrt(r)); empty where they do not apply.
 TARGET_MAP_COLUMNS: tuple[str, ...] = (
     "matrix",
     "stack",
@@ -98,6 +99,7 @@ TARGET_MAP_COLUMNS: tuple[str, ...] = (
     "shape",
     "r",
     "scaling",
+    "scaling_rule",
 )
 #: Read back as the per-matrix metric ``reference_step`` (see :func:`reference_step_tag`).
 REFERENCE_STEP = "reference_step"
@@ -352,7 +354,7 @@ def reference_step_tag(
 def format_target_map(rows: Sequence[tuple[object, ...]]) -> str:
     """The Markdown table of the watched matrices (``TARGET_MAP_COLUMNS``, one tuple per matrix).
 
-    >>> text = format_target_map([("h.0.attn.c_attn.weight[Q]", "", 0, "Q", "", "64x64", 8, 2.0)])
+    >>> text = format_target_map([("h.0.attn.c_attn.weight[Q]", "", 0, "Q", "", "64x64", 8, 2.0, "lora")])
     >>> parse_target_map(text)[0]["shape"], parse_target_map(text)[0]["r"]
     ('64x64', '8')
     """
@@ -367,10 +369,15 @@ def format_target_map(rows: Sequence[tuple[object, ...]]) -> str:
 def parse_target_map(text: str) -> list[dict[str, str]]:
     """The rows of a :func:`format_target_map` table, each ``{column: text}``."""
     lines = [line.strip() for line in text.strip().splitlines()]
-    if not lines or [c.strip() for c in lines[0].strip("|").split("|")] != list(TARGET_MAP_COLUMNS):
+    header = [c.strip() for c in lines[0].strip("|").split("|")] if lines else []
+    # A run written before the scaling rule was a column: its rows without one (empty).
+    if header not in (list(TARGET_MAP_COLUMNS), list(TARGET_MAP_COLUMNS[:-1])):
         return []
     return [
-        dict(zip(TARGET_MAP_COLUMNS, (c.strip() for c in line.strip("|").split("|")), strict=False))
+        {
+            **dict.fromkeys(TARGET_MAP_COLUMNS, ""),
+            **dict(zip(header, (c.strip() for c in line.strip("|").split("|")), strict=False)),
+        }
         for line in lines[2:]
         if line.startswith("|")
     ]

@@ -4,7 +4,9 @@ For each adapted module of a run (a PEFT LoRA fine-tune watched by the monitor),
 that logged its update: the energy rank of ΔW = s·B·A at 90 % (``update_energy_rank_90``) and at
 ``--energy``, the r it has, the r it needs (that rank rounded up to a power of two or a multiple of
 ``--round-to``, never above r) and the parameters that saves, then a ``rank_pattern`` and an
-``alpha_pattern`` for ``peft.LoraConfig``, printed ready to paste. A run still training gives its
+``alpha_pattern`` for ``peft.LoraConfig``, printed ready to paste: each alpha keeps the module's
+scaling s under the run's own rule (s = lora_alpha / r, or lora_alpha / sqrt(r) under rsLoRA: the
+target map's ``scaling_rule``, read from PEFT's ``use_rslora``). A run still training gives its
 newest step. See ``spectral_callbacks.offline.ranking.lora_ranks``.
 
 At a threshold other than 90 % the run's four logged singular values (``update_sv_1..4``) and
@@ -45,6 +47,14 @@ def run(args: argparse.Namespace) -> int:
     print_lora(modules, f"{args.source}: LoRA ranks ({where})", energy)
     print("rank_pattern = " + json.dumps(ranks, indent=1))
     print("alpha_pattern = " + json.dumps(alphas, indent=1))
+    rules = sorted(set(modules["scaling_rule"]) - {""})
+    if rules:
+        say("rank-layers", "note", f"alpha_pattern keeps each module's scaling under the run's "
+            f"rule ({', '.join(rules)}): paste it into a LoraConfig with the same use_rslora")  # fmt: skip
+    if (modules["scaling_rule"] == "").any():
+        say("rank-layers", "note", "the run's target map does not say whether its scaling is "
+            "lora_alpha / r or lora_alpha / sqrt(r) (rsLoRA) for some modules: their alphas keep "
+            "s = lora_alpha / r; under rsLoRA multiply each by 1 / sqrt(its suggested r)")  # fmt: skip
     if args.json:
         Path(args.json).write_text(
             json.dumps(
@@ -110,6 +120,7 @@ def adapted_rows(source: str, energy: float) -> tuple[pd.DataFrame, str]:
         **{"in": targets["shape"].map(lambda s: int(s.split("x")[1]))},
         r=targets["r"].astype(int),
         scaling=pd.to_numeric(targets["scaling"], errors="coerce"),
+        scaling_rule=targets["scaling_rule"].fillna(""),
     )
     merged = targets.merge(wide, on=_KEYS, how="inner")
     ranked = [_energy_rank(row, energy) for row in merged.itertuples(index=False)]

@@ -883,7 +883,7 @@ class SpectralTracker:
         """The text entry of the watched matrices (``names.TARGET_MAP_COLUMNS``)."""
         rows = []
         for target in self.targets:
-            rank, scaling = target.adapter_rank_and_scaling() or ("", None)
+            rank, scaling, rule = target.adapter_rank_and_scaling() or ("", None, "")
             rows.append(
                 (
                     target.name,
@@ -894,6 +894,7 @@ class SpectralTracker:
                     f"{target.shape[0]}x{target.shape[1]}",
                     rank,
                     "" if scaling is None else f"{scaling:.6g}",
+                    rule,
                 )
             )
         return format_target_map(rows)

@@ -129,6 +129,7 @@ LORA_COLUMNS: tuple[str, ...] = (
     "suggested_r",
     "params_saved",
     "scaling",
+    "scaling_rule",
 )
 
 
@@ -192,7 +193,8 @@ def lora_ranks(rows: pd.DataFrame, step: int | None = None) -> pd.DataFrame:
     Args:
         rows: one row per adapted matrix with ``matrix, stack, layer, role, out, in, r, scaling,
             energy_rank_90, energy_rank, bound`` (``energy_rank`` at ``energy``; ``bound`` True
-            where it is only an upper bound).
+            where it is only an upper bound) and optionally ``scaling_rule`` (``"lora"``,
+            ``"rslora"``, ``""`` unknown).
         step: round the suggestion up to a multiple of ``step``; ``None``: a power of two.
 
     Returns:
@@ -225,26 +227,39 @@ def lora_ranks(rows: pd.DataFrame, step: int | None = None) -> pd.DataFrame:
                 "suggested_r": suggested,
                 "params_saved": (rank - suggested) * (rows_out + columns_in),
                 "scaling": first["scaling"],
+                "scaling_rule": first.get("scaling_rule", ""),
             }
         )
     return pd.DataFrame(out, columns=list(LORA_COLUMNS))
 
 
 def lora_patterns(modules: pd.DataFrame) -> tuple[dict[str, int], dict[str, float]]:
-    """``rank_pattern`` and ``alpha_pattern`` for ``peft.LoraConfig`` from :func:`lora_ranks`.
+    r"""``rank_pattern`` and ``alpha_pattern`` for ``peft.LoraConfig`` from :func:`lora_ranks`.
 
-    Every module gets its suggested r; its ``lora_alpha`` keeps the scaling s = lora_alpha / r the
-    run had (alpha = s · suggested r), so each kept direction of ΔW starts as strong as before.
-    The alpha pattern is empty where the scaling is not known.
+    Every module gets its suggested r; its ``lora_alpha`` keeps the scaling s the run had under
+    the run's own rule, so each kept direction of ΔW starts as strong as before:
 
-    >>> modules = pd.DataFrame({"module": ["a.q_proj"], "suggested_r": [4], "scaling": [2.0]})
+    .. math:: \alpha = s \cdot r_{\text{suggested}} \ \text{(LoRA, DoRA: } s = \alpha / r),
+        \qquad \alpha = s \sqrt{r_{\text{suggested}}} \ \text{(rsLoRA: } s = \alpha / \sqrt{r})
+
+    (a module whose ``scaling_rule`` is unknown, ``""``, is given LoRA's). The alpha pattern is
+    empty where the scaling is not known.
+
+    >>> modules = pd.DataFrame({"module": ["a.q_proj", "a.v_proj"], "suggested_r": [4, 4],
+    ...                         "scaling": [2.0, 2.0], "scaling_rule": ["lora", "rslora"]})
     >>> lora_patterns(modules)
-    ({'a.q_proj': 4}, {'a.q_proj': 8.0})
+    ({'a.q_proj': 4, 'a.v_proj': 4}, {'a.q_proj': 8.0, 'a.v_proj': 4.0})
     """
     ranks = {str(row.module): int(row.suggested_r) for row in modules.itertuples()}
+    rules = modules["scaling_rule"] if "scaling_rule" in modules else [""] * len(modules)
     alphas = {
-        str(row.module): float(row.scaling) * int(row.suggested_r)
-        for row in modules.itertuples()
+        str(row.module): float(row.scaling) * _rank_factor(int(row.suggested_r), rule)
+        for row, rule in zip(modules.itertuples(), rules, strict=True)
         if row.scaling == row.scaling and row.scaling is not None
     }
     return ranks, alphas
+
+
+def _rank_factor(rank: int, rule: str) -> float:
+    """alpha / s at rank ``rank``: sqrt(r) under rsLoRA, r under LoRA (and DoRA)."""
+    return math.sqrt(rank) if rule == "rslora" else float(rank)

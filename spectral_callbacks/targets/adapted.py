@@ -246,13 +246,22 @@ class AdaptedTarget(Target):
         """The tuner layer: its adapters are scaled with the base by a learning-rate factor."""
         return self.layer_module
 
-    def adapter_rank_and_scaling(self) -> tuple[int, float | None] | None:
-        """``r`` (the active adapters' ranks summed) and ``s`` (their scalings summed), or
-        ``None`` for a kind of adapter without a rank."""
+    def adapter_rank_and_scaling(self) -> tuple[int, float | None, str] | None:
+        """``r`` (the active adapters' ranks summed), ``s`` (their scalings summed) and the rule
+        PEFT computed ``s`` by (``use_rslora``: ``"rslora"``, s = lora_alpha / sqrt(r); else
+        ``"lora"``, s = lora_alpha / r, DoRA's too; ``""`` where the adapters differ or the layer
+        does not say), or ``None`` for a kind of adapter without a rank."""
         if not self.rank:
             return None
         scales = getattr(self.layer_module, "scaling", {})  # LoRA-kin: per adapter name
-        return self.rank, sum(float(scales.get(name, 0.0)) for name in self.adapters) or None
+        scaling = sum(float(scales.get(name, 0.0)) for name in self.adapters) or None
+        rules = getattr(self.layer_module, "use_rslora", None)
+        kinds = {
+            ("rslora" if rules[name] else "lora") if isinstance(rules, dict) and name in rules
+            else ""
+            for name in self.adapters
+        }  # fmt: skip
+        return self.rank, scaling, kinds.pop() if len(kinds) == 1 else ""
 
     @property
     def description(self) -> str:

@@ -50,7 +50,7 @@ Example::
     ([(0, 0, 'heads'), (0, 1, 'heads'), (1, 0, 'heads')], 2)
     >>> batch = HeadCircuit.stack_batch(heads)
     >>> sorted(batch.exact_metrics()), batch.exact_metrics()["qk_spectral_norm"].shape
-    (['ov_spectral_norm', 'ov_stable_rank', 'qk_spectral_norm', 'qk_stable_rank'], torch.Size([4]))
+    (['ov_spectral_norm', 'ov_stable_rank', 'qk_logit_bound', 'qk_spectral_norm', 'qk_stable_rank'], torch.Size([4]))
 """
 
 from __future__ import annotations

@@ -182,10 +182,11 @@ class Target:
         ``None`` for a matrix."""
         return None
 
-    def adapter_rank_and_scaling(self) -> tuple[int, float | None] | None:
-        """The target map's ``r`` and ``s`` of an adapted layer (ΔW = s B A, summed over its
-        active adapters; ``s`` ``None`` where the layer states none); ``None`` for a matrix
-        without adapters."""
+    def adapter_rank_and_scaling(self) -> tuple[int, float | None, str] | None:
+        """The target map's ``r``, ``s`` and scaling rule of an adapted layer (ΔW = s B A, summed
+        over its active adapters; ``s`` ``None`` where the layer states none; the rule ``"lora"``
+        for s = lora_alpha / r, ``"rslora"`` for s = lora_alpha / sqrt(r), ``""`` where the layer
+        does not say); ``None`` for a matrix without adapters."""
         return None
 
     def stored(self) -> torch.Tensor:

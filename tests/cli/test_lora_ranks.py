@@ -135,3 +135,35 @@ def test_a_bad_threshold_and_a_run_without_adapters_are_refused(
         tracker.step(1)
     assert cli(["rank-layers", str(dense), "--lora"]) != 0
     assert "no adapted matrix" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("use_dora", [False, True], ids=["rsLoRA", "rsLoRA+DoRA"])
+def test_an_rslora_runs_alpha_pattern_keeps_every_modules_scaling_when_pasted(
+    tmp_path: Path, use_dora: bool
+) -> None:
+    # Under rsLoRA s = lora_alpha / sqrt(r): alphas of s * r (LoRA's relation) would change each
+    # module's scaling by sqrt(r_suggested) (2.8x at r = 8).
+    config = dict(r=R, lora_alpha=16, target_modules=MODULES, use_rslora=True, use_dora=use_dora)
+    model = get_peft_model(_base(), LoraConfig(**config))
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=2e-2)
+    tokens = torch.randint(0, 64, (8, 4, 16), generator=torch.Generator().manual_seed(2))
+    with SpectralTracker(model, logdir=tmp_path / "run", every_n_steps=4, figures=False) as tracker:
+        for step in range(1, 9):
+            model(input_ids=tokens[step - 1], labels=tokens[step - 1]).loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            tracker.step(step)
+    out = tmp_path / "ranks.json"
+    assert cli(["rank-layers", str(tmp_path / "run"), "--lora", "--json", str(out)]) == 0
+    saved = json.loads(out.read_text())
+    assert {row["scaling_rule"] for row in saved["modules"]} == {"rslora"}
+    assert any(row["suggested_r"] < R for row in saved["modules"])  # the scalings can differ
+    pasted = LoraConfig(
+        **config, rank_pattern=saved["rank_pattern"], alpha_pattern=saved["alpha_pattern"]
+    )
+    run_layers, again = _adapted(model), _adapted(get_peft_model(_base(), pasted))
+    assert set(again) == set(run_layers)
+    for key, layer in again.items():
+        assert layer.r["default"] == saved["rank_pattern"][key], key
+        want = run_layers[key].scaling["default"]  # 16 / sqrt(8), as the run had it
+        assert layer.scaling["default"] == pytest.approx(want, rel=1e-5), key
