@@ -5,6 +5,7 @@ weight is read back from the module's forward (``f(I) - f(0)``), the update from
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -12,6 +13,7 @@ import stack_models
 import torch
 from torch import nn
 
+from spectral_callbacks.functional import randomized_svd
 from spectral_callbacks.targets import TargetWarning, find_targets, format_targets
 from spectral_callbacks.targets.lowrank import Layout, LowRankTarget, recognise
 
@@ -31,6 +33,28 @@ class HandLoRA(nn.Module):
         return self.frozen(x) + self.s * (x @ self.p.T) @ self.q.T
 
 
+class HandDoRA(nn.Module):
+    """A DoRA layer written by hand that states ``alpha`` and ``rank`` but no ``scaling``:
+    ``diag(g / ||W_0 + s B A||_row) (W_0 x + b + s B A x)`` with ``s = alpha / rank``."""
+
+    def __init__(self, n_in: int, n_out: int, rank: int = 3, alpha: float = 6.0) -> None:
+        super().__init__()
+        self.frozen = nn.Linear(n_in, n_out)  # its default init: a nonzero bias
+        self.frozen.weight.requires_grad_(False)
+        self.p = nn.Parameter(torch.randn(rank, n_in) / n_in**0.5)
+        self.q = nn.Parameter(0.1 * torch.randn(n_out, rank))
+        self.alpha, self.rank = alpha, rank
+        with torch.no_grad():
+            rows = (self.frozen.weight + alpha / rank * self.q @ self.p).norm(dim=1)
+        self.g = nn.Parameter(rows * (1.0 + 0.3 * torch.rand(n_out)))  # trained away from 1
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        s = self.alpha / self.rank
+        effective = self.frozen.weight + s * self.q @ self.p
+        scale = self.g / effective.norm(dim=1).detach()
+        return scale * (self.frozen(x) + s * (x @ self.p.T) @ self.q.T)
+
+
 class NotLoRA(HandLoRA):
     """The same parameters, but the product is not added: a nonlinearity between the factors."""
 
@@ -39,7 +63,7 @@ class NotLoRA(HandLoRA):
 
 
 class Block(nn.Module):
-    def __init__(self, layer: type[HandLoRA], width: int = 16) -> None:
+    def __init__(self, layer: Callable[[int, int], nn.Module], width: int = 16) -> None:
         super().__init__()
         self.attn = nn.Module()
         self.attn.q_proj = layer(width, width)
@@ -59,7 +83,7 @@ class Block(nn.Module):
 
 
 class Model(nn.Module):
-    def __init__(self, layer: type[HandLoRA] = HandLoRA) -> None:
+    def __init__(self, layer: Callable[[int, int], nn.Module] = HandLoRA) -> None:
         super().__init__()
         torch.manual_seed(0)
         self.layers = nn.ModuleList(Block(layer) for _ in range(2))
@@ -78,6 +102,28 @@ def effective_weight(module: nn.Module, n_in: int) -> torch.Tensor:
         weight = (module(eye) - module(torch.zeros_like(eye)))[0].T
     module.float()
     return weight
+
+
+def as_query(layer: nn.Module) -> nn.Module:
+    """A one-layer model holding ``layer`` where the names make it a query projection."""
+    model = nn.Module()
+    model.layers = nn.ModuleList([nn.Module()])
+    model.layers[0].attn = nn.Module()
+    model.layers[0].attn.q_proj = layer
+    return model
+
+
+def check_watched_spectrum(target: Any, module: nn.Module) -> torch.Tensor:
+    """The singular values the engine computes from the target's snapshot (its products, not a
+    formed matrix) against float64 SVD of the weight the module's forward applies; returns that
+    weight."""
+    expected = effective_weight(module, target.shape[1])
+    batch = type(target).stack_batch([target])
+    k = min(target.shape) // 2
+    found = randomized_svd(batch, k).S[0].double()
+    exact = torch.linalg.svdvals(expected)[:k]
+    assert torch.allclose(found, exact, rtol=1e-4, atol=1e-6), (found, exact)
+    return expected
 
 
 def check_effective_and_update(target: Any, module: nn.Module, rows: slice = slice(None)) -> None:
@@ -154,12 +200,23 @@ def test_the_probe_leaves_the_layer_as_it_was_between_a_forward_and_its_backward
     assert layer.q.grad is not None
 
 
+def test_a_hand_made_dora_layer_stating_alpha_and_rank_is_watched_with_their_ratio() -> None:
+    """No ``scaling`` attribute: the stated scale is ``alpha / rank`` (here 6 / 3)."""
+    targets = find_targets(Model(HandDoRA))
+    q = [t for t in targets if t.role == "Q"]
+    assert len(q) == 2, [s.reason for s in targets.skipped]
+    for target in q:
+        assert isinstance(target, LowRankTarget) and target.layout.magnitude == "g"
+        assert target.layout.scale == pytest.approx(2.0, rel=1e-6)
+        check_watched_spectrum(target, target.layer_module)
+
+
 # --- torchtune --------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("dora", [False, True], ids=["LoRALinear", "DoRALinear"])
-def test_torchtune_lora_and_dora_linear(dora: bool) -> None:
-    peft = pytest.importorskip("torchtune.modules.peft")
+def torchtune_layer(peft: Any, dora: bool) -> nn.Module:
+    """torchtune's LoRALinear or DoRALinear (16 -> 12, r=3, alpha=6) as after some training:
+    B, the bias and DoRA's magnitude away from their initial values."""
     torch.manual_seed(0)
     kind = peft.DoRALinear if dora else peft.LoRALinear
     layer = kind(in_dim=16, out_dim=12, rank=3, alpha=6.0, use_bias=True)
@@ -170,11 +227,14 @@ def test_torchtune_lora_and_dora_linear(dora: bool) -> None:
         layer.initialize_dora_magnitude()
         with torch.no_grad():
             layer.magnitude.mul_(1.0 + 0.3 * torch.rand(12))
-    model = nn.Module()
-    model.layers = nn.ModuleList([nn.Module()])
-    model.layers[0].attn = nn.Module()
-    model.layers[0].attn.q_proj = layer
-    (target,) = find_targets(model)
+    return layer
+
+
+@pytest.mark.parametrize("dora", [False, True], ids=["LoRALinear", "DoRALinear"])
+def test_torchtune_lora_and_dora_linear(dora: bool) -> None:
+    peft = pytest.importorskip("torchtune.modules.peft")
+    layer = torchtune_layer(peft, dora)
+    (target,) = find_targets(as_query(layer))
     assert isinstance(target, LowRankTarget)
     assert target.parameter_name == "layers.0.attn.q_proj.weight" and target.role == "Q"
     assert target.layout.scale == pytest.approx(2.0)
@@ -185,6 +245,21 @@ def test_torchtune_lora_and_dora_linear(dora: bool) -> None:
     assert torch.allclose(batch.dense(torch.float64)[0], expected, atol=1e-5, rtol=0)
     if not dora:
         check_effective_and_update(target, layer)
+
+
+@pytest.mark.parametrize("dora", [False, True], ids=["LoRALinear", "DoRALinear"])
+def test_a_torchtune_layer_under_disable_adapter_is_watched_as_its_base(dora: bool) -> None:
+    """torchtune's ``disable_adapter`` (DPO's reference forward) sets each layer's ``disabled``:
+    the forward is then ``W_0 x + b``, and so is the watched matrix; enabled again, W_0 + s B A."""
+    peft = pytest.importorskip("torchtune.modules.peft")
+    layer = torchtune_layer(peft, dora)
+    model = as_query(layer)
+    (target,) = find_targets(model)
+    with peft.disable_adapter(model):
+        base = check_watched_spectrum(target, layer)
+    adapted = check_watched_spectrum(target, layer)
+    torch.testing.assert_close(base, layer.weight.detach().double(), rtol=0, atol=1e-6)
+    assert not torch.allclose(adapted, base, atol=1e-3)  # the update is not negligible
 
 
 def test_torchtune_lora_llama3_builder_watches_every_effective_weight() -> None:
