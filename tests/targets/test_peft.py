@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+import warnings
 from typing import Any
 
 import pytest
@@ -21,11 +22,15 @@ from lightning.pytorch import Callback, LightningModule, Trainer  # noqa: E402
 from tiny_models import RecordingLogger, quiet_trainer, read_scalars  # noqa: E402
 
 from spectral_callbacks import SpectralTracker  # noqa: E402
-from spectral_callbacks.functional import low_rank_singular_values, powerlaw_alpha  # noqa: E402
+from spectral_callbacks.functional import (  # noqa: E402
+    low_rank_singular_values,
+    powerlaw_alpha,
+    randomized_svd,
+)
 from spectral_callbacks.integrations.lightning import SpectralMonitor  # noqa: E402
 from spectral_callbacks.monitor.snapshot import group_by_shape, take_snapshot  # noqa: E402
 from spectral_callbacks.names import scalar_tag  # noqa: E402
-from spectral_callbacks.targets import find_targets, format_targets  # noqa: E402
+from spectral_callbacks.targets import TargetWarning, find_targets, format_targets  # noqa: E402
 from spectral_callbacks.targets.adapted import AdaptedTarget, DenseAdaptedTarget  # noqa: E402
 
 LLAMA_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -33,7 +38,9 @@ GPT2_MODULES = ["c_attn", "c_proj", "c_fc"]
 K = 32
 
 
-def tiny_llama(width: int = 64, layers: int = 2) -> Any:
+def tiny_llama(width: int = 64, layers: int = 2, bias: bool = False) -> Any:
+    """A tiny Llama; ``bias``: every projection with a bias, drawn away from zero as a trained
+    checkpoint's."""
     config = transformers.LlamaConfig(
         vocab_size=64,
         hidden_size=width,
@@ -41,8 +48,15 @@ def tiny_llama(width: int = 64, layers: int = 2) -> Any:
         num_hidden_layers=layers,
         num_attention_heads=4,
         num_key_value_heads=2,
+        attention_bias=bias,
+        mlp_bias=bias,
     )
-    return transformers.LlamaForCausalLM(config)
+    model = transformers.LlamaForCausalLM(config)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if name.endswith(".bias"):
+                parameter.normal_(0.0, 0.1)
+    return model
 
 
 def tiny_gpt2(width: int = 64, layers: int = 2) -> Any:
@@ -231,6 +245,75 @@ def test_every_tensor_a_batch_of_two_active_adapters_reads_is_owned_or_a_paramet
         expected = reference[(target.layer, target.role)]
         assert torch.allclose(batch.dense(torch.float64)[0], expected, atol=1e-5, rtol=0)
         assert batch.nbytes == target.snapshot_bytes()
+
+
+def forward_weight(layer: torch.nn.Module) -> torch.Tensor:
+    """The float64 (out, in) weight a tuner layer's own forward applies: f(I) - f(0), in eval mode."""
+    n = layer.get_base_layer().in_features
+    training = layer.training
+    layer.eval()
+    with torch.no_grad():
+        eye = torch.eye(n, dtype=torch.float64)
+        weight = (layer.double()(eye) - layer(torch.zeros_like(eye))).T
+    layer.float().train(training)
+    return weight
+
+
+def check_watched_spectrum(target: AdaptedTarget) -> torch.Tensor:
+    """The singular values the engine computes from the target's snapshot (products with its
+    factors, nothing formed) against float64 SVD of what the layer's forward applies; returns that."""
+    expected = forward_weight(target.layer_module)
+    k = min(target.shape) // 2
+    found = randomized_svd(target.stack_batch([target]), k).S[0].double()
+    exact = torch.linalg.svdvals(expected)[:k]
+    assert torch.allclose(found, exact, rtol=1e-4, atol=1e-6), (target.name, found, exact)
+    return expected
+
+
+def test_a_dora_adapter_active_beside_a_lora_adapter_is_refused_never_misread() -> None:
+    """PEFT adds the second adapter's update after DoRA's rescaling, which the one magnitude
+    vector of a snapshot cannot express: those layers are refused; every other is exact."""
+    torch.manual_seed(0)
+    dora = peft.LoraConfig(
+        r=8, lora_alpha=16, target_modules=LLAMA_MODULES, init_lora_weights=False, use_dora=True
+    )
+    model = peft.get_peft_model(tiny_llama(bias=True), dora, adapter_name="first")
+    lora = peft.LoraConfig(
+        r=4, lora_alpha=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False
+    )
+    model.add_adapter("second", lora)
+    model.base_model.set_adapter(["first", "second"])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        targets = find_targets(model)
+    for target in targets:  # what is watched is exact (a DoRA + LoRA layer watched is not)
+        check_watched_spectrum(target)
+    assert [(t.layer, t.role) for t in targets if t.role in ("Q", "V")] == []
+    assert any(issubclass(w.category, TargetWarning) and "DoRA" in str(w.message) for w in caught)
+    refused = [
+        s.reason for s in targets.skipped if s.parameter_name.endswith("proj.base_layer.weight")
+    ]
+    assert len(refused) == 4 and all(
+        "DoRA adapter 'first' active together with others (first, second)" in r for r in refused
+    )
+
+
+def test_a_lora_layer_under_disable_adapter_is_watched_as_its_base() -> None:
+    """PEFT's ``disable_adapter()`` (DPO's reference forward) makes each layer's forward
+    ``W_0 x + b``: so is the watched matrix, for LoRA and DoRA; enabled again, the effective one."""
+    torch.manual_seed(0)
+    for variant in ({}, {"use_dora": True}):
+        config = peft.LoraConfig(
+            r=8, lora_alpha=16, target_modules=LLAMA_MODULES, init_lora_weights=False, **variant
+        )
+        model = peft.get_peft_model(tiny_llama(bias=True), config)
+        targets = find_targets(model)
+        with model.disable_adapter():
+            bases = [check_watched_spectrum(target) for target in targets]
+        for target, base in zip(targets, bases, strict=True):
+            torch.testing.assert_close(base, target.parameter.detach().double(), rtol=0, atol=1e-6)
+            adapted = check_watched_spectrum(target)
+            assert not torch.allclose(adapted, base, atol=1e-3), target.name  # a real update
 
 
 def test_a_lora_layer_with_no_active_adapter_is_a_plain_target_with_a_nan_update_family() -> None:
