@@ -26,6 +26,7 @@ from tiny_models import RecordingLogger, TinyGPT, quiet_trainer, read_scalars, t
 from spectral_callbacks import LRBalance, SpectralTracker, balanced_param_groups
 from spectral_callbacks.functional.balance import tempbalance_factors
 from spectral_callbacks.integrations.lightning import SpectralMonitor
+from spectral_callbacks.monitor.balancer import LRBalancer
 from spectral_callbacks.monitor.options import ConfigurationError, MonitorOptions
 from spectral_callbacks.names import parse_tag, scalar_tag
 from spectral_callbacks.targets import find_targets
@@ -242,6 +243,26 @@ def test_tempbalance_factors_match_numpy_interp_in_float64() -> None:
     with_nan = torch.cat([alpha[:3], torch.tensor([math.nan], dtype=torch.float64)])
     factors = tempbalance_factors(with_nan, low=0.5, high=1.5)
     assert factors[3] == 1.0 and factors[:3].min() == 0.5 and factors[:3].max() == 1.5
+
+
+def test_a_failed_fit_leaves_every_factor_as_it_was() -> None:
+    """A NaN or infinite ESD α (a fit that failed at one snapshot) is no news: every unit keeps
+    its latest α and factor. Taken as that unit's α, it would reset its factor to 1 and move the
+    band's end for every other unit."""
+    model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16))
+    targets = find_targets(model)
+    balancer = LRBalancer(LRBalance(), model, targets, "test")
+    alphas = {t.name: 2.0 + 0.25 * i for i, t in enumerate(targets)}
+    assert balancer.update({name: {"esd_alpha": alpha} for name, alpha in alphas.items()})
+    before = list(balancer.factors)
+    # The failed fits hit the units at both ends of the band: the case where the others move.
+    ends = [targets[0].name, targets[-1].name]
+    assert [balancer.factor_of(name) for name in ends] == [min(before), max(before)]
+    assert min(before) < max(before)
+    failed = {ends[0]: {"esd_alpha": math.nan}, ends[1]: {"esd_alpha": math.inf}}
+    changed = balancer.update(failed)
+    assert balancer.factors == before
+    assert balancer.alpha == alphas and not changed
 
 
 def test_a_param_group_mixing_a_watched_matrix_is_refused_in_one_line() -> None:
