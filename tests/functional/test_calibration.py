@@ -40,6 +40,30 @@ def test_a_candidates_fastest_round_counts() -> None:
     assert next(rounds) == 0.3  # the third round was not run
 
 
+def test_a_preempted_last_run_does_not_decide_the_method() -> None:
+    # Two close rounds (no clear verdict), then randomized's third run is preempted (10x its
+    # time): its fastest run still counts, so randomized is kept and runs from then on.
+    runs = {"randomized": iter([0.10, 0.10, 1.0]), "gram": iter([0.15, 0.15, 0.15])}
+    calls: list[str] = []
+
+    def measure(run: Callable[[str], Any], method: str) -> tuple[float, Any]:
+        calls.append(method)
+        return next(runs[method]), run(method)
+
+    calibration = MethodCalibration(measure)
+    W = _flat(1536, 512)
+    first = randomized_svd(W, 32, calibration=calibration)
+    (key,) = calibration.chosen
+    assert calibration.chosen[key] == "randomized"
+    assert calibration.seconds[key] == {"randomized": 0.10, "gram": 0.15}
+    assert sorted(calls) == ["gram"] * 3 + ["randomized"] * 3
+    again = randomized_svd(W, 32, calibration=calibration)
+    assert len(calls) == 6  # the kept choice: nothing timed again
+    exact = torch.linalg.svdvals(W.double())[:32]
+    for top in (first, again):
+        assert torch.allclose(top.S.double(), exact, rtol=1e-2)
+
+
 def test_close_rounds_run_to_the_limit_and_a_clear_first_round_ends_at_once() -> None:
     close = iter([0.3, 0.2, 0.25, 0.21, 0.2, 0.22, "unused"])
     calibration = MethodCalibration(lambda run, method: (next(close), run(method)))
