@@ -26,6 +26,7 @@ from unhelpful_model import Unhelpful
 from spectral_callbacks import SpectralTracker
 from spectral_callbacks.monitor.options import ConfigurationError
 from spectral_callbacks.targets import PartialTargetWarning, find_targets
+from spectral_callbacks.targets.first_forward import FirstForward
 
 VOCAB = 64
 
@@ -213,6 +214,30 @@ def test_a_plain_loop_waits_for_the_first_forward_and_snapshots_the_initial_weig
     tracker.close()
     for tag, value in initial.items():
         assert logger.series(tag)[0] == pytest.approx(value, rel=1e-5), tag
+
+
+def test_a_first_forward_that_raises_leaves_no_hook_and_no_recording_behind() -> None:
+    """The first forward raises halfway (an out-of-memory error in the second block, after the
+    first block's attention was recorded): the recording ends and every hook is removed with it,
+    the roles are not read from a partial forward, and a later forward is not recorded."""
+    torch.manual_seed(0)
+    model = Unhelpful(vocab=VOCAB, layers=2)
+    found: list[Any] = []
+    watch = FirstForward(model, found.append)
+
+    def out_of_memory(module: nn.Module, args: Any) -> None:
+        raise torch.OutOfMemoryError("CPU out of memory (simulated)")
+
+    failing = model.z["q"].register_forward_pre_hook(out_of_memory)
+    with pytest.raises(torch.OutOfMemoryError):
+        model(tokens())
+    failing.remove()
+    assert not watch.recording and watch.done
+    # torch's own registries: no hook of the watch or of its recording, no function mode pushed
+    assert [m for m in model.modules() if m._forward_hooks or m._forward_pre_hooks] == []
+    assert torch._C._len_torch_function_stack() == 0
+    model(tokens())
+    assert found == []
 
 
 def test_a_model_the_names_read_is_watched_at_construction_and_checked_by_the_forward(
