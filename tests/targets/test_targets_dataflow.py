@@ -337,6 +337,42 @@ def test_a_projection_written_as_einsum_is_followed(stored: str) -> None:
     assert {found.sources[t.name] for t in queries} == {"data flow"}
 
 
+def test_a_weight_cast_to_the_activations_dtype_is_followed() -> None:
+    """Weights stored in bf16 and cast to the activations' dtype in the forward,
+    ``F.linear(x, W.to(x.dtype), b.to(x.dtype))``: the cast is still the weight, so the roles of
+    these unnamed projections come from the forward as for a plain Linear."""
+
+    class CastProjection(nn.Linear):
+        def __init__(self) -> None:
+            super().__init__(16, 16, dtype=torch.bfloat16)  # the default init: a nonzero bias
+
+        def forward(self, h: torch.Tensor) -> torch.Tensor:
+            return F.linear(h, self.weight.to(h.dtype), self.bias.to(h.dtype))
+
+    torch.manual_seed(0)
+    model = _interleaved()
+    for entry in (0, 2, 4):
+        for name in "xyzw":
+            setattr(model[entry], name, CastProjection())
+    x = torch.randn(1, 5, 16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", PartialTargetWarning)
+        found = find_targets(model, example_input=x)
+    attention = [t for t in found if t.role in ("Q", "K", "V", "O")]
+    assert [(t.layer, t.role, t.parameter_name) for t in attention] == [
+        (layer, role, f"{entry}.{name}.weight")
+        for layer, entry in enumerate((0, 2, 4))
+        for role, name in zip("QKVO", "xyzw", strict=True)
+    ]
+    assert {found.sources[t.name] for t in attention} == {"data flow"}
+    for t in attention:  # the matrix the forward multiplies by, in the dtype it is stored in
+        projection = model.get_submodule(t.parameter_name.rpartition(".")[0])
+        assert t.matrix().dtype == torch.bfloat16
+        torch.testing.assert_close(
+            F.linear(x, t.matrix().float(), projection.bias.float()), projection(x)
+        )
+
+
 def test_multi_head_attention_is_read_from_its_arguments() -> None:
     layer = nn.TransformerDecoderLayer(16, 2, 32, batch_first=True)
     model = nn.TransformerDecoder(layer, 2)
