@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import math
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 from gpt import GPT, GPTConfig
 
 from spectral_callbacks.monitor.options import ConfigurationError
@@ -240,6 +242,34 @@ def test_layouts_that_are_not_read_are_refused_naming_the_layer() -> None:
         pytest.raises(ConfigurationError, match="circuits: no attention layer could be read"),
     ):
         SpectralTracker(example_gpt("tpa"), writers=[Recorder()], circuits=True)
+
+
+@pytest.mark.parametrize("how", ["fsdp", "tp"])
+def test_sharded_q_k_v_o_are_refused_naming_the_layer(tmp_path: Path, how: str) -> None:
+    """A DTensor holds a shard of each matrix on each rank (FSDP2 rows, tensor parallel heads):
+    the circuits are never read from a local shard as if it were the layer. One rank and a
+    one-device mesh are enough to make the DTensors the check reads."""
+    import sharded_models
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dist.init_process_group(
+        "gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1
+    )
+    try:
+        model = sharded_models.TinyTPGPT(d=32, heads=4, fused=False)
+        sharded_models.shard(model, how, init_device_mesh("cpu", (1,)))
+        targets = find_targets(model)
+        assert {type(t.parameter).__name__ for t in targets if t.role == "Q"} == {"DTensor"}
+        with (
+            pytest.warns(PartialTargetWarning, match=r"layer 1 \(layers.1.attention\): sharded"),
+            pytest.raises(
+                TargetError,
+                match=r"layer 0 \(layers.0.attention\): sharded \(DTensor\) weights are not gathered",
+            ),
+        ):
+            find_circuits(model, targets)
+    finally:
+        dist.destroy_process_group()
 
 
 def test_a_head_count_the_modules_lack_is_given_by_pattern() -> None:
