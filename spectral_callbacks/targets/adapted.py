@@ -21,7 +21,7 @@ snapshot is taken (an ``m x n`` copy per matrix, on the training thread) and dec
 rotate it; IA3 scales it) are refused in one line naming the layer type.
 
 A LoRA layer over a bitsandbytes 4-/8-bit base (QLoRA) has its base dequantized at each snapshot
-by the library's own functions (:func:`dequantizer`): an ``m x n`` copy, like a dense matrix.
+by the library's own functions (``targets/quantized.py``): an ``m x n`` copy, like a dense matrix.
 Other quantized bases are refused in one line naming the layer type.
 
 Nothing here imports ``peft``: a tuner layer is recognized by what it has (``base_layer``,
@@ -30,10 +30,8 @@ Nothing here imports ``peft``: a tuner layer is recognized by what it has (``bas
 
 from __future__ import annotations
 
-import copy
 import inspect
-import sys
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -42,7 +40,12 @@ from torch import nn
 
 from spectral_callbacks.functional.delta import DenseUpdateMatrices
 from spectral_callbacks.functional.lowrank import AdaptedMatrices
-from spectral_callbacks.targets.errors import TargetError
+from spectral_callbacks.targets.quantized import (
+    dequantized_dtype,
+    dequantizer,
+    quantized_base,
+    whole_matrix,
+)
 from spectral_callbacks.targets.target import Target
 
 if TYPE_CHECKING:
@@ -54,8 +57,6 @@ __all__ = [
     "DenseAdaptedTarget",
     "adapt",
     "is_tuner_layer",
-    "dequantizer",
-    "quantized_base",
     "unsupported_reason",
 ]
 
@@ -65,23 +66,6 @@ __all__ = [
 #: ``merge_and_unload()`` in tests/targets/test_peft.py. (LoRA itself is read as factors.)
 ADDITIVE_TUNERS = frozenset(
     {"loha", "lokr", "adalora", "vera", "randlora", "vblora", "fourierft", "c3a", "shira"}
-)
-
-# Layer and weight classes of quantization libraries (bitsandbytes, HQQ, GPTQ, AWQ): a weight
-# stored packed, whose matrix only a dequantization gives.
-_QUANTIZED_CLASSES = frozenset(
-    {
-        "Linear4bit",
-        "LinearNF4",
-        "LinearFP4",
-        "Linear8bitLt",
-        "Params4bit",
-        "Int8Params",
-        "HQQLinear",
-        "QuantLinear",
-        "WQLinear_GEMM",
-        "WQLinear_GEMV",
-    }
 )
 
 
@@ -115,66 +99,6 @@ def _active(layer: Any) -> list[str]:
         return [name for name in layer.active_adapters if name in layer.lora_A]
     stores = [getattr(layer, store, {}) for store in getattr(layer, "adapter_layer_names", ())]
     return [name for name in layer.active_adapters if any(name in store for store in stores)]
-
-
-def quantized_base(module: nn.Module) -> str | None:
-    """``"Linear4bit, weight uint8"`` when ``module`` holds its weight quantized, else ``None``.
-
-    Known by the class of the layer or of its weight (bitsandbytes ``Linear4bit``/``Params4bit``,
-    ``Linear8bitLt``/``Int8Params``, HQQ, GPTQ, AWQ), or by a weight that is not floating point or
-    is a one-byte float (float8 with a scale kept elsewhere).
-    """
-    weight = getattr(module, "weight", None)
-    classes = {cls.__name__ for cls in type(module).__mro__}
-    if isinstance(weight, torch.Tensor):
-        classes |= {cls.__name__ for cls in type(weight).__mro__}
-        packed = not weight.is_floating_point() or weight.element_size() == 1
-    else:
-        packed = False
-    if not (classes & _QUANTIZED_CLASSES or packed):
-        return None
-    dtype = str(weight.dtype).removeprefix("torch.") if isinstance(weight, torch.Tensor) else "-"
-    return f"{type(module).__name__}, weight {dtype}"
-
-
-def dequantizer(module: nn.Module) -> Callable[[], torch.Tensor] | None:
-    """How to read the matrix of a quantized layer, where its library offers it on the weight's
-    device, else ``None``: bitsandbytes 4-bit (``dequantize_4bit`` with the weight's
-    ``quant_state``, NF4 or FP4) and 8-bit (``int8_vectorwise_dequant`` with its row scales
-    ``SCB``). The library is the one the model already imported (never imported here)."""
-    weight: Any = getattr(module, "weight", None)
-    if (
-        not isinstance(weight, torch.Tensor)
-        or type(weight).__module__.partition(".")[0] != "bitsandbytes"
-    ):
-        return None
-    functional: Any = sys.modules.get("bitsandbytes.functional")
-    if getattr(weight, "quant_state", None) is not None and hasattr(functional, "dequantize_4bit"):
-
-        def four_bit() -> torch.Tensor:
-            data, state = weight.data, weight.quant_state  # type: ignore[attr-defined]
-            if getattr(state, "packing_format_for_cpu", False):
-                # The CPU backend repacks a 4-bit weight at its first forward in eval mode; undo
-                # that as bitsandbytes' own modules do, on a copy of the state (the inverse
-                # rewrites the state it is given, which the layer's forward goes on using).
-                unpack = functional._convert_weight_packed_for_cpu_inverse
-                data, state = unpack(data, copy.copy(state))
-            return functional.dequantize_4bit(data, state)
-
-        return four_bit
-    if weight.dtype == torch.int8 and hasattr(functional, "int8_vectorwise_dequant"):
-
-        def eight_bit() -> torch.Tensor:
-            # The row scales sit on the weight until the first forward moves them to the state.
-            scales = getattr(weight, "SCB", None)
-            if scales is None:
-                scales = getattr(getattr(module, "state", None), "SCB", None)
-            if scales is None:
-                raise RuntimeError(f"{type(module).__name__} has no row scales (SCB) to dequantize")
-            return functional.int8_vectorwise_dequant(weight.data, scales)
-
-        return eight_bit
-    return None
 
 
 def unsupported_reason(layer: nn.Module) -> str | None:
@@ -322,10 +246,7 @@ class AdaptedTarget(Target):
         read = dequantizer(lora.get_base_layer())
         if read is not None:  # a quantized base: its matrix, dequantized (a dense copy)
             # Counting (dequantize=False) takes the copy's size from a meta tensor, not a read.
-            state = getattr(self.parameter, "quant_state", None)
-            packed = getattr(state, "packing_format_for_cpu", False)  # see dequantizer()
-            # 8-bit has no state: int8_vectorwise_dequant gives float32
-            dtype = getattr(state, "original_dtype" if packed else "dtype", None) or torch.float32
+            dtype = dequantized_dtype(lora.get_base_layer())
             base = copy(
                 read() if dequantize else torch.empty(self.shape, dtype=dtype, device="meta")
             )
@@ -548,14 +469,5 @@ def adapt(target: Target, modules: Mapping[str, nn.Module]) -> Target:
     fields = target.fields()
     base = layer.get_base_layer()  # type: ignore[operator]
     if quantized_base(base) is not None:
-        # The rules saw the packed storage: the matrix is (out_features, in_features), whole.
-        rows = target.rows
-        whole = rows.start == 0 and rows.stop in (None, target.parameter.shape[0])
-        if not whole or rows.groups != 1 or rows.transposed:
-            raise TargetError(
-                f"{target.name}: a part of a quantized weight cannot be watched (only whole "
-                "quantized matrices are dequantized); leave it out with exclude="
-            )
-        fields["shape"] = (int(base.out_features), int(base.in_features))
-        fields["rows"] = type(rows)()
+        fields = whole_matrix(target, base)
     return kind(**fields, layer_module=layer, adapters=tuple(_active(layer)), rank=rank)

@@ -47,6 +47,7 @@ from spectral_callbacks.targets.matching import (
     matches,
     reason_not_matched,
 )
+from spectral_callbacks.targets.quantized import watch_quantized
 from spectral_callbacks.targets.reconcile import NAMES, Reconciled, reconcile
 from spectral_callbacks.targets.roles import FlowMap, discover_roles
 from spectral_callbacks.targets.rules import Context, Skip
@@ -216,9 +217,10 @@ def find_targets(
             unwatched_experts_message(unwatched_experts), category=UnwatchedExpertWarning
         )
     # A tuner layer's base weight becomes an adapted target (its effective weight, its update),
-    # as does a verified LoRA-style layer's of another library (targets/lowrank.py).
+    # as does a verified LoRA-style layer's of another library (targets/lowrank.py); a quantized
+    # layer's weight a dequantized one (targets/quantized.py).
     kept = [
-        adapt_lowrank(adapt(target, modules), modules)
+        watch_quantized(adapt_lowrank(adapt(target, modules), modules), modules)
         for target in _number_layers(candidates, chosen)
     ]
 

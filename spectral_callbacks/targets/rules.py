@@ -30,9 +30,10 @@ from dataclasses import dataclass, replace
 import torch
 from torch import nn
 
-from spectral_callbacks.targets.adapted import is_tuner_layer, quantized_base, unsupported_reason
+from spectral_callbacks.targets.adapted import is_tuner_layer, unsupported_reason
 from spectral_callbacks.targets.experts import listed_expert
 from spectral_callbacks.targets.lowrank import Layout, lowrank_role
+from spectral_callbacks.targets.quantized import unreadable_reason
 from spectral_callbacks.targets.target import Rows, Skip, check_role
 
 
@@ -384,15 +385,14 @@ def _feed_forward_w1(ctx: Context) -> Decision:
 
 
 def _quantized(ctx: Context) -> Skip | None:
-    """The built-in rule for a weight stored quantized (bitsandbytes 4-/8-bit, HQQ, GPTQ, AWQ) that
-    no adapter wraps: its packed storage is not the matrix, and only a LoRA layer's base is
-    dequantized per snapshot (warned about, since it looks like a target)."""
-    reason = quantized_base(ctx.modules[0])
+    """The built-in rule for a weight stored quantized that no adapter wraps: a bitsandbytes
+    4-/8-bit weight maps by the rules of its name and is dequantized per snapshot
+    (``targets/quantized.py``); a format without a public dequantization (HQQ, GPTQ, AWQ, float8
+    storage) is refused (warned about, since it looks like a target)."""
+    reason = unreadable_reason(ctx.modules[0])
     if reason is None or any(is_tuner_layer(module) for module in ctx.modules[1:]):
         return None  # a tuner layer's base: _adapter_part decided (dequantized, or refused)
-    return Skip(
-        f"quantized layer ({reason}): not watched (not dequantized per snapshot)", warn=True
-    )
+    return Skip(reason, warn=True)
 
 
 # A cross-attention module is written like the block's self-attention under another name: its

@@ -1054,7 +1054,7 @@ def qlora_llama(bnb: Any) -> Any:
 
 
 def test_a_real_bitsandbytes_qlora_model_is_read_through_its_dequantized_bases() -> None:
-    # bitsandbytes is not a dependency; where it is installed, the QLoRA setup itself.
+    # The QLoRA setup itself (bitsandbytes is in [dev]; its CPU backend quantizes here).
     bnb = pytest.importorskip("bitsandbytes")
     config = peft.LoraConfig(
         r=4, target_modules=["q_proj", "gate_proj", "v_proj"], init_lora_weights=False
@@ -1118,9 +1118,11 @@ def test_a_real_bitsandbytes_qlora_model_is_read_through_its_dequantized_bases()
         return {t.name: _exact(independent(t.layer_module)) for t in watched}
 
     logger, expected_at = RecordingLogger(), {}
+    # Roles by the names: what the recorded forward reads of these hand-built layers is
+    # test_roles_from_the_forward_of_hand_built_bitsandbytes_layers's.
     tracker = SpectralTracker(
         qlora, writers=[logger], every_n_steps=5, log_spaced_until=0, figures=False,
-        synchronous=True,
+        synchronous=True, roles_from_first_forward=False,
     )  # fmt: skip
     expected_at[0] = exact()
     optimizer = torch.optim.AdamW([p for p in qlora.parameters() if p.requires_grad], lr=1e-2)
@@ -1142,6 +1144,28 @@ def test_a_real_bitsandbytes_qlora_model_is_read_through_its_dequantized_bases()
             assert value == pytest.approx(stable_rank, rel=0.01), (target.name, step)
             assert alphas[step] == pytest.approx(alpha, abs=0.02), (target.name, step)
     assert expected_at[10] != expected_at[0]  # the adapters trained
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="the recorded forward does not see a bitsandbytes layer's weight (its kernel multiplies "
+    "by a dequantized copy): q is read from the LoRA factor lora_B, the second layer's attention "
+    "is not followed, and both layers are numbered 0",
+)
+def test_roles_from_the_forward_of_hand_built_bitsandbytes_layers() -> None:
+    bnb = pytest.importorskip("bitsandbytes")
+    config = peft.LoraConfig(
+        r=4, target_modules=["q_proj", "gate_proj", "v_proj"], init_lora_weights=False
+    )
+    qlora = peft.get_peft_model(qlora_llama(bnb), config)
+    tracker = SpectralTracker(qlora, figures=False, synchronous=True)
+    batch = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
+    qlora(input_ids=batch, labels=batch).loss.backward()  # the recorded first forward
+    tracker.step(1)
+    tracker.close(1)
+    assert sorted((t.layer, t.role) for t in tracker.targets) == sorted(
+        (t.layer, t.role) for t in find_targets(qlora)
+    )
 
 
 def test_an_older_loha_without_apply_rank_dropout_is_read_without_rank_dropout(
