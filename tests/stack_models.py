@@ -49,12 +49,18 @@ PLAIN = ("MLP_up", "MLP_down")
 # --- torchtitan -------------------------------------------------------------------------------
 
 
-def titan_llama3(fuse_qkv: bool = True, layers: int = 2) -> StackModel:
+def titan_llama3(fuse_qkv: bool = True, layers: int = 2, flex: bool = False) -> StackModel:
     """torchtitan Llama 3 (``Llama3Model``) with grouped K/V: ``qkv_linear.wqkv`` fused per K/V
-    group as ``[q x heads/kv_heads; k; v]`` (its default), or ``wq``/``wk``/``wv``."""
+    group as ``[q x heads/kv_heads; k; v]`` (its default), or ``wq``/``wk``/``wv``. ``flex``:
+    its own language-model attention, compiled FlexAttention with the block-causal mask of the
+    positions (the forward builds it as torchtitan's trainer does), instead of SDPA."""
     from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm
     from torchtitan.models.common.attention import ScaledDotProductAttention
-    from torchtitan.models.common.config_utils import make_ffn_config, make_gqa_config
+    from torchtitan.models.common.config_utils import (
+        get_attention_config,
+        make_ffn_config,
+        make_gqa_config,
+    )
     from torchtitan.models.llama3 import Llama3Model, Llama3TransformerBlock
 
     dim, heads, kv_heads, hidden = 64, 4, 2, 96
@@ -70,7 +76,9 @@ def titan_llama3(fuse_qkv: bool = True, layers: int = 2) -> StackModel:
                 n_kv_heads=kv_heads,
                 wqkv_param_init=init,
                 wo_param_init=init,
-                inner_attention=ScaledDotProductAttention.Config(),
+                inner_attention=(
+                    get_attention_config("flex") if flex else ScaledDotProductAttention.Config()
+                ),
                 fuse_qkv=fuse_qkv,
                 rope=rope,
             ),
@@ -91,7 +99,15 @@ def titan_llama3(fuse_qkv: bool = True, layers: int = 2) -> StackModel:
     model = config.build()
     model.init_states()
     name = "torchtitan llama3 " + ("fused wqkv" if fuse_qkv else "wq/wk/wv")
-    return StackModel(name, model, model, _roles(layers, ATTENTION + GATED))
+    if not flex:
+        return StackModel(name, model, model, _roles(layers, ATTENTION + GATED))
+
+    def forward(tokens: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(tokens.shape[-1]).expand(tokens.shape)  # one document per row
+        out: torch.Tensor = model(tokens, positions, model.get_attention_masks(positions))
+        return out
+
+    return StackModel(name + " flex", model, forward, _roles(layers, ATTENTION + GATED))
 
 
 def titan_deepseek_v3(layers: int = 3, experts: int = 4) -> StackModel:

@@ -33,6 +33,7 @@ Example::
 
 from __future__ import annotations
 
+import functools
 import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
@@ -466,6 +467,26 @@ class _RecordingMode(TorchFunctionMode):
         return out
 
 
+@functools.cache
+def _handler_never_compiled() -> None:
+    """Keep dynamo from compiling :class:`_RecordingMode`'s handler as a frame of its own.
+
+    Where a compiled function falls back to eager for part of its code (``flex_attention``
+    raising on the CPU, a graph break), dynamo compiles the frames that code calls, the mode's
+    handler among them, as graphs of their own; so compiled, a handler that asks
+    ``torch.compiler.is_compiling()`` returns a wrong value (torch 2.13: FlexAttention's
+    ``query.dim()`` came back ``False``). Skipped as a root frame, the handler runs as the Python
+    it is, as in any eager code; dynamo still inlines it where it traces a compiled region (where
+    it records nothing). ``torch._dynamo`` is imported here, at the first recording, not with the
+    package.
+    """
+    import torch._dynamo.eval_frame as eval_frame
+
+    skip_code = getattr(eval_frame, "skip_code", None)
+    if skip_code is not None:
+        skip_code(_RecordingMode.__torch_function__.__code__)
+
+
 @contextmanager
 def record(model: nn.Module, *, running: nn.Module | None = None) -> Iterator[Recording]:
     """Record the forward passes run inside the ``with`` block (normally exactly one).
@@ -475,6 +496,7 @@ def record(model: nn.Module, *, running: nn.Module | None = None) -> Iterator[Re
     ``running``: a module whose call is already under way (a recording started from its own
     pre-hook, while torch walks that module's hooks): it gets none.
     """
+    _handler_never_compiled()
     recording = Recording(model)
     handles = []
     for name, module in model.named_modules():
