@@ -26,7 +26,7 @@ its base. A verified one is watched through the adapted path (:class:`LowRankTar
 :class:`~spectral_callbacks.targets.adapted.AdaptedTarget`): its effective weight
 ``W_0 + U A`` (or DoRA's) decomposed from the factors, and the update ``U A`` with its own exact
 spectrum. A layer that says it is ``merged`` (litgpt) holds the update in its base; one that says
-it is ``disabled`` (torchtune) adds none.
+it is ``disabled`` (torchtune) adds none, and is verified with its adapter on.
 
 Example::
 
@@ -227,8 +227,15 @@ def _verify(
     tensors = {name: module.get_parameter(name).detach() for name in (base, bias) if name}
     tensors.update(probe)
     was_training = module.training
+    # A layer found while its adapter is off (torchtune's disable_adapter, a DPO reference
+    # forward) shows no update; the layout is the adapter's, so the probe runs with it on. Each
+    # snapshot reads the flag again (LowRankTarget._snapshot).
+    disabled = getattr(module, "disabled", None) is True
+    flagged: Any = module  # the flag is an attribute nn.Module's type does not declare
     try:
         module.eval()
+        if disabled:
+            flagged.disabled = False
         with torch.no_grad():
             x = random((1, 2 * rank + 8, n), 1.0)
             y = torch.func.functional_call(module, probe, (x,))
@@ -250,6 +257,8 @@ def _verify(
         return f"{kind}: its forward could not be probed ({type(error).__name__}: {error}); not watched"
     finally:
         module.train(was_training)
+        if disabled:
+            flagged.disabled = True
 
 
 def _formula(layout: Layout, tensors: Mapping[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:

@@ -262,6 +262,29 @@ def test_a_torchtune_layer_under_disable_adapter_is_watched_as_its_base(dora: bo
     assert not torch.allclose(adapted, base, atol=1e-3)  # the update is not negligible
 
 
+@pytest.mark.parametrize("dora", [False, True], ids=["LoRALinear", "DoRALinear"])
+def test_a_torchtune_layer_found_under_disable_adapter_is_verified_as_an_adapter(
+    dora: bool,
+) -> None:
+    """Found while disabled (a tracker built inside DPO's reference forward), the layer's
+    forward shows no update; it is verified with its adapter on, so it is watched as the base
+    while disabled and as W_0 + s B A once enabled, not refused for the life of the module."""
+    peft = pytest.importorskip("torchtune.modules.peft")
+    layer = torchtune_layer(peft, dora)
+    model = as_query(layer)
+    model.layers[0].attn.k_proj = nn.Linear(16, 12)  # a refused query still leaves a target
+    with peft.disable_adapter(model):
+        targets = find_targets(model)
+        assert [t.role for t in targets] == ["Q", "K"], [s.reason for s in targets.skipped]
+        target = targets[0]
+        assert isinstance(target, LowRankTarget) and target.layout.scale == pytest.approx(2.0)
+        base = check_watched_spectrum(target, layer)
+        assert layer.disabled
+    torch.testing.assert_close(base, layer.weight.detach().double(), rtol=0, atol=1e-6)
+    adapted = check_watched_spectrum(target, layer)
+    assert not torch.allclose(adapted, base, atol=1e-3)
+
+
 def test_torchtune_lora_llama3_builder_watches_every_effective_weight() -> None:
     pytest.importorskip("torchtune")
     stack = stack_models.tune_lora_llama3()
