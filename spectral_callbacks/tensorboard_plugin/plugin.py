@@ -27,9 +27,9 @@ Lines carry at most ``max_points`` points per series (default 2,000; first, last
 of each bucket kept), heatmaps at most ``max_columns`` columns (default 400). Scalars are read
 only through ``context.data_provider`` (see ``source.py``). Bad parameters answer HTTP 400 with
 a one-line message saying what to pass: a malformed value, a run the logdir does not hold, or a
-metric, stack, layer or role that none of the runs asked for logged (the message lists what they
-did log). A combination of logged values with no series (a metric logged at some layers only) is
-an empty answer, which the page says in the view.
+metric, stack, layer or role that none of the runs asked for logged at all (the message lists
+what they did log). Values each logged but without a series together (the role ``Q`` of a
+circuit metric) are an empty answer, which the page says in the view.
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ import mimetypes
 import posixpath
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
+from typing import NoReturn
 
 import pandas as pd
 from tensorboard import errors, plugin_util
@@ -253,8 +254,9 @@ class SpectralPlugin(base_plugin.TBPlugin):
 
         Raises:
             errors.InvalidArgumentError: a run the logdir does not hold, or a metric, stack,
-                layer or role that none of ``runs`` logged (the answer lists those they did);
-                a combination of logged ones that has no series is no error (an empty view).
+                layer or role that none of ``runs`` logged at all (the answer lists those they
+                did); values each logged but without a series together are no error (an empty
+                view).
         """
         directory = self._source.directory(*_where(request), runs)
         unknown = [run for run in runs if run not in directory]
@@ -269,7 +271,7 @@ class SpectralPlugin(base_plugin.TBPlugin):
             for run, of_run in series.items()
         }
         if not any(wanted.values()):
-            _check_logged(directory, runs, series, metric, layer, role, stack, heads)
+            _check_logged(directory, runs, metric, layer, role, stack, heads)
         return wanted
 
     def _at_step(
@@ -323,7 +325,6 @@ def _at(parsed: SpectralTag, layer: int | None, role: str | None, stack: str | N
 def _check_logged(
     directory: Mapping[str, Iterable[str]],
     runs: list[str],
-    series: Mapping[str, Mapping[str, SpectralTag]],
     metric: str,
     layer: int | None,
     role: str | None,
@@ -331,50 +332,36 @@ def _check_logged(
     heads: bool,
 ) -> None:
     """Raise ``InvalidArgumentError`` for the first of ``metric``, ``stack``, ``layer``, ``role``
-    that none of ``runs`` logged, listing the values they did log (a view asked for nothing
-    that exists, not a view of an empty series)."""
-    found = [p for of_run in series.values() for p in of_run.values()]
-    named = "the ticked runs" if len(runs) > 1 else f"run {runs[0]!r}"
-    if not found:
-        logged = {
-            p.metric
-            for run in runs
-            for p in map(parse_tag, directory[run])
-            if p is not None and p.layer is not None and (p.head is not None) == heads
-        }
-        if not heads and "stable_rank" in logged:
-            logged.add("compression")
+    that none of ``runs`` logged at all, listing the values they did log: a request for what
+    does not exist, not a view of an empty series. Values each logged, but not together (Q of a
+    circuit metric, a metric logged at some layers only), are no error: the view says it is empty.
+    """
+    logged = [
+        p
+        for run in runs
+        for p in map(parse_tag, directory[run])
+        if p is not None and p.layer is not None and p.expert is None
+    ]
+    named = "the runs asked for" if len(runs) > 1 else f"run {runs[0]!r}"
+    metrics = {p.metric for p in logged if (p.head is not None) == heads}
+    if not heads and "stable_rank" in metrics:
+        metrics.add("compression")  # computed from the stable rank
+    if metric not in metrics:
         what = "a per-head metric (circuits=True)" if heads else "a metric"
-        raise errors.InvalidArgumentError(
-            f"`metric` must be {what} {named} logged ({', '.join(sorted(logged)) or 'none'}), "
-            f"got {metric!r}"
-        )
-    if stack:  # a run of one stack is in every stack
-        found = _narrowed(found, "stack", stack, lambda p: _of(p, stack), named, metric)
-    if layer is not None:
-        found = _narrowed(found, "layer", layer, lambda p: p.layer == layer, named, metric)
-    if role is not None:
-        _narrowed(found, "role", role, lambda p: p.role == role, named, metric)
+        _refuse("metric", metric, f"{what} {named} logged", metrics)
+    if stack and not any(_of(p, stack) for p in logged):
+        _refuse("stack", stack, f"a stack of {named}", {p.stack for p in logged})
+    in_stack = [p for p in logged if stack is None or _of(p, stack)]
+    if layer is not None and layer not in {p.layer for p in in_stack}:
+        _refuse("layer", layer, f"a layer of {named}", {str(p.layer) for p in in_stack})
+    if role is not None and role not in {p.role for p in logged}:
+        _refuse("role", role, f"a role of {named}", {p.role for p in logged})
 
 
-def _narrowed(
-    found: list[SpectralTag],
-    name: str,
-    value: object,
-    keep: Callable[[SpectralTag], bool],
-    named: str,
-    metric: str,
-) -> list[SpectralTag]:
-    """The series of ``found`` that ``keep`` accepts; none: ``InvalidArgumentError`` naming the
-    ``name`` (stack, layer, role) and the values ``found`` has."""
-    kept = [p for p in found if keep(p)]
-    if not kept:
-        logged = sorted({str(getattr(p, name)) for p in found} - {""}, key=_natural)
-        raise errors.InvalidArgumentError(
-            f"`{name}` must be a {name} where {named} logged {metric} "
-            f"({', '.join(logged) or 'none'}), got {value!r}"
-        )
-    return kept
+def _refuse(name: str, value: object, allowed: str, logged: Iterable[str]) -> NoReturn:
+    """``InvalidArgumentError``: "`name` must be <allowed> (<logged>), got <value!r>"."""
+    listed = ", ".join(sorted(set(logged) - {""}, key=_natural)) or "none"
+    raise errors.InvalidArgumentError(f"`{name}` must be {allowed} ({listed}), got {value!r}")
 
 
 def _natural(text: str) -> tuple[int, str]:
