@@ -3,7 +3,8 @@
 A checkpointed forward frees each block's activations as it goes (and recomputes them in the
 backward); a record that held them, or held them in reference cycles only the cyclic collector
 frees, would keep them all. The bytes of tensors alive are counted (every tensor object the
-interpreter tracks, deduplicated by storage) with the cyclic collector off, inside the forward
+interpreter tracks, deduplicated by storage: what a record could hold) with the cyclic collector
+off, inside the forward
 (before the head), at its end and after the backward, with the tracker reading the roles from the
 forward and without one.
 """
