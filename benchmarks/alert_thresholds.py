@@ -39,6 +39,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+import smoke  # noqa: E402
 from data import RandomWindows, load_bytes  # noqa: E402
 from gpt import GPT, GPTConfig  # noqa: E402
 
@@ -283,7 +284,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--quick", action="store_true", help="--shape quick: 2 x 64, 150 steps")
     parser.add_argument("--runs", nargs="+", metavar="DIR", help="read logged runs, train nothing")
     parser.add_argument("--threads", type=int, default=1)
-    args = parser.parse_args(argv)
+    args = smoke.parse_args(
+        parser, argv, quick=True, steps=30, spike_step=15, spike_steps=3, after=5, window=10
+    )
     torch.set_num_threads(args.threads)
     options, spike_step, after = SHAPES["quick" if args.quick else args.shape]
     after = after if args.after is None else args.after

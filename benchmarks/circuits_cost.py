@@ -19,8 +19,8 @@ the SVD method, is shown apart):
 Also the circuits alone, timed directly: the copy (``HeadCircuit.stack_batch``) and their compute
 (``CircuitBatch.circuit_metrics``), for the 144 heads.
 
-Run: ``python benchmarks/circuits_cost.py`` (about a minute on one idle core); ``--layers 2
---width 128`` for a smoke test.
+Run: ``python benchmarks/circuits_cost.py`` (about a minute on one idle core); ``--smoke``: 2 layers
+x 64, 4 heads, in seconds.
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 
+import smoke  # noqa: E402
 from gpt import GPT, GPTConfig  # noqa: E402
 
 from spectral_callbacks.monitor.tracker import SpectralTracker  # noqa: E402
@@ -52,14 +53,14 @@ class Recorder:
         self.logged.setdefault(step, {}).update(metrics)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     parser.add_argument("--layers", type=int, default=12)
     parser.add_argument("--width", type=int, default=768)
     parser.add_argument("--heads", type=int, default=12)
     parser.add_argument("--snapshots", type=int, default=6, help="per variant, the first included")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
-    args = parser.parse_args()
+    args = smoke.parse_args(parser, argv, layers=2, width=64, heads=4, snapshots=3)
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     config = GPTConfig(
@@ -128,7 +129,7 @@ def main() -> None:
         batch = HeadCircuit.stack_batch(heads)
         copies.append(time.thread_time() - start)
         start = time.thread_time()
-        batch.circuit_metrics()
+        batch.exact_metrics()
         computes.append(time.thread_time() - start)
     print(
         f"circuits alone, {len(heads)} heads: copy {1000 * min(copies):.1f} ms, "

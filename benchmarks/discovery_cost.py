@@ -35,6 +35,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "examples"), str(ROOT / "tests")]
+import smoke  # noqa: E402
 from gpt import GPT, GPTConfig  # noqa: E402
 from unhelpful_model import Unhelpful  # noqa: E402
 
@@ -54,17 +55,24 @@ def _median_ms(run: Callable[[], object], rounds: int) -> float:
     return statistics.median(times)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=256)
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=5)
-    args = parser.parse_args()
+    parser.add_argument("--layers", type=int, default=12)
+    parser.add_argument("--width", type=int, default=768)
+    args = smoke.parse_args(parser, argv, tokens=16, batch=1, rounds=1, layers=2, width=128)
     torch.set_num_threads(1)
     torch.manual_seed(0)
+    size, heads = f"{args.layers}x{args.width}", max(4, args.width // 64)  # 4 groups
     models = {
-        "nanoGPT 12x768": GPT(GPTConfig(n_layer=12, n_head=12, n_embd=768, block_size=args.tokens)),
-        "unhelpful 12x768": Unhelpful(vocab=256, width=768, heads=12, groups=4, layers=12),
+        f"nanoGPT {size}": GPT(
+            GPTConfig(n_layer=args.layers, n_head=heads, n_embd=args.width, block_size=args.tokens)
+        ),
+        f"unhelpful {size}": Unhelpful(
+            vocab=256, width=args.width, heads=heads, groups=4, layers=args.layers
+        ),
     }
     x = torch.randint(0, 256, (args.batch, args.tokens))
     header = ("model", "plain ms", "recorded ms", "read ms", "find ms", "recorded/plain")

@@ -33,6 +33,7 @@ import sys
 import time
 from pathlib import Path
 
+import smoke
 import torch
 
 from spectral_callbacks.functional import esd_metrics
@@ -122,7 +123,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--models", nargs="+", default=["minilm", "gpt2"])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1)
-    args = parser.parse_args(argv)
+    args = smoke.parse_args(parser, argv, models=["toy"], repeats=1)
     if importlib.util.find_spec("weightwatcher") is None:
         raise SystemExit("weightwatcher is not installed: pip install -e '.[dev]'")
     torch.set_num_threads(args.threads)

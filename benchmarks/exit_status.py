@@ -24,6 +24,8 @@ import sys
 import time
 from pathlib import Path
 
+import smoke
+
 ROOT = Path(__file__).resolve().parents[1]
 
 # The child: a Hugging Face GPT-2 (the configuration that aborted: 768 wide, 8 layers) trains
@@ -79,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--drain", default="0,1", help="comma-separated drain_timeout values (s)")
-    args = parser.parse_args(argv)
+    args = smoke.parse_args(parser, argv, runs=1, width=64, layers=2, steps=2, drain="1")
     print(
         f"| drain_timeout | runs | exit statuses | aborts | s per run |  ({args.layers} x {args.width})"
     )

@@ -12,13 +12,14 @@ import argparse
 import statistics
 import tempfile
 import time
-from types import SimpleNamespace
 
 import numpy as np
+import smoke
 
 from spectral_callbacks import tensorboard_adapter as tb
 from spectral_callbacks.monitor.options import DEFAULT_METRICS
 from spectral_callbacks.monitor.reporting import Reporter
+from spectral_callbacks.names import MatrixLabel
 
 # (name, MoE layers, experts per layer); three expert roles each (gate, up, down)
 MIXTURES = (("Mixtral 8x7B", 32, 8), ("Qwen3-MoE 30B-A3B", 48, 128), ("DeepSeek-V3", 58, 256))
@@ -27,14 +28,7 @@ ROLES = ("MLP_gate", "MLP_up", "MLP_down")
 
 def measure(layers: int, experts: int, repeats: int) -> tuple[int, float, float]:
     targets = [
-        SimpleNamespace(
-            name=f"{layer}.{role}.{expert}",
-            layer=layer,
-            num_layers=layers,
-            role=role,
-            depth=layer / max(1, layers - 1),
-            expert=expert,
-        )  # fmt: skip
+        MatrixLabel(f"{layer}.{role}.{expert}", layer, role, num_layers=layers, expert=expert)
         for layer in range(layers)
         for role in ROLES
         for expert in range(experts)
@@ -64,13 +58,14 @@ def measure(layers: int, experts: int, repeats: int) -> tuple[int, float, float]
     return len(histograms), statistics.median(scalar_s), statistics.median(histogram_s)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=5)
-    args = parser.parse_args()
+    args = smoke.parse_args(parser, argv, repeats=1)
+    mixtures = MIXTURES[:1] if args.smoke else MIXTURES
     print("| mixture | MoE layers x experts | histograms / snapshot | scalars ms | histograms ms |")
     print("|---|---|---|---|---|")
-    for name, layers, experts in MIXTURES:
+    for name, layers, experts in mixtures:
         count, scalar_s, histogram_s = measure(layers, experts, args.repeats)
         print(
             f"| {name} | {layers} x {experts} | {count} | {1000 * scalar_s:.0f} | "

@@ -26,7 +26,7 @@ Models: ``gpt2`` (GPT-2 small, 12 x 768: Q K V O 768x768, MLP 3072x768 and 768x3
 Run: ``.venv/bin/python benchmarks/first_snapshot.py --models gpt2 qwen2-10x896 --rounds 3``
 (1 thread; about a minute a round on an idle core); ``--clock cpu`` times this thread's CPU
 seconds instead of wall time (on a shared, loaded machine the wall time also counts the time other
-processes held the core); ``--quick``: the toy model, one round.
+processes held the core); ``--smoke``: the toy model, one round.
 """
 
 from __future__ import annotations
@@ -43,6 +43,7 @@ import spectral_callbacks.functional.svd as svd_module
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import model_snapshot  # noqa: E402
+import smoke  # noqa: E402
 from model_snapshot import (  # noqa: E402
     CLOCKS,
     Group,
@@ -217,10 +218,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--models", nargs="+", choices=MODELS, default=["gpt2", "qwen2-10x896"])
     parser.add_argument("--rounds", type=int, default=3, help="runs per model (median)")
     add_snapshot_arguments(parser)
-    parser.add_argument("--quick", action="store_true", help="the toy model, one round")
-    args = parser.parse_args(argv)
-    if args.quick:
-        args.models, args.rounds = ["toy"], 1
+    args = smoke.parse_args(parser, argv, models=["toy"], rounds=1)
     if args.rounds < 1:
         parser.error(f"--rounds must be >= 1, got {args.rounds}")
     if args.threads < 1:

@@ -39,6 +39,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import smoke
+
 ROOT = Path(__file__).resolve().parents[1]
 PARTS = ("tests", "overhead", "svd", "figures")
 # Seconds each part may take on an H200 (8 minutes in all, with start-up to spare). The tests get
@@ -77,7 +79,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--width", type=int, default=768)
     parser.add_argument("--batch", type=int, default=16, help="sequences per step")
     parser.add_argument("--block", type=int, default=256, help="tokens per sequence")
-    args = parser.parse_args(argv)
+    args = smoke.parse_args(parser, argv, steps=4, rounds=1, layers=2, width=64, batch=2, block=16)
     parts = [part for part in args.parts.split(",") if part]
     unknown = [part for part in parts if part not in PARTS]
     if unknown or not parts:

@@ -16,18 +16,18 @@ from __future__ import annotations
 
 import argparse
 import math
+import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
+import smoke
 from lightning.fabric.loggers import TensorBoardLogger
 
-from spectral_callbacks.monitor.options import KNOWN_METRICS
 from spectral_callbacks.monitor.reporting import num_layers_scalar
 from spectral_callbacks.names import ROLES, monitor_tag, scalar_tag
 from spectral_callbacks.tensorboard_adapter import log_scalars
 
-METRICS = tuple(metric for metric in KNOWN_METRICS if not metric.startswith("esd_"))  # no ESD
 # Final compression per role, as in the study: Q/K strongest, MLP least.
 FINAL_COMPRESSION = {"Q": 0.88, "K": 0.86, "V": 0.78, "O": 0.74, "MLP_up": 0.55, "MLP_down": 0.62}
 
@@ -36,7 +36,7 @@ def snapshot(step: int, layers: int, rng: np.random.Generator) -> dict[str, floa
     """The scalars of one snapshot at ``step``: every metric of every (layer, role) and the means."""
     scalars: dict[str, float] = {}
     for role in ROLES:
-        per_metric: dict[str, list[float]] = {metric: [] for metric in METRICS}
+        per_metric: dict[str, list[float]] = {}  # the spectra's metrics: no ESD, update, circuits
         for layer in range(layers):
             depth = layer / max(1, layers - 1)
             onset = 300 + 2_500 * depth  # the compression wave: deeper layers collapse later
@@ -55,7 +55,7 @@ def snapshot(step: int, layers: int, rng: np.random.Generator) -> dict[str, floa
             }
             for metric, value in values.items():
                 scalars[scalar_tag(metric, layer, role, layers)] = value
-                per_metric[metric].append(value)
+                per_metric.setdefault(metric, []).append(value)
         for metric, values_of_layers in per_metric.items():
             scalars[scalar_tag(metric, None, role)] = float(np.mean(values_of_layers))
     scalars[monitor_tag("svd_ms")] = 40 + rng.normal()
@@ -79,17 +79,26 @@ def write_long_run(logdir: Path, *, steps: int, layers: int, every: int, seed: i
     return points
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("logdir", type=Path, help="the run's directory (created)")
+    parser.add_argument(
+        "logdir",
+        type=Path,
+        nargs="?",
+        help="the run's directory (created); --smoke: a temporary one",
+    )
     parser.add_argument("--steps", type=int, default=10_000)
     parser.add_argument("--layers", type=int, default=24)
     parser.add_argument("--every", type=int, default=10, help="steps between snapshots")
-    args = parser.parse_args()
-    start = time.perf_counter()
-    points = write_long_run(args.logdir, steps=args.steps, layers=args.layers, every=args.every)
-    took = time.perf_counter() - start
-    print(f"wrote {points:,} scalar points to {args.logdir} in {took:.1f} s")
+    args = smoke.parse_args(parser, argv, steps=50, layers=2)
+    if args.logdir is None and not args.smoke:
+        parser.error("the run's directory is required (or --smoke)")
+    with tempfile.TemporaryDirectory() as scratch:
+        logdir = args.logdir or Path(scratch) / "d2"
+        start = time.perf_counter()
+        points = write_long_run(logdir, steps=args.steps, layers=args.layers, every=args.every)
+        took = time.perf_counter() - start
+    print(f"wrote {points:,} scalar points to {logdir} in {took:.1f} s")
 
 
 if __name__ == "__main__":

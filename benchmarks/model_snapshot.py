@@ -37,7 +37,7 @@ float64 ``torch.linalg.svdvals``.
 Run: ``.venv/bin/python benchmarks/model_snapshot.py --models gpt2 --repeats 3`` (about a minute
 per round on an idle core); ``--models tinyllama --repeats 1`` takes ~10 GB and many minutes;
 ``--clock cpu`` times this thread's CPU seconds instead of wall time (on a shared, loaded machine
-the wall time also counts the time other processes held the core); ``--quick`` runs the toy model
+the wall time also counts the time other processes held the core); ``--smoke`` runs the toy model
 once.
 """
 
@@ -50,6 +50,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import smoke
 import torch
 
 import spectral_callbacks.functional.svd as svd_module
@@ -383,12 +384,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="also time WeightWatcher analyze() if installed",
     )
-    parser.add_argument(
-        "--quick", action="store_true", help="the toy model, one round (a smoke test)"
-    )
-    args = parser.parse_args(argv)
-    if args.quick:
-        args.models, args.repeats = ["toy"], 1
+    args = smoke.parse_args(parser, argv, models=["toy"], repeats=1)
     if args.repeats < 1:
         parser.error(f"--repeats must be >= 1, got {args.repeats}")
     return args

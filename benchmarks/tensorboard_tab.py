@@ -32,6 +32,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import smoke  # noqa: E402
 
 VIEWS = ("wave", "byRole", "byLayer", "depth", "bars")
 # A series no view opens, whose last point in every layer says the server holds the whole run.
@@ -50,22 +51,28 @@ def open_requests(run: str) -> list[tuple[str, dict]]:
     ]
 
 
-def holds_whole_run(answer: dict) -> bool:
-    """Whether the ``PROBE`` answer has the run's last snapshot in every layer."""
-    series = answer["series"]
-    return len(series) == 24 and all(line["steps"][-1] == 9_990 for line in series)
+def holds_whole_run(answer: dict, layers: int, steps: int) -> bool:
+    """Whether the ``PROBE`` answer has the last snapshot (every 10 steps, as long_run.py writes
+    them) of a ``steps``-step run in each of its ``layers`` layers."""
+    series, last = answer["series"], (steps - 1) // 10 * 10
+    return len(series) == layers and all(line["steps"][-1] == last for line in series)
 
 
-def ingested(url: str) -> None:
-    """Wait until the server at ``url`` holds the whole run."""
+def ingested(url: str, layers: int, steps: int, timeout: float = 1800) -> None:
+    """Wait until the server at ``url`` holds the whole run (at most ``timeout`` seconds)."""
     from urllib.parse import urlencode
 
     from browser import get_json
 
     route, params = PROBE
+    deadline = time.monotonic() + timeout
     while not holds_whole_run(
-        get_json(f"{url}data/plugin/spectral/{route}?{urlencode(params)}", timeout=120)
+        get_json(f"{url}data/plugin/spectral/{route}?{urlencode(params)}", timeout=120),
+        layers,
+        steps,
     ):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the server did not hold all of {layers} x {steps} in {timeout} s")
         time.sleep(0.5)
 
 
@@ -95,7 +102,9 @@ def browser_open(driver: object, url: str, views: tuple[str, ...] = VIEWS) -> tu
     return framed, time.perf_counter() - begin
 
 
-def measure(logdir: Path, load_fast: str, rounds: int, browser: bool) -> dict:
+def measure(
+    logdir: Path, load_fast: str, rounds: int, browser: bool, layers: int, steps: int
+) -> dict:
     """Ingest seconds, cold and warm request times, and browser opens of one loader.
 
     With ``browser``, the first open is on a server of its own that nothing has asked yet (cold),
@@ -107,11 +116,11 @@ def measure(logdir: Path, load_fast: str, rounds: int, browser: bool) -> dict:
     result: dict = {"opens": []}
     if browser:
         with tensorboard(logdir, flags=flags, timeout=600) as url, chromium() as driver:
-            ingested(url)
+            ingested(url, layers, steps)
             result["opens"].append(browser_open(driver, url))
     start = time.perf_counter()
     with tensorboard(logdir, flags=flags, timeout=600) as url:
-        ingested(url)
+        ingested(url, layers, steps)
         result["ingest"] = time.perf_counter() - start
         result["cold"] = timed_requests(url)
         warm = [timed_requests(url) for _ in range(rounds)]
@@ -138,7 +147,7 @@ def page_alone(rounds: int) -> list[float]:
     return opens
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--logdir", type=Path, help="a parent of run d24 written by long_run.py")
     parser.add_argument("--rounds", type=int, default=3, help="warm repeats and browser opens")
@@ -149,14 +158,18 @@ def main() -> None:
         default="both",
         help="measure one loader only (the Python loader's ingest of the run takes minutes)",
     )
-    args = parser.parse_args()
+    parser.add_argument(
+        "--steps", type=int, default=10_000, help="of the run d24 (written or read)"
+    )
+    parser.add_argument("--layers", type=int, default=24, help="of the run d24 (written or read)")
+    args = smoke.parse_args(parser, argv, rounds=1, loader="rust", steps=100, layers=2)
     logdir = args.logdir
     if logdir is None or not (logdir / "d24").exists():
         from long_run import write_long_run
 
         logdir = logdir or Path(tempfile.mkdtemp(prefix="spectral-tab-"))
         begin = time.perf_counter()
-        points = write_long_run(logdir / "d24", steps=10_000, layers=24, every=10)
+        points = write_long_run(logdir / "d24", steps=args.steps, layers=args.layers, every=10)
         print(f"wrote {points:,} points to {logdir / 'd24'} in {time.perf_counter() - begin:.0f} s")
 
     loaders = {"false": "Python loader", "true": "Rust data server"}
@@ -165,7 +178,9 @@ def main() -> None:
     results = {}
     for load_fast, name in loaders.items():
         try:
-            results[name] = measure(logdir, load_fast, args.rounds, args.browser)
+            results[name] = measure(
+                logdir, load_fast, args.rounds, args.browser, args.layers, args.steps
+            )
         except RuntimeError as error:  # e.g. no data server binary on this platform
             print(f"{name}: not measured ({str(error).splitlines()[0][:120]})")
     names = list(results)

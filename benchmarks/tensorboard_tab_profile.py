@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import tempfile
 import time
 from collections import defaultdict
 from collections.abc import Callable
@@ -27,6 +28,8 @@ from pathlib import Path
 from urllib.parse import urlencode
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import smoke  # noqa: E402
+from long_run import write_long_run  # noqa: E402
 from tensorboard_tab import PROBE, holds_whole_run, open_requests  # noqa: E402
 
 PARTS = ("provider", "frame", "downsample", "json", "views")
@@ -103,15 +106,22 @@ def serve(logdir: Path, load_fast: str, clock: Clock) -> Callable[[str, dict], b
     return get
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--logdir", type=Path, required=True, help="a parent of run d24")
+    parser.add_argument("--logdir", type=Path, help="a parent of run d24 (--smoke: a tiny one)")
     parser.add_argument("--loader", choices=["python", "rust"], default="rust")
-    args = parser.parse_args()
+    parser.add_argument("--steps", type=int, default=10_000, help="of the run d24")
+    parser.add_argument("--layers", type=int, default=24, help="of the run d24")
+    args = smoke.parse_args(parser, argv, steps=100, layers=2)
+    if args.logdir is None:
+        if not args.smoke:
+            parser.error("--logdir is required (a parent of run d24), or --smoke")
+        args.logdir = Path(tempfile.mkdtemp(prefix="spectral-tab-smoke-"))
+        write_long_run(args.logdir / "d24", steps=args.steps, layers=args.layers, every=10)
     clock = Clock()
     get = serve(args.logdir, "true" if args.loader == "rust" else "false", clock)
     begin = time.perf_counter()
-    while not holds_whole_run(json.loads(get(*PROBE))):
+    while not holds_whole_run(json.loads(get(*PROBE)), args.layers, args.steps):
         time.sleep(0.5)
     print(f"ingest {time.perf_counter() - begin:.1f} s ({args.loader} loader)")
     print("\n| request | round | total ms | " + " | ".join(f"{p} ms" for p in PARTS) + " | calls |")

@@ -15,7 +15,7 @@ import first_snapshot  # noqa: E402
 def test_quick_run_prints_a_row_with_the_ratios_and_calibrates_on_one_matrix(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    table = first_snapshot.main(["--quick"])
+    table = first_snapshot.main(["--smoke"])
     assert table[0] == first_snapshot.HEADER
     (row,) = table[2:]
     cells = [cell.strip() for cell in row.strip("|").split("|")]

@@ -14,7 +14,7 @@ import model_snapshot  # noqa: E402
 def test_quick_run_prints_one_row_per_model_with_ratios_and_accuracy(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    table = model_snapshot.main(["--quick", "--check", "1"])
+    table = model_snapshot.main(["--smoke", "--check", "1"])
     assert table[0] == model_snapshot.HEADER
     (row,) = table[2:]
     cells = [cell.strip() for cell in row.strip("|").split("|")]
