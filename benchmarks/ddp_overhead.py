@@ -36,6 +36,7 @@ from lightning.pytorch.loggers import Logger
 from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+import smoke  # noqa: E402
 from gpt import GPT, GPTConfig  # noqa: E402
 
 from spectral_callbacks import SpectralMonitor  # noqa: E402
@@ -150,7 +151,9 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--devices", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--result", default=None, help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
+    args = smoke.parse_args(
+        parser, argv, processes="1", layers=2, width=64, block=16, batch=2, steps=6, every=2
+    )
     if args.devices is not None:  # a worker run (and, under DDP, each rank it re-launches)
         import logging
         import warnings

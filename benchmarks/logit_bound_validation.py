@@ -32,6 +32,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 
+import smoke  # noqa: E402
 from attention import apply_rope  # noqa: E402
 from data import load_bytes  # noqa: E402
 from gpt import GPT, GPTConfig  # noqa: E402
@@ -218,7 +219,7 @@ def max_growth(writer: Recorder, args: argparse.Namespace) -> float:
     return worst
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--heads", type=int, default=2)
@@ -235,7 +236,10 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=50, help="steps before a spike counts")
     parser.add_argument("--spike-factor", type=float, default=1.5)
     parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args()
+    args = smoke.parse_args(
+        parser, argv, layers=2, width=64, block=16, batch=2, steps=30, burst_step=20,
+        burst_steps=3, warmup=5,
+    )  # fmt: skip
     torch.set_num_threads(1)
     text = load_bytes(max_bytes=2_000_000)
     runs = (

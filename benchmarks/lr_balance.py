@@ -25,6 +25,7 @@ import argparse
 import math
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -33,6 +34,7 @@ import pandas as pd
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+import smoke  # noqa: E402
 from data import load_bytes  # noqa: E402
 from gpt import GPT, GPTConfig  # noqa: E402
 
@@ -285,7 +287,9 @@ def summarize(runs: pd.DataFrame, factors: pd.DataFrame) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument(
+        "--out", type=Path, help="the runs, CSVs and summary (--smoke: a temporary one)"
+    )
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--experiments", nargs="+", default=["lifecycle", "lora"])
     parser.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
@@ -301,7 +305,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--eval-every", type=int, default=25)
     parser.add_argument("--eval-batches", type=int, default=8)
     parser.add_argument("--threads", type=int, default=1)
-    args = parser.parse_args(argv)
+    args = smoke.parse_args(
+        parser, argv, seeds=[0], steps=4, lora_steps=3, base_steps=3, width=32, block=16,
+        batch=2, eval_every=2, eval_batches=1,
+    )  # fmt: skip
+    if args.out is None:
+        if not args.smoke:
+            parser.error("--out is required (the folder the runs and tables go to), or --smoke")
+        args.out = Path(tempfile.mkdtemp(prefix="lr-balance-smoke-"))
     torch.set_num_threads(args.threads)
     args.out.mkdir(parents=True, exist_ok=True)
     # The standard library's sources in path order: the lifecycle and the LoRA base read the first

@@ -30,7 +30,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from svd_accuracy import SHAPES, build  # noqa: E402
+import smoke  # noqa: E402
+from svd_accuracy import SHAPES, build, parse_shapes  # noqa: E402
 
 from spectral_callbacks.functional import randomized_svd  # noqa: E402
 from spectral_callbacks.functional.calibration import MethodCalibration  # noqa: E402
@@ -131,12 +132,14 @@ def main(argv: list[str] | None = None) -> None:
         help="matrices per call, as a shape group of the monitor's snapshot (e.g. 16: 4 layers x Q, K, V, O)",
     )
     parser.add_argument(
-        "--shapes", default=None, help="comma-separated MxN, e.g. 512x128,1536x512 (default: all)"
+        "--shapes",
+        type=parse_shapes,
+        help="comma-separated MxN, e.g. 512x128,1536x512 (default: all)",
     )
-    args = parser.parse_args(argv)
+    args = smoke.parse_args(parser, argv, repeats=1, shapes=[(128, 64)])
     torch.set_num_threads(args.threads)
     if args.shapes:
-        shapes = [tuple(int(side) for side in shape.split("x")) for shape in args.shapes.split(",")]
+        shapes = args.shapes
     else:
         shapes = list(dict.fromkeys([*SHAPES, *NEW_SHAPES]))
         shapes = [shape for shape in shapes if not (args.quick and shape == (4096, 4096))]

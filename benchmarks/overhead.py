@@ -60,6 +60,7 @@ from lightning.pytorch.loggers import Logger, TensorBoardLogger
 from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+import smoke  # noqa: E402
 from gpt import GPT, GPTConfig  # noqa: E402
 
 from spectral_callbacks import SpectralMonitor  # noqa: E402
@@ -229,6 +230,10 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rounds", type=int, default=3)
 
 
+# ``--smoke``'s sizes of ``add_model_arguments`` (seconds; nothing is measured at this size).
+TOY_MODEL = {"layers": 1, "width": 32, "block": 8, "batch": 2, "steps": 12, "rounds": 1}
+
+
 def model_config(args: argparse.Namespace) -> GPTConfig:
     """The GPT that ``add_model_arguments`` describes: 32-wide heads."""
     return GPTConfig(
@@ -307,7 +312,7 @@ def main(argv: list[str] | None = None) -> None:
         default="default,worker,inline",
         help=f"comma-separated, from {', '.join(list(VARIANTS)[1:])}".replace("%", "%%"),
     )
-    args = parser.parse_args(argv)
+    args = smoke.parse_args(parser, argv, **TOY_MODEL, variants="inline")
 
     import logging
     import warnings

@@ -44,6 +44,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import Shard, distribute_tensor, init_device_mesh
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+import smoke  # noqa: E402
 from gpt import GPT, GPTConfig  # noqa: E402
 
 from spectral_callbacks.monitor.engines.compute import SpectrumCompute  # noqa: E402
@@ -193,7 +194,7 @@ def _rank(rank: int, world_size: int, store: str, args: argparse.Namespace, out:
     os._exit(0)  # skip teardown: nothing is left to flush
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--widths", type=int, nargs="+", default=[256, 512, 768, 1024])
     parser.add_argument("--world-size", type=int, default=2)
@@ -208,7 +209,9 @@ def main() -> None:
         choices=["bfloat16", "float16", "float32"],
         help="dtype of the all-reduced Krylov blocks (the engine's default: bfloat16)",
     )
-    args = parser.parse_args()
+    args = smoke.parse_args(
+        parser, argv, widths=[64], k=8, train_width=64, steps=4, rounds=1, every=2
+    )
     with tempfile.TemporaryDirectory() as tmp:
         store, out = os.path.join(tmp, "store"), os.path.join(tmp, "out.pt")
         context = multiprocessing.get_context("spawn")

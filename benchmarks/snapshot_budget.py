@@ -36,6 +36,7 @@ import threading
 import time
 from typing import Any
 
+import smoke
 import torch
 
 from spectral_callbacks import SpectralTracker
@@ -52,16 +53,17 @@ def parse_bytes(text: str) -> int | None:
     return int(text)
 
 
-def llama(layers: int, dtype: torch.dtype, seed: int = 0) -> torch.nn.Module:
-    """A Llama with TinyLlama's widths (2048, 32 heads, 4 K/V heads, FFN 5632), from a config."""
+def llama(layers: int, dtype: torch.dtype, width: int = 2048, seed: int = 0) -> torch.nn.Module:
+    """A Llama with TinyLlama's proportions (at 2048 its widths: 32 heads of 64, 4 K/V heads, FFN
+    5632 = 2.75 x 2048), from a config."""
     import transformers
 
     torch.manual_seed(seed)
     config = transformers.LlamaConfig(
-        hidden_size=2048,
-        intermediate_size=5632,
+        hidden_size=width,
+        intermediate_size=width * 11 // 4,
         num_hidden_layers=layers,
-        num_attention_heads=32,
+        num_attention_heads=width // 64,
         num_key_value_heads=4,
         vocab_size=256,
         max_position_embeddings=256,
@@ -143,7 +145,7 @@ def reference(matrix: torch.Tensor, k: int = 32) -> dict[str, float]:
 
 def train(args: argparse.Namespace) -> dict[str, Any]:
     torch.set_num_threads(args.threads)
-    model = llama(args.layers, torch.float32)
+    model = llama(args.layers, torch.float32, args.width)
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
     tokens = torch.randint(0, 256, (1, args.tokens), generator=torch.Generator().manual_seed(0))
     sampler = RssSampler()
@@ -220,7 +222,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         )
     delays = writer.scalars.get("spectral_monitor/coverage_delay", {})
     return {
-        "model": f"{args.layers} x 2048 Llama (GQA 32/4 heads, FFN 5632), float32, SGD",
+        "model": f"{args.layers} x {args.width} Llama (GQA, 4 K/V heads), float32, SGD",
         "watched_bytes": sum(t.snapshot_bytes() for t in tracker.targets),
         "budget": args.budget,
         "parts": len(engine.plan.parts),
@@ -244,7 +246,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
 def stack(args: argparse.Namespace) -> dict[str, Any]:
     torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
-    model = llama(args.layers, dtype)
+    model = llama(args.layers, dtype, args.width)
     sampler = RssSampler()
     time.sleep(0.05)
     sampler.reset()
@@ -283,7 +285,7 @@ def stack(args: argparse.Namespace) -> dict[str, Any]:
     peak = sampler.peak
     sampler.stop()
     return {
-        "model": f"{args.layers} x 2048 Llama (GQA 32/4 heads, FFN 5632), {args.dtype}",
+        "model": f"{args.layers} x {args.width} Llama (GQA, 4 K/V heads), {args.dtype}",
         "watched_bytes": sum(t.snapshot_bytes() for t in tracker.targets),
         "budget": args.budget,
         "parts": len(engine.plan.parts),
@@ -309,8 +311,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dtype", default="bfloat16", help="stack: the weights' dtype")
     parser.add_argument("--step-seconds", type=float, default=0.2)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--width", type=int, default=2048, help="TinyLlama's; FFN 2.75 x width")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
+    args = smoke.parse_args(
+        parser, argv, layers=1, width=256, steps=3, baseline_steps=1, budget=12 * 2**20
+    )
     if args.layers is None:
         args.layers = 8 if args.part == "train" else 22
     if args.child:

@@ -39,6 +39,7 @@ from spectral_callbacks.names import scalar_tag
 from spectral_callbacks.targets import TargetError, find_targets
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+import smoke  # noqa: E402
 from stack_models import BUILDERS, StackModel  # noqa: E402  (the builders the tests use)
 
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
@@ -351,12 +352,12 @@ def row(name: str, build: Callable[[], StackModel]) -> dict[str, Any]:
     }
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
         "--only", nargs="*", help="builders to run (names in tests/stack_models.py)"
     )
-    args = parser.parse_args()
+    args = smoke.parse_args(parser, argv, only=list(BUILDERS)[:1])
     torch.manual_seed(0)
     names = args.only or list(BUILDERS)
     header = (

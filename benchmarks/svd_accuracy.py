@@ -26,6 +26,7 @@ import statistics
 import time
 from collections.abc import Callable
 
+import smoke
 import torch
 
 from spectral_callbacks.functional import powerlaw_alpha, randomized_svd, spectral_metrics
@@ -91,22 +92,36 @@ def median_ms(fn: Callable[[], object], repeats: int) -> float:
     return 1e3 * statistics.median(times)
 
 
-def main() -> None:
+def parse_shapes(text: str) -> list[tuple[int, int]]:
+    """``"512x128,1536x512"`` -> ``[(512, 128), (1536, 512)]`` (an ``argparse`` type)."""
+    try:
+        shapes = [tuple(int(side) for side in shape.split("x")) for shape in text.split(",")]
+    except ValueError:
+        shapes = []
+    if not shapes or any(len(shape) != 2 or min(shape) < 1 for shape in shapes):
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated MxN, e.g. 512x128, got {text!r}"
+        )
+    return shapes  # type: ignore[return-value]
+
+
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--quick", action="store_true", help="skip 4096x4096")
+    parser.add_argument("--shapes", type=parse_shapes, default=SHAPES, help="e.g. 512x128,768x768")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--compare", action="store_true", help="only the sigma_1 error of other randomized methods"
     )
-    args = parser.parse_args()
+    args = smoke.parse_args(parser, argv, repeats=1, shapes=[(256, 128)])
     torch.set_num_threads(args.threads)
     generator = torch.Generator().manual_seed(args.seed)
+    shapes = [s for s in args.shapes if not ((args.quick or args.compare) and s == (4096, 4096))]
     if args.compare:
-        compare_methods([s for s in SHAPES if s != (4096, 4096)], generator)
+        compare_methods(shapes, generator)
         return
-    shapes = [s for s in SHAPES if not (args.quick and s == (4096, 4096))]
 
     header = (
         f"| {'shape':>9} | {'spectrum':>8} | {'sr err %':>8} | {'alpha err':>9} | {'method':>10} "

@@ -1,9 +1,11 @@
 """The architecture table of docs/targets.md: what find_targets watches in tiny models built from
 transformers configs (no hub; the tests' own, tests/hf_models.py's TABLE): targets per role, stacks
-with their layers, experts, and what is left out and why. Run: python benchmarks/targets_table.py"""
+with their layers, experts, and what is left out and why. Run: python benchmarks/targets_table.py
+(``--smoke``: the first two models)."""
 
 from __future__ import annotations
 
+import argparse
 import sys
 import warnings
 from collections import Counter
@@ -13,6 +15,9 @@ import transformers as T
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from hf_models import TABLE  # noqa: E402  (the models the tests build)
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import smoke  # noqa: E402
 
 from spectral_callbacks.targets import find_targets, role_sort_key  # noqa: E402
 
@@ -36,11 +41,18 @@ def row(name: str) -> str:
     return f"| {name} | {stack_text} | {per_role} | {expert_text} | {skipped} | {warned} |"
 
 
-if __name__ == "__main__":
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", nargs="+", choices=list(MODELS), default=list(MODELS))
+    args = smoke.parse_args(parser, argv, models=list(MODELS)[:2])
     T.logging.set_verbosity_error()
     print(
         "| architecture | stacks (layers) | targets per role | experts | not watched (why) | warnings |"
     )
     print("|---|---|---|---|---|---|")
-    for name in MODELS:
+    for name in args.models:
         print(row(name))
+
+
+if __name__ == "__main__":
+    main()

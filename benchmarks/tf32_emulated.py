@@ -26,6 +26,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 
+import smoke  # noqa: E402
+
 import spectral_callbacks.functional.krylov as krylov  # noqa: E402
 import spectral_callbacks.functional.precision as precision  # noqa: E402
 from spectral_callbacks.functional import randomized_svd  # noqa: E402
@@ -65,13 +67,13 @@ def worst_error(W: torch.Tensor, k: int, variant: str) -> float:
     return float(((top.S.double() - exact) / exact).abs().max())
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", type=int, nargs=2, default=(1024, 768))
     parser.add_argument("--decay", type=float, default=0.5)
     parser.add_argument("--k", type=int, default=32)
     parser.add_argument("--seeds", type=int, default=5)
-    args = parser.parse_args()
+    args = smoke.parse_args(parser, argv, shape=(128, 96), k=8, seeds=1)
     variants = ["float32", "every product split", "only W split", "no split"]
     print(f"{args.shape[0]}x{args.shape[1]}, sigma_i = i^-{args.decay}, top {args.k}, n_iter 6")
     print("| seed | " + " | ".join(variants) + " |")

@@ -18,6 +18,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "examples")]
+import smoke  # noqa: E402
 from gpt import GPT, GPTConfig  # noqa: E402
 
 from spectral_callbacks import SpectralTracker  # noqa: E402
@@ -28,11 +29,11 @@ class Discard:
         pass
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--calls", type=int, default=20_000, help="idle calls per round")
     parser.add_argument("--rounds", type=int, default=5)
-    args = parser.parse_args()
+    args = smoke.parse_args(parser, argv, calls=100, rounds=1)
     torch.set_num_threads(1)
     torch.manual_seed(0)
     model = GPT(GPTConfig(n_layer=4, n_head=4, n_embd=128, block_size=64))

@@ -37,8 +37,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+import smoke  # noqa: E402
 from gpt import GPT  # noqa: E402
-from overhead import add_model_arguments, model_config  # noqa: E402
+from overhead import TOY_MODEL, add_model_arguments, model_config  # noqa: E402
 
 from spectral_callbacks.monitor.schedule import SnapshotSchedule  # noqa: E402
 
@@ -135,7 +136,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--burn-ms", type=float, default=14.0, help="worker CPU ms per snapshot")
     parser.add_argument("--max-pending", type=int, default=2)
     parser.add_argument("--policies", default=",".join(POLICIES))
-    args = parser.parse_args(argv)
+    args = smoke.parse_args(parser, argv, **TOY_MODEL, policies="normal")
     unknown = [policy for policy in args.policies.split(",") if policy not in POLICIES]
     if unknown:
         parser.error(f"--policies: unknown {unknown}; choose from {', '.join(POLICIES)}")
