@@ -16,6 +16,7 @@ Run: ``python benchmarks/logit_bound_kinds.py`` (about 2 minutes on a shared 2-c
 
 from __future__ import annotations
 
+import argparse
 import logging
 import math
 import sys
@@ -28,6 +29,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "examples")]
 
 from qk_logit_models import KINDS, like_a_checkpoint, worst_inputs  # noqa: E402
+
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import smoke  # noqa: E402
 
 from spectral_callbacks.monitor.tracker import SpectralTracker  # noqa: E402
 from spectral_callbacks.names import parse_tag  # noqa: E402
@@ -75,7 +79,11 @@ def span(values: list[float]) -> str:
     return f"{min(values):.2f}-{max(values):.2f}" if values else "-"
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--kinds", nargs="+", choices=list(KINDS), default=list(KINDS))
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
+    args = smoke.parse_args(parser, argv, kinds=list(KINDS)[:1], seeds=[0])
     torch.set_num_threads(1)
     logging.getLogger("spectral_callbacks").setLevel(logging.WARNING)
     transformers.logging.set_verbosity_error()
@@ -84,9 +92,10 @@ def main() -> None:
         "| measured / (sigma_1 / sqrt(d_h)) | largest / qk_norm_logit_bound |"
     )
     print("|---|---|---|---|---|")
-    for kind, (build, logged_as) in KINDS.items():
+    for kind in args.kinds:
+        build, logged_as = KINDS[kind]
         columns: dict[str, list[float]] = {"bound": [], "circuit": [], "assumed": [], "norm": []}
-        for seed in (0, 1):
+        for seed in args.seeds:
             torch.manual_seed(seed)
             model = like_a_checkpoint(build(), seed)
             values, old = logged(model), assumed(model)

@@ -12,11 +12,12 @@ gradients, the roles the names find, the found matrices that reproduce their mod
 recorded first forward runs.
 
 Run: ``python benchmarks/titan_flex.py`` (CPU; the first forward compiles flex_attention, tens of
-seconds).
+seconds); ``--smoke``: the first model only.
 """
 
 from __future__ import annotations
 
+import argparse
 import sys
 import time
 import warnings
@@ -27,6 +28,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 import stack_models  # noqa: E402
 import stacks_table  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import smoke  # noqa: E402
 
 from spectral_callbacks.monitor.tracker import SpectralTracker  # noqa: E402
 from spectral_callbacks.targets import find_targets  # noqa: E402
@@ -46,14 +50,17 @@ def _attempt(call) -> str:
     return "runs"
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", nargs="+", choices=MODELS, default=list(MODELS))
+    args = smoke.parse_args(parser, argv, models=list(MODELS)[:1])
     import torchtitan.models.common.attention as attention
     from torchtitan.models.common.config_utils import get_attention_config
 
     print(f"get_attention_config('sdpa'): {_attempt(lambda: get_attention_config('sdpa'))}")
     # The builders of stack_models.py, given the inner attention torchtitan's helper gives.
     attention.ScaledDotProductAttention.Config = lambda: get_attention_config("flex")  # type: ignore[assignment, method-assign]
-    for name in MODELS:
+    for name in args.models:
         stack = stack_models.BUILDERS[name]()
         model = stack.model
         tokens = torch.randint(0, 100, (2, 8), generator=torch.Generator().manual_seed(1))
