@@ -1,5 +1,6 @@
 """The exact paths of ``randomized_svd``: every singular value, from float64 ``eigvalsh`` of the
-smaller Gram matrix or from ``svdvals`` of the tall orientation, non-finite matrices flagged."""
+smaller Gram matrix or from ``svdvals`` of the tall orientation, non-finite matrices flagged; and
+the path a matrix takes when its own raised a solver error (``exact_after_failure``)."""
 
 from __future__ import annotations
 
@@ -93,3 +94,29 @@ def svdvals_tall(A: Tensor) -> tuple[Tensor, Tensor]:
     finite = torch.isfinite(A).flatten(-2).all(-1)
     A = keep_finite(A, finite)
     return torch.linalg.svdvals(A if m >= n else A.mT), finite
+
+
+def exact_after_failure(
+    A: Tensor, width: int | None = None
+) -> tuple[Tensor, Tensor, Tensor | None]:
+    """``(S, finite, V)`` as :func:`gram_eigvalsh`, for a matrix whose own path raised a solver error
+    (LAPACK's ``eigh`` or SVD failing to converge, as the Krylov iteration's Rayleigh-Ritz ``eigh``
+    did on matrices far from unit scale with MKL on an AMD EPYC).
+
+    First the float64 Gram matrix's ``eigh`` (float64 holds the squares of any float32 matrix); if
+    that raises too, LAPACK's SVD of the float64 tall orientation, a different algorithm (a
+    bidiagonal divide and conquer), which then also gives ``V``. Only its error propagates.
+    """
+    try:
+        return gram_eigvalsh(A, width)
+    except torch.linalg.LinAlgError:
+        pass
+    m, n = A.shape[-2:]
+    finite = torch.isfinite(A).flatten(-2).all(-1)
+    tall = keep_finite(A.to(torch.float64), finite)
+    tall = tall if m >= n else tall.mT  # (..., long, short)
+    if width is None:
+        return torch.linalg.svdvals(tall).to(A.dtype), finite, None
+    U, S, Vh = torch.linalg.svd(tall, full_matrices=False)
+    V = Vh.mT if m >= n else U  # the right singular vectors of A, leading first
+    return S.to(A.dtype), finite, V[..., :width].to(A.dtype)

@@ -59,6 +59,9 @@ whichever method ran.
 
 from __future__ import annotations
 
+import logging
+import math
+from collections.abc import Callable
 from typing import Literal, NamedTuple, get_args
 
 import torch
@@ -66,8 +69,14 @@ from torch import Tensor
 
 from spectral_callbacks.functional.batch import MatrixBatch
 from spectral_callbacks.functional.calibration import MethodCalibration
-from spectral_callbacks.functional.exact import gram_eigvalsh, gram_singular_values, svdvals_tall
+from spectral_callbacks.functional.exact import (
+    exact_after_failure,
+    gram_eigvalsh,
+    gram_singular_values,
+    svdvals_tall,
+)
 from spectral_callbacks.functional.krylov import (
+    column_norms,
     keep_finite,
     orthonormal_columns,
     orthonormalize,
@@ -77,6 +86,8 @@ from spectral_callbacks.functional.krylov import (
 from spectral_callbacks.functional.method_choice import bf16_tiles, choose_method, randomized_costs
 from spectral_callbacks.functional.precision import gram
 from spectral_callbacks.functional.precision import matmul as _matmul
+
+_log = logging.getLogger(__name__)
 
 __all__ = [
     "DEFAULT_K",
@@ -124,6 +135,16 @@ _CHUNK_BYTES = 512 * 1024
 # W^T W (~ sigma_1^2) lost their precision to underflow from sigma_1 = 5e-19 on (47 % off), and at
 # 5e-17 were still as accurate as at unit scale; 2^-50 leaves a margin.
 _SMALLEST_SIGMA = 2.0**-50
+# The products with W^T W square W's scale, and float32 holds squares only from 2^-126 to 2^128;
+# LAPACK's eigh of the Rayleigh quotient failed to converge (MKL) already at sigma_1 ~ 2^-70 and
+# 2^60. The iteration by products multiplies by W^T W at unit size instead, by a power of two
+# (exact) read off its first block W Q_0, wherever that block's largest column norm lies outside
+# 2^(+-_UNIT_EXPONENT) (within it nothing is scaled: the usual weights compute as before). On the
+# explicit Gram matrix, which is squared before anything can be read, a largest diagonal entry
+# (column norm squared) outside 2^(+-_GRAM_EXPONENT) sends the matrix to the exact float64 path:
+# sigma_1^2 is then at most d 2^100, or at least 2^-100.
+_UNIT_EXPONENT = 20
+_GRAM_EXPONENT = 100
 # The automatic exact path forms the Gram matrix in float32 where the top k reach no lower than
 # this fraction of sigma_1 (relative error about 5e-7 (sigma_1 / sigma_i)^2, measured at most 6e-5
 # there; float32 Gram noise sits near 5e-4 sigma_1), else in float64.
@@ -160,10 +181,14 @@ class TopSVD(NamedTuple):
             step past the Ritz vectors when the products with W were computed anyway); pass it
             back as ``init=`` to warm-start the next call on a slightly changed matrix. ``None``
             when an exact method ran.
+        fell_back: ``(...)`` bool, the matrices whose path raised a solver error (LAPACK's
+            ``eigh`` or SVD failing to converge) and whose ``S`` (and ``V``) come from the exact
+            float64 path instead (``exact.exact_after_failure``); ``None`` when none did.
     """
 
     S: Tensor
     V: Tensor | None
+    fell_back: Tensor | None = None
 
 
 def randomized_svd(
@@ -228,17 +253,22 @@ def randomized_svd(
             only the prior). Default ``None``: the flop count alone (deterministic).
 
     Returns:
-        ``TopSVD(S, V)``. A matrix with a NaN or Inf entry gets ``S`` all NaN (the rest of the
-        batch is unaffected); a zero matrix gets ``S`` all 0. On the randomized path, a matrix
-        whose float32 products with W^T W would underflow or overflow (sigma_1 below about
-        1e-15 or above about 1e19) is computed by the exact float64 Gram path on the CPU; on an
-        accelerator it would read NaN (overflow) or lose precision (underflow).
+        ``TopSVD(S, V, fell_back)``. A matrix with a NaN or Inf entry gets ``S`` all NaN (the
+        rest of the batch is unaffected); a zero matrix gets ``S`` all 0. Any finite scale reads
+        right: the iteration by products multiplies by W^T W scaled to unit size by a power of
+        two; on the CPU, a matrix whose float32 W^T W cannot be held otherwise (its explicit Gram
+        matrix out of range, or sigma_1 below about 1e-15) is computed by the exact float64 Gram
+        path. A solver that raises (LAPACK's ``eigh`` or SVD failing to converge) never ends the
+        call: the batch is taken again one matrix at a time, and a matrix that fails alone is
+        computed by the exact float64 path, flagged in ``fell_back`` and logged as a warning.
 
     Raises:
         TypeError: ``W`` or ``init`` is not a floating-point tensor.
         ValueError: ``W`` is not 2-D or 3-D or has an empty side, ``k``/``n_oversamples``/
             ``n_iter``/``tol`` are out of range, ``method`` is unknown, or ``init`` does not fit
             ``W``.
+        torch.linalg.LinAlgError: only where, after a matrix's own path, LAPACK's ``eigh`` and
+            its SVD both fail on the same float64 matrix as well.
 
     Example::
 
@@ -279,21 +309,30 @@ def randomized_svd(
     )
 
     def run(chosen: str, rows: slice = slice(None)) -> TopSVD:
-        part_init = init if init is None or init.ndim == 2 else init[rows]
-        auto = method == "auto"
-        return _top_svd(
-            A[rows],
-            k,
-            width,
-            chosen,
-            auto,
-            generator,
-            part_init,
-            n_iter,
-            tol,
-            rounded,
-            keep_subspace,
-        )
+        part, part_init = A[rows], _batch_rows(init, rows)
+        # The exact path that stands in for a failed one returns a subspace where this one would.
+        keeps = chosen in ("randomized", "subspace") or (chosen == "gram" and keep_subspace)
+
+        def attempt(one: slice) -> TopSVD:
+            return _top_svd(
+                part[one],
+                k,
+                width,
+                chosen,
+                method == "auto",
+                generator,
+                _batch_rows(part_init, one),
+                n_iter,
+                tol,
+                rounded,
+                keep_subspace,
+            )
+
+        def fallback(one: slice) -> TopSVD:
+            S, finite, V = exact_after_failure(part[one], width if keeps else None)
+            return TopSVD(_tidy(S[..., :k], finite, max(m, n), compute_dtype), V)
+
+        return _with_fallback(attempt, fallback, part.shape[0] if part.ndim == 3 else None, (m, n))
 
     if method != "auto":
         return run(method)
@@ -314,8 +353,7 @@ def randomized_svd(
     # cost per call, which one matrix pays in full: a close call leans to the exact path.
     first = calibrated.run(key, candidates, lambda candidate: run(candidate, slice(0, 1)))
     rest = run(calibrated.chosen[key], slice(1, None))
-    V = None if first.V is None or rest.V is None else torch.cat([first.V, rest.V])
-    return TopSVD(torch.cat([first.S, rest.S]), V)
+    return _concatenated([first, rest])
 
 
 def _top_svd(
@@ -490,26 +528,37 @@ def _adapted_svd(
     start = _start(probe, width, generator, init)
     depth, first_check, lead = _iteration(m, n, n_iter, chosen, init is not None)
 
-    def apply(X: Tensor) -> tuple[Tensor, Tensor | None]:
-        Y = W.matmul(X, _matmul)  # (B, m, b)
-        return W.rmatmul(Y, _matmul), Y
+    def attempt(one: slice) -> TopSVD:
+        part = W[one]
 
-    basis, images, lefts, finite = top_subspace(
-        apply,
-        start,
-        k,
-        depth,
-        tol,
-        krylov=chosen == "randomized",
-        first_check=first_check,
-        finite=None,
-        rank_scale=max(m, n),
-        lead=lead,
-    )
-    BV = keep_finite(lefts if lefts is not None else W.matmul(basis, _matmul), finite)
-    S = _singular_values(BV)
-    past = torch.where(finite[..., None, None], images, basis)
-    return TopSVD(_tidy(S[..., :k], finite, max(m, n), compute_dtype), orthonormal_columns(past))
+        def apply(X: Tensor) -> tuple[Tensor, Tensor | None]:
+            Y = part.matmul(X, _matmul)  # (B, m, b)
+            return part.rmatmul(Y, _matmul), Y
+
+        basis, images, lefts, finite = top_subspace(
+            apply,
+            start[one],
+            k,
+            depth,
+            tol,
+            krylov=chosen == "randomized",
+            first_check=first_check,
+            finite=None,
+            rank_scale=max(m, n),
+            lead=lead,
+        )
+        BV = keep_finite(lefts if lefts is not None else part.matmul(basis, _matmul), finite)
+        S = _singular_values(BV)
+        past = torch.where(finite[..., None, None], images, basis)
+        return TopSVD(
+            _tidy(S[..., :k], finite, max(m, n), compute_dtype), orthonormal_columns(past)
+        )
+
+    def fallback(one: slice) -> TopSVD:  # the matrix formed here, as the exact choice does above
+        S, finite, V = exact_after_failure(W[one].dense(compute_dtype), width)
+        return TopSVD(_tidy(S[..., :k], finite, max(m, n), compute_dtype), V)
+
+    return _with_fallback(attempt, fallback, batch, (m, n))
 
 
 def _exact_where_float32_falls_short(
@@ -598,8 +647,13 @@ def _randomized(
         # TF32 on: B split once (two copies, as the memory bound counts), not both operands.
         G = gram(B)  # (..., d, d)
         # A NaN/Inf entry (or a float32 overflow) shows on the Gram matrix's diagonal (squared
-        # column norms); the images of those matrices are zeroed so LAPACK never sees a NaN.
-        finite = torch.isfinite(G.diagonal(dim1=-2, dim2=-1)).all(-1)
+        # column norms); the images of those matrices are zeroed so LAPACK never sees a NaN. So
+        # are those of a Gram matrix too far from unit scale for float32 (_GRAM_EXPONENT): both
+        # are redone by the exact float64 path (_exact_where_float32_falls_short).
+        squares = G.diagonal(dim1=-2, dim2=-1)  # (..., d)
+        largest = squares.amax(-1)
+        in_range = (largest >= 2.0**-_GRAM_EXPONENT) & (largest <= 2.0**_GRAM_EXPONENT)
+        finite = torch.isfinite(squares).all(-1) & ((largest == 0) | in_range)
         if wide:  # (..., m, b): the left image of the right start
             start = orthonormalize(keep_finite(_matmul(A, start), finite))
 
@@ -630,12 +684,20 @@ def _randomized(
 
     else:
         finite = None
+        unit: list[Tensor | None] = []  # the powers of two of _unit_scale, from the first block
 
         def apply(X: Tensor) -> tuple[Tensor, Tensor | None]:
             Y = _times(B, X)  # (..., rows, b)
+            if not unit:
+                unit.append(_unit_scale(Y))
+            c = unit[0]
             # W^T Y as (Y^T W)^T: the same GEMM without a transposed W, which BLAS reads at half
-            # the speed (or torch copies).
-            return _matmul(Y.mT, B).mT, Y
+            # the speed (or torch copies). Far from unit scale, c^2 W^T W X: the same Krylov space
+            # and Ritz vectors, every product within float32's range; the values are read off
+            # the unscaled Y = W X.
+            if c is None:
+                return _matmul(Y.mT, B).mT, Y
+            return _matmul((Y * c).mT, B).mT * c, Y
 
     basis, images, lefts, finite = top_subspace(
         apply,
@@ -666,6 +728,93 @@ def _randomized(
     if images.device.type != "cpu" or not bool(finite.all()):
         past = torch.where(finite[..., None, None], past, basis)
     return S, orthonormal_columns(past), finite
+
+
+def _unit_scale(Y: Tensor) -> Tensor | None:
+    """``(..., 1, 1)`` powers of two ``c`` that bring the largest column of the first block
+    ``Y = W Q_0`` (..., rows, b) into [1/2, 1), so that ``c^2 W^T W`` works at unit size (1 where
+    that column is 0 or not finite); ``None`` on the CPU where every matrix lies within
+    ``2^(+-_UNIT_EXPONENT)`` (a free host read): nothing to scale.
+
+    >>> _unit_scale(torch.ones(1, 4, 2)) is None
+    True
+    >>> _unit_scale(torch.full((1, 1, 2), 2.0**-70)).flatten().tolist() == [2.0**69]
+    True
+    >>> _unit_scale(torch.full((1, 1, 2), 2.0**60)).flatten().tolist() == [2.0**-61]
+    True
+    """
+    largest = column_norms(Y).amax(-1)  # (...,)
+    if Y.device.type == "cpu":
+        bound = 2.0**_UNIT_EXPONENT
+        if all(not 0 < v < math.inf or 1 / bound <= v <= bound for v in largest.flatten().tolist()):
+            return None
+    usable = torch.isfinite(largest) & (largest > 0)
+    exponent = torch.frexp(torch.where(usable, largest, torch.ones_like(largest))).exponent
+    return torch.ldexp(torch.ones_like(largest), -exponent)[..., None, None]
+
+
+def _with_fallback(
+    attempt: Callable[[slice], TopSVD],
+    fallback: Callable[[slice], TopSVD],
+    batch: int | None,
+    shape: tuple[int, int],
+) -> TopSVD:
+    """``attempt`` on the whole batch; where a solver raises (``torch.linalg.LinAlgError``), on
+    each of its ``batch`` matrices alone (``None``: one 2-D matrix), and on a matrix that fails
+    alone ``fallback`` (the exact float64 path), flagged in ``fell_back`` and logged.
+
+    Both take a slice of the batch. One matrix's failure costs its batch one more try, matrix by
+    matrix: a batched LAPACK call fails as a whole.
+    """
+    try:
+        return attempt(slice(None))
+    except torch.linalg.LinAlgError as error:
+        failure = error
+    alone = batch is None or batch == 1
+    parts: list[TopSVD] = []
+    for one in [slice(None)] if alone else [slice(i, i + 1) for i in range(batch or 0)]:
+        if not alone:
+            try:
+                parts.append(attempt(one))
+                continue
+            except torch.linalg.LinAlgError as error:
+                failure = error
+        top = fallback(one)
+        _log.warning(
+            "randomized_svd: %s: %s on a %dx%d matrix; its values come from the exact float64 "
+            "path instead",
+            type(failure).__name__,
+            str(failure).split("\n")[0],
+            *shape,
+        )
+        flag = torch.ones(top.S.shape[:-1], dtype=torch.bool, device=top.S.device)
+        parts.append(top._replace(fell_back=flag))
+    return _concatenated(parts)
+
+
+def _concatenated(parts: list[TopSVD]) -> TopSVD:
+    """The parts of a batch as one result (``V`` only where every part has one)."""
+    if len(parts) == 1:
+        return parts[0]
+    subspaces = [top.V for top in parts if top.V is not None]
+    V = torch.cat(subspaces) if len(subspaces) == len(parts) else None
+    flags = [top.fell_back for top in parts]
+    fell_back = None
+    if any(flag is not None for flag in flags):
+        fell_back = torch.cat(
+            [
+                torch.zeros(top.S.shape[:-1], dtype=torch.bool, device=top.S.device)
+                if flag is None
+                else flag
+                for top, flag in zip(parts, flags, strict=True)
+            ]
+        )
+    return TopSVD(torch.cat([top.S for top in parts]), V, fell_back)
+
+
+def _batch_rows(X: Tensor | None, rows: slice) -> Tensor | None:
+    """``X``'s matrices ``rows`` of a batch; a 2-D ``X`` (one ``init`` for every matrix) whole."""
+    return X if X is None or X.ndim == 2 else X[rows]
 
 
 def _singular_values(X: Tensor) -> Tensor:
