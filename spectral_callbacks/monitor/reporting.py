@@ -46,6 +46,7 @@ import pandas as pd
 import torch
 
 from spectral_callbacks.functional import compression
+from spectral_callbacks.monitor.engines.compute import SVD_FALLBACK
 from spectral_callbacks.names import (
     EXPERT_AGGREGATES,
     NUM_LAYERS_TAG,
@@ -111,6 +112,10 @@ class Reporter:
         ] = collections.deque(maxlen=history_size)
         # (matrix name, step) of the first snapshot whose weights were not finite, once found.
         self.first_non_finite: tuple[str, int] | None = None
+        # Matrices whose SVD solver raised and whose spectrum came from the exact float64 path
+        # (the compute's SVD_FALLBACK), over the run, and the first of them (name, step).
+        self.svd_fallbacks = 0
+        self.first_svd_fallback: tuple[str, int] | None = None
         # Each matrix's latest logged values: the means per role (and over experts) are over
         # these, so a snapshot staggered over several steps (the budget) still gets means over
         # every layer (expert).
@@ -151,6 +156,9 @@ class Reporter:
             row = dict(metrics)
             if self.first_non_finite is None and _non_finite(row):
                 self.first_non_finite = (name, step)
+            if row.pop(SVD_FALLBACK, 0.0):
+                self.svd_fallbacks += 1
+                self.first_svd_fallback = self.first_svd_fallback or (name, step)
             stable_rank = row.get("stable_rank", math.nan)
             if name not in self.references and math.isfinite(stable_rank):
                 self.references[name] = float(stable_rank)
@@ -194,6 +202,8 @@ class Reporter:
                     expert=target.expert,
                 )
                 scalars[tag] = float(step)
+        if self.svd_fallbacks:  # from the first on, so a run without one logs what it always did
+            scalars.update(health_scalars(svd_fallbacks=self.svd_fallbacks))
         self.history.append((step, time.time(), scalars, per_target))
         return scalars
 
@@ -278,8 +288,15 @@ class Reporter:
         return frame.astype({"layer": "Int64", "expert": "Int64", "head": "Int64"})
 
     def state_dict(self) -> dict[str, Any]:
-        """The compression references and their steps (what a resume must keep)."""
-        return {"references": dict(self.references), "reference_steps": dict(self.reference_steps)}
+        """The compression references and their steps (what a resume must keep), and the count
+        of SVD fallbacks where there were any."""
+        state: dict[str, Any] = {
+            "references": dict(self.references),
+            "reference_steps": dict(self.reference_steps),
+        }
+        if self.svd_fallbacks:
+            state["svd_fallbacks"] = self.svd_fallbacks
+        return state
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         # A checkpoint written before the first-defined-snapshot rule may hold a NaN reference
@@ -289,6 +306,7 @@ class Reporter:
         # A checkpoint from before reference steps were kept: its references came from step 0.
         steps = state.get("reference_steps", {})
         self.reference_steps = {name: int(steps.get(name, 0)) for name in self.references}
+        self.svd_fallbacks = int(state.get("svd_fallbacks", 0))
 
 
 def health_scalars(**values: float) -> dict[str, float]:

@@ -381,6 +381,7 @@ class SpectralTracker:
         self._previous_step = -1
         self._previous_time: float | None = None
         self._warned_non_finite = False
+        self._warned_svd_fallback = False
         self._closed = False
         self._unflushed = False
         self._flushed_at = -float("inf")
@@ -862,6 +863,7 @@ class SpectralTracker:
             result.main_thread_seconds + result.copy_seconds + result.svd_seconds
         )
         self._warn_if_non_finite()
+        self._warn_if_svd_fell_back()
         experiments = tb.summary_writers(self.writers)
         if experiments:  # the distribution over a layer's experts, beside their mean/min/max
             histograms = self._reporter.expert_values(result.metrics)
@@ -940,6 +942,21 @@ class SpectralTracker:
         rank_zero_warn(
             f"{self.caller}: the weights of {name!r} hold NaN or Inf at step {step} (the first "
             "non-finite matrix found); its metrics are logged as NaN from there on",
+            category=RuntimeWarning,
+        )
+
+    def _warn_if_svd_fell_back(self) -> None:
+        """Once, at the first matrix whose SVD solver raised (its spectrum then came from the exact
+        float64 path): said, never swallowed; ``spectral_monitor/svd_fallbacks`` counts them."""
+        found = self._reporter.first_svd_fallback
+        if found is None or self._warned_svd_fallback:
+            return
+        self._warned_svd_fallback = True
+        name, step = found
+        rank_zero_warn(
+            f"{self.caller}: the SVD's solver raised on {name!r} at step {step} (the log has its "
+            "error); its spectrum comes from the exact float64 path, and so does that of any "
+            "later matrix this happens to (spectral_monitor/svd_fallbacks counts them)",
             category=RuntimeWarning,
         )
 

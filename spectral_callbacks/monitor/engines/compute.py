@@ -31,6 +31,11 @@ from spectral_callbacks.functional.calibration import MethodCalibration
 from spectral_callbacks.functional.memory import subspace_bytes, svd_working_bytes
 from spectral_callbacks.monitor.snapshot import ShapeGroup
 
+#: The value a compute adds for the matrices whose SVD solver raised and whose spectrum came from
+#: the exact float64 path instead (1.0; 0.0 for the rest of their group): counted and said by the
+#: reporting (``spectral_monitor/svd_fallbacks``), never logged as a metric of its own.
+SVD_FALLBACK = "svd_fallback"
+
 #: ``compute(group, batch)``: ``batch`` is a float ``(B, m, n)`` stack of the group's matrices (or
 #: the ``functional.batch.MatrixBatch`` a kind of target snapshots itself as); returns metric
 #: name -> ``(B,)`` tensor. On CUDA it runs with the compute stream current.
@@ -192,6 +197,8 @@ class SpectrumCompute(ComputeFunction):
         if self.warm_start and top.V is not None:
             self._subspaces[group.key] = top.V
         metrics = metrics_from_spectrum(top.S, frobenius_sq, **self.metric_options)
+        if top.fell_back is not None:  # a solver raised: the exact path stood in, said in the log
+            metrics[SVD_FALLBACK] = top.fell_back.to(top.S.dtype)
         # A batch held as an operator carries an update (an adapted layer's s B A, a fine-tune's
         # W_t - W_ref): its spectrum adds the update family. A dense stack has none.
         if not isinstance(batch, torch.Tensor):

@@ -59,6 +59,7 @@ import torch
 import torch.distributed as dist
 
 from spectral_callbacks.messages import rank_zero_warn
+from spectral_callbacks.monitor.engines.compute import SVD_FALLBACK
 from spectral_callbacks.monitor.engines.engine import Compute, SnapshotEngine, SnapshotResult
 from spectral_callbacks.monitor.options import MonitorOptions
 from spectral_callbacks.monitor.snapshot import Snapshot, group_by_shape
@@ -123,18 +124,20 @@ def partition(targets: Sequence[Target], world_size: int) -> list[int]:
 
 
 def result_columns(metrics: Sequence[str]) -> tuple[str, ...]:
-    """The metrics each rank sends: the logged ones, with ``stable_rank`` for ``compression`` and
+    """The metrics each rank sends: the logged ones, with ``stable_rank`` for ``compression``,
     ``frobenius_norm`` for rank 0's check of non-finite weights (a NaN ``stable_rank`` alone could
-    be an all-zero matrix).
+    be an all-zero matrix) and the flag of a matrix whose SVD fell back (``SVD_FALLBACK``), which
+    rank 0 counts.
 
     >>> result_columns(("compression", "alpha"))
-    ('alpha', 'stable_rank', 'frobenius_norm')
+    ('alpha', 'stable_rank', 'frobenius_norm', 'svd_fallback')
     """
     columns = [metric for metric in metrics if metric != "compression"]
     if "compression" in metrics and "stable_rank" not in columns:
         columns.append("stable_rank")
     if "frobenius_norm" not in columns:
         columns.append("frobenius_norm")
+    columns.append(SVD_FALLBACK)
     return tuple(columns)
 
 
