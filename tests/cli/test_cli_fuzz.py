@@ -8,7 +8,6 @@ subprocess checks the real entry point."""
 from __future__ import annotations
 
 import json
-import os
 import random
 import warnings
 from pathlib import Path
@@ -16,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 from cli_runs import run_cli
+from seeds import run_seed
 from torch import nn
 from torch.utils.tensorboard import SummaryWriter
 
@@ -32,8 +32,10 @@ LEGACY_TORCH_HEADER = b"\x80\x02\x8a\nl\xfc\x9cF\xf9 j\xa8P\x19"
 
 
 def contents() -> dict[str, bytes]:
-    """Random bytes (fresh each run) followed by every byte value, and nothing."""
-    return {"garbage": os.urandom(64) + bytes(range(256)) * 4, "empty": b""}
+    """Random bytes (fresh each run, from the run's seed: tests/seeds.py) followed by every byte
+    value, and nothing."""
+    garbage = random.Random(run_seed()).randbytes(64)
+    return {"garbage": garbage + bytes(range(256)) * 4, "empty": b""}
 
 
 def random_files(count: int, seed: int = 0) -> list[bytes]:

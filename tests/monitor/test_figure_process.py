@@ -154,7 +154,8 @@ def test_the_final_figures_are_not_waited_for_and_the_exit_wait_is_bounded() -> 
     start = time.monotonic()
     writer.submit_final(["unused"], _rows(), step=20)
     writer.close(timeout=5)  # returns at once: the final figures' thread stops the process
-    assert time.monotonic() - start < 1 and not held.closed
+    # Not a speed: a wait would take the whole 5 s timeout; 1 s was tight on a loaded machine.
+    assert time.monotonic() - start < 4 and not held.closed
     assert not dashboards.wait_for_figures(timeout=0.1)  # still drawing
     with pytest.warns(RuntimeWarning, match=r"could not write its final figures \(step 20\)"):
         writer._stop_at_exit()  # what interpreter exit calls: the child gets 0.2 s more

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pandas as pd
+from seeds import run_seed
 from torch.utils.tensorboard import SummaryWriter
 
 from spectral_callbacks.names import NUM_LAYERS_TAG, TIDY_COLUMNS, scalar_tag
@@ -18,7 +19,7 @@ def _write_run(
     logdir: Path, *, num_layers: int | None = 4, steps: range = range(0, 30, 10)
 ) -> dict:
     """A run with every (layer, role) of two metrics, a mean, a loss; returns what was logged."""
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(run_seed())  # fresh each run, replayable (tests/seeds.py)
     logged = {}
     with SummaryWriter(str(logdir)) as writer:
         if num_layers is not None:
