@@ -6,7 +6,9 @@ frees, would keep them all. The bytes of tensors alive are counted (every tensor
 interpreter tracks, deduplicated by storage: what a record could hold) with the cyclic collector
 off, inside the forward
 (before the head), at its end and after the backward, with the tracker reading the roles from the
-forward and without one.
+forward and without one. What the record keeps instead: shapes of the data (meta-device stand-ins)
+and small integer index tensors, enough for the replay that reads a fused layout; an index too
+large to keep stops the replay (the role is left to the names) rather than guessing.
 """
 
 from __future__ import annotations
@@ -23,6 +25,9 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from spectral_callbacks import SpectralTracker
+from spectral_callbacks.targets import dataflow
+from spectral_callbacks.targets.dataflow import record
+from spectral_callbacks.targets.roles import roles_from_recording
 
 WIDTH, HEADS, LAYERS, VOCAB = 128, 4, 3, 64
 BATCH, TOKENS = 2, 256
@@ -178,3 +183,49 @@ def test_recording_a_checkpointed_forward_keeps_no_activation_alive(
     recorded = measure(build, reentrant, tracked=True)
     for point in ("inside", "end", "backward"):
         assert recorded[point] <= plain[point] + SLACK, (point, recorded, plain)
+
+
+class _PermutedQKV(nn.Module):
+    """A fused ``[q; k; v]`` projection whose output features are reordered by an index tensor
+    before the heads are split: the layout is readable only through that index."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(16, 48)
+        self.out = nn.Linear(16, 16)
+        self.register_buffer(
+            "order", torch.randperm(48, generator=torch.Generator().manual_seed(0))
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x.shape
+        mixed = self.qkv(x).index_select(-1, self.order)  # (B, T, 48), features reordered
+        q, k, v = mixed.view(B, T, 3, 2, 8).permute(2, 0, 3, 1, 4)  # 3 x (B, nh, T, hs)
+        y = F.scaled_dot_product_attention(q, k, v)
+        return self.out(y.transpose(1, 2).reshape(B, T, 16))
+
+
+def _rows_read(model: nn.Module) -> dict[str, tuple[int, ...] | None]:
+    with record(model) as recording:
+        model(torch.randn(1, 3, 16))
+    kept = [leaf for op in recording.ops for leaf in op.template if isinstance(leaf, torch.Tensor)]
+    assert kept and all(t.is_meta or not t.is_floating_point() for t in kept)
+    flow = roles_from_recording(recording)
+    recording.release()
+    assert not recording.ops and not recording.values
+    return {role.role: role.rows for role in flow.roles if role.parameter == "qkv.weight"}
+
+
+def test_the_record_keeps_shapes_of_data_and_small_index_tensors_for_the_replay() -> None:
+    model = _PermutedQKV()
+    order = model.order.tolist()
+    rows = _rows_read(model)
+    for part, role in enumerate("QKV"):  # part p's rows come from order[16 p : 16 (p + 1)]
+        assert rows[role] == tuple(order[part * 16 : (part + 1) * 16])
+
+
+def test_an_index_too_large_to_keep_stops_the_replay_rather_than_guessing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(dataflow, "INDEX_BYTES", 0)
+    assert _rows_read(_PermutedQKV()) == {}
