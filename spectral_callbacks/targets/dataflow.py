@@ -17,7 +17,9 @@ attention call on index tensors to find which rows of a fused weight land where.
 
 What the record cannot see: functions called inside a Python function of ``torch.nn.functional``
 that is dispatched whole (``multi_head_attention_forward``), a compiled graph, custom kernels. The
-roles of such layers come from the name rules (``find_targets`` says which, naming the layer).
+roles of such layers come from the name rules (``find_targets`` says which, naming the layer). A
+bitsandbytes 4-/8-bit layer (its kernel multiplies by a dequantized copy of the weight) is
+recorded as one projection by its weight.
 
 Example::
 
@@ -43,6 +45,8 @@ from typing import Any
 import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
+
+from spectral_callbacks.targets.quantized import dequantizer
 
 __all__ = ["ModuleCall", "Op", "Recording", "Value", "Weight", "record"]
 
@@ -322,12 +326,36 @@ class Recording:
             self._module_stack.pop()
         given = [self.value_of(t) for t in tree_flatten(args)[0] if isinstance(t, torch.Tensor)]
         made = [self.value_of(t) for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+        if len(given) == 1 and len(made) == 1 and dequantizer(module) is not None:
+            self._as_projection(name, module, given[0], made[0])
         call = ModuleCall(name, module, given, made)
         self.module_calls.append(call)
         for value in given:
             value.fed_to.append(call)
         for value in made:
             value.made_by.append(call)
+
+    def _as_projection(self, name: str, module: nn.Module, given: Value, made: Value) -> None:
+        """Record a quantized layer's call as one ``linear`` by its weight. Its kernel multiplies
+        by a dequantized copy the record cannot tie to the parameter (``targets/quantized.py``),
+        so the ops inside are cut off: the input no longer leads into them, the output is made by
+        the projection."""
+        weight = module.weight
+        weight_name = self.parameter_names.get(id(weight))
+        if weight_name is None or not isinstance(weight, torch.Tensor):
+            return
+        parameter = self.value_of(weight)
+        spec = tree_flatten(((None, None), {}))[1]  # linear(x, W): never replayed
+        inputs: list[Value | None] = [given, parameter]
+        op = Op(
+            len(self.ops), "linear", torch.nn.functional.linear, inputs, [made], [None, None], spec
+        )
+        op.weight = Weight(weight_name, transposed=False)
+        op.modules = (*self._module_stack, name)
+        given.consumers = [c for c in given.consumers if name not in c.modules] + [op]
+        parameter.consumers.append(op)
+        made.op = op
+        self.ops.append(op)
 
 
 # An integer or boolean tensor argument of a shape operation (an index, a mask) up to this size is

@@ -26,6 +26,7 @@ from spectral_callbacks.targets.adapted import is_tuner_layer
 from spectral_callbacks.targets.errors import TargetError
 from spectral_callbacks.targets.lowrank import Layout, recognise
 from spectral_callbacks.targets.matching import Candidate
+from spectral_callbacks.targets.quantized import dequantizer
 from spectral_callbacks.targets.roles import FlowMap, FlowRole
 from spectral_callbacks.targets.target import Rows, Skip
 
@@ -135,6 +136,9 @@ def reconcile(
             continue
         transposed = found[0].transposed
         out = parameter.shape[1] if transposed else parameter.shape[0]
+        owner = modules.get(candidate.name.rpartition(".")[0])
+        if owner is not None and dequantizer(owner) is not None:
+            out = int(owner.out_features)  # type: ignore[arg-type]  # not the packed rows
         parts = [(r.role, rows_of(r.rows, out, transposed)) for r in found]
         readable = [(role, rows) for role, rows in parts if rows is not None]
         if len(readable) != len(parts):
