@@ -464,3 +464,27 @@ def test_the_heads_view_draws_a_heatmap_per_run_and_a_line_per_head(
         ]
         assert severe(driver) == []
         _shoot(driver, "heads")
+        # a circuit metric in "Metric vs step": one line per layer, the heads' mean, in a band
+        # over the heads (before: one zig-zag line through every head and the mean in turn)
+        from selenium.webdriver.support.ui import Select
+
+        by_role = 'section[data-view="byRole"]'
+        Select(driver.find_elements(By.CSS_SELECTOR, f"{by_role} select")[0]).select_by_value(
+            "qk_spectral_norm"
+        )
+        wait_for_points(driver, ["byRole"], timeout=30)
+        deadline = time.monotonic() + 30
+        while (
+            time.monotonic() < deadline
+            and "qk_spectral_norm"
+            not in driver.find_element(By.CSS_SELECTOR, f"{by_role} svg").text
+        ):
+            time.sleep(0.2)
+        assert len(driver.find_elements(By.CSS_SELECTOR, f"{by_role} svg path.line")) == 1
+        assert len(driver.find_elements(By.CSS_SELECTOR, f"{by_role} svg path.band")) == 1
+        assert int(driver.find_element(By.CSS_SELECTOR, by_role).get_attribute("data-points")) == 4
+        notes = [e.text for e in driver.find_elements(By.CSS_SELECTOR, f"{by_role} .note")]
+        assert notes == [
+            "a layer’s heads: the line is their mean, the band their min … max over the heads"
+        ]
+        assert severe(driver) == []

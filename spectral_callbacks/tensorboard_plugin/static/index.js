@@ -338,7 +338,16 @@ const VIEWS = {
       ...stackSelect('wave'),
     ]);
     const runs = state.runs.slice(0, MAX_PANELS);
-    const all = await Promise.all(runs.map((run) => getJson('wave', {run, metric: s.metric, role: s.role, stack})));
+    // A heatmap per run: a run that did not log the metric or the role (another ticked run did)
+    // is not asked (the server answers 400 for what a run never logged) and says so in its panel.
+    const logs = (run) => {
+      const entry = state.catalog.find((r) => r.run === run) || {metrics: [], roles: []};
+      const metric = entry.metrics.includes(s.metric) || (s.metric === 'compression' && entry.metrics.includes('stable_rank'));
+      return metric && entry.roles.includes(s.role);
+    };
+    const all = await Promise.all(runs.map((run) => logs(run)
+      ? getJson('wave', {run, metric: s.metric, role: s.role, stack})
+      : {run, steps: [], left_out: null}));
     const key = JSON.stringify([s, all, state.runs]);  // the runs left out are said too
     if (drawn.wave === key) return;
     drawn.wave = key;
