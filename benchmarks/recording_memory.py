@@ -19,8 +19,8 @@ and ``"auto"`` take them at construction). Models: a Hugging Face
 Llama built from a config (4 layers x 256 wide) with ``gradient_checkpointing_enable`` non-reentrant
 and reentrant at 2 x 512 and 2 x 1024 tokens, and the 12 x 768 nanoGPT of ``examples/gpt.py``
 without checkpointing at 2 x 256. The SVD of the step-0 snapshot runs inline (``synchronous``),
-so no worker thread allocates while a point is measured. ``--smoke``: one tiny model, for the
-test suite's time.
+so no worker thread allocates while a point is measured. ``--tokens``, ``--llama LAYERS WIDTH``
+and ``--gpt LAYERS WIDTH TOKENS`` change the sizes; ``--smoke``: toy sizes, seconds long.
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "examples")]
+import smoke  # noqa: E402
 from gpt import GPT, GPTConfig  # noqa: E402
 
 from spectral_callbacks import SpectralTracker  # noqa: E402
@@ -133,29 +134,39 @@ def measure(build: Callable[[], Any], batch: int, tokens: int, follow: Any) -> d
     }
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--smoke", action="store_true", help="one tiny model (seconds)")
-    args = parser.parse_args()
+    parser.add_argument("--tokens", type=int, nargs="+", default=[512, 1024])
+    parser.add_argument("--llama", type=int, nargs=2, default=[4, 256], help="layers, width")
+    parser.add_argument(
+        "--gpt", type=int, nargs=3, default=[12, 768, 256], help="layers, width, tokens"
+    )
+    args = smoke.parse_args(parser, argv, tokens=[64], llama=[2, 128], gpt=[2, 128, 32])
     torch.set_num_threads(1)
+    layers, width = args.llama
     cases: list[tuple[str, Callable[[], Any], int, int]] = []
-    if args.smoke:
-        cases.append(("HF Llama 2 x 64, non-reentrant", lambda: hf_llama(2, 128, 64, False), 2, 64))
-    else:
-        for tokens in (512, 1024):
-            for reentrant in (False, True):
-                kind = "reentrant" if reentrant else "non-reentrant"
-                cases.append(
-                    (
-                        f"HF Llama 4 x 256, {kind} checkpointing",
-                        lambda tokens=tokens, reentrant=reentrant: hf_llama(
-                            4, 256, tokens, reentrant
-                        ),
-                        2,
-                        tokens,
-                    )
+    for tokens in args.tokens:
+        for reentrant in (False, True):
+            kind = "reentrant" if reentrant else "non-reentrant"
+            cases.append(
+                (
+                    f"HF Llama {layers} x {width}, {kind} checkpointing",
+                    lambda tokens=tokens, reentrant=reentrant: hf_llama(
+                        layers, width, tokens, reentrant
+                    ),
+                    2,
+                    tokens,
                 )
-        cases.append(("nanoGPT 12 x 768, no checkpointing", lambda: nanogpt(12, 768, 256), 2, 256))
+            )
+    gpt_layers, gpt_width, gpt_tokens = args.gpt
+    cases.append(
+        (
+            f"nanoGPT {gpt_layers} x {gpt_width}, no checkpointing",
+            lambda: nanogpt(gpt_layers, gpt_width, gpt_tokens),
+            2,
+            gpt_tokens,
+        )
+    )
     print(
         "| model | batch x tokens | tracker | MiB alive inside the forward | at its end "
         "| after the backward | forward + backward s |"
