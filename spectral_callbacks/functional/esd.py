@@ -22,6 +22,12 @@ bias-corrected :math:`1 + (n - 1) / \\sum \\log(\\lambda / x_{\\min})`, tails of
 :math:`x_{\\min}` again by the smallest D (its score :math:`D - 0.868 / \\sqrt n` is computed and
 then overridden), and the whole spectrum where no tail qualifies; that is reproduced too.
 
+TempBalance (Zhou et al., NeurIPS 2023) fits the same tail without the search: every shipped
+configuration of its reference code uses ``pl_fitting='median'``, :math:`x_{\\min}` the median
+eigenvalue and the Hill (maximum-likelihood) exponent of the values above it
+(:func:`esd_fit_median`, logged as ``esd_alpha_median``); the learning-rate balancer uses that
+fit unless told otherwise.
+
 Everything is a tensor operation over a batch of spectra and all candidates at once (the
 ``(candidates, values)`` KS table is built in chunks of candidates so its memory stays bounded);
 there is no Python loop over candidates or matrices.
@@ -40,11 +46,14 @@ __all__ = [
     "EsdFit",
     "esd_eigenvalues",
     "esd_fit",
+    "esd_fit_median",
     "esd_metrics",
 ]
 
 #: The logged ESD family: the fit's exponent, KS distance, x_min and tail size.
 ESD_METRICS: tuple[str, ...] = ("esd_alpha", "esd_ks_distance", "esd_xmin", "esd_tail_size")
+#: TempBalance's exponent (:func:`esd_fit_median`): logged where asked for, or for the balancer.
+ESD_MEDIAN_ALPHA = "esd_alpha_median"
 #: WeightWatcher's ``EVALS_THRESH``: eigenvalues at or below it are left out of the fit.
 EVALS_THRESHOLD = 1e-5
 # WeightWatcher's ``SMALL_N_CUTOFF`` and the small-sample fit's ``k_min``.
@@ -164,12 +173,66 @@ def esd_fit(evals: Tensor, threshold: float = EVALS_THRESHOLD) -> EsdFit:
     )
 
 
-def esd_metrics(W: Tensor, threshold: float = EVALS_THRESHOLD) -> dict[str, Tensor]:
+def esd_fit_median(evals: Tensor) -> EsdFit:
+    r"""TempBalance's power-law fit (``pl_fitting='median'``): :math:`x_{\min}` the median
+    eigenvalue, the Hill estimate of the tail above it, no search over :math:`x_{\min}`.
+
+    With the ``N`` eigenvalues ascending, :math:`i = \lfloor N / 2 \rfloor`,
+    :math:`x_{\min} = \lambda_i`, :math:`n = N - i`:
+
+    .. math::
+
+        \hat\alpha = 1 + \frac{n}{\sum_{j \ge i} \log(\lambda_j / \lambda_i)}, \qquad
+        D = \max_{0 \le k < n} \left| 1 - (\lambda_{i+k} / \lambda_i)^{1 - \hat\alpha}
+            - k / n \right|
+
+    Every eigenvalue counts, zeros included (TempBalance's default ``filter_zeros=False``); a
+    spectrum whose median is not positive has no fit (NaN).
+
+    Args:
+        evals: ``(..., N)`` eigenvalues, ascending (as ``esd_eigenvalues`` returns them).
+
+    Returns:
+        An :class:`EsdFit` of ``(...)`` float64 tensors; NaN rows where no fit exists.
+
+    Example::
+
+        >>> u = torch.linspace(0.0, 1.0, 2001, dtype=torch.float64)[1:-1]
+        >>> fit = esd_fit_median((1 - u).pow(-1 / 2))  # quantiles of p(x) ~ x^-3 on [1, inf)
+        >>> round(float(fit.alpha), 2), int(fit.tail_size)
+        (3.01, 1000)
+    """
+    evals = evals.to(torch.float64)
+    size = evals.shape[-1]
+    start = size // 2  # TempBalance's xmin_pos = 2: the index int(N / 2)
+    tail = evals[..., start:]  # (..., n)
+    xmin = tail[..., 0]
+    n = tail.shape[-1]
+    usable = (xmin > 0) & ~torch.isnan(evals).any(-1)
+    safe = torch.where(usable[..., None], tail, 1.0)
+    log_ratio = safe.log() - safe[..., :1].log()  # (..., n) log(lambda_j / x_min)
+    alpha = 1 + n / log_ratio.sum(-1)
+    k = torch.arange(n, dtype=torch.float64, device=evals.device)
+    fitted = 1 - torch.exp((1 - alpha)[..., None] * log_ratio)
+    ks = (fitted - k / n).abs().amax(-1)
+    nan = torch.full_like(alpha, float("nan"))
+    return EsdFit(
+        torch.where(usable, alpha, nan),
+        torch.where(usable, ks, nan),
+        torch.where(usable, xmin, nan),
+        torch.where(usable, torch.full_like(alpha, float(n)), nan),
+    )
+
+
+def esd_metrics(
+    W: Tensor, threshold: float = EVALS_THRESHOLD, *, median: bool = False
+) -> dict[str, Tensor]:
     """The logged ESD family of each matrix: ``esd_alpha, esd_ks_distance, esd_xmin, esd_tail_size``.
 
     Args:
         W: ``(m, n)`` or ``(B, m, n)`` float matrix.
         threshold: as in :func:`esd_fit`.
+        median: also ``esd_alpha_median``, TempBalance's fit (:func:`esd_fit_median`).
 
     Returns:
         Metric name -> float32 tensor of shape ``()`` or ``(B,)``.
@@ -180,8 +243,12 @@ def esd_metrics(W: Tensor, threshold: float = EVALS_THRESHOLD) -> dict[str, Tens
         >>> sorted(out), float(out["esd_tail_size"])
         (['esd_alpha', 'esd_ks_distance', 'esd_tail_size', 'esd_xmin'], 4.0)
     """
-    fit = esd_fit(esd_eigenvalues(W), threshold)
-    return {name: value.float() for name, value in zip(ESD_METRICS, fit, strict=True)}
+    evals = esd_eigenvalues(W)
+    fit = esd_fit(evals, threshold)
+    metrics = {name: value.float() for name, value in zip(ESD_METRICS, fit, strict=True)}
+    if median:
+        metrics[ESD_MEDIAN_ALPHA] = esd_fit_median(evals).alpha.float()
+    return metrics
 
 
 def _ks_distances(log_data: Tensor, alpha: Tensor, candidate: Tensor) -> Tensor:

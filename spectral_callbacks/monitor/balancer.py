@@ -56,6 +56,9 @@ class LRBalancer:
                 f"{caller}: `lr_balance` found no module of the model holding a watched matrix"
             )
         self._unit_of = {name: i for i, unit in enumerate(self.units) for name in unit.targets}
+        self._metric = balance.alpha_metric
+        #: Units the map leaves out at factor 1 (``skip_first_last``, ``min_eigenvalues``).
+        self.left_out = self._left_out(targets)
         self._names = {id(p): name for name, p in model.named_parameters(remove_duplicate=False)}
         #: The latest finite ESD α of each watched matrix (target name -> α).
         self.alpha: dict[str, float] = {}
@@ -112,7 +115,7 @@ class LRBalancer:
         """Read one snapshot's results; ``True`` when an ESD α among them changed the factors."""
         changed = False
         for name, values in metrics.items():
-            alpha = values.get("esd_alpha")
+            alpha = values.get(self._metric)
             if name in self._unit_of and alpha is not None and math.isfinite(alpha):
                 self.alpha[name] = float(alpha)
                 changed = True
@@ -128,8 +131,9 @@ class LRBalancer:
         """A Markdown line: the band, and the units at its two ends."""
         low, high = self.balance.low, self.balance.high
         text = (
-            f"TempBalance linear map per {self.balance.per}: band [{low:g}, {high:g}], "
-            f"{len(self.units)} unit(s)"
+            f"TempBalance linear map per {self.balance.per} of {self._metric}: band "
+            f"[{low:g}, {high:g}], {len(self.units)} unit(s)"
+            + (f", {len(self.left_out)} left out" if self.left_out else "")
         )
         scored = [(self._unit_alpha(i), i) for i in range(len(self.units))]
         scored = [(alpha, i) for alpha, i in scored if math.isfinite(alpha)]
@@ -182,9 +186,28 @@ class LRBalancer:
         known = [self.alpha[name] for name in self.units[index].targets if name in self.alpha]
         return sum(known) / len(known) if known else math.nan
 
+    def _left_out(self, targets: Sequence[Any]) -> frozenset[int]:
+        """The units the map leaves out: the first and the last (``skip_first_last``), those with
+        a matrix of fewer than ``min_eigenvalues`` eigenvalues."""
+        balance = self.balance
+        shapes = {target.name: target.shape for target in targets}
+        out = {
+            i
+            for i, unit in enumerate(self.units)
+            if any(min(shapes[name]) < balance.min_eigenvalues for name in unit.targets)
+        }
+        if balance.skip_first_last and self.units:
+            out |= {0, len(self.units) - 1}
+        return frozenset(out)
+
     def _refactor(self) -> None:
+        # A unit left out has no α in the map: factor 1, outside the min and the max.
         alpha = torch.tensor(
-            [self._unit_alpha(i) for i in range(len(self.units))], dtype=torch.float64
+            [
+                math.nan if i in self.left_out else self._unit_alpha(i)
+                for i in range(len(self.units))
+            ],
+            dtype=torch.float64,
         )
         factors = tempbalance_factors(alpha, low=self.balance.low, high=self.balance.high)
         self.factors = [float(factor) for factor in factors]

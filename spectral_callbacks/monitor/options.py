@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
 
 from spectral_callbacks.functional.circuits import CIRCUIT_METRICS
-from spectral_callbacks.functional.esd import ESD_METRICS
+from spectral_callbacks.functional.esd import ESD_MEDIAN_ALPHA, ESD_METRICS
 from spectral_callbacks.functional.metrics import MIN_FIT_POINTS, UPDATE_METRICS
 from spectral_callbacks.functional.svd import METHODS, Method
 from spectral_callbacks.monitor.alerts import AlertRules
@@ -79,6 +79,7 @@ KNOWN_METRICS: tuple[str, ...] = (
     "compression",
     *UPDATE_METRICS,
     *ESD_METRICS,
+    ESD_MEDIAN_ALPHA,
     *CIRCUIT_METRICS,
 )
 
@@ -89,7 +90,8 @@ KNOWN_METRICS: tuple[str, ...] = (
 DEFAULT_METRICS: tuple[str, ...] = tuple(
     name
     for name in KNOWN_METRICS
-    if name not in (*ESD_METRICS, "energy_rank_90", *UPDATE_METRICS, *CIRCUIT_METRICS)
+    if name not in (*ESD_METRICS, ESD_MEDIAN_ALPHA, "energy_rank_90", *UPDATE_METRICS)
+    and name not in CIRCUIT_METRICS
 )
 
 # The default asks for the Q figures where there is a Q (a model without one, e.g. MLA's Q_down /

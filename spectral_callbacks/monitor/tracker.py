@@ -34,6 +34,7 @@ from torch.distributed.tensor import DTensor
 
 from spectral_callbacks import tensorboard_adapter as tb
 from spectral_callbacks.functional import CIRCUIT_METRICS, ESD_METRICS
+from spectral_callbacks.functional.esd import ESD_MEDIAN_ALPHA
 from spectral_callbacks.functional.metrics import UPDATE_METRICS
 from spectral_callbacks.messages import rank_zero_info, rank_zero_warn
 from spectral_callbacks.monitor import background, dashboards
@@ -309,9 +310,11 @@ class SpectralTracker:
                 n_iter=options.n_iter,
                 method=options.svd_method,
                 fit_window=options.fit_window,
-                esd=any(name in ESD_METRICS for name in options.metrics)
+                esd=any(name in (*ESD_METRICS, ESD_MEDIAN_ALPHA) for name in options.metrics)
                 or options.lr_balance is not None,
                 esd_every_n_snapshots=options.esd_every_n_snapshots,
+                esd_median=ESD_MEDIAN_ALPHA in options.metrics
+                or (options.lr_balance is not None and options.lr_balance.fit == "median"),
             )
             if options.compute is None
             else as_compute_function(options.compute)
@@ -357,8 +360,9 @@ class SpectralTracker:
             self.metrics += UPDATE_METRICS
         if options.circuits is not False:  # asked for by name: logged whatever `metrics` lists
             self.metrics += tuple(name for name in CIRCUIT_METRICS if name not in self.metrics)
-        if self._balancer is not None and "esd_alpha" not in self.metrics:  # what it reads
-            self.metrics += ESD_METRICS
+        if self._balancer is not None:  # the ESD family and the α the balancer reads
+            read = (*ESD_METRICS, self._balancer.balance.alpha_metric)
+            self.metrics += tuple(dict.fromkeys(name for name in read if name not in self.metrics))
 
     def _init_reporting(self) -> None:
         """What reads the results: the alerts, the scalars, the figures, the dashboard layout."""
@@ -876,7 +880,7 @@ class SpectralTracker:
     def _log_retaken_esd(self, step: int, scalars: dict[str, float]) -> None:
         """The final step taken again (_finish) and logged already adds its ESD family only: one
         step gets one value per tag (export, charts)."""
-        esd = tuple(f"{METRIC_PREFIX}{metric}/" for metric in ESD_METRICS)
+        esd = tuple(f"{METRIC_PREFIX}{metric}/" for metric in (*ESD_METRICS, ESD_MEDIAN_ALPHA))
         tb.log_scalars(self.writers, {t: v for t, v in scalars.items() if t.startswith(esd)}, step)
         del self._reporter.history[-2]  # the figures' rows: the newer take of the step only
         self._unflushed = True

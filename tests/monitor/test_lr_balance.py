@@ -201,11 +201,16 @@ def _unit_alpha(alpha: dict[tuple[int, str], float], per: str) -> dict[Any, floa
     return {key: sum(values) / len(values) for key, values in units.items()}
 
 
+@pytest.mark.parametrize("fit", ["median", "xmin_scan"])
 @pytest.mark.parametrize("per", ["matrix", "layer"])
-def test_logged_factors_are_tempbalance_map_of_the_logged_alpha(tmp_path: Path, per: str) -> None:
-    _plain_loop(tmp_path, LRBalance(low=0.6, high=1.4, per=per), steps=20)
+def test_logged_factors_are_tempbalance_map_of_the_logged_alpha(
+    tmp_path: Path, per: str, fit: str
+) -> None:
+    balance = LRBalance(low=0.6, high=1.4, per=per, fit=fit)
+    _plain_loop(tmp_path, balance, steps=20)
     logged = read_scalars(tmp_path)
-    alpha_tags = {tag: parse_tag(tag) for tag in logged if tag.startswith("spectral_esd_alpha/L")}
+    read = f"spectral_{balance.alpha_metric}/L"  # esd_alpha_median, or esd_alpha
+    alpha_tags = {tag: parse_tag(tag) for tag in logged if tag.startswith(read)}
     esd_steps = sorted(next(iter(logged[tag] for tag in alpha_tags)))
     assert esd_steps == [0, 10, 20]
     for step in esd_steps:

@@ -118,6 +118,7 @@ class SpectrumCompute(ComputeFunction):
             default.
         esd: also fit the full eigenvalue spectrum (``esd_alpha``, ``esd_ks_distance``,
             ``esd_xmin``, ``esd_tail_size``). Default ``False``.
+        esd_median: with ``esd``, also TempBalance's fit ``esd_alpha_median``. Default ``False``.
         esd_every_n_snapshots: with ``esd``, on the first snapshot and every this many after it;
             the other snapshots carry no ESD metric (so nothing is logged for them). Default ``10``.
         warm_start: reuse the previous snapshot's subspace. Default ``True``.
@@ -145,6 +146,7 @@ class SpectrumCompute(ComputeFunction):
         fit_window: Any = None,
         esd: bool = False,
         esd_every_n_snapshots: int = 10,
+        esd_median: bool = False,
         warm_start: bool = True,
         seed: int = 0,
     ) -> None:
@@ -158,6 +160,7 @@ class SpectrumCompute(ComputeFunction):
         if fit_window is not None:
             self.metric_options["fit_window"] = fit_window
         self.esd = esd
+        self.esd_median = esd_median
         self.esd_every_n_snapshots = esd_every_n_snapshots
         # Snapshots seen per shape group: every group is in every snapshot, so the counts agree
         # and the ESD lands on the same snapshots for all of them. A resumed run counts on from
@@ -208,7 +211,8 @@ class SpectrumCompute(ComputeFunction):
         final = self._esd_from is not None and seen >= self._esd_from
         if self.esd and (final or seen % self.esd_every_n_snapshots == 0):
             # The ESD needs every eigenvalue: an adapted layer's effective W0 + s B A is formed.
-            metrics.update(esd_metrics(batch if isinstance(batch, torch.Tensor) else batch.dense()))
+            dense = batch if isinstance(batch, torch.Tensor) else batch.dense()
+            metrics.update(esd_metrics(dense, median=self.esd_median))
         return metrics
 
     def esd_due(self, snapshot: int) -> bool:
