@@ -5,7 +5,8 @@ fresh from its config (seed 0) and after ``--steps`` AdamW steps on the standard
 the range of each fit's α, their Spearman rank correlation, and the largest difference of the
 factors each gives in the band ``[0.7, 1.3]`` (TempBalance's linear map).
 
-Run: ``python benchmarks/tempbalance_fits.py`` (under a minute on a 2-core CPU).
+Run: ``python benchmarks/tempbalance_fits.py`` (the 200 training steps take several minutes on a loaded
+2-core CPU).
 """
 
 from __future__ import annotations
@@ -18,7 +19,9 @@ import torch
 import transformers
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import smoke  # noqa: E402
 from data import load_bytes  # noqa: E402
 
 from spectral_callbacks.functional.balance import tempbalance_factors  # noqa: E402
@@ -44,10 +47,10 @@ def report(name: str, model: torch.nn.Module) -> None:
     )
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     parser.add_argument("--steps", type=int, default=200)
-    args = parser.parse_args()
+    args = smoke.parse_args(parser, argv, steps=1)
     torch.manual_seed(0)
     torch.set_num_threads(1)
     config = transformers.GPT2Config(
