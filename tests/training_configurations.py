@@ -97,7 +97,6 @@ class Cell:
     model: str = "gpt2"
     precision: str = "32"
     compile: str = "none"
-    backend: str = "eager"  # torch.compile's backend: "eager", "aot_eager" or "inductor"
     checkpointing: str = "none"
     adapter: str = "none"
     skip: bool = False  # one step's gradients made infinite: the GradScaler skips its update
@@ -134,7 +133,7 @@ class Cell:
         if self.precision != "32":
             parts.append(self.precision)
         if self.compile != "none":
-            parts.append(f"compile={self.compile}/{self.backend}")
+            parts.append(f"compile={self.compile}")
         if self.checkpointing != "none":
             parts.append(f"ckpt={self.checkpointing}")
         if self.adapter != "none":
@@ -473,10 +472,11 @@ def _counting_eager(graph: torch.fx.GraphModule, example_inputs: Any) -> Callabl
     return graph.forward
 
 
-def compiled(cell: Cell, module: nn.Module) -> nn.Module:
-    return torch.compile(
-        module, backend=_counting_eager if cell.backend == "eager" else cell.backend
-    )
+def compiled(module: nn.Module) -> nn.Module:
+    """``torch.compile`` with the "eager" backend: dynamo's tracing, guards and graph breaks, which
+    is where the monitor meets compilation, in seconds (inductor's code generation takes minutes
+    per cell on a small CPU)."""
+    return torch.compile(module, backend=_counting_eager)
 
 
 def autocast(cell: Cell) -> contextlib.AbstractContextManager[Any]:
@@ -494,8 +494,8 @@ def plain_loop(cell: Cell, monitor: bool, root: Path) -> Run:
     model = cell_model(cell)
     optimizer = optimizer_for(model)
     scaler = torch.amp.GradScaler("cpu") if cell.precision == "16-mixed" else None
-    watched = compiled(cell, model) if cell.compile == "module" else model
-    trained = compiled(cell, model) if cell.compile == "wrapper" else watched
+    watched = compiled(model) if cell.compile == "module" else model
+    trained = compiled(model) if cell.compile == "wrapper" else watched
     writer = RecordingLogger()
     tracker = None
     if monitor:
@@ -542,10 +542,10 @@ def fabric_loop(cell: Cell, monitor: bool, root: Path) -> Run:
         precision = {"plugins": [MixedPrecision("16-mixed", "cpu", scaler=scaler)]}
     fabric = Fabric(accelerator="cpu", devices=1, loggers=writer, **precision)
     model = cell_model(cell)
-    network = compiled(cell, model) if cell.compile == "module" else model
+    network = compiled(model) if cell.compile == "module" else model
     optimizer = optimizer_for(model)
     wrapped, optimizer = fabric.setup(network, optimizer)
-    trained = compiled(cell, wrapped) if cell.compile == "wrapper" else wrapped
+    trained = compiled(wrapped) if cell.compile == "wrapper" else wrapped
     tracker = None
     if monitor:
         try:
@@ -593,7 +593,7 @@ def lightning_fit(cell: Cell, monitor: bool, root: Path) -> Run:
             if cell.compile == "configure_model" and not isinstance(
                 self.network, torch._dynamo.eval_frame.OptimizedModule
             ):
-                self.network = compiled(cell, self.network)
+                self.network = compiled(self.network)
 
         def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
             loss = loss_of(self.network(**batch))
@@ -630,7 +630,7 @@ def lightning_fit(cell: Cell, monitor: bool, root: Path) -> Run:
     )
     module: nn.Module = Module()
     if cell.compile == "module":
-        module = compiled(cell, module)
+        module = compiled(module)
     loader = torch.utils.data.DataLoader(batches(), batch_size=None)
     try:
         trainer.fit(module, loader)
@@ -692,7 +692,7 @@ def hf_train(cell: Cell, monitor: bool, root: Path) -> Run:
         bf16=cell.precision == "bf16-mixed",
         fp16=cell.precision == "16-mixed",
         torch_compile=cell.compile == "hf",
-        torch_compile_backend=cell.backend if cell.compile == "hf" else None,
+        torch_compile_backend="eager" if cell.compile == "hf" else None,
         gradient_checkpointing=checkpointing,
         gradient_checkpointing_kwargs=(
             {"use_reentrant": cell.checkpointing == "reentrant"} if checkpointing else None
