@@ -22,6 +22,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "examples")]
+import smoke  # noqa: E402
 from training_configurations import CELLS, PENDING, Cell, Outcome, run_cell  # noqa: E402
 
 RESULT = {"exact": "exact", "refused": "refused", "failed": "**fails**"}
@@ -50,7 +51,8 @@ def row(cell: Cell, outcome: Outcome, seconds: float) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.partition("\n\n")[0])
     parser.add_argument("--only", default="", help="run the cells whose id contains this")
-    options = parser.parse_args(argv)
+    # --smoke: one cell (its id is unique), both of its runs and every check.
+    options = smoke.parse_args(parser, argv, only="plain-llama-bf16-true")
     torch.set_num_threads(1)
     logging.getLogger("spectral_callbacks").setLevel(logging.WARNING)
     for noisy in (
