@@ -42,7 +42,7 @@ def logged_per_head(model: torch.nn.Module, metric: str) -> dict[tuple[int, int]
     return found
 
 
-@pytest.mark.parametrize("seed", [0])
+@pytest.mark.parametrize("seed", [0, 1])
 @pytest.mark.parametrize("kind", list(KINDS))
 def test_what_is_logged_as_a_bound_holds_on_the_measured_logits(kind: str, seed: int) -> None:
     build, logged_as = KINDS[kind]
