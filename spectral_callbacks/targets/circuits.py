@@ -227,7 +227,7 @@ class HeadCircuit(Target):
         first = layouts[0]
         with torch.no_grad():
             copies = {
-                id(part): torch.stack([_copy(layout.parts()[i]) for layout in layouts])
+                id(part): _stacked_copy([layout.parts()[i] for layout in layouts])
                 for i, part in enumerate(first.parts())
             }  # (L, rows, columns) per part
             small = tuple(
@@ -241,10 +241,16 @@ class HeadCircuit(Target):
         return CircuitBatch(first, tuple(copies.values()), tuple(index), small, scales)
 
 
-def _copy(target: Target) -> Tensor:
-    """A fresh copy of one target's current matrix."""
-    out = torch.empty(target.shape, dtype=target.parameter.dtype, device=target.parameter.device)
-    return target.copy_into(out)
+def _stacked_copy(targets: Sequence[Target]) -> Tensor:
+    """``(L, rows, columns)``: the current matrices of ``targets`` (of one shape), each copied
+    once, straight into its slot."""
+    first = targets[0]
+    out = torch.empty(
+        (len(targets), *first.shape), dtype=first.parameter.dtype, device=first.parameter.device
+    )
+    for slot, target in zip(out, targets, strict=True):
+        target.copy_into(slot)
+    return out
 
 
 @dataclass
