@@ -103,3 +103,26 @@ def test_an_ill_conditioned_factor_keeps_its_small_singular_values_accurate():
     right = torch.randn(2, 64, 8, generator=generator, dtype=torch.float64)
     formed = torch.linalg.svdvals(left @ right.mT)[..., :8]
     torch.testing.assert_close(circuit_singular_values(left, right), formed, rtol=1e-5, atol=0)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_metrics_keep_float64_accuracy_on_circuits_of_known_spectrum(seed):
+    # Each head's QK circuit is U diag(s) V^T with s known (spread over 12 decades, two nearly
+    # equal at the top), reached through random orthonormal factors: sigma_1 and the stable rank
+    # are known exactly and must come out to float64 accuracy, not just float32's.
+    generator = torch.Generator().manual_seed(seed)
+    heads, d, d_h = 3, 48, 8
+    s = torch.logspace(0, -12, d_h, dtype=torch.float64)
+    s[1] = 1.0 - 1e-9
+    s = s * torch.rand(heads, 1, dtype=torch.float64, generator=generator).add(0.5)  # per head
+    U = torch.linalg.qr(torch.randn(heads, d, d_h, dtype=torch.float64, generator=generator)).Q
+    V = torch.linalg.qr(torch.randn(heads, d, d_h, dtype=torch.float64, generator=generator)).Q
+    C = torch.linalg.qr(torch.randn(heads, d_h, d_h, dtype=torch.float64, generator=generator)).Q
+    q = (U * s[:, None, :]) @ C  # (H, d, d_h): W_Q^T of each head
+    k = V @ C  # W_Q^T W_K = U diag(s) C C^T V^T = U diag(s) V^T
+    query, key = q.mT.reshape(heads * d_h, d), k.mT.reshape(heads * d_h, d)
+    metrics = circuit_metrics(query, key, key, key.T, heads, heads, scale=1.0)
+
+    torch.testing.assert_close(metrics["qk_spectral_norm"], s[:, 0], rtol=1e-12, atol=0)
+    known_rank = s.square().sum(-1) / s[:, 0].square()
+    torch.testing.assert_close(metrics["qk_stable_rank"], known_rank, rtol=1e-12, atol=0)
