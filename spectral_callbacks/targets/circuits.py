@@ -302,17 +302,28 @@ class CircuitBatch(MeasuredBatch):
     def exact_metrics(self) -> dict[str, Tensor]:
         """``functional.circuits.circuit_metrics`` of every layer, then each target's head:
         metric -> ``(B,)`` in the targets' order."""
-        query, key, value, output = self.projections()
         layout = self.layout
         query_bias, key_bias, query_norm, key_norm = (
-            None if part is None else part.to(query.device) for part in self.small
+            None if part is None else part.to(self.device) for part in self.small
         )
-        metrics = circuit_metrics(
-            query, key, value, output, layout.num_heads, layout.num_kv_heads, scale=1.0,
-            query_bias=query_bias, key_bias=key_bias, rotary=layout.rotary,
-        )  # metric -> (L, H), the logit scale applied per layer below  # fmt: skip
+
+        def of_layer(i: int) -> dict[str, Tensor]:
+            def biases(bias: Tensor | None) -> Tensor | None:
+                return None if bias is None else bias[i : i + 1]
+
+            return circuit_metrics(
+                *self.projections(slice(i, i + 1)), layout.num_heads, layout.num_kv_heads,
+                scale=1.0, query_bias=biases(query_bias), key_bias=biases(key_bias),
+                rotary=layout.rotary,
+            )  # fmt: skip
+
+        # One layer at a time (all its heads in one batch): its float64 copies are still in cache
+        # when their Grams read them (1.8x faster than converting every layer first, 12 x 768).
+        layers = [of_layer(i) for i in range(len(self.copies[0]))]
+        metrics = {name: torch.cat([layer[name] for layer in layers]) for name in layers[0]}
+        # metric -> (L, H), the logit scale applied per layer below
         assert self.scales is not None
-        scales = self.scales.to(query.device, torch.float64)[:, None]  # (L, 1)
+        scales = self.scales.to(self.device, torch.float64)[:, None]  # (L, 1)
         if layout.scale is None:  # not read: nothing is scaled, nothing is a bound
             del metrics["qk_spectral_norm"], metrics["qk_logit_bound"]
         else:
@@ -327,11 +338,14 @@ class CircuitBatch(MeasuredBatch):
         head = torch.tensor([h for _, h in self.index])
         return {name: value[layer, head] for name, value in metrics.items()}
 
-    def projections(self) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    def projections(self, layers: slice = slice(None)) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """The float64 ``(L, H * d_h, d)`` query (content rows), key, value and ``(L, d, H * d_v)``
-        output of the batch's layers, formed from their factors where they are factored."""
+        output of the batch's ``layers`` (default all), formed from their factors where they are
+        factored."""
         layout = self.layout
-        by_part = dict(zip(layout.parts(), self.copies, strict=True))
+        by_part = {
+            part: copy[layers] for part, copy in zip(layout.parts(), self.copies, strict=True)
+        }
 
         def product(parts: tuple[Any, ...]) -> Tensor:
             # 1. A factored projection formed from its factors (d_h-wide at most: never d x d).
