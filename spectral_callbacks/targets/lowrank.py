@@ -19,7 +19,10 @@ what it holds, never by its class or names:
    r rows of A, in order (for a plain layer: ``U = s B``). DoRA's output
    ``diag(g / ||W_0 + s B A||_row) (W_0 x + b + s B A x)`` is checked with the ``s`` the module
    states (``scaling``, or ``alpha / rank``). The form found must then reproduce the module's
-   output on fresh inputs to float tolerance.
+   output on fresh inputs to the tolerance of the arithmetic the module computes in.
+
+Both run in their own numerics (``probe.py``): autocast off whatever the caller's (the
+verification may run inside the first training forward), the formula in float64.
 
 A layer whose verification fails is refused in one line naming its type and why, never watched as
 its base. A verified one is watched through the adapted path (:class:`LowRankTarget`, an
@@ -55,6 +58,7 @@ import torch
 from torch import nn
 
 from spectral_callbacks.targets.adapted import AdaptedTarget, _Copies, is_tuner_layer
+from spectral_callbacks.targets.probe import probing, unit_roundoff
 from spectral_callbacks.targets.target import Target
 
 __all__ = ["Layout", "LowRankTarget", "adapt_lowrank", "recognise"]
@@ -227,6 +231,7 @@ def _verify(
     tensors = {name: module.get_parameter(name).detach() for name in (base, bias) if name}
     tensors.update(probe)
     was_training = module.training
+    eps = unit_roundoff(module, weight)
     # A layer found while its adapter is off (torchtune's disable_adapter, a DPO reference
     # forward) shows no update; the layout is the adapter's, so the probe runs with it on. Each
     # snapshot reads the flag again (LowRankTarget._snapshot).
@@ -236,18 +241,20 @@ def _verify(
         module.eval()
         if disabled:
             flagged.disabled = False
-        with torch.no_grad():
+        with probing(weight.device):
             x = random((1, 2 * rank + 8, n), 1.0)
             y = torch.func.functional_call(module, probe, (x,))
             if not isinstance(y, torch.Tensor) or y.shape[-1] != weight.shape[0]:
                 return f"{kind}: its output is not the base's {weight.shape[0]} rows; not watched"
-            layout = _layout_from_output(module, tensors, x, y, base, down, up, bias, magnitude)
+            layout = _layout_from_output(
+                module, tensors, x, y, base, down, up, bias, magnitude, eps
+            )
             if isinstance(layout, str):
                 return f"{kind}: {layout}; not watched"
             x = random((1, 5, n), 1.0)
             expected = _formula(layout, tensors, x)
             got = torch.func.functional_call(module, probe, (x,))
-            if not _close(got.double(), expected, weight.dtype):
+            if not _close(got.double(), expected, eps):
                 return (
                     f"{kind}: its output is not W0 x + s B A x (s={layout.scale:.4g}) on fresh "
                     "inputs; not watched"
@@ -275,8 +282,9 @@ def _formula(layout: Layout, tensors: Mapping[str, torch.Tensor], x: torch.Tenso
     return out
 
 
-def _close(value: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> bool:
-    tolerance = 50 * torch.finfo(dtype).eps * (1.0 + float(expected.abs().max()))
+def _close(value: torch.Tensor, expected: torch.Tensor, eps: float) -> bool:
+    """Within 50 rounding units of the module's arithmetic (``eps``), relative to the largest."""
+    tolerance = 50 * eps * (1.0 + float(expected.abs().max()))
     return value.shape == expected.shape and float((value - expected).abs().max()) <= tolerance
 
 
@@ -290,8 +298,10 @@ def _layout_from_output(
     up: str,
     bias: str | None,
     magnitude: str | None,
+    eps: float,
 ) -> Layout | str:
-    """Solve the probe's output for ``U`` (LoRA) or check DoRA's form with the stated ``s``."""
+    """Solve the probe's output for ``U`` (LoRA) or check DoRA's form with the stated ``s``;
+    ``eps``: the rounding unit of the module's arithmetic."""
     weight, a, b = (tensors[name].double() for name in (base, down, up))
     if magnitude is not None:
         scale = _stated_scale(module)
@@ -302,18 +312,27 @@ def _layout_from_output(
     x2 = x.double().reshape(-1, x.shape[-1])
     delta = y.double().reshape(-1, y.shape[-1]) - x2 @ weight.T - offset  # (k, m)
     u = torch.linalg.lstsq(x2 @ a.T, delta).solution.T  # (m, R)
-    return _placement(u, b, base, down, up, bias)
+    return _placement(u, b, base, down, up, bias, max(1e-4, eps))
 
 
 def _placement(
-    u: torch.Tensor, b: torch.Tensor, base: str, down: str, up: str, bias: str | None
+    u: torch.Tensor,
+    b: torch.Tensor,
+    base: str,
+    down: str,
+    up: str,
+    bias: str | None,
+    rtol: float = 1e-4,
 ) -> Layout | str:
-    """``U`` as ``s B`` placed: each row of B in one output row against one block of A."""
+    """``U`` as ``s B`` placed: each row of B in one output row against one block of A, to a
+    relative ``rtol`` (the solve's noise in the module's arithmetic)."""
     m, total = u.shape
     rows_b, block = b.shape
     if (rows_b, block) == (m, total):  # a plain layer
         scale = float((u * b).sum() / (b * b).sum())
-        if not torch.allclose(u, scale * b, rtol=1e-4, atol=1e-6 * float(u.abs().max() + 1e-12)):
+        if not torch.allclose(
+            u, scale * b, rtol=rtol, atol=rtol * float(u.abs().max() + 1e-12) / 100
+        ):
             return "its update is not s B A for one s"
         return Layout(base, down, up, bias, None, scale)
     blocks = u.reshape(m, total // block, block)
@@ -325,7 +344,7 @@ def _placement(
     which = [int(torch.nonzero(live[i]).flatten()[0]) for i in used]
     placed = torch.stack([blocks[i, j] for i, j in zip(used, which, strict=True)])
     scale = float((placed * b).sum() / (b * b).sum())
-    if not torch.allclose(placed, scale * b, rtol=1e-4, atol=1e-6 * float(u.abs().max())):
+    if not torch.allclose(placed, scale * b, rtol=rtol, atol=rtol * float(u.abs().max()) / 100):
         return "its update's rows are not B's rows, in order, times one s"
     return Layout(base, down, up, bias, None, scale, tuple(used), tuple(which), block)
 

@@ -6,6 +6,11 @@ Charting that ``weight`` would draw a plausible spectrum of the wrong matrix. So
 weight's module is run once at discovery on a few random rows and compared with ``x W^T (+ b)``;
 a module that does something else is refused with the reason, never watched.
 
+The check runs in its own numerics (``probe.py``): autocast off, whatever the caller's (it may run
+inside the first training forward), and a tolerance set by the arithmetic the module computes in
+(its weights' dtype, TF32 where the process allows it, FP8 for a ``Float8Linear``-style module);
+the formula is evaluated in float64.
+
 A module whose forward is not a one-tensor call (``nn.MultiheadAttention`` owns ``in_proj_weight``
 but takes query, key and value) cannot be checked this way and is left to the rules that read it.
 
@@ -28,16 +33,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from spectral_callbacks.targets.probe import probing, tolerance
+
 __all__ = ["computes_weight"]
 
 _ROWS = 3  # random input rows: enough to see a different matrix, cheap at any width
-
-# Layers that keep a high-precision master weight and multiply in FP8 (torchao's Float8Linear):
-# the weight is the matrix trained and watched; e4m3 keeps 3 mantissa bits, so x and W are each
-# rounded by up to 2^-4 relative and the product differs from x W^T by ~4 % on random inputs.
-# A different matrix (a scale, a mask, another weight) differs by ~1: 0.2 tells them apart.
-_FP8_PRODUCT = frozenset({"Float8Linear"})
-_FP8_TOLERANCE = 0.2
 
 
 def computes_weight(
@@ -64,28 +64,23 @@ def computes_weight(
     generator = torch.Generator().manual_seed(0)
     x = torch.randn(_ROWS, matrix.shape[1], generator=generator).to(weight.device, weight.dtype)
     bias = getattr(module, "bias", None)
-    with torch.no_grad():
+    with probing(weight.device):
         try:
             got = module(x)
         except Exception:  # not a one-tensor projection: the rules read it
             return None
-        if not isinstance(got, torch.Tensor):
-            return None
-        expected = x @ matrix.t()
-        if isinstance(bias, torch.Tensor) and bias.shape == expected.shape[-1:]:
-            expected = expected + bias.detach()
+    if not isinstance(got, torch.Tensor):
+        return None
+    expected = x.double() @ matrix.double().t()
+    if isinstance(bias, torch.Tensor) and bias.shape == expected.shape[-1:]:
+        expected = expected + bias.detach().double()
     if got.shape != expected.shape:
         return (
             f"its forward returns shape {tuple(got.shape)} for {_ROWS} inputs, not the "
             f"{tuple(expected.shape)} of x W^T"
         )
-    difference = (got.double() - expected.double()).norm() / expected.double().norm().clamp_min(
-        1e-30
-    )
-    tolerance = 1e-4 if weight.dtype in (torch.float32, torch.float64) else 3e-2
-    if _FP8_PRODUCT & {cls.__name__ for cls in type(module).__mro__}:
-        tolerance = _FP8_TOLERANCE
-    if not bool(difference <= tolerance):
+    difference = (got.double() - expected).norm() / expected.norm().clamp_min(1e-30)
+    if not bool(difference <= tolerance(module, weight)):
         return (
             f"its forward is not x W^T + b for this weight (relative difference "
             f"{float(difference):.2g} on random inputs)"
