@@ -166,6 +166,9 @@ class SpectralTrainerCallback(TrainerCallback):
             # lr_balance scales the Trainer's optimizer (its groups from balanced_param_groups)
             optimizer=kwargs.get("optimizer") if self.options.lr_balance is not None else None,
             caller=type(self).__name__,
+            # The Trainer compiles a wrapper around `model` (torch_compile=True): its forward
+            # runs a graph, which records nothing, so the names decide from the start.
+            forward_compiled=bool(getattr(args, "torch_compile", False)),
         )
         self._say_where(args, logdir)
 

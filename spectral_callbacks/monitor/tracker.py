@@ -73,7 +73,7 @@ from spectral_callbacks.names import (
     format_target_map,
 )
 from spectral_callbacks.targets.delta import Delta
-from spectral_callbacks.targets.first_forward import FirstForward
+from spectral_callbacks.targets.first_forward import COMPILED, FirstForward
 from spectral_callbacks.targets.roles import FlowMap
 from spectral_callbacks.targets.target import Target, TargetList
 
@@ -83,8 +83,11 @@ from spectral_callbacks.targets.target import Target, TargetList
 FLUSH_INTERVAL_SECONDS = 1.0
 
 
-def _forward_not_followed(model: torch.nn.Module) -> str | None:
-    """Why ``model``'s forward cannot be recorded (its roles then come from the names), or None."""
+def _forward_not_followed(model: torch.nn.Module, compiled: bool = False) -> str | None:
+    """Why ``model``'s forward cannot be recorded (its roles then come from the names), or None;
+    ``compiled``: a frontend says it will run compiled."""
+    if compiled:
+        return "the model's forward runs compiled (torch.compile): its forward runs a graph"
     for module in model.modules():
         if hasattr(module, "_orig_mod") or getattr(module, "_compiled_call_impl", None):
             return "the model is compiled (torch.compile): its forward runs a graph"
@@ -94,6 +97,21 @@ def _forward_not_followed(model: torch.nn.Module) -> str | None:
             "forward sees its shards"
         )
     return None
+
+
+def _first_line(error: BaseException | None) -> str:
+    """An error's message as one line (its first, without a caller's ``Name:`` prefix), for a
+    message that quotes it."""
+    lines = str(error).strip().splitlines()
+    if not lines:
+        return type(error).__name__
+    caller, colon, rest = lines[0].partition(": ")
+    return rest if colon and caller.isidentifier() else lines[0]
+
+
+def _contradicts_names(error: BaseException) -> bool:
+    """``error`` says the forward reads a weight otherwise than the names (see reconcile.py)."""
+    return bool(getattr(error.__cause__, "contradicts_names", False))
 
 
 def _check_step(step: Any) -> None:
@@ -133,6 +151,9 @@ class SpectralTracker:
         optimizer: with ``lr_balance``, the optimizer whose param groups it scales (or attach it
             later with :meth:`attach_optimizer`, before :meth:`begin`). Default ``None``.
         caller: the name error messages use. Default ``"SpectralTracker"``.
+        forward_compiled: the model's forward will run compiled though the model is not (a
+            frontend that compiles it later: the Hugging Face Trainer's ``torch_compile=True``),
+            so the roles come from the names, said in one line. Default ``False``.
         \*\*kwargs: every other option of :class:`MonitorOptions` (``every_n_steps``, ``k``, ...).
 
     Raises:
@@ -175,6 +196,7 @@ class SpectralTracker:
         options: MonitorOptions | None = None,
         optimizer: Any = None,
         caller: str = "SpectralTracker",
+        forward_compiled: bool = False,
         **kwargs: Any,
     ) -> None:
         require(
@@ -197,6 +219,9 @@ class SpectralTracker:
         self.caller = caller
         self._first_forward: FirstForward | None = None
         self._waiting: dict[str, Any] | None = None
+        # An error of the first forward's reading, kept to be raised by the next call (step,
+        # forward_ends, close): nothing of ours is raised inside the user's forward.
+        self._raise_later: Exception | None = None
         watch = dict(
             model=model,
             writers=writers,
@@ -206,7 +231,7 @@ class SpectralTracker:
             optimizer=optimizer,
         )
         follow = options.roles_from_first_forward if options.example_input is None else False
-        why = _forward_not_followed(model) if follow is not False else None
+        why = _forward_not_followed(model, forward_compiled) if follow is not False else None
         if why is not None and follow is True:
             rank_zero_warn(
                 f"{caller}: {why}, so its forward cannot be recorded; the roles come from the "
@@ -221,8 +246,9 @@ class SpectralTracker:
             found = self._names_if_decided(model)
             if found is not None:
                 self._watch(targets=found, **watch)
-                confirm = functools.partial(self._confirm, model, found)
-                self._first_forward = FirstForward(model, confirm)
+                confirm = functools.partial(self._in_forward, self._confirm, model, found)
+                names_stand = functools.partial(self._in_forward, self._names_stand)
+                self._first_forward = FirstForward(model, confirm, names_stand)
                 return
         if follow is not False:
             # Everything that needs the targets waits for the forward (_on_first_forward).
@@ -231,7 +257,11 @@ class SpectralTracker:
             self._engine: Engine | None = None
             self._closed = False
             self._waiting = watch
-            self._first_forward = FirstForward(model, self._on_first_forward)
+            self._first_forward = FirstForward(
+                model,
+                functools.partial(self._in_forward, self._on_first_forward),
+                functools.partial(self._in_forward, self._on_forward_unread),
+            )
             return
         self._watch(targets=self._find_targets(model), **watch)
 
@@ -463,6 +493,7 @@ class SpectralTracker:
         if self._closed:
             raise RuntimeError(f"{self.caller} is closed: construct a new one for a new run")
         _check_step(step)
+        self._raise_kept_error()
         if self._waiting is not None:
             self._without_a_forward(step)
         if step < self._previous_step:  # checked before any work, so the run can go on
@@ -531,6 +562,8 @@ class SpectralTracker:
             self._first_forward.cancel()  # a forward that comes later has nothing to tell
         if self._waiting is not None:  # no forward ran: nothing was watched
             self._closed = True
+            if error is None:
+                self._raise_kept_error()  # the first forward's, if its reading failed
             return
         if self._closed:
             return
@@ -634,6 +667,20 @@ class SpectralTracker:
         ``on_before_backward``): the roles are read now and, if they waited, step 0 taken."""
         if self._first_forward is not None and not self._first_forward.done:
             self._first_forward.close()
+        self._raise_kept_error()
+
+    def _in_forward(self, reading: Callable[..., None], *args: Any) -> None:
+        """Run ``reading`` (a callback of the first forward, inside the user's forward); what it
+        raises is kept and raised by the tracker's next call, never inside the forward."""
+        try:
+            reading(*args)
+        except Exception as error:
+            self._raise_later = error
+
+    def _raise_kept_error(self) -> None:
+        error, self._raise_later = self._raise_later, None
+        if error is not None:
+            raise error
 
     def _names_if_decided(self, model: torch.nn.Module) -> TargetList | None:
         """The targets the names give, or ``None`` where they leave weights of the blocks unread
@@ -661,8 +708,37 @@ class SpectralTracker:
         """The first forward has shown the roles: watch them, and begin if begin was asked."""
         waiting = self._waiting
         assert waiting is not None
-        targets = self._agreed(self._find_targets(waiting["model"], flow))
+        try:
+            read, problem = self._find_targets(waiting["model"], flow), None
+        except ConfigurationError as error:
+            read, problem = None, error
+        targets = self._agreed(read, problem)
         self._start_watching(targets, waiting)
+
+    def _on_forward_unread(self, why: str) -> None:
+        """The first forward's roles could not be read (its recording failed, or it ran
+        compiled): the names decide, with step 0 still the initial weights."""
+        waiting = self._waiting
+        assert waiting is not None
+        if why == COMPILED:  # every rank compiles alike: the names, without a collective
+            if self.options.roles_from_first_forward is True:  # asked for the forward's roles
+                rank_zero_warn(f"{self.caller}: roles from the names: {why}", RuntimeWarning)
+            else:
+                rank_zero_info(f"{self.caller}: roles from the names: {why}")
+            targets = self._find_targets(waiting["model"])
+        else:
+            targets = self._agreed(None, ConfigurationError(f"{self.caller}: {why}"))
+        self._start_watching(targets, waiting)
+
+    def _names_stand(self, why: str) -> None:
+        """``"auto"``: the first forward, which was to confirm the names, could not be read."""
+        if why == COMPILED:
+            rank_zero_info(f"{self.caller}: the names are not checked by the forward: {why}")
+        else:
+            rank_zero_warn(
+                f"{self.caller}: the first forward could not be read ({why}); the names decide",
+                category=RuntimeWarning,
+            )
 
     def _start_watching(self, targets: list[Target], waiting: dict[str, Any]) -> None:
         """:meth:`_watch` what waited; if that raises, the tracker is still waiting (so
@@ -677,12 +753,19 @@ class SpectralTracker:
     def _confirm(self, model: torch.nn.Module, names: list[Target], flow: FlowMap) -> None:
         """The names decided (``"auto"``): the first forward must read the same roles, layers and
         rows. A weight it reads in another role is an error (``find_targets``' reconcile); one it
-        reads where the names read none, or in another layer, is said in one warning."""
+        reads where the names read none, or in another layer, is said in one warning, and so is
+        a reading that failed otherwise (the names decide)."""
         from spectral_callbacks.targets.errors import PartialTargetWarning
 
         with warnings.catch_warnings():  # what the names said is said; only the differences count
             warnings.simplefilter("ignore")
-            read = self._find_targets(model, flow)
+            try:
+                read = self._find_targets(model, flow)
+            except ConfigurationError as error:
+                if _contradicts_names(error):
+                    raise
+                self._names_stand(_first_line(error))
+                return
         watched = {(t.name, t.stack, t.layer, t.role, t.rows) for t in names}
         differences = sorted(
             f"{t.name}: layer {t.layer} {t.role}"
@@ -698,23 +781,55 @@ class SpectralTracker:
                 category=PartialTargetWarning,
             )
 
-    def _agreed(self, targets: list[Target]) -> list[Target]:
-        """Under several processes every rank must watch the same matrices (the engine's
-        collectives follow them): the ranks' readings of their own forwards are compared."""
+    def _agreed(self, targets: TargetList | None, problem: ConfigurationError | None) -> TargetList:
+        """What every rank watches: the roles its first forward read (``targets``), or why it
+        could not read them (``problem``).
+
+        One process: a reading that failed lets the names decide (said in one warning), unless
+        the forward contradicts them. Several: every rank must watch the same matrices (the
+        engine's collectives follow them), so each rank's reading or problem is exchanged
+        unconditionally, and a rank that failed or read otherwise makes every rank raise the
+        same error at once (never one rank raising while the others wait in the collective).
+        """
         _, world_size = world()
         if world_size == 1:
-            return targets
+            if problem is None:
+                assert targets is not None
+                return targets
+            if _contradicts_names(problem):
+                raise problem
+            waiting = self._waiting
+            assert waiting is not None
+            rank_zero_warn(
+                f"{self.caller}: the roles could not be read from the first forward "
+                f"({_first_line(problem)}); they come from the names",
+                category=RuntimeWarning,
+            )
+            return self._find_targets(waiting["model"])
         import torch.distributed as dist
 
-        mine = [(t.name, t.layer, t.role) for t in targets]
+        mine: tuple[bool, Any] = (
+            (True, [(t.name, t.layer, t.role) for t in targets])
+            if problem is None and targets is not None
+            else (False, _first_line(problem))
+        )
         every: list[Any] = [None] * world_size
         dist.all_gather_object(every, mine)
-        if any(theirs != mine for theirs in every):
+        failed = [f"rank {rank}: {said}" for rank, (ok, said) in enumerate(every) if not ok]
+        if failed:
+            raise ConfigurationError(
+                f"{self.caller}: the roles could not be read from the first forward on "
+                f"{len(failed)} of {world_size} ranks ({'; '.join(failed)}); every rank stops. "
+                "Pass example_input= (the same batch on every rank) or "
+                "roles_from_first_forward=False (the names)"
+            )
+        if any(theirs != every[0] for theirs in every):
             raise ConfigurationError(
                 f"{self.caller}: the ranks read different roles from their first forwards (a "
                 "data-dependent path); pass example_input= (the same batch on every rank) or "
                 "roles_from_first_forward=False (the names)"
             )
+        assert targets is not None
         return targets
 
     def _without_a_forward(self, step: int) -> None:

@@ -8,9 +8,12 @@ class TargetError(ValueError):
 
     ``undecided`` is ``True`` where the names alone could not place the weights (none matched a
     rule, or several fell on one (layer, role)), so a forward may still read them.
+    ``contradicts_names`` is ``True`` where a forward reads a weight in another role or rows than
+    the name rules do: the names cannot stand in for the forward then.
     """
 
     undecided = False
+    contradicts_names = False
 
 
 class TargetWarning(UserWarning):

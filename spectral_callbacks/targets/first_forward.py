@@ -15,6 +15,16 @@ The hooks remove themselves after that one forward, even one that raised. Record
 nothing the forward computes and holds no activation memory beyond the forward's own (see
 ``dataflow.py``); the record is released as soon as the roles are read from it.
 
+Nothing of ours is raised inside the user's forward: where the recording or the reading of its
+roles fails, ``unread(why)`` is called instead of ``done`` (the tracker then lets the names
+decide). A forward that dynamo traces (the model called through ``torch.compile`` of a wrapper
+around it, as the Hugging Face Trainer's ``torch_compile=True`` does) runs a graph, not our
+hooks: they are no-ops while it traces (``torch.compiler.is_compiling()``), and the first
+gradient accumulated (a hook on one trained parameter, run eagerly by autograd before any update)
+calls ``unread`` with the reason, so the names decide with step 0 still before the first update.
+The forward hooks of a compiled forward are then left in place, inert: removing them would make
+dynamo recompile the model's graph.
+
 Example::
 
     >>> import torch
@@ -33,6 +43,7 @@ from collections.abc import Callable
 from contextlib import AbstractContextManager
 from typing import Any
 
+import torch
 from torch import nn
 
 from spectral_callbacks.targets.dataflow import Recording, record
@@ -42,6 +53,19 @@ __all__ = ["FirstForward"]
 
 _WINDOW = "window"  # the owner of a recording a frontend opened (not a module's call)
 
+COMPILED = (
+    "the model's forward ran compiled (torch.compile of a module that calls it): dynamo traces "
+    "a graph, not a recording"
+)
+
+
+def _is_compiling() -> bool:
+    """Dynamo is tracing the code that calls this (a constant inside the traced graph)."""
+    compiler = getattr(torch, "compiler", None)
+    if compiler is not None and hasattr(compiler, "is_compiling"):
+        return bool(compiler.is_compiling())
+    return bool(torch._dynamo.is_compiling())  # torch < 2.3
+
 
 class FirstForward:
     """Record ``model``'s next forward and call ``done(flow)`` with the roles it shows.
@@ -49,12 +73,21 @@ class FirstForward:
     Args:
         model: the module the tracker watches (the network, or a wrapper that holds it).
         done: called once, after that forward returns, with the :class:`FlowMap`.
+        unread: called once instead of ``done`` with why the roles could not be read from it
+            (the recording or its reading raised; the forward ran compiled). Default: none.
     """
 
-    def __init__(self, model: nn.Module, done: Callable[[FlowMap], None]) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        done: Callable[[FlowMap], None],
+        unread: Callable[[str], None] | None = None,
+    ) -> None:
         self.model = model
         self.done = False
-        self._callback = done
+        self.compiled = False  # set (as a side effect dynamo replays) by a traced forward
+        self._callback: Callable[[FlowMap], None] | None = done
+        self._unread = unread
         self._context: AbstractContextManager[Recording] | None = None
         self._recording: Recording | None = None
         self._owner: nn.Module | str | None = None  # what started the recording under way
@@ -68,6 +101,12 @@ class FirstForward:
                     lambda m, args, output: self._finish(m, output), always_call=True
                 )
             )
+        trained = next((p for p in model.parameters() if p.requires_grad), None)
+        self._gradient_hook = (
+            None
+            if trained is None
+            else trained.register_post_accumulate_grad_hook(lambda p: self._after_backward())
+        )
 
     @property
     def recording(self) -> bool:
@@ -84,35 +123,70 @@ class FirstForward:
         self._finish(_WINDOW, True)
 
     def _start(self, owner: nn.Module | str, running: nn.Module | None) -> None:
+        if _is_compiling():  # first, reading no state: dynamo would guard the graph on it
+            self.compiled = True
+            return
         if self._context is not None or self.done:
             return  # a nested call, or a later forward: the recording under way covers it
-        self._owner = owner
-        self._context = record(self.model, running=running)
-        self._recording = self._context.__enter__()
+        try:
+            context = record(self.model, running=running)
+            recording = context.__enter__()
+        except Exception as error:  # ours: never raised inside the user's forward
+            self._give_up(f"its recording could not start ({type(error).__name__}: {error})")
+            return
+        self._owner, self._context, self._recording = owner, context, recording
 
     def _finish(self, owner: nn.Module | str, output: Any) -> None:
+        if _is_compiling():
+            return
         if self._context is None or self.done or owner is not self._owner:
             return  # not the call that started the recording (a child of a recorded window)
         context, recording = self._context, self._recording
         self._context = self._recording = None
+        callback, unread = self._callback, self._unread
         self.cancel()
-        context.__exit__(None, None, None)  # the function mode and module hooks end here
-        if output is None or recording is None:
-            if recording is not None:
-                recording.release()
-            return  # the forward raised: nothing to read (the names decide, see the tracker)
         try:
+            context.__exit__(None, None, None)  # the function mode and module hooks end here
+            if output is None or recording is None:
+                return  # the forward raised: nothing to read (the names decide, see the tracker)
             flow = roles_from_recording(recording)
+        except Exception as error:  # ours: never raised inside the user's forward
+            if unread is not None:
+                unread(f"its roles could not be read ({type(error).__name__}: {error})")
+            return
         finally:
-            recording.release()  # freed now, not by the cyclic collector some steps later
-        self._callback(flow)
+            if recording is not None:
+                recording.release()  # freed now, not by the cyclic collector some steps later
+        if callback is not None:
+            callback(flow)
+
+    def _after_backward(self) -> None:
+        """The first gradient, before any update: a forward that passed by the hooks (compiled)
+        leaves the roles to the names now."""
+        if self.done or self._context is not None:
+            return
+        self._give_up(COMPILED if self.compiled else "the model's forward did not run its hooks")
+
+    def _give_up(self, why: str) -> None:
+        unread = self._unread
+        self.cancel()
+        if unread is not None:
+            unread(why)
 
     def cancel(self) -> None:
-        """Stop waiting for a forward (the hooks are removed; a recording under way ends)."""
+        """Stop waiting for a forward (the hooks are removed; a recording under way ends).
+
+        After a compiled forward the forward hooks stay, inert (``done``): a compiled graph
+        guards on the model's hooks, and removing them would recompile it."""
         self.done = True
-        for handle in self._handles:
-            handle.remove()
-        self._handles = []
+        self._callback = self._unread = None
+        if self._gradient_hook is not None:
+            self._gradient_hook.remove()
+            self._gradient_hook = None
+        if not self.compiled:
+            for handle in self._handles:
+                handle.remove()
+            self._handles = []
         if self._context is not None:
             context, recording = self._context, self._recording
             self._context = self._recording = None

@@ -180,12 +180,14 @@ def _check_agreement(candidate: Candidate, found: list[FlowRole], out: int) -> N
         said = ", ".join(
             f"{rule_role} rows {_span(indices)}" for rule_role, indices in by_rule.items()
         )
-        raise TargetError(
+        error = TargetError(
             f"find_targets: the name rules and the model's forward disagree on {candidate.name}: "
             f"the rules read {said}, but the forward uses rows {_span(rows)} as {role.role} "
             f"(layer {role.layer}). Say which is right with mapping={{{candidate.clean!r}: "
             "Split(...)}, or find_targets(..., builtin_rules=False) to use the forward's."
         )
+        error.contradicts_names = True
+        raise error
 
 
 def _span(indices: Sequence[int]) -> str:
