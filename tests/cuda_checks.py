@@ -77,6 +77,7 @@ class SyncDetector:
     def __init__(self, device_type: str = "cuda") -> None:
         self.device_type = device_type
         self.found: list[str] = []
+        self.regions: list[str] = []  # every checked region entered, in order
         self._region: str | None = None
 
     def note(self, what: str) -> None:
@@ -119,6 +120,7 @@ class SyncDetector:
             yield
             return
         self._region = region
+        self.regions.append(region)
         try:
             with HostDeviceCopies(self.device_type, self.note):
                 yield
@@ -176,40 +178,51 @@ class HostDeviceCopies(TorchDispatchMode):
             self.note(f"{func}: {kind} copy {source.device} -> {destination.device}")
 
 
+#: The hooks where the first training forward is recorded and read (roles_from_first_forward):
+#: at step 0 they may wait for the device (the reading replays index tensors); never later.
+FIRST_FORWARD_HOOKS = ("on_train_batch_start", "on_before_backward", "on_before_optimizer_step")
+
+
+def monitor_hooks() -> list[str]:
+    """Every hook SpectralMonitor implements (a Callback method it overrides)."""
+    return sorted(
+        name
+        for name, value in vars(SpectralMonitor).items()
+        if callable(value) and callable(getattr(Callback, name, None)) and not name.startswith("_")
+    )
+
+
+def after_the_reading(found: list[str]) -> list[str]:
+    """The waits of ``found`` other than the first forward's reading at step 0."""
+    reading = tuple(f"{hook} at step 0: " for hook in FIRST_FORWARD_HOOKS)
+    return [what for what in found if not what.startswith(reading)]
+
+
 class CheckedMonitor(SpectralMonitor):
-    """SpectralMonitor whose every hook runs inside ``detector.checking(hook name)``."""
+    """SpectralMonitor whose every hook (:func:`monitor_hooks`) runs inside
+    ``detector.checking("<hook> at step <global_step>")`` (or ``"<hook>"`` where the hook is not
+    given the Trainer), so a wait is reported with the hook and step that made it."""
 
     def __init__(self, detector: SyncDetector, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.detector = detector
 
-    def setup(self, *args: Any, **kwargs: Any) -> None:
-        with self.detector.checking("setup"):
-            super().setup(*args, **kwargs)
 
-    def on_fit_start(self, *args: Any, **kwargs: Any) -> None:
-        with self.detector.checking("on_fit_start"):
-            super().on_fit_start(*args, **kwargs)
+def _checked(name: str) -> Callable[..., Any]:
+    original = getattr(SpectralMonitor, name)
 
-    def on_train_start(self, *args: Any, **kwargs: Any) -> None:
-        with self.detector.checking("on_train_start"):
-            super().on_train_start(*args, **kwargs)
+    @functools.wraps(original)
+    def hook(self: CheckedMonitor, *args: Any, **kwargs: Any) -> Any:
+        trainer = args[0] if args else None
+        step = getattr(trainer, "global_step", None)
+        with self.detector.checking(name if step is None else f"{name} at step {step}"):
+            return original(self, *args, **kwargs)
 
-    def on_train_batch_end(self, *args: Any, **kwargs: Any) -> None:
-        with self.detector.checking("on_train_batch_end"):
-            super().on_train_batch_end(*args, **kwargs)
+    return hook
 
-    def on_train_end(self, *args: Any, **kwargs: Any) -> None:
-        with self.detector.checking("on_train_end"):
-            super().on_train_end(*args, **kwargs)
 
-    def teardown(self, *args: Any, **kwargs: Any) -> None:
-        with self.detector.checking("teardown"):
-            super().teardown(*args, **kwargs)
-
-    def state_dict(self) -> dict[str, Any]:
-        with self.detector.checking("state_dict"):
-            return super().state_dict()
+for _name in monitor_hooks():
+    setattr(CheckedMonitor, _name, _checked(_name))
 
 
 def exact_metrics(weight: torch.Tensor, k: int = 32) -> dict[str, float]:

@@ -828,18 +828,9 @@ def check_refusal(cell: Cell, message: str) -> list[str]:
 # --- the cells -------------------------------------------------------------------------------------
 
 
-#: Why a cell fails today. A cell with a reason is landed strict-xfail (the day it passes it fails
-#: the suite until its reason is removed here), or, where it takes minutes to fail, kept in
-#: :data:`PENDING` (the table shows it, the tests do not run it).
-AUTOCAST_BIASES = (
-    "autocast around a biased model's forward: the first-forward check compares x W^T + b with "
-    "the module's output inside the user's autocast at a float32 tolerance, rejects every biased "
-    "projection and ends the fit at step 0"
-)
-COMPILED_WRAPPER = (
-    "training through a compiled wrapper around the watched module: dynamo traces the recording "
-    "forward pre-hook and the first forward raises inside the model's code"
-)
+#: Why a cell fails today: a cell with a reason (``Cell(known=...)``) is landed strict-xfail (the
+#: day it passes it fails the suite until its reason is removed), or, where it takes minutes to
+#: fail, kept in :data:`PENDING` (the table shows it, the tests do not run it). None fails today.
 
 
 def _cells() -> list[Cell]:
@@ -849,13 +840,11 @@ def _cells() -> list[Cell]:
     QLoRA x autocast, GradScaler skips x the step count."""
     cells: list[Cell] = []
     for frontend in FRONTENDS:
-        # A hand-written loop autocasts around the model's call; the frontends inside its forward.
-        autocast = AUTOCAST_BIASES if frontend == "plain" else None
         cells += [
             Cell(frontend),
-            Cell(frontend, precision="bf16-mixed", known=autocast),
-            Cell(frontend, model="llama", precision="bf16-mixed", known=autocast),
-            Cell(frontend, precision="16-mixed", skip=frontend != "hf", known=autocast),
+            Cell(frontend, precision="bf16-mixed"),
+            Cell(frontend, model="llama", precision="bf16-mixed"),
+            Cell(frontend, precision="16-mixed", skip=frontend != "hf"),
             Cell(frontend, model="llama", precision="bf16-true"),
             Cell(frontend, model="nanogpt", checkpointing="block"),
             Cell(frontend, model="llama", checkpointing="reentrant"),
@@ -864,10 +853,9 @@ def _cells() -> list[Cell]:
                 model="llama",
                 checkpointing="non-reentrant",
                 precision="bf16-mixed",
-                known=autocast,
             ),
             Cell(frontend, model="llama", adapter="lora"),
-            Cell(frontend, model="gpt2", adapter="lora", precision="bf16-mixed", known=autocast),
+            Cell(frontend, model="gpt2", adapter="lora", precision="bf16-mixed"),
         ]
         # examples/gpt.py's model: dynamo traces it in seconds, transformers' in a minute.
         compiles = {
@@ -877,23 +865,9 @@ def _cells() -> list[Cell]:
             "hf": ("hf",),
         }[frontend]
         for how in compiles:
-            wrapper = (
-                COMPILED_WRAPPER
-                if how in ("wrapper", "hf") or frontend == "lightning" and how == "module"
-                else None
-            )
-            cells.append(Cell(frontend, model="nanogpt", compile=how, known=wrapper, slow=True))
-        bf16 = compiles[0]
-        wrapper = COMPILED_WRAPPER if bf16 == "hf" else None
+            cells.append(Cell(frontend, model="nanogpt", compile=how, slow=True))
         cells.append(
-            Cell(
-                frontend,
-                model="nanogpt",
-                compile=bf16,
-                precision="bf16-mixed",
-                known=wrapper,
-                slow=True,
-            )
+            Cell(frontend, model="nanogpt", compile=compiles[0], precision="bf16-mixed", slow=True)
         )
         for adapter in QUANTIZED:
             precision = "bf16-mixed" if adapter == "nf4-dq" else "32"  # QLoRA x autocast
@@ -904,7 +878,6 @@ def _cells() -> list[Cell]:
             model="nanogpt",
             checkpointing="block",
             compile="wrapper",
-            known=COMPILED_WRAPPER,
             slow=True,
         )
     )
@@ -912,5 +885,5 @@ def _cells() -> list[Cell]:
 
 
 #: The cells the tests run, and those that take minutes to fail today (shown in the table only).
-CELLS = [cell for cell in _cells() if cell.known != COMPILED_WRAPPER]
-PENDING = [cell for cell in _cells() if cell.known == COMPILED_WRAPPER]
+CELLS = _cells()
+PENDING: list[Cell] = []

@@ -91,6 +91,12 @@ def _forward_not_followed(model: torch.nn.Module, compiled: bool = False) -> str
     for module in model.modules():
         if hasattr(module, "_orig_mod") or getattr(module, "_compiled_call_impl", None):
             return "the model is compiled (torch.compile): its forward runs a graph"
+        # Lightning's trainer.fit(torch.compile(module)) compiles the module's own methods
+        # (forward, training_step) in place: dynamo's wrappers keep the callable they wrap.
+        if any(
+            hasattr(method, "_torchdynamo_orig_callable") for method in vars(module).values()
+        ):
+            return "the model is compiled (torch.compile): its forward runs a graph"
     if any(isinstance(parameter, DTensor) for parameter in model.parameters()):
         return (
             "its weights are sharded (DTensor: fully_shard / tensor parallel): each rank's "

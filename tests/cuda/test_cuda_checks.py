@@ -13,11 +13,47 @@ from pathlib import Path
 import cuda_tracker_cases as cases
 import pytest
 import torch
-from cuda_checks import SyncDetector
+from cuda_checks import (
+    FIRST_FORWARD_HOOKS,
+    CheckedMonitor,
+    SyncDetector,
+    after_the_reading,
+    monitor_hooks,
+)
 from spawn_ranks import run_ranks
 from tiny_models import read_scalars
 
+from spectral_callbacks.integrations.lightning import SpectralMonitor
 from spectral_callbacks.names import scalar_tag
+
+
+def test_the_checked_monitor_runs_every_hook_the_monitor_implements_inside_the_detector() -> None:
+    # before: it wrapped six hooks; on_train_batch_start, on_before_backward and
+    # on_before_optimizer_step, where the first forward is read, ran unchecked
+    from tiny_models import TinyGPT, quiet_trainer, token_loader
+
+    hooks = monitor_hooks()
+    assert set(FIRST_FORWARD_HOOKS) | {"on_train_batch_end", "state_dict"} <= set(hooks)
+    assert all(getattr(CheckedMonitor, h) is not getattr(SpectralMonitor, h) for h in hooks)
+    detector = SyncDetector(device_type="meta")
+    monitor = CheckedMonitor(detector, figures=False, roles_from_first_forward=True)
+    with detector.active():
+        quiet_trainer(max_steps=2, callbacks=[monitor]).fit(TinyGPT(), token_loader(4))
+    for region in ("on_train_batch_start", "on_before_backward", "on_before_optimizer_step"):
+        assert (
+            f"{region} at step 0" in detector.regions and f"{region} at step 1" in detector.regions
+        )
+    assert "on_train_batch_end at step 2" in detector.regions and detector.found == []
+
+
+def test_only_the_first_forwards_reading_at_step_0_may_wait() -> None:
+    found = [
+        "on_before_backward at step 0: aten._local_scalar_dense.default: a scalar read",
+        "on_train_batch_start at step 0: Event.synchronize",
+        "on_before_backward at step 1: aten._local_scalar_dense.default: a scalar read",
+        "on_train_batch_end at step 0: torch.cuda.synchronize",
+    ]
+    assert after_the_reading(found) == found[2:]
 
 
 def test_a_pageable_copy_on_the_training_thread_is_reported_by_op_and_region() -> None:
