@@ -17,6 +17,11 @@ The factors reach the optimizer by two hooks on it, not by writing ``param_group
 
 A group whose ``lr`` the optimizer itself changed during the step (an optimizer that adapts its
 own rate) is left as the optimizer made it.
+
+A Tensor ``lr`` (a compiled optimizer step, ``capturable=True``) is scaled in place and its value
+put back in place: the object stays the one the optimizer was built with, which a compiled step
+guards on and a captured CUDA graph reads by address (a new tensor would recompile the step, or be
+ignored by the graph). Both are device ops queued on the stream: no wait of the training thread.
 """
 
 from __future__ import annotations
@@ -172,13 +177,24 @@ class LRBalancer:
                 continue
             group = optimizer.param_groups[index]
             original = group["lr"]
+            if isinstance(original, torch.Tensor):  # scaled in place: the object is kept
+                saved = original.detach().clone()
+                with torch.no_grad():
+                    original.mul_(factor)
+                self._scaled.append((group, saved, original))
+                continue
             scaled = original * factor
             group["lr"] = scaled
             self._scaled.append((group, original, scaled))
 
     def _restore(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         for group, original, scaled in self._scaled:
-            if group["lr"] is scaled:  # not changed by the optimizer itself
+            if group["lr"] is not scaled:  # changed by the optimizer itself: left as it made it
+                continue
+            if isinstance(scaled, torch.Tensor):
+                with torch.no_grad():
+                    scaled.copy_(original)  # the value as it was, in the same object
+            else:
                 group["lr"] = original
         self._scaled.clear()
 

@@ -270,6 +270,32 @@ def test_a_failed_fit_leaves_every_factor_as_it_was() -> None:
     assert balancer.alpha == alphas and not changed
 
 
+def test_a_tensor_learning_rate_is_scaled_in_place_and_keeps_its_object() -> None:
+    # a compiled optimizer step or capturable=True holds lr as a Tensor: replacing it by a new
+    # tensor (lr * factor) would recompile the step, or be ignored by a captured CUDA graph
+    model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16))
+    targets = find_targets(model)
+    groups = balanced_param_groups(model)
+    for group in groups:
+        group["lr"] = torch.tensor(0.1)
+    optimizer = torch.optim.SGD(groups, lr=torch.tensor(0.1))
+    balancer = LRBalancer(LRBalance(), model, targets, "test")
+    balancer.attach(optimizer)
+    balancer.update({t.name: {"esd_alpha": 2.0 + 0.25 * i} for i, t in enumerate(targets)})
+    assert min(balancer.factors) < 1.0 < max(balancer.factors)
+    objects = [group["lr"] for group in optimizer.param_groups]
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    optimizer.step()
+    assert [group["lr"] for group in optimizer.param_groups] == objects  # the same objects
+    assert all(bool(group["lr"] == torch.tensor(0.1)) for group in groups)  # its value put back
+    for target in targets:
+        factor = balancer.factor_of(target.name)
+        moved = before[target.parameter_name] - target.parameter.detach()
+        assert torch.allclose(moved, torch.full_like(moved, 0.1 * factor), rtol=1e-5), target.name
+
+
 def test_a_param_group_mixing_a_watched_matrix_is_refused_in_one_line() -> None:
     seed_everything(0, verbose=False)
     trainer = quiet_trainer(
