@@ -93,9 +93,7 @@ def _forward_not_followed(model: torch.nn.Module, compiled: bool = False) -> str
             return "the model is compiled (torch.compile): its forward runs a graph"
         # Lightning's trainer.fit(torch.compile(module)) compiles the module's own methods
         # (forward, training_step) in place: dynamo's wrappers keep the callable they wrap.
-        if any(
-            hasattr(method, "_torchdynamo_orig_callable") for method in vars(module).values()
-        ):
+        if any(hasattr(method, "_torchdynamo_orig_callable") for method in vars(module).values()):
             return "the model is compiled (torch.compile): its forward runs a graph"
     if any(isinstance(parameter, DTensor) for parameter in model.parameters()):
         return (

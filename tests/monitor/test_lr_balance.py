@@ -279,9 +279,11 @@ def test_a_tensor_learning_rate_is_scaled_in_place_and_keeps_its_object() -> Non
     for group in groups:
         group["lr"] = torch.tensor(0.1)
     optimizer = torch.optim.SGD(groups, lr=torch.tensor(0.1))
-    balancer = LRBalancer(LRBalance(), model, targets, "test")
+    balance = LRBalance()
+    balancer = LRBalancer(balance, model, targets, "test")
     balancer.attach(optimizer)
-    balancer.update({t.name: {"esd_alpha": 2.0 + 0.25 * i} for i, t in enumerate(targets)})
+    alphas = {t.name: {balance.alpha_metric: 2.0 + 0.25 * i} for i, t in enumerate(targets)}
+    balancer.update(alphas)
     assert min(balancer.factors) < 1.0 < max(balancer.factors)
     objects = [group["lr"] for group in optimizer.param_groups]
     before = {name: p.detach().clone() for name, p in model.named_parameters()}
