@@ -7,6 +7,8 @@ transformers, pandas, matplotlib, pytest; no venv, no network), from the reposit
 
 * GPU tests: ``pytest -m gpu``, one subprocess per test file (its ``-v`` lines parsed, so a
   file stopped at the budget keeps what it finished): passed / failed, and each failure's reason;
+  among them the training-configuration cells of tests/cuda/test_cuda_configurations.py (bf16
+  autocast on biased weights, a compiled wrapper, activation checkpointing);
 * training overhead at defaults for a GPU-sized GPT (12 x 768, ``bf16-mixed``, >= 300 steps),
   with and without the callback alternating in one process (``benchmarks/overhead.py``'s code);
 * main-thread ms per snapshot beside the host time of launching the same copies in a bare loop

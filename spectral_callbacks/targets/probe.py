@@ -34,6 +34,8 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
+from spectral_callbacks.functional.precision import tf32_enabled
+
 __all__ = ["is_float8", "probing", "tolerance", "unit_roundoff"]
 
 # A float8 product's class (or a base class), by the names FP8 training libraries give it
@@ -89,7 +91,9 @@ def tolerance(module: nn.Module, weight: torch.Tensor, floor: float = 1e-4) -> f
 
 def _float32_matmul(device_type: str) -> float:
     """The epsilon float32 products are computed with on ``device_type`` (TF32 where allowed)."""
-    backend = {"cuda": "cuda", "cpu": "mkldnn"}.get(device_type)
+    if device_type == "cuda":  # every way of setting it, resolved where the engine reads it too
+        return _TF32 if tf32_enabled() else _FLOAT32
+    backend = {"cpu": "mkldnn"}.get(device_type)
     with warnings.catch_warnings():  # the legacy settings' deprecation notes
         warnings.simplefilter("ignore")
         try:
