@@ -221,7 +221,9 @@ def test_a_compiled_wrapper_around_a_hugging_face_model_trains(caplog: Any) -> N
     assert lines == [f"SpectralTracker: the names are not checked by the forward: {COMPILED_LINE}"]
 
 
-@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+@pytest.mark.parametrize(
+    "backend", ["aot_eager", pytest.param("inductor", marks=pytest.mark.slow)]
+)  # inductor compiles C++ for the CPU: ~2 minutes here
 def test_a_compiled_wrapper_lets_the_names_decide_before_the_first_update(
     backend: str, caplog: Any
 ) -> None:
