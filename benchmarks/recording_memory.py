@@ -26,7 +26,6 @@ and ``--gpt LAYERS WIDTH TOKENS`` change the sizes; ``--smoke``: toy sizes, seco
 from __future__ import annotations
 
 import argparse
-import gc
 import sys
 import time
 from collections.abc import Callable
@@ -37,9 +36,10 @@ import torch
 import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "examples")]
+sys.path[:0] = [str(ROOT), str(ROOT / "examples"), str(ROOT / "tests")]
 import smoke  # noqa: E402
 from gpt import GPT, GPTConfig  # noqa: E402
+from tensor_memory import bytes_alive, collector_off  # noqa: E402
 
 from spectral_callbacks import SpectralTracker  # noqa: E402
 
@@ -52,21 +52,6 @@ class _Discard:
 
     def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
         pass
-
-
-def bytes_alive() -> int:
-    """The bytes of every tensor storage the interpreter can see, counted once per storage."""
-    storages: dict[tuple[str, int], int] = {}
-    for obj in gc.get_objects():
-        if not issubclass(type(obj), torch.Tensor) or obj.is_meta:
-            continue
-        try:
-            storage = obj.untyped_storage()
-            where = storage.data_ptr()
-        except RuntimeError:  # a fake tensor (torch.compile's tracing): no memory
-            continue
-        storages[(str(storage.device), where)] = storage.nbytes()
-    return sum(storages.values())
 
 
 def hf_llama(layers: int, width: int, tokens: int, reentrant: bool) -> Any:
@@ -101,9 +86,7 @@ def measure(build: Callable[[], Any], batch: int, tokens: int, follow: Any) -> d
     model, head = build()
     model.train()
     ids = torch.randint(0, VOCAB, (batch, tokens), generator=torch.Generator().manual_seed(1))
-    gc.collect()
-    gc.disable()
-    try:
+    with collector_off():
         tracker = None
         if follow is not None:
             tracker = SpectralTracker(
@@ -124,8 +107,6 @@ def measure(build: Callable[[], Any], batch: int, tokens: int, follow: Any) -> d
         after = bytes_alive()
         if tracker is not None:
             tracker.close()
-    finally:
-        gc.enable()
     return {
         "inside": (inside[0] - start) / 2**20,
         "end": (end - start) / 2**20,

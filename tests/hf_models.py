@@ -5,11 +5,35 @@ decoder and two-tower stacks, mixtures of experts."""
 
 from __future__ import annotations
 
+import torch
 import transformers
 
 # Decoder-only and encoder-only models (tests/targets/test_targets_hf.py checks each against its
 # own forward).
 SIZES = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64)
+
+
+def tiny_llama(
+    width: int = 64, layers: int = 2, bias: bool = False
+) -> transformers.LlamaForCausalLM:
+    """A tiny Llama; ``bias``: every projection with a bias, drawn away from zero as a trained
+    checkpoint's."""
+    config = transformers.LlamaConfig(
+        vocab_size=64,
+        hidden_size=width,
+        intermediate_size=2 * width,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        attention_bias=bias,
+        mlp_bias=bias,
+    )
+    model = transformers.LlamaForCausalLM(config)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if name.endswith(".bias"):
+                parameter.normal_(0.0, 0.1)
+    return model
 
 
 def gpt2():

@@ -15,6 +15,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 float8 = pytest.importorskip("torchao.float8")
+from hf_models import tiny_llama  # noqa: E402
 from tiny_models import RecordingLogger  # noqa: E402
 from torchao.float8.float8_linear import Float8Linear  # noqa: E402
 
@@ -28,21 +29,7 @@ ROLES = {"Q", "K", "V", "O", "MLP_gate", "MLP_up", "MLP_down"}
 def float8_llama() -> Any:
     """A 2-layer Llama (width 64, non-zero biases) whose projections are ``Float8Linear``."""
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        vocab_size=64,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        attention_bias=True,
-        mlp_bias=True,
-    )
-    model = transformers.LlamaForCausalLM(config)
-    with torch.no_grad():
-        for name, parameter in model.named_parameters():
-            if name.endswith(".bias"):
-                parameter.normal_(std=0.1)
+    model = tiny_llama(width=64, bias=True)
     float8.convert_to_float8_training(model.model)  # the blocks; the output head stays
     return model
 

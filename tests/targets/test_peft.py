@@ -18,6 +18,7 @@ import torch
 peft = pytest.importorskip("peft")
 transformers = pytest.importorskip("transformers")
 
+from hf_models import tiny_llama  # noqa: E402
 from lightning.pytorch import Callback, LightningModule, Trainer  # noqa: E402
 from tiny_models import RecordingLogger, quiet_trainer, read_scalars  # noqa: E402
 
@@ -36,27 +37,6 @@ from spectral_callbacks.targets.adapted import AdaptedTarget, DenseAdaptedTarget
 LLAMA_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 GPT2_MODULES = ["c_attn", "c_proj", "c_fc"]
 K = 32
-
-
-def tiny_llama(width: int = 64, layers: int = 2, bias: bool = False) -> Any:
-    """A tiny Llama; ``bias``: every projection with a bias, drawn away from zero as a trained
-    checkpoint's."""
-    config = transformers.LlamaConfig(
-        vocab_size=64,
-        hidden_size=width,
-        intermediate_size=2 * width,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        attention_bias=bias,
-        mlp_bias=bias,
-    )
-    model = transformers.LlamaForCausalLM(config)
-    with torch.no_grad():
-        for name, parameter in model.named_parameters():
-            if name.endswith(".bias"):
-                parameter.normal_(0.0, 0.1)
-    return model
 
 
 def tiny_gpt2(width: int = 64, layers: int = 2) -> Any:

@@ -22,6 +22,7 @@ bnb = pytest.importorskip("bitsandbytes")
 peft = pytest.importorskip("peft")
 transformers = pytest.importorskip("transformers")
 
+from hf_models import tiny_llama  # noqa: E402
 from tiny_models import RecordingLogger  # noqa: E402
 
 from spectral_callbacks import SpectralTracker  # noqa: E402
@@ -55,21 +56,7 @@ WIDTH = 128  # two 4-bit blocks of 64 per row: a block scale read out of order s
 def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny Llama with non-zero biases (as every checkpoint's q/k/v/MLP), saved to disk."""
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        vocab_size=64,
-        hidden_size=WIDTH,
-        intermediate_size=2 * WIDTH,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        attention_bias=True,
-        mlp_bias=True,
-    )
-    model = transformers.LlamaForCausalLM(config)
-    with torch.no_grad():
-        for name, parameter in model.named_parameters():
-            if name.endswith(".bias"):
-                parameter.normal_(std=0.1)
+    model = tiny_llama(width=WIDTH, bias=True)
     path = tmp_path_factory.mktemp("checkpoint")
     model.save_pretrained(path)
     return path

@@ -13,13 +13,12 @@ large to keep stops the replay (the role is left to the names) rather than guess
 
 from __future__ import annotations
 
-import gc
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 
 import pytest
 import torch
 import torch.nn.functional as F
+from tensor_memory import bytes_alive, collector_off
 from tiny_models import RecordingLogger
 from torch import nn
 from torch.utils.checkpoint import checkpoint
@@ -34,31 +33,6 @@ BATCH, TOKENS = 2, 256
 # Tensors of the measurement itself and of the run's Python objects: far below one activation of
 # one block (BATCH * TOKENS * WIDTH * 4 bytes = 256 KiB; the MLP's are 4x that).
 SLACK = 64 * 1024
-
-
-def bytes_alive() -> int:
-    """The bytes of every tensor storage the interpreter can see, counted once per storage."""
-    storages: dict[tuple[str, int], int] = {}
-    for obj in gc.get_objects():
-        if not issubclass(type(obj), torch.Tensor) or obj.is_meta:
-            continue
-        try:
-            storage = obj.untyped_storage()
-            where = storage.data_ptr()
-        except RuntimeError:  # a fake tensor (torch.compile's tracing, other tests): no memory
-            continue
-        storages[(str(storage.device), where)] = storage.nbytes()
-    return sum(storages.values())
-
-
-@contextmanager
-def collector_off() -> Iterator[None]:
-    gc.collect()
-    gc.disable()
-    try:
-        yield
-    finally:
-        gc.enable()
 
 
 class Attention(nn.Module):
