@@ -25,7 +25,6 @@ from __future__ import annotations
 import functools
 import os
 import time
-import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
@@ -48,7 +47,6 @@ from spectral_callbacks.monitor.engines.compute import (
 )
 from spectral_callbacks.monitor.engines.distributed import world
 from spectral_callbacks.monitor.engines.engine import SnapshotResult
-from spectral_callbacks.monitor.engines.partitioned import refuse_partitioned
 from spectral_callbacks.monitor.engines.placement import Placement, machine_placement
 from spectral_callbacks.monitor.engines.protocol import Engine, make_engine
 from spectral_callbacks.monitor.interrupts import ctrl_c_after
@@ -64,6 +62,7 @@ from spectral_callbacks.monitor.options import (
 from spectral_callbacks.monitor.reporting import Reporter, health_scalars
 from spectral_callbacks.monitor.schedule import SnapshotSchedule
 from spectral_callbacks.monitor.snapshot import group_by_shape
+from spectral_callbacks.monitor.watch_plan import WatchPlan
 from spectral_callbacks.names import (
     ALERT_SECTION,
     LR_BALANCE_SECTION,
@@ -72,50 +71,12 @@ from spectral_callbacks.names import (
     TARGET_MAP_TAG,
     format_target_map,
 )
-from spectral_callbacks.targets.delta import Delta
-from spectral_callbacks.targets.first_forward import COMPILED, FirstForward
-from spectral_callbacks.targets.roles import FlowMap
-from spectral_callbacks.targets.target import Target, TargetList
+from spectral_callbacks.targets.target import Target
 
 # The TensorBoard writers are flushed at most this often: a running TensorBoard (which rereads its
 # files every few seconds) still shows each point within seconds, and a burst of snapshots (the
 # dense early schedule) costs one flush, not one each (a flush waits for the writer thread).
 FLUSH_INTERVAL_SECONDS = 1.0
-
-
-def _forward_not_followed(model: torch.nn.Module, compiled: bool = False) -> str | None:
-    """Why ``model``'s forward cannot be recorded (its roles then come from the names), or None;
-    ``compiled``: a frontend says it will run compiled."""
-    if compiled:
-        return "the model's forward runs compiled (torch.compile): its forward runs a graph"
-    for module in model.modules():
-        if hasattr(module, "_orig_mod") or getattr(module, "_compiled_call_impl", None):
-            return "the model is compiled (torch.compile): its forward runs a graph"
-        # Lightning's trainer.fit(torch.compile(module)) compiles the module's own methods
-        # (forward, training_step) in place: dynamo's wrappers keep the callable they wrap.
-        if any(hasattr(method, "_torchdynamo_orig_callable") for method in vars(module).values()):
-            return "the model is compiled (torch.compile): its forward runs a graph"
-    if any(isinstance(parameter, DTensor) for parameter in model.parameters()):
-        return (
-            "its weights are sharded (DTensor: fully_shard / tensor parallel): each rank's "
-            "forward sees its shards"
-        )
-    return None
-
-
-def _first_line(error: BaseException | None) -> str:
-    """An error's message as one line (its first, without a caller's ``Name:`` prefix), for a
-    message that quotes it."""
-    lines = str(error).strip().splitlines()
-    if not lines:
-        return type(error).__name__
-    caller, colon, rest = lines[0].partition(": ")
-    return rest if colon and caller.isidentifier() else lines[0]
-
-
-def _contradicts_names(error: BaseException) -> bool:
-    """``error`` says the forward reads a weight otherwise than the names (see reconcile.py)."""
-    return bool(getattr(error.__cause__, "contradicts_names", False))
 
 
 def _check_step(step: Any) -> None:
@@ -221,11 +182,6 @@ class SpectralTracker:
             raise TypeError(f"pass either `options` or keyword options, not both: {sorted(kwargs)}")
         self.options = options
         self.caller = caller
-        self._first_forward: FirstForward | None = None
-        self._waiting: dict[str, Any] | None = None
-        # An error of the first forward's reading, kept to be raised by the next call (step,
-        # forward_ends, close): nothing of ours is raised inside the user's forward.
-        self._raise_later: Exception | None = None
         watch = dict(
             model=model,
             writers=writers,
@@ -234,40 +190,14 @@ class SpectralTracker:
             start_step=start_step,
             optimizer=optimizer,
         )
-        follow = options.roles_from_first_forward if options.example_input is None else False
-        why = _forward_not_followed(model, forward_compiled) if follow is not False else None
-        if why is not None and follow is True:
-            rank_zero_warn(
-                f"{caller}: {why}, so its forward cannot be recorded; the roles come from the "
-                "names (pass example_input= to read them from an eager forward of the same model)",
-                category=RuntimeWarning,
-            )
-        elif why is not None:
-            rank_zero_info(f"{caller}: roles from the names: {why}")
-        if why is not None:
-            follow = False
-        if follow == "auto":  # the names first: the fast path, which the forward must confirm
-            found = self._names_if_decided(model)
-            if found is not None:
-                self._watch(targets=found, **watch)
-                confirm = functools.partial(self._in_forward, self._confirm, model, found)
-                names_stand = functools.partial(self._in_forward, self._names_stand)
-                self._first_forward = FirstForward(model, confirm, names_stand)
-                return
-        if follow is not False:
-            # Everything that needs the targets waits for the forward (_on_first_forward).
-            refuse_partitioned(model, caller)
-            self.targets: list[Any] = []
-            self._engine: Engine | None = None
-            self._closed = False
-            self._waiting = watch
-            self._first_forward = FirstForward(
-                model,
-                functools.partial(self._in_forward, self._on_first_forward),
-                functools.partial(self._in_forward, self._on_forward_unread),
-            )
-            return
-        self._watch(targets=self._find_targets(model), **watch)
+        # Until the plan hands over the targets, everything that needs them waits (begin,
+        # state_dict, load_state_dict write into ``_waiting``).
+        self._waiting: dict[str, Any] | None = watch
+        self.targets: list[Any] = []
+        self._engine: Engine | None = None
+        self._closed = False
+        self._watch_plan = WatchPlan(model, options, caller, self._start_watching)
+        self._watch_plan.start(forward_compiled)
 
     def _watch(
         self,
@@ -281,7 +211,7 @@ class SpectralTracker:
     ) -> None:
         """Everything that follows from the targets, in named steps: what is watched, where it is
         written, how it is computed within the budget, when, what is logged, the run's state."""
-        self._init_targets(model, targets)
+        self._init_targets(targets)
         writers = self._check_writers(writers, logdir)
         self._init_compute()
         world_size = self._init_schedule()
@@ -295,15 +225,11 @@ class SpectralTracker:
         if start_step is not None:
             self.begin(start_step)
 
-    def _init_targets(self, model: torch.nn.Module, targets: list[Any]) -> None:
-        """The watched matrices: those found, with ``delta=``'s references and ``circuits=``'s
-        heads; ``figure_roles`` checked against their roles."""
+    def _init_targets(self, targets: list[Any]) -> None:
+        """The watched matrices (the plan's final targets); ``figure_roles`` checked against
+        their roles."""
         options = self.options
         self.targets = targets
-        if options.delta is not None:
-            self.targets = self._with_references(self.targets, options.delta)
-        if options.circuits is not False:
-            self.targets = self.targets + self._find_circuits(model, self.targets)
         found = list(dict.fromkeys(target.role for target in self.targets))
         figure_roles = options.figure_roles
         require(
@@ -497,9 +423,9 @@ class SpectralTracker:
         if self._closed:
             raise RuntimeError(f"{self.caller} is closed: construct a new one for a new run")
         _check_step(step)
-        self._raise_kept_error()
+        self._watch_plan.raise_kept_error()
         if self._waiting is not None:
-            self._without_a_forward(step)
+            self._watch_plan.names_now(step)
         if step < self._previous_step:  # checked before any work, so the run can go on
             raise ConfigurationError(
                 f"`step` must not go back: got {step} after {self._previous_step}; pass each "
@@ -562,12 +488,11 @@ class SpectralTracker:
 
         Idempotent; also called by ``with SpectralTracker(...)`` on exit.
         """
-        if self._first_forward is not None:
-            self._first_forward.cancel()  # a forward that comes later has nothing to tell
+        self._watch_plan.cancel()  # a forward that comes later has nothing to tell
         if self._waiting is not None:  # no forward ran: nothing was watched
             self._closed = True
             if error is None:
-                self._raise_kept_error()  # the first forward's, if its reading failed
+                self._watch_plan.raise_kept_error()  # the first forward's, if its reading failed
             return
         if self._closed:
             return
@@ -663,241 +588,25 @@ class SpectralTracker:
     def forward_begins(self) -> None:
         """A frontend marks where the training step's forward begins (Lightning: the batch's
         start), so the first one is recorded whole whatever the step calls; a no-op after it."""
-        if self._first_forward is not None and not self._first_forward.done:
-            self._first_forward.open()
+        self._watch_plan.forward_begins()
 
     def forward_ends(self) -> None:
         """... and where it ends, before the backward and the update (Lightning:
         ``on_before_backward``): the roles are read now and, if they waited, step 0 taken."""
-        if self._first_forward is not None and not self._first_forward.done:
-            self._first_forward.close()
-        self._raise_kept_error()
+        self._watch_plan.forward_ends()
 
-    def _in_forward(self, reading: Callable[..., None], *args: Any) -> None:
-        """Run ``reading`` (a callback of the first forward, inside the user's forward); what it
-        raises is kept and raised by the tracker's next call, never inside the forward."""
-        try:
-            reading(*args)
-        except Exception as error:
-            self._raise_later = error
-
-    def _raise_kept_error(self) -> None:
-        error, self._raise_later = self._raise_later, None
-        if error is not None:
-            raise error
-
-    def _names_if_decided(self, model: torch.nn.Module) -> TargetList | None:
-        """The targets the names give, or ``None`` where they leave weights of the blocks unread
-        (none matched, several on one (layer, role), a layout or a module they cannot read):
-        then the forward decides, and the names' warnings are not given (it may read them)."""
-        from spectral_callbacks.targets.errors import TargetError
-
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            try:
-                found = self._find_targets(model)
-            except ConfigurationError as error:
-                if isinstance(error.__cause__, TargetError) and error.__cause__.undecided:
-                    return None
-                raise
-        if found.unread:
-            return None
-        for warning in caught:  # the names decide: their warnings stand
-            warnings.warn_explicit(
-                warning.message, warning.category, warning.filename, warning.lineno
-            )
-        return found
-
-    def _on_first_forward(self, flow: FlowMap) -> None:
-        """The first forward has shown the roles: watch them, and begin if begin was asked."""
-        waiting = self._waiting
-        assert waiting is not None
-        try:
-            read, problem = self._find_targets(waiting["model"], flow), None
-        except ConfigurationError as error:
-            read, problem = None, error
-        targets = self._agreed(read, problem)
-        self._start_watching(targets, waiting)
-
-    def _on_forward_unread(self, why: str) -> None:
-        """The first forward's roles could not be read (its recording failed, or it ran
-        compiled): the names decide, with step 0 still the initial weights."""
-        waiting = self._waiting
-        assert waiting is not None
-        if why == COMPILED:  # every rank compiles alike: the names, without a collective
-            if self.options.roles_from_first_forward is True:  # asked for the forward's roles
-                rank_zero_warn(f"{self.caller}: roles from the names: {why}", RuntimeWarning)
-            else:
-                rank_zero_info(f"{self.caller}: roles from the names: {why}")
-            targets = self._find_targets(waiting["model"])
-        else:
-            targets = self._agreed(None, ConfigurationError(f"{self.caller}: {why}"))
-        self._start_watching(targets, waiting)
-
-    def _names_stand(self, why: str) -> None:
-        """``"auto"``: the first forward, which was to confirm the names, could not be read."""
-        if why == COMPILED:
-            rank_zero_info(f"{self.caller}: the names are not checked by the forward: {why}")
-        else:
-            rank_zero_warn(
-                f"{self.caller}: the first forward could not be read ({why}); the names decide",
-                category=RuntimeWarning,
-            )
-
-    def _start_watching(self, targets: list[Target], waiting: dict[str, Any]) -> None:
-        """:meth:`_watch` what waited; if that raises, the tracker is still waiting (so
+    def _start_watching(self, targets: list[Target], begin: bool) -> None:
+        """:meth:`_watch` what waited (the plan's final targets; ``begin`` False: the first
+        snapshot is the next step's); if that raises, the tracker is still waiting (so
         :meth:`close` only ends it, with nothing begun to shut down)."""
+        waiting = self._waiting
+        assert waiting is not None
         self._waiting = None
         try:
-            self._watch(targets=targets, **waiting)
+            self._watch(targets=targets, **(waiting if begin else {**waiting, "start_step": None}))
         except BaseException:
             self._waiting = waiting
             raise
-
-    def _confirm(self, model: torch.nn.Module, names: list[Target], flow: FlowMap) -> None:
-        """The names decided (``"auto"``): the first forward must read the same roles, layers and
-        rows. A weight it reads in another role is an error (``find_targets``' reconcile); one it
-        reads where the names read none, or in another layer, is said in one warning, and so is
-        a reading that failed otherwise (the names decide)."""
-        from spectral_callbacks.targets.errors import PartialTargetWarning
-
-        with warnings.catch_warnings():  # what the names said is said; only the differences count
-            warnings.simplefilter("ignore")
-            try:
-                read = self._find_targets(model, flow)
-            except ConfigurationError as error:
-                if _contradicts_names(error):
-                    raise
-                self._names_stand(_first_line(error))
-                return
-        watched = {(t.name, t.stack, t.layer, t.role, t.rows) for t in names}
-        differences = sorted(
-            f"{t.name}: layer {t.layer} {t.role}"
-            for t in read
-            if (t.name, t.stack, t.layer, t.role, t.rows) not in watched
-        )
-        if differences:
-            rank_zero_warn(
-                f"{self.caller}: the first forward reads {len(differences)} role(s) the names do "
-                "not (this run watches what the names give):\n  "
-                + "\n  ".join(differences[:20])
-                + "\nPass roles_from_first_forward=True to watch what the forward reads.",
-                category=PartialTargetWarning,
-            )
-
-    def _agreed(self, targets: TargetList | None, problem: ConfigurationError | None) -> TargetList:
-        """What every rank watches: the roles its first forward read (``targets``), or why it
-        could not read them (``problem``).
-
-        One process: a reading that failed lets the names decide (said in one warning), unless
-        the forward contradicts them. Several: every rank must watch the same matrices (the
-        engine's collectives follow them), so each rank's reading or problem is exchanged
-        unconditionally, and a rank that failed or read otherwise makes every rank raise the
-        same error at once (never one rank raising while the others wait in the collective).
-        """
-        _, world_size = world()
-        if world_size == 1:
-            if problem is None:
-                assert targets is not None
-                return targets
-            if _contradicts_names(problem):
-                raise problem
-            waiting = self._waiting
-            assert waiting is not None
-            rank_zero_warn(
-                f"{self.caller}: the roles could not be read from the first forward "
-                f"({_first_line(problem)}); they come from the names",
-                category=RuntimeWarning,
-            )
-            return self._find_targets(waiting["model"])
-        import torch.distributed as dist
-
-        mine: tuple[bool, Any] = (
-            (True, [(t.name, t.layer, t.role) for t in targets])
-            if problem is None and targets is not None
-            else (False, _first_line(problem))
-        )
-        every: list[Any] = [None] * world_size
-        dist.all_gather_object(every, mine)
-        failed = [f"rank {rank}: {said}" for rank, (ok, said) in enumerate(every) if not ok]
-        if failed:
-            raise ConfigurationError(
-                f"{self.caller}: the roles could not be read from the first forward on "
-                f"{len(failed)} of {world_size} ranks ({'; '.join(failed)}); every rank stops. "
-                "Pass example_input= (the same batch on every rank) or "
-                "roles_from_first_forward=False (the names)"
-            )
-        if any(theirs != every[0] for theirs in every):
-            raise ConfigurationError(
-                f"{self.caller}: the ranks read different roles from their first forwards (a "
-                "data-dependent path); pass example_input= (the same batch on every rank) or "
-                "roles_from_first_forward=False (the names)"
-            )
-        assert targets is not None
-        return targets
-
-    def _without_a_forward(self, step: int) -> None:
-        """``step`` came before any forward was recorded: the names decide, from this step."""
-        waiting = self._waiting
-        assert waiting is not None and self._first_forward is not None
-        self._first_forward.cancel()
-        rank_zero_warn(
-            f"{self.caller}: step {step} came before any forward of the model was recorded, so "
-            "the roles come from the names alone and the first snapshot is this step's",
-            category=RuntimeWarning,
-        )
-        targets = self._find_targets(waiting["model"])
-        self._start_watching(targets, {**waiting, "start_step": None})
-
-    def _find_targets(self, model: torch.nn.Module, flow: FlowMap | None = None) -> TargetList:
-        from spectral_callbacks.targets import UnwatchedExpertWarning, find_targets
-        from spectral_callbacks.targets.find import TargetError, unwatched_experts_message
-
-        refuse_partitioned(model, self.caller)  # FSDP1, ZeRO-3: no matrix on any rank
-        options = self.options.target_options
-        try:
-            with warnings.catch_warnings():  # said once below, as the frontend's own warning
-                warnings.simplefilter("ignore", UnwatchedExpertWarning)
-                found = find_targets(model, **options, flow=flow)
-        except TargetError as error:  # nothing to watch, or a bad mapping: a configuration error
-            raise ConfigurationError(
-                f"{self.caller}: {error}\n{self.caller}(roles=, include=, exclude=, mapping=) "
-                "passes these arguments on to find_targets."
-            ) from error
-        if found.unwatched_experts:  # training starts without them: say so where it starts
-            rank_zero_warn(
-                f"{self.caller}: {unwatched_experts_message(found.unwatched_experts)}",
-                category=UnwatchedExpertWarning,
-            )
-        if not found:
-            chosen = {key: value for key, value in options.items() if value is not None}
-            raise ConfigurationError(
-                f"{self.caller} found no matrix to watch with {chosen}; print the candidates with "
-                "`spectral_callbacks.format_targets(find_targets(model))`, then pass `mapping=`"
-            )
-        return found
-
-    def _find_circuits(self, model: torch.nn.Module, targets: list[Target]) -> list[Target]:
-        """The heads of every attention layer among ``targets`` (``circuits=``)."""
-        from spectral_callbacks.targets.circuits import find_circuits
-        from spectral_callbacks.targets.errors import TargetError
-
-        heads = self.options.circuits if isinstance(self.options.circuits, Mapping) else None
-        try:
-            return list(find_circuits(model, targets, heads))
-        except TargetError as error:
-            raise ConfigurationError(f"{self.caller}: {error}") from error
-
-    def _with_references(self, targets: list[Target], delta: Delta) -> list[Target]:
-        """The dense targets as ``DeltaTarget``s keeping their reference (``delta=``)."""
-        from spectral_callbacks.monitor.options import ConfigurationError
-        from spectral_callbacks.targets.delta import with_references
-        from spectral_callbacks.targets.errors import TargetError
-
-        try:
-            return with_references(targets, delta, self.caller)
-        except TargetError as error:
-            raise ConfigurationError(str(error)) from error
 
     def _make_balancer(
         self, model: torch.nn.Module, optimizer: Any, world_size: int
