@@ -256,15 +256,17 @@ def test_a_failed_fit_leaves_every_factor_as_it_was() -> None:
     band's end for every other unit."""
     model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16))
     targets = find_targets(model)
-    balancer = LRBalancer(LRBalance(), model, targets, "test")
+    balance = LRBalance()
+    balancer = LRBalancer(balance, model, targets, "test")
     alphas = {t.name: 2.0 + 0.25 * i for i, t in enumerate(targets)}
-    assert balancer.update({name: {"esd_alpha": alpha} for name, alpha in alphas.items()})
+    fitted = balance.alpha_metric  # the α of the balancer's fit (TempBalance's median by default)
+    assert balancer.update({name: {fitted: alpha} for name, alpha in alphas.items()})
     before = list(balancer.factors)
     # The failed fits hit the units at both ends of the band: the case where the others move.
     ends = [targets[0].name, targets[-1].name]
     assert [balancer.factor_of(name) for name in ends] == [min(before), max(before)]
     assert min(before) < max(before)
-    failed = {ends[0]: {"esd_alpha": math.nan}, ends[1]: {"esd_alpha": math.inf}}
+    failed = {ends[0]: {fitted: math.nan}, ends[1]: {fitted: math.inf}}
     changed = balancer.update(failed)
     assert balancer.factors == before
     assert balancer.alpha == alphas and not changed
