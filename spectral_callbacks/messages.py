@@ -58,15 +58,17 @@ def rank_zero_warn(message: str, category: type[Warning] = UserWarning) -> None:
         warnings.warn_explicit(message, category, "spectral_callbacks", 0, registry={})
         return
     registry = frame.f_globals.setdefault("__warningregistry__", {})
-    warnings.warn_explicit(
-        message,
-        category,
-        frame.f_code.co_filename,
-        frame.f_lineno,
-        module=frame.f_globals.get("__name__"),
-        registry=registry,
-        module_globals=frame.f_globals,
-    )
+    where = (frame.f_code.co_filename, frame.f_lineno)
+    module = frame.f_globals.get("__name__")
+    try:
+        warnings.warn_explicit(
+            message, category, *where, module=module, registry=registry,
+            module_globals=frame.f_globals,
+        )  # fmt: skip
+    except ImportError:
+        # The caller's loader cannot give its source (``python -c``: __main__'s loader is the
+        # builtin importer, whose get_source raises): the warning, without the source line.
+        warnings.warn_explicit(message, category, *where, module=module, registry=registry)
 
 
 def _package_dirs(*names: str) -> tuple[str, ...]:
