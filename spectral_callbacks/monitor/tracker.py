@@ -77,6 +77,18 @@ from spectral_callbacks.targets.target import Target
 # files every few seconds) still shows each point within seconds, and a burst of snapshots (the
 # dense early schedule) costs one flush, not one each (a flush waits for the writer thread).
 FLUSH_INTERVAL_SECONDS = 1.0
+# What is said once per run, at the first matrix each kind of problem hit.
+_FIRST_PROBLEM = {
+    "non_finite": (
+        "the weights of {name!r} hold NaN or Inf at step {step} (the first non-finite matrix "
+        "found); its metrics are logged as NaN from there on"
+    ),
+    "svd_fallback": (
+        "the SVD's solver raised on {name!r} at step {step} (the log has its error); its spectrum "
+        "comes from the exact float64 path, and so does that of any later matrix this happens to "
+        "(spectral_monitor/svd_fallbacks counts them)"
+    ),
+}
 
 
 def _check_step(step: Any) -> None:
@@ -344,8 +356,7 @@ class SpectralTracker:
         self._restored_skipped = 0
         self._previous_step = -1
         self._previous_time: float | None = None
-        self._warned_non_finite = False
-        self._warned_svd_fallback = False
+        self._warned: set[str] = set()  # kinds of _FIRST_PROBLEM already said
         self._closed = False
         self._unflushed = False
         self._flushed_at = -float("inf")
@@ -694,8 +705,7 @@ class SpectralTracker:
         self.schedule.record_snapshot_cost(
             result.main_thread_seconds + result.copy_seconds + result.svd_seconds
         )
-        self._warn_if_non_finite()
-        self._warn_if_svd_fell_back()
+        self._warn_of_first_problems()
         experiments = tb.summary_writers(self.writers)
         if experiments:  # the distribution over a layer's experts, beside their mean/min/max
             histograms = self._reporter.expert_values(result.metrics)
@@ -765,32 +775,20 @@ class SpectralTracker:
                 tb.flush(tb.summary_writers(self.writers))
             self._unflushed, self._flushed_at = False, clock
 
-    def _warn_if_non_finite(self) -> None:
-        found = self._reporter.first_non_finite
-        if found is None or self._warned_non_finite:
-            return
-        self._warned_non_finite = True
-        name, step = found
-        rank_zero_warn(
-            f"{self.caller}: the weights of {name!r} hold NaN or Inf at step {step} (the first "
-            "non-finite matrix found); its metrics are logged as NaN from there on",
-            category=RuntimeWarning,
-        )
-
-    def _warn_if_svd_fell_back(self) -> None:
-        """Once, at the first matrix whose SVD solver raised (its spectrum then came from the exact
-        float64 path): said, never swallowed; ``spectral_monitor/svd_fallbacks`` counts them."""
-        found = self._reporter.first_svd_fallback
-        if found is None or self._warned_svd_fallback:
-            return
-        self._warned_svd_fallback = True
-        name, step = found
-        rank_zero_warn(
-            f"{self.caller}: the SVD's solver raised on {name!r} at step {step} (the log has its "
-            "error); its spectrum comes from the exact float64 path, and so does that of any "
-            "later matrix this happens to (spectral_monitor/svd_fallbacks counts them)",
-            category=RuntimeWarning,
-        )
+    def _warn_of_first_problems(self) -> None:
+        """Once per kind, at the first matrix it hit (said, never swallowed): weights that are not
+        finite, an SVD solver that raised (``spectral_monitor/svd_fallbacks`` counts them)."""
+        firsts = {
+            "non_finite": self._reporter.first_non_finite,
+            "svd_fallback": self._reporter.first_svd_fallback,
+        }
+        for kind, first in firsts.items():
+            if first is None or kind in self._warned:
+                continue
+            self._warned.add(kind)
+            name, step = first
+            text = _FIRST_PROBLEM[kind].format(name=name, step=step)
+            rank_zero_warn(f"{self.caller}: {text}", category=RuntimeWarning)
 
     def _figure_rows(self) -> Any:
         return self._reporter.rows(run=dashboards.FIGURE_RUN)
