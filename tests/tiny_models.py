@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.loggers import Logger
@@ -19,6 +20,7 @@ from torch.utils.data import DataLoader, TensorDataset
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 from gpt import GPT, GPTConfig  # noqa: E402
 
+from spectral_callbacks.names import scalar_tag  # noqa: E402
 from spectral_callbacks.targets import find_targets  # noqa: E402
 
 
@@ -166,6 +168,30 @@ class RecordingLogger(Logger):
 
     def series(self, tag: str) -> dict[int, float]:
         return {step: metrics[tag] for step, metrics in self.records if tag in metrics}
+
+
+def exact_spectrum(matrix: torch.Tensor) -> tuple[float, float]:
+    """(stable rank, sigma_1) of ``matrix`` by a float64 SVD."""
+    singular = torch.linalg.svdvals(matrix.double())
+    return float((singular**2).sum() / singular[0] ** 2), float(singular[0])
+
+
+def assert_logged_exactly(
+    logger: RecordingLogger,
+    targets: Any,
+    expected: dict[int, dict[str, tuple[float, float]]],
+    num_layers: int,
+) -> None:
+    """Every target's logged stable rank and sigma_1 at exactly the steps of ``expected``
+    (step -> name -> :func:`exact_spectrum`), each equal to it to 1e-5."""
+    for target in targets:
+        stable = logger.series(scalar_tag("stable_rank", target.layer, target.role, num_layers))
+        sigma = logger.series(scalar_tag("spectral_norm", target.layer, target.role, num_layers))
+        assert sorted(stable) == sorted(sigma) == sorted(expected), target.name
+        for step in stable:
+            stable_rank, sigma_1 = expected[step][target.name]
+            assert stable[step] == pytest.approx(stable_rank, rel=1e-5), (target.name, step)
+            assert sigma[step] == pytest.approx(sigma_1, rel=1e-5), (target.name, step)
 
 
 def read_scalars(logdir: Path | str) -> dict[str, dict[int, float]]:

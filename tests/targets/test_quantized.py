@@ -23,10 +23,9 @@ peft = pytest.importorskip("peft")
 transformers = pytest.importorskip("transformers")
 
 from hf_models import tiny_llama  # noqa: E402
-from tiny_models import RecordingLogger  # noqa: E402
+from tiny_models import RecordingLogger, assert_logged_exactly, exact_spectrum  # noqa: E402
 
 from spectral_callbacks import SpectralTracker  # noqa: E402
-from spectral_callbacks.names import scalar_tag  # noqa: E402
 from spectral_callbacks.targets import find_targets  # noqa: E402
 from spectral_callbacks.targets.adapted import AdaptedTarget  # noqa: E402
 from spectral_callbacks.targets.quantized import QuantizedTarget  # noqa: E402
@@ -214,12 +213,6 @@ def test_on_a_cpu_with_avx512_bf16_a_repacked_layer_is_read_as_its_forward_compu
             assert torch.allclose(snapshot(target), expected, rtol=0, atol=atol), target.name
 
 
-def _exact(matrix: torch.Tensor) -> tuple[float, float]:
-    """(stable rank, sigma_1) of ``matrix`` by a float64 SVD."""
-    singular = torch.linalg.svdvals(matrix.double())
-    return float((singular**2).sum() / singular[0] ** 2), float(singular[0])
-
-
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("precision", ["float32", "bf16-autocast"])
 def test_a_qlora_fit_logs_the_spectrum_of_what_each_layer_computes(
@@ -238,7 +231,7 @@ def test_a_qlora_fit_logs_the_spectrum_of_what_each_layer_computes(
         )  # fmt: skip
     targets = tracker.targets
     assert {t.role for t in targets} == ROLES and len(targets) == 2 * len(ROLES)
-    expected = {0: {t.name: _exact(computed(t)) for t in targets}}
+    expected = {0: {t.name: exact_spectrum(computed(t)) for t in targets}}
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
     batches = torch.randint(0, 64, (3, 2, 16), generator=torch.Generator().manual_seed(0))
     for step, batch in enumerate(batches, start=1):
@@ -247,17 +240,11 @@ def test_a_qlora_fit_logs_the_spectrum_of_what_each_layer_computes(
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
-        expected[step] = {t.name: _exact(computed(t)) for t in targets}
+        expected[step] = {t.name: exact_spectrum(computed(t)) for t in targets}
         tracker.step(step)
     tracker.close(3)
-    for target in targets:
-        stable = logger.series(scalar_tag("stable_rank", target.layer, target.role, 2))
-        sigma = logger.series(scalar_tag("spectral_norm", target.layer, target.role, 2))
-        assert sorted(stable) == sorted(sigma) == [0, 1, 2, 3], target.name
-        for step in stable:
-            stable_rank, sigma_1 = expected[step][target.name]
-            assert stable[step] == pytest.approx(stable_rank, rel=1e-5), (target.name, step)
-            assert sigma[step] == pytest.approx(sigma_1, rel=1e-5), (target.name, step)
+    assert sorted(expected) == [0, 1, 2, 3]
+    assert_logged_exactly(logger, targets, expected, 2)
     adapted = [t for t in targets if isinstance(t, AdaptedTarget)]
     assert all(expected[3][t.name] != expected[0][t.name] for t in adapted)  # adapters trained
 
