@@ -175,7 +175,7 @@ class WatchPlan:
         if self.options.delta is not None:
             final = self._with_references(final)
         if self.options.circuits is not False:
-            final = final + self._find_circuits(final)
+            final = final + self._find_circuits(final, targets.heads_read)
         assert self._hand is not None, "the targets are handed over once"
         self._hand(final, begin)
         self._hand = None  # handed over: the plan holds no reference to the tracker any more
@@ -190,8 +190,10 @@ class WatchPlan:
 
     def _names_if_decided(self) -> TargetList | None:
         """The targets the names give, or ``None`` where they leave weights of the blocks unread
-        (none matched, several on one (layer, role), a layout or a module they cannot read):
-        then the forward decides, and the names' warnings are not given (it may read them)."""
+        (none matched, several on one (layer, role), a layout or a module they cannot read) or,
+        with ``circuits=``, a layer's head count: then the forward decides, and the names'
+        warnings are not given (it may read them)."""
+        from spectral_callbacks.targets.circuits import heads_unread
         from spectral_callbacks.targets.errors import TargetError
 
         with warnings.catch_warnings(record=True) as caught:
@@ -204,6 +206,10 @@ class WatchPlan:
                 raise
         if found.unread:
             return None
+        if self.options.circuits is not False and heads_unread(
+            self.model, found, self._circuit_heads()
+        ):
+            return None  # circuits=: a head count only the forward's shapes tell
         for warning in caught:  # the names decide: their warnings stand
             warnings.warn_explicit(
                 warning.message, warning.category, warning.filename, warning.lineno
@@ -349,14 +355,20 @@ class WatchPlan:
             )
         return found
 
-    def _find_circuits(self, targets: list[Target]) -> list[Target]:
-        """The heads of every attention layer among ``targets`` (``circuits=``)."""
+    def _circuit_heads(self) -> Mapping[str, int] | None:
+        """``circuits=``'s ``{pattern: num_heads}``, or ``None`` where it is ``True``."""
+        return self.options.circuits if isinstance(self.options.circuits, Mapping) else None
+
+    def _find_circuits(
+        self, targets: list[Target], read: Mapping[tuple[str, str], int]
+    ) -> list[Target]:
+        """The heads of every attention layer among ``targets`` (``circuits=``); ``read``: the
+        head counts a forward showed (``TargetList.heads_read``)."""
         from spectral_callbacks.targets.circuits import find_circuits
         from spectral_callbacks.targets.errors import TargetError
 
-        heads = self.options.circuits if isinstance(self.options.circuits, Mapping) else None
         try:
-            return list(find_circuits(self.model, targets, heads))
+            return list(find_circuits(self.model, targets, self._circuit_heads(), read))
         except TargetError as error:
             raise ConfigurationError(f"{self.caller}: {error}") from error
 

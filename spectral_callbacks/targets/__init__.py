@@ -8,6 +8,7 @@ unwatched weight in a user ``mapping``. docs/targets.md has the architecture tab
 from spectral_callbacks.targets.errors import (
     AmbiguousTargetWarning,
     PartialTargetWarning,
+    SharedLayerWarning,
     TargetError,
     TargetWarning,
     UnwatchedExpertWarning,
@@ -32,6 +33,7 @@ __all__ = [
     "Context",
     "PartialTargetWarning",
     "Rows",
+    "SharedLayerWarning",
     "Skip",
     "Skipped",
     "Split",

@@ -23,7 +23,10 @@ Covered layouts (the factors of head ``h``, ``g(h)`` its K/V head):
 
 Refused, in one line naming the layer: tied or per-group latent K/V (GTA's ``KV``, GLA's ``K_g*``),
 TPA factors, experts, sharded (DTensor) weights, and a layer whose head count cannot be read
-(give it with ``circuits={pattern: num_heads}``, matched like ``find_targets``' ``mapping``).
+(give it with ``circuits={pattern: num_heads}``, matched like ``find_targets``' ``mapping``). The
+head count is the module's (``num_heads`` and kin, on it, its parents or their ``config``), else the
+one a recorded forward showed (``TargetList.heads_read``: the query's and key's shapes replayed,
+``targets/roles.py``), so a block that keeps it in an attribute of its own name is read too.
 
 What each layer's QK values are depends on what the attention does to its logits, read from the
 module (``targets/qk_logits.py``: the logit scale it declares, a rotation, QK-norm, the biases):
@@ -86,7 +89,7 @@ from spectral_callbacks.targets.target import Target
 if TYPE_CHECKING:
     from typing_extensions import Self
 
-__all__ = ["AttentionLayout", "CircuitBatch", "HeadCircuit", "find_circuits"]
+__all__ = ["AttentionLayout", "CircuitBatch", "HeadCircuit", "find_circuits", "heads_unread"]
 
 #: Roles that are not a plain Q/K/V/O: a layer holding one has a layout the circuits do not read.
 _REFUSED_ROLES = {"KV": "tied K/V (GTA)", "Q_A": "TPA factors", "K_A": "TPA factors"}
@@ -368,7 +371,10 @@ Heads = Mapping[str, int]
 
 
 def find_circuits(
-    model: nn.Module, targets: Sequence[Any], heads: Heads | None = None
+    model: nn.Module,
+    targets: Sequence[Any],
+    heads: Heads | None = None,
+    read: Mapping[tuple[str, str], int] | None = None,
 ) -> list[HeadCircuit]:
     """One ``HeadCircuit`` per query head of every attention layer among ``targets``.
 
@@ -378,6 +384,8 @@ def find_circuits(
         heads: ``{pattern: num_heads}`` for layers whose head count the modules do not carry
             (patterns as in ``find_targets``' ``mapping``, matched on the attention module's
             name); default ``None``.
+        read: the heads a forward showed, ``TargetList.heads_read`` (``(parameter name, role)``
+            of Q/K/V -> heads): used where the modules carry no count; default ``None``.
 
     Returns:
         The heads in (stack, layer, head) order; layers that cannot be read are left out with one
@@ -413,7 +421,7 @@ def find_circuits(
         attention_names.append(_attention_name(roles))
         where = f"{stack} " if stack else ""
         try:
-            layout = _layout(roles, modules, heads or {})
+            layout = _layout(roles, modules, heads or {}, read or {})
         except _Refused as refusal:
             refused.append(f"{where}layer {layer} ({_attention_name(roles)}): {refusal}")
             continue
@@ -503,7 +511,10 @@ def _lookup(modules: Mapping[str, nn.Module], name: str, attributes: tuple[str, 
 
 
 def _layout(
-    roles: Mapping[str, Any], modules: Mapping[str, nn.Module], heads: Heads
+    roles: Mapping[str, Any],
+    modules: Mapping[str, nn.Module],
+    heads: Heads,
+    read: Mapping[tuple[str, str], int],
 ) -> AttentionLayout:
     """The layout of one layer from its role -> target, or ``_Refused`` with the reason."""
     for role, reason in _REFUSED_ROLES.items():
@@ -542,15 +553,17 @@ def _layout(
             f"has {own} ({'/'.join(HEADS)}) and {_lookup(modules, name, KV_HEADS) or own} K/V "
             "heads: leave the layer out of `circuits` (its own count is read)"
         )
-    num_heads = given or own
+    num_heads = given or own or _read_heads(roles, "Q", read)
     if num_heads is None:
-        raise _Refused("its head count is not on the module or its config")
+        raise _Refused(HEADS_UNREAD)
     q_rows, k_rows, v_rows = query[0].shape[0], key[0].shape[0], value[0].shape[0]
     o_columns = roles["O"].shape[1]
     if q_rows % num_heads or o_columns % num_heads:
         raise _Refused(f"{q_rows} query rows or {o_columns} output columns per {num_heads} heads")
     per_head = q_rows // num_heads
     kv_heads = _lookup(modules, name, KV_HEADS)
+    if kv_heads is None and given is None and own is None:  # the forward's count, as the query's
+        kv_heads = _read_heads(roles, "K", read)
     if kv_heads is None or k_rows % kv_heads:
         kv_heads = k_rows // per_head if k_rows % per_head == 0 else num_heads
     rope = _lookup(modules, name, _ROPE_DIM) or 0
@@ -567,6 +580,38 @@ def _layout(
         AttentionLayout(query, key, value, roles["O"], num_heads, kv_heads, k_head, None, name),
         modules,
     )
+
+
+HEADS_UNREAD = "its head count is not on the module or its config, nor read from a forward"
+
+
+def _read_heads(
+    roles: Mapping[str, Any], role: str, read: Mapping[tuple[str, str], int]
+) -> int | None:
+    """The heads a forward showed for the layer's ``role`` target (``None``: not read)."""
+    target = roles.get(role)
+    if target is None:
+        return None
+    return read.get((target.parameter_name, target.role))
+
+
+def heads_unread(model: nn.Module, targets: Sequence[Any], heads: Heads | None = None) -> list[str]:
+    """The attention layers among ``targets`` whose head count only a forward can tell (neither
+    their modules nor ``heads`` give it): the circuits of these need the forward's reading."""
+    modules = dict(model.named_modules())
+    by_layer: dict[tuple[str, int, str], dict[str, Any]] = defaultdict(dict)
+    for target in targets:
+        suffix = "_cross" if target.role.endswith("_cross") else ""
+        by_layer[(target.stack, target.layer, suffix)][target.role.removesuffix(suffix)] = target
+    unread = []
+    for roles in by_layer.values():
+        if "O" not in roles or not {"Q", "Q_up"} & set(roles):
+            continue
+        name = _attention_name(roles)
+        given = any(matches([pattern], name) is not None for pattern in heads or {})
+        if not given and _lookup(modules, name, HEADS) is None:
+            unread.append(name)
+    return unread
 
 
 def _with_logits(layout: AttentionLayout, modules: Mapping[str, nn.Module]) -> AttentionLayout:

@@ -31,3 +31,8 @@ class AmbiguousTargetWarning(TargetWarning):
 class UnwatchedExpertWarning(PartialTargetWarning):
     """A mixture's routed experts are not watched: stored in a layout no rule reads (describe
     them with ``mapping=``). The frontends say it once more when training starts."""
+
+
+class SharedLayerWarning(TargetWarning):
+    """The forward runs one layer's weights as several layers (ALBERT-style sharing): they are
+    one set of targets, numbered as the first of those calls."""

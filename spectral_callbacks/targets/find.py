@@ -32,6 +32,7 @@ from spectral_callbacks.targets.adapted import adapt
 from spectral_callbacks.targets.errors import (
     AmbiguousTargetWarning,
     PartialTargetWarning,
+    SharedLayerWarning,
     TargetError,
     TargetWarning,
     UnwatchedExpertWarning,
@@ -140,6 +141,8 @@ def find_targets(
             ``x W^T`` for the weight it owns (refused), or layers whose forward could not be
             followed (their roles from the names alone).
         AmbiguousTargetWarning: a weight matched several ``mapping`` patterns.
+        SharedLayerWarning: the forward runs one layer's weights as several layers (ALBERT's
+            shared layer): they are watched once, as the layer of their first call.
         UnwatchedExpertWarning: a mixture's routed experts in a layout no rule reads (also
             listed in ``.unwatched_experts``; the frontends warn again when training starts).
 
@@ -253,6 +256,14 @@ def find_targets(
     found = TargetList(kept, skipped, low_dim, unwatched_experts)
     found.sources = {t.name: reconciled.sources.get(t.parameter_name, NAMES) for t in kept}
     found.unread = unread
+    if flow is not None:
+        found.heads_read = {
+            (role.parameter, role.role): role.heads
+            for role in flow.roles
+            if role.role.removesuffix("_cross") in ("Q", "K", "V")
+        }
+    if flow is not None and flow.shared:
+        rank_zero_warn("; ".join(flow.shared), category=SharedLayerWarning)
     return found
 
 

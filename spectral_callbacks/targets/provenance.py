@@ -56,9 +56,13 @@ _STOPS = (
 )
 
 
-def replay(recording: Recording, source: Value, target: Value) -> torch.Tensor | None:
+def replay(
+    recording: Recording, source: Value, target: Value, through: frozenset[str] = frozenset()
+) -> torch.Tensor | None:
     """The index tensor at ``target``: each element the row of ``source``'s last dimension it
-    came from (``-1``: not from ``source``), or ``None`` if ``target`` is not reached."""
+    came from (``-1``: not from ``source``), or ``None`` if ``target`` is not reached.
+    ``through``: activations replayed as element-wise (a feature map ``elu(x) + 1`` keeps each
+    element's place; elsewhere an activation ends what a projection's rows reach)."""
     features = source.shape[-1] if source.shape else 0
     index: dict[int, torch.Tensor] = {
         source.index: torch.arange(features).expand(source.shape)  # (..., out), no copy
@@ -73,7 +77,7 @@ def replay(recording: Recording, source: Value, target: Value) -> torch.Tensor |
             for slot, value in enumerate(op.inputs)
             if value is not None and value.index in index
         }
-        if not traced or op.name in _STOPS:
+        if not traced or (op.name in _STOPS and op.name not in through):
             continue
         made = _propagate(op, traced)
         if made is None:

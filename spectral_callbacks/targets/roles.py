@@ -2,8 +2,11 @@
 
 From a recording (``targets/dataflow.py``) of one forward:
 
-1. **Attention calls**: ``F.scaled_dot_product_attention`` (and ``flex_attention``) with their
-   query, key and value; or the written-out pattern ``softmax(q @ k^T ...) @ v``.
+1. **Attention calls** (``targets/attention.py``): ``F.scaled_dot_product_attention`` (and
+   ``flex_attention``) with their query, key and value; or any written-out attention, read by its
+   structure (two contractions with a normaliser between, whatever operators write them), linear
+   attention included (kind ``linear``). Heads and K/V groups come from the operands' shapes
+   replayed (``FlowMap.calls``).
 2. **Q, K, V**: the projection whose output reaches each operand, walking back through shape
    and element-wise operations (views, splits, rotary products, norms); the rows of that weight
    each head reads come from index provenance (``provenance.py``), so a fused weight's layout is
@@ -17,7 +20,9 @@ From a recording (``targets/dataflow.py``) of one forward:
 5. **Layers**: a block is the outermost entry of a ``ModuleList``/``Sequential``/``ModuleDict``
    that holds one self-attention call; the blocks of one container are a stack, numbered by the
    order of their attention calls. An MLP in a block without attention (interleaved entries)
-   belongs to the last attention call before it in its stack.
+   belongs to the last attention call before it in its stack. A call that runs an earlier call's
+   weights again (ALBERT's shared layer) is that call's layer: one set of targets, said in
+   ``FlowMap.shared``.
 
 A projection whose output is its weight's product plus other weights' (an adapter's ``B A x``) is
 *composite*: the role is reported on the module that returns the sum (``FlowRole.composite``),
@@ -34,6 +39,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from spectral_callbacks.targets.attention import LINEAR, AttentionCall, attention_calls
 from spectral_callbacks.targets.dataflow import (
     ACTIVATION_OPS,
     ATTENTION_OPS,
@@ -49,12 +55,11 @@ from spectral_callbacks.targets.dataflow import (
 )
 from spectral_callbacks.targets.provenance import at_two_tokens, heads_of, replay
 
-__all__ = ["FlowMap", "FlowRole", "discover_roles", "roles_from_recording"]
+__all__ = ["CallRead", "FlowMap", "FlowRole", "discover_roles", "roles_from_recording"]
 
 _CONTAINERS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
 _STOPS = LINEAR_OPS | ATTENTION_OPS | SOFTMAX_OPS | CREATION_OPS | {"einsum", "embedding"}
 _STOPS |= {"multi_head_attention_forward"}
-_CALLS = ATTENTION_OPS | {"multi_head_attention_forward"}  # one op: a whole attention call
 _MAX_WALK = 400  # values visited per walk: a block's worth, never the whole graph
 
 
@@ -90,6 +95,32 @@ class FlowRole:
     composite: bool = False
 
 
+@dataclass(frozen=True)
+class CallRead:
+    """One attention call the forward showed, as read.
+
+    Attributes:
+        number: its place among the forward's attention calls (0 first).
+        kind: what computes it (``targets/attention.py``: ``scaled_dot_product_attention``,
+            ``flex_attention``, ``multi_head_attention_forward``, or written out: ``softmax``,
+            ``log_softmax``, ``sigmoid``, ``exp``, ``linear``).
+        stack, block, layer: where it is (as its roles' ``FlowRole``).
+        heads, kv_heads: query heads and K/V heads (groups), from the operands' shapes replayed.
+        cross: its key and value read another stream than its query.
+        reuses: the number of an earlier call whose weights it runs again (a shared layer).
+    """
+
+    number: int
+    kind: str
+    stack: str
+    block: str
+    layer: int
+    heads: int
+    kv_heads: int
+    cross: bool = False
+    reuses: int | None = None
+
+
 @dataclass
 class FlowMap:
     """Everything one forward says about roles: the roles, the calls, what could not be read."""
@@ -97,6 +128,8 @@ class FlowMap:
     roles: list[FlowRole] = field(default_factory=list)
     attention_calls: int = 0
     unfollowed: list[str] = field(default_factory=list)  # one line per call not followed
+    calls: list[CallRead] = field(default_factory=list)  # each call followed, in forward order
+    shared: list[str] = field(default_factory=list)  # one line per layer run several times
 
     def of_parameter(self) -> dict[str, list[FlowRole]]:
         """The roles of each parameter, by name."""
@@ -117,15 +150,6 @@ class _Source:
     composite: bool
     input: Value | None  # the activation the projection read (self vs cross attention)
     rows: tuple[int, ...] | None = None  # the rows an MLP part reads (None: all)
-
-
-@dataclass
-class _Call:
-    """One attention call: its operands (with the axes of features and tokens) and output."""
-
-    op: Op
-    operands: dict[str, tuple[Value, int, int]]  # role -> (value, feature axis, token axis)
-    output: Value
 
 
 def discover_roles(
@@ -176,85 +200,98 @@ def discover_roles(
 def roles_from_recording(recording: Recording) -> FlowMap:
     """The roles a recorded forward shows (see the module docstring for how each is read)."""
     flow = FlowMap()
-    calls = _attention_calls(recording)
+    calls = attention_calls(recording)
     flow.attention_calls = len(calls)
     modules = dict(recording.model.named_modules())
     entries = _container_entries(modules)
+    call_ops = frozenset(call.op.index for call in calls)
     found: list[tuple[str, _Source, tuple[tuple[int, ...], ...] | None, Op]] = []
-    cross_of: dict[int, bool] = {}
+    read: dict[int, _Read] = {}  # op index of each call followed -> what it reads
+    first_of: dict[tuple[str, ...], int] = {}  # the weights a call runs -> the first call's op
     for number, call in enumerate(calls):
-        if call.op.name == "multi_head_attention_forward":
+        where = call.op.modules[-1] if call.op.modules else "the model"
+        if call.kind == "multi_head_attention_forward":
             packed = _packed_attention(recording, call.op)
             if packed is None:
                 flow.unfollowed.append(
-                    f"attention call {number} in {call.op.modules[-1]}: nn.MultiheadAttention with "
+                    f"attention call {number} in {where}: nn.MultiheadAttention with "
                     "separate q/k/v weights or its fused kernel"
                 )
                 continue
             *attention, out = packed
-            query_input = attention[0][1].input
-            cross = any(_other_stream(s.input, query_input) for _, s, _ in attention[1:])
-            cross_of[call.op.index] = cross
-            suffix = "_cross" if cross else ""
-            found += [
-                (role + suffix, part, rows, call.op) for role, part, rows in [*attention, out]
-            ]
-            continue
-        sources = {}
-        for role, (value, feature_axis, token_axis) in call.operands.items():
-            source = _source_of(recording, value, modules, feature_axis, token_axis)
-            if source is None:
-                break
-            heads = heads_of(replay(recording, source.value, value), feature_axis, token_axis)
-            if heads is None:
-                break
-            sources[role] = (source, heads)
-        if len(sources) != 3:
-            flow.unfollowed.append(
-                f"attention call {number} in {call.op.modules[-1] if call.op.modules else 'the model'}: "
-                "its query, key or value does not come from one projection the forward shows"
-            )
-            continue
-        query_input = sources["Q"][0].input
-        cross = any(_other_stream(sources[r][0].input, query_input) for r in ("K", "V"))
-        cross_of[call.op.index] = cross
+            roles = [(role, part, rows) for role, part, rows in attention]
+            output: _Source | None = out[1]
+        else:
+            sources = _operand_sources(recording, call, modules)
+            if sources is None:
+                flow.unfollowed.append(
+                    f"attention call {number} in {where}: its query, key or value does not come "
+                    "from one projection the forward shows"
+                )
+                continue
+            roles = [(role, source, heads) for role, (source, heads) in sources.items()]
+            output = _consumer(recording, call.output, modules)
+        query_input = roles[0][1].input
+        cross = any(_other_stream(s.input, query_input, call_ops) for _, s, _ in roles[1:])
+        weights = tuple(f"{role}:{source.parameter}" for role, source, _ in roles)
+        reuses = first_of.setdefault(weights, call.op.index)
+        heads = {role: len(rows) if rows is not None else 1 for role, _, rows in roles}
+        read[call.op.index] = _Read(number, call.kind, cross, heads["Q"], heads["K"], reuses)
+        if reuses != call.op.index:
+            continue  # a shared layer run again: its roles are the first call's
         suffix = "_cross" if cross else ""
-        for role, (source, heads) in sources.items():
-            found.append((role + suffix, source, heads, call.op))
-        output = _consumer(recording, call.output, modules)
+        found += [(role + suffix, source, rows, call.op) for role, source, rows in roles]
         if output is not None:
             found.append(("O" + suffix, output, None, call.op))
 
     in_attention = {s.parameter for _, s, _, _ in found}
     seen: set[tuple[str, str, tuple[int, ...] | None]] = set()
-    for role, source, op in _mlp_roles(recording, modules, entries):
+    for role, source, op in _mlp_roles(recording, modules, _block_entries(entries, calls)):
         key = (role, source.parameter, source.rows)
         if source.parameter not in in_attention and key not in seen:
             found.append((role, source, None, op))
             seen.add(key)
 
-    _place(flow, found, calls, cross_of, entries)
+    _place(flow, found, calls, read, entries)
     return flow
 
 
+@dataclass(frozen=True)
+class _Read:
+    """What one followed attention call reads (``CallRead`` once its layer is known)."""
+
+    number: int
+    kind: str
+    cross: bool
+    heads: int
+    kv_heads: int
+    reuses: int  # the op index of the first call running the same weights (its own if none)
+
+
+def _operand_sources(
+    recording: Recording, call: AttentionCall, modules: dict[str, nn.Module]
+) -> dict[str, tuple[_Source, tuple[tuple[int, ...], ...]]] | None:
+    """The projection of the call's query, key and value and each one's rows per head, from the
+    first of its readings whose every operand comes from one projection applied per token."""
+    # Linear attention's feature map (elu(x) + 1) keeps each element's place: walked through.
+    through = ACTIVATION_OPS if call.kind == LINEAR else frozenset()
+    for reading in call.readings:
+        sources = {}
+        for role, (value, feature_axis, token_axis) in reading.items():
+            source = _source_of(recording, value, modules, feature_axis, token_axis, through)
+            if source is None:
+                break
+            index = replay(recording, source.value, value, through)
+            heads = heads_of(index, feature_axis, token_axis)
+            if heads is None:
+                break
+            sources[role] = (source, heads)
+        if len(sources) == 3:
+            return sources
+    return None
+
+
 # --- attention calls ------------------------------------------------------------------------
-
-
-def _attention_calls(recording: Recording) -> list[_Call]:
-    calls = []
-    for op in recording.ops:
-        if op.name == "multi_head_attention_forward" and op.outputs:
-            calls.append(_Call(op, {}, op.outputs[0]))  # read from its arguments
-        elif op.name in ATTENTION_OPS:
-            data = [v for v in op.inputs if v is not None][:3]
-            if len(data) == 3 and op.outputs:
-                operands = {r: (v, -1, -2) for r, v in zip(("Q", "K", "V"), data, strict=True)}
-                calls.append(_Call(op, operands, op.outputs[0]))
-        elif op.name in SOFTMAX_OPS:
-            call = _written_attention(op)
-            if call is not None:
-                calls.append(call)
-    return calls
 
 
 def _packed_attention(
@@ -290,56 +327,9 @@ def _packed_attention(
     return found
 
 
-def _written_attention(softmax: Op) -> _Call | None:
-    """``softmax(q @ k^T * scale + mask) @ v``: the two products around a softmax."""
-    scores = _walk_back_to(softmax.data_inputs[0] if softmax.data_inputs else None)
-    if scores is None or scores.weight is not None or len(scores.data_inputs) != 2:
-        return None
-    query, key = scores.data_inputs
-    mixed = _walk_forward_to(softmax.outputs[0])
-    if mixed is None or mixed.weight is not None or len(mixed.data_inputs) != 2:
-        return None
-    value = mixed.data_inputs[1]
-    # q is (..., T, d); k arrives transposed (..., d, T); v is (..., T, d).
-    operands = {"Q": (query, -1, -2), "K": (key, -2, -1), "V": (value, -1, -2)}
-    return _Call(softmax, operands, mixed.outputs[0])
-
-
-def _walk_back_to(value: Value | None) -> Op | None:
-    """The product a value came from through element-wise steps (scale, mask, cast)."""
-    for _ in range(16):
-        if value is None or value.op is None:
-            return None
-        op = value.op
-        if op.name in ("matmul", "__matmul__", "bmm", "baddbmm"):
-            return op
-        if op.name in _STOPS or len(op.data_inputs) < 1:
-            return None
-        full = [v for v in op.data_inputs if v.shape == value.shape]
-        value = full[0] if full else None
-    return None
-
-
-def _walk_forward_to(value: Value) -> Op | None:
-    """The product consuming a value as its first operand, through dropout and casts."""
-    for _ in range(16):
-        nxt = None
-        for op in value.consumers:
-            if op.name in ("matmul", "__matmul__", "bmm") and op.data_inputs[:1] == [value]:
-                return op
-            if (
-                op.name not in _STOPS
-                and len(op.outputs) == 1
-                and op.outputs[0].shape == value.shape
-            ):
-                nxt = op.outputs[0]
-        if nxt is None:
-            return None
-        value = nxt
-    return None
-
-
-def _other_stream(key_input: Value | None, query_input: Value | None) -> bool:
+def _other_stream(
+    key_input: Value | None, query_input: Value | None, calls: frozenset[int]
+) -> bool:
     """Whether the key's projection reads another stream than the query's (cross-attention).
 
     Self-attention's projections read one hidden state, or values computed from it (latent
@@ -351,7 +341,7 @@ def _other_stream(key_input: Value | None, query_input: Value | None) -> bool:
         return False
     if not _reads_inputs(query_input):
         return False  # a learned query (SigLIP's pooling probe) attending over the sequence
-    return not (_ancestors(key_input) & _ancestors(query_input))
+    return not (_ancestors(key_input, calls) & _ancestors(query_input, calls))
 
 
 def _reads_inputs(value: Value) -> bool:
@@ -371,7 +361,7 @@ def _reads_inputs(value: Value) -> bool:
     return False
 
 
-def _ancestors(value: Value) -> set[int]:
+def _ancestors(value: Value, calls: frozenset[int]) -> set[int]:
     """The values ``value`` was computed from, itself included, up to the attention calls
     before it (their outputs are kept, their inputs not) and leaving parameters out. Integer
     inputs are left out too: the same token ids given to an encoder and, shifted right as labels,
@@ -381,7 +371,7 @@ def _ancestors(value: Value) -> set[int]:
     while frontier:
         current = frontier.pop()
         op = current.op
-        if op is None or op.name in _CALLS or _is_attention_product(op):
+        if op is None or op.index in calls:
             continue
         for parent in op.data_inputs:
             if parent.op is None and not parent.floating:
@@ -390,22 +380,6 @@ def _ancestors(value: Value) -> set[int]:
                 seen.add(parent.index)
                 frontier.append(parent)
     return seen
-
-
-def _is_attention_product(op: Op) -> bool:
-    """``probabilities @ v`` of a written-out attention: a product of two activations fed by a
-    softmax."""
-    if op.name not in ("matmul", "__matmul__", "bmm") or op.weight is not None:
-        return False
-    first = op.data_inputs[0] if op.data_inputs else None
-    for _ in range(4):
-        if first is None or first.op is None:
-            return False
-        if first.op.name in SOFTMAX_OPS:
-            return True
-        inputs = first.op.data_inputs
-        first = inputs[0] if inputs else None
-    return False
 
 
 # --- sources and consumers --------------------------------------------------------------------
@@ -428,9 +402,11 @@ def _source_of(
     modules: dict[str, nn.Module],
     feature_axis: int = -1,
     token_axis: int = -2,
+    through: frozenset[str] = frozenset(),
 ) -> _Source | None:
     """The projection (or composite module) whose output reaches ``value``, an operand whose
-    features and tokens lie along ``feature_axis`` and ``token_axis``."""
+    features and tokens lie along ``feature_axis`` and ``token_axis``; ``through``: activations
+    walked through (linear attention's feature map)."""
     producers: list[Op] = []
     path: list[Value] = []
     frontier = [value]
@@ -442,7 +418,7 @@ def _source_of(
         if op.weight is not None:
             producers.append(op)
             continue
-        if op.name in _STOPS or op.name in ACTIVATION_OPS:
+        if op.name in _STOPS or (op.name in ACTIVATION_OPS and op.name not in through):
             continue
         frontier += op.data_inputs
     if not producers:
@@ -450,7 +426,7 @@ def _source_of(
     weights = {op.weight.name for op in producers if op.weight is not None}
     if len(producers) == 1 or len(weights) == 1:
         op = producers[0]
-        index = replay(recording, op.outputs[0], value)
+        index = replay(recording, op.outputs[0], value, through)
         if index is None or bool((at_two_tokens(index, feature_axis, token_axis) < 0).any()):
             return None  # part of the operand comes through steps the replay cannot follow
         assert op.weight is not None
@@ -469,7 +445,7 @@ def _source_of(
     # is the sum, read on the module that returns it, if one does.
     reach = []
     for op in producers:
-        index = replay(recording, op.outputs[0], value)
+        index = replay(recording, op.outputs[0], value, through)
         reach.append(None if index is None else at_two_tokens(index, feature_axis, token_axis) >= 0)
     if all(mask is not None for mask in reach):
         masks = [mask for mask in reach if mask is not None]
@@ -634,18 +610,27 @@ def _container_entries(modules: dict[str, nn.Module]) -> dict[str, str]:
     return entries
 
 
+def _block_entries(entries: dict[str, str], calls: list[AttentionCall]) -> dict[str, str]:
+    """The entries of the containers whose entries run attention calls (the stacks of blocks):
+    an ``nn.Sequential(Linear, act, Dropout, Linear)`` MLP is a container too, but not a block's."""
+    ran = {name for call in calls for name in call.op.modules}
+    stacks = {container for name, container in entries.items() if name in ran}
+    return {name: container for name, container in entries.items() if container in stacks}
+
+
 def _place(
     flow: FlowMap,
     found: list[tuple[str, _Source, tuple[tuple[int, ...], ...] | None, Op]],
-    calls: list[_Call],
-    cross_of: dict[int, bool],
+    calls: list[AttentionCall],
+    read: dict[int, _Read],
     entries: dict[str, str],
 ) -> None:
-    """Number the blocks of each stack by attention order; give every role its layer."""
+    """Number the blocks of each stack by attention order; give every role its layer. A call
+    that runs an earlier call's weights again (a shared layer) is that call's layer."""
     # How many self-attention calls each module holds: a block is the outermost entry with one.
     holding: dict[str, int] = defaultdict(int)
     for call in calls:
-        if not cross_of.get(call.op.index, False):
+        if call.op.index in read and not read[call.op.index].cross:
             for name in set(call.op.modules):
                 holding[name] += 1
 
@@ -657,15 +642,42 @@ def _place(
 
     order: dict[str, dict[str, int]] = defaultdict(dict)  # stack -> block -> layer
     call_layer: dict[int, tuple[str, str, int]] = {}
+    reused: dict[int, list[int]] = defaultdict(list)  # first call's number -> later calls'
     for number, call in enumerate(calls):
-        if call.op.index not in cross_of:
+        seen = read.get(call.op.index)
+        if seen is None:
             continue
-        stack, block = block_of(call.op)
-        if not block:
-            block = f"attention call {number}"
-        blocks = order[stack]
-        layer = blocks.setdefault(block, len(blocks))
-        call_layer[call.op.index] = (stack, block, layer)
+        if seen.reuses != call.op.index:
+            call_layer[call.op.index] = call_layer[seen.reuses]
+            reused[read[seen.reuses].number].append(number)
+        else:
+            stack, block = block_of(call.op)
+            if not block:
+                block = f"attention call {number}"
+            blocks = order[stack]
+            layer = blocks.setdefault(block, len(blocks))
+            call_layer[call.op.index] = (stack, block, layer)
+        stack, block, layer = call_layer[call.op.index]
+        reuses = None if seen.reuses == call.op.index else read[seen.reuses].number
+        flow.calls.append(
+            CallRead(
+                number,
+                seen.kind,
+                stack,
+                block,
+                layer,
+                seen.heads,
+                seen.kv_heads,
+                seen.cross,
+                reuses,
+            )  # fmt: skip
+        )
+    for first, again in reused.items():
+        where = calls[first].op.modules[-1] if calls[first].op.modules else "the model"
+        flow.shared.append(
+            f"attention call{'s' if len(again) > 1 else ''} {_numbers(again)} run the weights of "
+            f"call {first} ({where}) again: a shared layer, watched as one set of targets"
+        )
     ops_by_layer = sorted(call_layer.items())
     for role, source, heads, op in found:
         if op.index in call_layer:
@@ -700,3 +712,10 @@ def _place(
                 composite=source.composite,
             )
         )
+
+
+def _numbers(numbers: list[int]) -> str:
+    """``1..11`` for a run of consecutive numbers, else them all."""
+    if len(numbers) > 2 and numbers == list(range(numbers[0], numbers[-1] + 1)):
+        return f"{numbers[0]}..{numbers[-1]}"
+    return ", ".join(map(str, numbers))

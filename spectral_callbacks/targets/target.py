@@ -320,6 +320,9 @@ class TargetList(list):  # type: ignore[type-arg]
         #: Weights inside the blocks that look like targets but that the rules could not read
         #: (no rule, an unknown fused layout, a module that does not compute ``x W^T``).
         self.unread: list[str] = []
+        #: Heads the forward showed, by ``(parameter_name, role)`` of the Q/K/V targets it read
+        #: (query heads for Q, K/V heads for K and V); empty where no forward was read.
+        self.heads_read: dict[tuple[str, str], int] = {}
 
 
 def _shape_text(shape: tuple[int, ...]) -> str:
