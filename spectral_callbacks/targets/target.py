@@ -344,6 +344,11 @@ def _table(rows: Sequence[tuple[str, ...]], right_align: tuple[int, ...] = ()) -
 def format_targets(targets: Iterable[Target]) -> str:
     """A table of the watched matrices (layer, role, parameter, shape) and of what was not watched.
 
+    A ``TargetList`` from ``find_targets`` also says, in a ``from`` column and a tally, what
+    decided each target's role: ``names`` (the rules alone: no forward was read, or the forward
+    could not be followed there), ``data flow`` (the forward alone: no rule knows the name) or
+    ``names = data flow`` (both, in agreement).
+
     Args:
         targets: what ``find_targets`` returned (a ``TargetList`` also lists its skipped
             parameters; a plain list of targets prints only the targets).
@@ -379,9 +384,9 @@ def format_targets(targets: Iterable[Target]) -> str:
             rows = [(*rows[0], "adapter")] + [
                 (*row, text) for row, text in zip(rows[1:], described, strict=True)
             ]
-        # Roles read from a forward say so (``find_targets(..., example_input=...)``).
+        # What decided each role: the names, the forward, or both agreeing (find_targets).
         sources = targets.sources
-        if any(source != "names" for source in sources.values()):
+        if sources:
             rows = [(*rows[0], "from")] + [
                 (*row, sources.get(t.name, "names"))
                 for t, row in zip(targets, rows[1:], strict=True)
@@ -395,7 +400,7 @@ def format_targets(targets: Iterable[Target]) -> str:
             else ", ".join(f"{stack} {count(layers_of[stack], 'layer')}" for stack in stacks)
         )
         lines.append(f"{count(len(targets), 'target')} in {where}; roles: {' '.join(roles)}")
-        if any(source != "names" for source in sources.values()):
+        if sources:
             tally = Counter(sources.get(t.name, "names") for t in targets)
             lines.append(
                 "roles from: " + ", ".join(f"{source} {tally[source]}" for source in sorted(tally))
