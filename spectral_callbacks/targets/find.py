@@ -377,14 +377,19 @@ def _number_layers(candidates: list[Candidate], chosen: list[Candidate]) -> list
     numbered on its own; lists left with no chosen target do not count (so ``include="encoder.*"``
     watches the encoder as the one unnamed stack).
     """
-    used: dict[str, set[int]] = defaultdict(set)
+    used: dict[str, dict[int, set[bool]]] = defaultdict(lambda: defaultdict(set))
     for c in candidates:
         if c.parts:
             key, index = c.block if c.block else ("", 0)
-            used[key].add(index)
+            used[key][index] |= {_is_mlp_role(role) for role, _ in c.parts}
     order = list(dict.fromkeys(c.block[0] if c.block else "" for c in chosen))
     stack_of = stack_names(order)
-    layer_of = {(key, index): rank for key in order for rank, index in enumerate(sorted(used[key]))}
+    layer_of: dict[tuple[str, int], int] = {}
+    num_layers: dict[str, int] = {}
+    for key in order:
+        ranks = _block_ranks(used[key])
+        layer_of.update({(key, index): rank for index, rank in ranks.items()})
+        num_layers[key] = len(set(ranks.values()))
     targets: list[Target] = []
     for c in chosen:
         key, index = c.block if c.block else ("", 0)
@@ -397,7 +402,7 @@ def _number_layers(candidates: list[Candidate], chosen: list[Candidate]) -> list
                     rows=rows,
                     expert=expert,
                     layer=layer_of[(key, index)],
-                    num_layers=len(used[key]),
+                    num_layers=num_layers[key],
                     stack=stack_of[key],
                 )
                 for expert in range(c.experts)
@@ -413,7 +418,7 @@ def _number_layers(candidates: list[Candidate], chosen: list[Candidate]) -> list
                 c.parameter,
                 role=role,
                 layer=layer_of[(key, index)],
-                num_layers=len(used[key]),
+                num_layers=num_layers[key],
                 rows=rows,
                 fused=fused,
                 stack=stack_of[key],
@@ -422,6 +427,31 @@ def _number_layers(candidates: list[Candidate], chosen: list[Candidate]) -> list
             for role, rows in c.parts
         ]
     return targets
+
+
+def _is_mlp_role(role: str) -> bool:
+    """A role of the feed-forward half of a block (its MLP, experts or router)."""
+    return role.startswith("MLP_") or role == "Router"
+
+
+def _block_ranks(halves: Mapping[int, set[bool]]) -> dict[int, int]:
+    """The layer of each entry of a list of blocks, from which halves of a block each holds
+    (``True``: MLP roles, ``False``: attention roles).
+
+    Entries are numbered in order; where the list alternates attention-only and MLP-only
+    entries, attention first (``layers = ModuleList([Attention, FeedForward] * L)``), each MLP
+    is the second half of the block its attention began.
+
+    >>> _block_ranks({0: {False, True}, 1: {False, True}})
+    {0: 0, 1: 1}
+    >>> _block_ranks({0: {False}, 1: {True}, 2: {False}, 3: {True}})
+    {0: 0, 1: 0, 2: 1, 3: 1}
+    """
+    indices = sorted(halves)
+    alternating = len(indices) > 1 and all(
+        halves[index] == {rank % 2 == 1} for rank, index in enumerate(indices)
+    )
+    return {index: rank // 2 if alternating else rank for rank, index in enumerate(indices)}
 
 
 def _out(candidate: Candidate, rows: Rows) -> int:

@@ -236,19 +236,111 @@ def _falcon_qkv(ctx: Context) -> Decision | None:
     )
 
 
-def _sequential_mlp(ctx: Context) -> Decision | None:
-    """An MLP written as ``nn.Sequential(Linear, act, Linear[, Dropout])``: first up, last down."""
-    sequential = ctx.modules[1] if len(ctx.modules) > 1 else None
-    if not ctx.name.split(".")[-2].isdigit() or not isinstance(sequential, nn.Sequential):
-        return None  # not a Linear directly inside a Sequential: let the other rules decide
-    linears = [m for m in sequential if isinstance(m, nn.Linear)]
-    if len(linears) != 2:
+def _mlp_linears(entries: list[nn.Module]) -> list[nn.Linear]:
+    """The Linear layers of an MLP written as a list of entries, in order: each entry a Linear,
+    or an activation that carries its own input projection as ``proj`` (diffusers' ``GELU``,
+    ``GEGLU``, ``SwiGLU``); norms, activations and dropouts hold none."""
+    found = []
+    for entry in entries:
+        linear = entry if isinstance(entry, nn.Linear) else getattr(entry, "proj", None)
+        if isinstance(linear, nn.Linear):
+            found.append(linear)
+    return found
+
+
+def _is_glu(entries: list[nn.Module]) -> bool:
+    """An entry names itself a gated linear unit (``GEGLU``, ``SwiGLU``, ``GLU``): it halves its
+    input by ``chunk(2)`` into ``[value; gate]`` (diffusers, x-transformers, lucidrains)."""
+    return any("GLU" in type(entry).__name__ for entry in entries)
+
+
+def _sequential_mlp(ctx: Context, shaped_only: bool = False) -> Decision | None:
+    """An MLP written as a list of entries, ``nn.Sequential(Linear, act, Dropout, Linear)`` or
+    diffusers' ``ff.net = ModuleList([GELU(proj), Dropout, Linear])``: first Linear up, last down.
+
+    A first Linear with twice the rows the last one reads, beside an entry named a GLU, holds
+    ``[value; gate]`` (``hidden, gate = proj(x).chunk(2)``): ``MLP_up`` then ``MLP_gate``.
+    ``shaped_only``: for a generic container name (``net``), decide only where the two Linears
+    have an MLP's shapes (d -> f -> d, or d -> 2f -> d with a GLU), else leave it to other rules.
+    """
+    # The Linear is an entry of the list (``ff.3``), or an entry's ``proj`` (``ff.net.0.proj``).
+    segments = ctx.name.split(".")[-3:-1]
+    if segments[-1].isdigit():
+        at = 1
+    elif segments[-1] == "proj" and segments[0].isdigit():
+        at = 2
+    else:
+        return None
+    container = ctx.modules[at] if len(ctx.modules) > at else None
+    if not isinstance(container, (nn.Sequential, nn.ModuleList)):
+        return None  # not a Linear directly inside a list: let the other rules decide
+    entries = list(container)
+    linears = _mlp_linears(entries)
+    if len(linears) != 2 or ctx.modules[0] not in linears:
+        if shaped_only:
+            return None
         return Skip(
             f"an MLP Sequential with {len(linears)} Linear layers (2 expected: up, down); give "
             "their roles with mapping=",
             warn=True,
         )
-    return "MLP_up" if ctx.modules[0] is linears[0] else "MLP_down"
+    up, down = linears
+    gated = up.out_features == 2 * down.in_features and _is_glu(entries)
+    shaped = up.in_features == down.out_features and (up.out_features == down.in_features or gated)
+    if shaped_only and not shaped:
+        return None
+    if ctx.modules[0] is down:
+        return "MLP_down"
+    return Split(("MLP_up", "MLP_gate")) if gated else "MLP_up"
+
+
+def _named_mlp_net(ctx: Context) -> Decision | None:
+    """``net.<i>`` of a module whose class names it an MLP (lucidrains' ``FeedForward.net``,
+    ``Mlp``, ``FFN``): a list MLP, where its two Linears have an MLP's shapes."""
+    holder = next(
+        (m for m in ctx.modules[2:4] if isinstance(getattr(m, "net", None), nn.Module)), None
+    )
+    if holder is None or not re.search(r"feed_?forward|mlp|ffn|^ff$", type(holder).__name__, re.I):
+        return None
+    return _sequential_mlp(ctx, shaped_only=True)
+
+
+def _is_cross_attention(ctx: Context) -> bool:
+    """The attention module owning the weight says it attends to another stream: diffusers'
+    ``Attention.is_cross_attention`` (``attn2`` of a ``BasicTransformerBlock`` with a context)."""
+    return any(getattr(module, "is_cross_attention", False) is True for module in ctx.modules[1:4])
+
+
+def _to(role: str) -> Callable[[Context], Decision]:
+    """``to_q``/``to_k``/``to_v``/``to_out`` (diffusers, lucidrains, x-transformers): ``role``,
+    ``_cross`` where the attention module declares itself cross-attention."""
+
+    def rule(ctx: Context) -> Decision:
+        return f"{role}_cross" if _is_cross_attention(ctx) else role
+
+    return rule
+
+
+def _to_qkv(ctx: Context) -> Decision:
+    """lucidrains' and x-transformers' fused ``to_qkv``: ``q, k, v = to_qkv(x).chunk(3, dim=-1)``,
+    rows ``[q; k; v]`` in equal thirds of heads x dim_head each (which need not equal the model
+    width), unless the module declares grouped K/V heads (then sized from them)."""
+    heads, kv_heads = ctx.lookup(*HEADS, "heads"), ctx.lookup(*KV_HEADS)
+    if (kv_heads is None or kv_heads == heads) and ctx.out_features % 3 == 0:
+        return Split(("Q", "K", "V"))
+    return _fused_qkv(ctx)
+
+
+def _to_kv(ctx: Context) -> Decision:
+    """Fused ``to_kv``: ``k, v = to_kv(context).chunk(2, dim=-1)``, rows ``[k; v]``."""
+    roles = ("K_cross", "V_cross") if _is_cross_attention(ctx) else ("K", "V")
+    if ctx.out_features % 2 == 0:
+        return Split(roles)
+    return Skip(
+        f"fused to_kv with an odd number of rows ({ctx.out_features}); describe it with "
+        "mapping={pattern: Split(...)}",
+        warn=True,
+    )
 
 
 def _gate_up(ctx: Context) -> Decision:
@@ -439,6 +531,23 @@ def _listed_expert(ctx: Context) -> Decision | None:
     )
 
 
+def _router(ctx: Context) -> Decision | None:
+    """A Linear d -> E beside a mixture's experts (E rows: a 3-D experts tensor of E slices, or
+    a list of E expert MLPs, in the same module): the router."""
+    moe = ctx.modules[1] if len(ctx.modules) > 1 else None
+    if moe is None:
+        return None
+    experts = ctx.out_features
+    for name, child in moe.named_children():
+        if child is ctx.modules[0]:
+            continue
+        if "experts" in name and isinstance(child, nn.ModuleList) and len(child) == experts:
+            return "Router"
+        if any(p.dim() == 3 and p.shape[0] == experts for p in child.parameters()):
+            return "Router"
+    return None
+
+
 _ROUTER = Skip("MoE router")
 
 # (pattern, rule), first match wins. Shared leaf names (c_proj, dense, proj) carry their parent.
@@ -531,14 +640,26 @@ BUILTIN_RULES: tuple[tuple[str, Rule], ...] = (
     ("mlp.fc_1.weight", "MLP_gate"),
     ("mlp.fc_2.weight", "MLP_up"),
     ("mlp.proj.weight", "MLP_down"),
-    # Hand-written MLPs as nn.Sequential(Linear, act, Linear) (Karpathy's ffwd.net, many ViTs).
-    ("mlp.[0-9]*.weight", _sequential_mlp),
-    ("mlp.net.[0-9]*.weight", _sequential_mlp),
-    ("ffn.[0-9]*.weight", _sequential_mlp),
-    ("ff.[0-9]*.weight", _sequential_mlp),
-    ("ff.net.[0-9]*.weight", _sequential_mlp),
-    ("ffwd.net.[0-9]*.weight", _sequential_mlp),
-    ("feed_forward.[0-9]*.weight", _sequential_mlp),
+    # Attention projections named for what they do wherever they sit (diffusers, lucidrains,
+    # x-transformers: to_out is [Linear, Dropout]; to_qkv chunked in three, to_kv in two).
+    ("to_q.weight", _to("Q")),
+    ("to_k.weight", _to("K")),
+    ("to_v.weight", _to("V")),
+    ("to_out.0.weight", _to("O")),
+    ("to_out.weight", _to("O")),
+    ("to_qkv.weight", _to_qkv),
+    ("to_kv.weight", _to_kv),
+    # Hand-written MLPs as a list: nn.Sequential(Linear, act, Dropout, Linear) (Karpathy's
+    # ffwd.net, many ViTs), diffusers' ff.net = [GELU/GEGLU with its proj, Dropout, Linear],
+    # lucidrains' FeedForward.net (a class named for an MLP: the shapes must be an MLP's too).
+    *(
+        (f"{mlp}.{net}[0-9]*.{proj}weight", _sequential_mlp)
+        for mlp in ("mlp", "ffn", "ff", "ffwd", "feed_forward")
+        for net in ("", "net.")
+        for proj in ("", "proj.")
+    ),
+    ("net.[0-9]*.weight", _named_mlp_net),
+    ("net.[0-9]*.proj.weight", _named_mlp_net),
     # Hugging Face DistilBERT.
     ("attention.q_lin.weight", "Q"),
     ("attention.k_lin.weight", "K"),
@@ -546,8 +667,8 @@ BUILTIN_RULES: tuple[tuple[str, Rule], ...] = (
     ("attention.out_lin.weight", "O"),
     ("ffn.lin1.weight", "MLP_up"),
     ("ffn.lin2.weight", "MLP_down"),
-    # Hand-written attention: attn.q/k/v/o, attn.wq/wk/wv/wo, diffusers' to_q/to_k/to_v/to_out
-    # (to_out is [Linear, Dropout]), and an ``out`` beside query/key/value.
+    # Hand-written attention: attn.q/k/v/o, attn.wq/wk/wv/wo, and an ``out`` beside
+    # query/key/value.
     *(
         (f"{attn}.{q}.weight", role)
         for attn in ("attn", "attention")
@@ -560,11 +681,6 @@ BUILTIN_RULES: tuple[tuple[str, Rule], ...] = (
             ("wk", "K"),
             ("wv", "V"),
             ("wo", "O"),
-            ("to_q", "Q"),
-            ("to_k", "K"),
-            ("to_v", "V"),
-            ("to_out.0", "O"),
-            ("to_out", "O"),
             ("out", "O"),
         )
     ),
@@ -620,6 +736,10 @@ BUILTIN_RULES: tuple[tuple[str, Rule], ...] = (
     # GTA: tied K/V and one shared rope key.
     ("kv_proj.weight", "KV"),
     ("k_rope_proj.weight", "K_rope"),
+    # A router named only by its place: a Linear d -> E beside E experts (grouped-GEMM MoEs).
+    ("gate.weight", _router),
+    ("gating.weight", _router),
+    ("wg.weight", _router),
     # TPA factor matrices.
     ("W_A_q.weight", "Q_A"),
     ("W_B_q.weight", "Q_B"),
