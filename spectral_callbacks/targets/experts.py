@@ -40,14 +40,31 @@ _EXPERT_ROLES: dict[str, tuple[str, ...]] = {
     "gate_proj": ("MLP_gate",),
     "up_proj": ("MLP_up",),
     "down_proj": ("MLP_down",),
-    "w1": ("MLP_gate",),
+    "w1": ("MLP_gate",),  # MLP_up where there is no w3 (a plain MLP: w2(act(w1 x)))
     "w3": ("MLP_up",),
     "w2": ("MLP_down",),
     # torchtitan's GroupedExperts: (E, hidden, dim) and (E, dim, hidden), named by their axes.
     "w1_EFD": ("MLP_gate",),
     "w3_EFD": ("MLP_up",),
     "w2_EDF": ("MLP_down",),
+    # vLLM's FusedMoE: w13_weight rows [w1; w3], w2_weight.
+    "w13_weight": ("MLP_gate", "MLP_up"),
+    "w2_weight": ("MLP_down",),
+    # Grouped-GEMM experts of research code.
+    "w13": ("MLP_gate", "MLP_up"),
+    "gate": ("MLP_gate",),
+    "up": ("MLP_up",),
+    "down": ("MLP_down",),
+    "w_in": ("MLP_up",),
+    "w_out": ("MLP_down",),
+    "fc1": ("MLP_up",),
+    "fc2": ("MLP_down",),
+    "wi": ("MLP_up",),
+    "wo": ("MLP_down",),
 }
+# The names a mixture gives its router, a Linear d -> E beside the experts (or within a router
+# module: torchtitan's router.gate, Switch's router.classifier).
+_ROUTER_NAMES = frozenset({"gate", "router", "gating", "wg", "classifier"})
 
 
 def is_routed_expert(name: str) -> bool:
@@ -102,23 +119,81 @@ def listed_expert(name: str) -> tuple[int, str | None] | None:
     return int(index[1]), _LISTED_EXPERT_ROLES.get(module)
 
 
+def router_width(moe: nn.Module | None, experts: int, skip: nn.Module | None = None) -> int | None:
+    """The model width ``d`` the router of ``moe`` reads: the input size of its Linear d -> E
+    (a child, or a child's child, named like a router, with ``experts`` rows), or ``None``.
+
+    >>> moe = torch.nn.Module()
+    >>> moe.gate = torch.nn.Linear(8, 4)
+    >>> router_width(moe, experts=4), router_width(moe, experts=5)
+    (8, None)
+    """
+    if moe is None:
+        return None
+    for name, child in moe.named_children():
+        if child is skip:
+            continue
+        for inner_name, inner in [(name, child), *child.named_children()]:
+            weight = getattr(inner, "weight", None)
+            if (
+                inner_name in _ROUTER_NAMES
+                and isinstance(weight, torch.Tensor)
+                and weight.dim() == 2
+                and weight.shape[0] == experts
+            ):
+                return int(weight.shape[1])
+    return None
+
+
+def _transposed_by_width(side_in: bool, shape: tuple[int, int], width: int) -> bool | None:
+    """Whether one expert's ``shape`` is stored ``(in, out)``: an up/gate reads the width the
+    router reads (``side_in``), a down writes it; ``None`` where neither side is that width."""
+    rows_are_width, cols_are_width = shape[0] == width, shape[1] == width
+    if not (rows_are_width or cols_are_width):
+        return None
+    if rows_are_width and cols_are_width:
+        return False  # square: either reading gives the same matrix up to a transpose
+    return rows_are_width if side_in else cols_are_width
+
+
 def expert_parts(
-    name: str, parameter: torch.Tensor, owner: nn.Module | None
+    name: str, parameter: torch.Tensor, owner: nn.Module | None, moe: nn.Module | None = None
 ) -> list[tuple[str, Rows]] | Skip:
     """``(role, Rows)`` of each role in every expert's slice of a 3-D experts tensor, or a Skip.
 
-    Rows are those of one expert's ``(out, in)`` matrix; ``owner.is_transposed`` (the experts
-    module's own flag) marks slices stored ``(in, out)``.
+    Rows are those of one expert's ``(out, in)`` matrix. How a slice is stored: the experts
+    module's own ``is_transposed`` flag where it has one; else from the router (a Linear d -> E
+    in ``moe``, the module holding the experts, or in ``owner`` itself): an up or gate reads d,
+    a down writes it, so the side that is d says whether the slice is ``(in, out)`` (a
+    grouped-GEMM kernel's ``x @ w1[e]``, ``(E, d, f)``) or ``(out, in)``; else ``(out, in)``.
+    A tensor of experts that no name places is refused with the ``mapping=`` that places it.
     """
     owner_path, _, leaf = name.rpartition(".")
-    roles = _EXPERT_ROLES.get(leaf)
-    if parameter.dim() != 3 or "experts" not in owner_path.rpartition(".")[2] or roles is None:
+    experts = parameter.shape[0]
+    width = router_width(moe, experts, skip=owner) or router_width(owner, experts)
+    in_experts = "experts" in owner_path.rpartition(".")[2]
+    if parameter.dim() != 3 or not (in_experts or width is not None):
         what = "fused MoE experts of unknown layout" if "experts" in name else "not a matrix"
         return Skip(
             f"{parameter.dim()}-D ({what}): only 2-D weights are watched", warn="experts" in name
         )
-    transposed = bool(getattr(owner, "is_transposed", False))
-    out = parameter.shape[2] if transposed else parameter.shape[1]
+    roles = _EXPERT_ROLES.get(leaf)
+    siblings = dict(owner.named_parameters(recurse=False)) if owner is not None else {}
+    if leaf == "w1" and "w3" not in siblings:
+        roles = ("MLP_up",)
+    slice_shape = (int(parameter.shape[1]), int(parameter.shape[2]))
+    if roles is None:
+        return Skip(_unplaced(name, slice_shape, experts, width), warn=True)
+    if hasattr(owner, "is_transposed"):
+        transposed = bool(owner.is_transposed)  # type: ignore[union-attr]
+    elif width is not None:
+        found = _transposed_by_width(roles[0] != "MLP_down", slice_shape, width)
+        if found is None:
+            return Skip(_unplaced(name, slice_shape, experts, width), warn=True)
+        transposed = found
+    else:
+        transposed = False
+    out = slice_shape[1] if transposed else slice_shape[0]
     if out % len(roles):
         return Skip(
             f"MoE experts {leaf} with {out} output rows do not split into {roles}; describe "
@@ -127,6 +202,26 @@ def expert_parts(
         )
     size = out // len(roles)
     return [(role, Rows(i * size, (i + 1) * size, 1, transposed)) for i, role in enumerate(roles)]
+
+
+def _unplaced(name: str, shape: tuple[int, int], experts: int, width: int | None) -> str:
+    """The one line that refuses a 3-D experts tensor no rule places, with the ``mapping=``."""
+    owner_path, _, leaf = name.rpartition(".")
+    pattern = f"*.{owner_path.rpartition('.')[2]}.{leaf}" if owner_path else leaf
+    router = f" (the router maps d={width} to {experts} experts)" if width else ""
+    if width is not None and shape[0] == width != shape[1]:
+        up, down = "Split(('MLP_up',), transposed=True)", "'MLP_down'"
+        how = f"if each {shape} slice feeds the hidden layer (x @ w[e]), else {down}"
+    elif width is not None and shape[1] == width != shape[0]:
+        up, down = "'MLP_up'", "Split(('MLP_down',), transposed=True)"
+        how = f"if each {shape} slice feeds the hidden layer, else {down} (h @ w[e] writes d)"
+    else:
+        up = "'MLP_up'"
+        how = "(or 'MLP_gate', 'MLP_down'; Split((role,), transposed=True) for slices stored (in, out))"
+    return (
+        f"3-D MoE experts tensor whose role no rule knows{router}; give it with "
+        f"mapping={{{pattern!r}: {up}}} {how}"
+    )
 
 
 @dataclass(frozen=True)

@@ -211,6 +211,36 @@ def parts_of(
         raise
 
 
+def _user_expert_parts(
+    mapping: UserMapping | None, name: str, parameter: torch.Tensor, owner: nn.Module | None
+) -> list[tuple[str, Rows]] | Skip | None:
+    """``mapping=``'s parts of every expert's slice of a 3-D experts tensor (each slice read as
+    one ``(out, in)`` matrix, or ``(in, out)`` with ``Split(..., transposed=True)``), a Skip, or
+    ``None`` where the mapping has no opinion."""
+    if mapping is None or parameter.dim() != 3:
+        return None
+    ctx = Context(clean_name(name), parameter, (owner,) if owner is not None else (nn.Module(),))
+    found = user_decision(mapping, ctx, name)
+    if found is None:
+        return None
+    decision = found[0]
+    if isinstance(decision, Skip):
+        return decision
+    if isinstance(decision, str):
+        decision = Split((decision,))
+    if not isinstance(decision, Split):
+        raise TargetError(
+            f"mapping= for {name} must give a role string, Split(...), Skip(...) or None, "
+            f"got {decision!r}"
+        )
+    transposed = bool(decision.transposed)
+    rows, cols = int(parameter.shape[1]), int(parameter.shape[2])
+    try:
+        return decision.parts(name, (cols, rows) if transposed else (rows, cols), transposed)
+    except ValueError as error:
+        raise TargetError(f"mapping= gave an unusable Split: {error}") from error
+
+
 def _is_block_list(module: nn.Module | None) -> bool:
     """A list of blocks: a ModuleList/Sequential, or a ModuleDict keyed "0", "1", ...
     (torchtitan's ``layers``, keyed so pipeline stages keep the original numbers)."""
@@ -283,7 +313,11 @@ def decide(
         first_name[id(parameter)] = name
         module_path = name.rpartition(".")[0]
         if parameter.dim() > 2:
-            parts = expert_parts(clean_name(name), parameter, modules.get(module_path))
+            owner = modules.get(module_path)
+            moe = modules.get(module_path.rpartition(".")[0]) if module_path else None
+            parts = _user_expert_parts(mapping, name, parameter, owner)
+            if parts is None:
+                parts = expert_parts(clean_name(name), parameter, owner, moe)
             if isinstance(parts, Skip):
                 if parts.warn:  # inside a block, looks like experts: listed and warned about
                     candidates.append(Candidate(name, clean_name(name), parameter, [], parts, None))
