@@ -126,6 +126,42 @@ def test_a_fit_of_a_model_whose_forward_cannot_be_followed_logs_each_named_matri
     assert_logged_exactly(logger, targets, expected, 2)
 
 
+def test_a_compiled_model_is_found_by_its_names_and_logged_exactly() -> None:
+    # torch.compile (dynamo with the eager backend: no C++ build): the forward runs a graph,
+    # so the names decide, and a short fit logs each matrix of the diffusers-style model.
+    model = rm.biased(rm.Diffusers(core="sdpa"))
+    compiled = torch.compile(model, backend="eager")
+    logger = RecordingLogger()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the CPU placement notes
+        tracker = SpectralTracker(
+            compiled, writers=[logger], every_n_steps=1, log_spaced_until=0, figures=False,
+            synchronous=True,
+        )  # fmt: skip
+    targets = tracker.targets
+    assert [(t.layer, t.role, t.rows) for t in targets] == [
+        (t.layer, t.role, t.rows) for t in _by_names(model)
+    ]
+
+    def exact() -> dict[str, tuple[float, float]]:
+        return {t.name: exact_spectrum(t.matrix()) for t in targets}
+
+    expected = {0: exact()}
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for step, batch in enumerate(rm.tokens(batch=6, seed=1).split(2), start=1):
+        logits = compiled(batch[:, :-1])
+        torch.nn.functional.cross_entropy(
+            logits.reshape(-1, rm.VOCAB), batch[:, 1:].reshape(-1)
+        ).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        expected[step] = exact()
+        tracker.step(step)
+    tracker.close(3)
+    assert expected[3] != expected[0]
+    assert_logged_exactly(logger, targets, expected, 2)
+
+
 @pytest.mark.parametrize("name", sorted(MODELS))
 def test_a_forward_confirms_each_names_reading(name: str) -> None:
     # The same models attending by scaled_dot_product_attention, which a forward reads: every
