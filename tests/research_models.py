@@ -1,7 +1,9 @@
 """Transformers written the way research code writes them, for the name rules' tests: lucidrains'
 ``to_qkv``/``to_out``/``FeedForward.net``, diffusers' ``to_q``/``to_k``/``to_v``/``to_out.0``
 with a cross-attention and a GEGLU ``ff.net``, and attention and MLP as alternating entries of one
-``ModuleList`` with a fused ``to_kv`` and an ``ff``/``feed_forward``/``ffn`` Sequential. Every
+``ModuleList`` with a fused ``to_kv`` and an ``ff``/``feed_forward``/``ffn`` Sequential, and
+x-transformers' ``[norm, block]`` pairs with ``ff = Sequential(Sequential(Linear, GELU), ...)`` or a
+``GLU``. Every
 Linear has a bias, and every bias is non-zero (as in a checkpoint).
 
 The attention core is one of: ``"einsum"`` (plain torch operators), ``"sdpa"``
@@ -300,6 +302,69 @@ class Alternating(LanguageModel):
     def body(self, x: torch.Tensor) -> torch.Tensor:
         for layer in self.layers:
             x = layer(x) + x
+        return x
+
+
+# --- x-transformers: layers = [[norm, Attention], [norm, FeedForward], ...], ff.0 a Sequential ---
+
+
+class XAttention(nn.Module):
+    def __init__(self, dim: int, heads: int, core: str) -> None:
+        super().__init__()
+        self.heads, self.core = heads, core
+        self.to_q, self.to_k, self.to_v = (nn.Linear(dim, dim) for _ in range(3))
+        self.to_out = nn.Linear(dim, dim)
+        self.seen: tuple[torch.Tensor, ...] = ()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.to_q(x), self.to_k(x), self.to_v(x)
+        self.seen = (q.detach(), k.detach(), v.detach())
+        return self.to_out(_merge(attend(self.core, *(_heads(t, self.heads) for t in (q, k, v)))))
+
+
+class GLU(nn.Module):
+    """x-transformers' GLU: ``x, gate = proj(x).chunk(2)``; ``x * act(gate)``."""
+
+    def __init__(self, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.proj = nn.Linear(dim, 2 * hidden)
+        self.seen: tuple[torch.Tensor, ...] = ()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        value, gate = self.proj(x).chunk(2, dim=-1)
+        self.seen = (value.detach(), gate.detach())
+        return value * F.silu(gate)
+
+
+class XFeedForward(nn.Module):
+    """``ff = Sequential(project_in, Dropout, Dropout, Linear)``; ``project_in`` a
+    ``Sequential(Linear, GELU)``, or a :class:`GLU`."""
+
+    def __init__(self, dim: int, hidden: int, glu: bool) -> None:
+        super().__init__()
+        project_in = GLU(dim, hidden) if glu else nn.Sequential(nn.Linear(dim, hidden), nn.GELU())
+        self.ff = nn.Sequential(
+            project_in, nn.Dropout(0.0), nn.Dropout(0.0), nn.Linear(hidden, dim)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.ff(x)
+
+
+class XTransformers(LanguageModel):
+    """``layers = ModuleList([ModuleList([LayerNorm, XAttention | XFeedForward])] * 2 depth)``."""
+
+    def __init__(self, depth: int = 2, dim: int = 16, core: str = "einsum", glu: bool = False):
+        super().__init__(dim)
+        self.layers = nn.ModuleList(
+            nn.ModuleList([nn.LayerNorm(dim), block])
+            for _ in range(depth)
+            for block in (XAttention(dim, 2, core), XFeedForward(dim, 2 * dim, glu))
+        )
+
+    def body(self, x: torch.Tensor) -> torch.Tensor:
+        for norm, block in self.layers:  # type: ignore[misc]
+            x = block(norm(x)) + x
         return x
 
 

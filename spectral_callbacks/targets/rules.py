@@ -236,16 +236,30 @@ def _falcon_qkv(ctx: Context) -> Decision | None:
     )
 
 
+_LISTS = (nn.Sequential, nn.ModuleList)
+
+
 def _mlp_linears(entries: list[nn.Module]) -> list[nn.Linear]:
     """The Linear layers of an MLP written as a list of entries, in order: each entry a Linear,
-    or an activation that carries its own input projection as ``proj`` (diffusers' ``GELU``,
-    ``GEGLU``, ``SwiGLU``); norms, activations and dropouts hold none."""
+    an activation that carries its own input projection as ``proj`` (diffusers' ``GELU``,
+    ``GEGLU``, ``SwiGLU``, x-transformers' ``GLU``), or a list of such (x-transformers'
+    ``Sequential(Linear, act)`` as its first entry); norms, activations and dropouts hold none."""
     found = []
     for entry in entries:
+        if isinstance(entry, _LISTS):
+            found += _mlp_linears(list(entry))
+            continue
         linear = entry if isinstance(entry, nn.Linear) else getattr(entry, "proj", None)
         if isinstance(linear, nn.Linear):
             found.append(linear)
     return found
+
+
+def _flat(entries: list[nn.Module]) -> list[nn.Module]:
+    """The entries with those of any list among them, one level down."""
+    return [
+        inner for entry in entries for inner in (entry if isinstance(entry, _LISTS) else [entry])
+    ]
 
 
 def _is_glu(entries: list[nn.Module]) -> bool:
@@ -272,8 +286,13 @@ def _sequential_mlp(ctx: Context, shaped_only: bool = False) -> Decision | None:
     else:
         return None
     container = ctx.modules[at] if len(ctx.modules) > at else None
-    if not isinstance(container, (nn.Sequential, nn.ModuleList)):
+    if not isinstance(container, _LISTS):
         return None  # not a Linear directly inside a list: let the other rules decide
+    # A list inside the MLP's list (x-transformers' ``ff.0 = Sequential(Linear, act)``): the
+    # outer list holds the MLP.
+    outer = ctx.modules[at + 1] if len(ctx.modules) > at + 1 else None
+    if isinstance(outer, _LISTS) and len(_mlp_linears(list(container))) < 2:
+        container = outer
     entries = list(container)
     linears = _mlp_linears(entries)
     if len(linears) != 2 or ctx.modules[0] not in linears:
@@ -285,7 +304,7 @@ def _sequential_mlp(ctx: Context, shaped_only: bool = False) -> Decision | None:
             warn=True,
         )
     up, down = linears
-    gated = up.out_features == 2 * down.in_features and _is_glu(entries)
+    gated = up.out_features == 2 * down.in_features and _is_glu(_flat(entries))
     shaped = up.in_features == down.out_features and (up.out_features == down.in_features or gated)
     if shaped_only and not shaped:
         return None
