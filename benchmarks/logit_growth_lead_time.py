@@ -31,6 +31,7 @@ Run: ``python benchmarks/logit_growth_lead_time.py`` (about 10 minutes on a shar
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import sys
 import time
@@ -47,9 +48,9 @@ from attention import MultiHeadAttention  # noqa: E402
 from data import load_bytes  # noqa: E402
 from gpt import GPT, GPTConfig  # noqa: E402
 
-from spectral_callbacks.monitor.alerts import Alert, AlertRules  # noqa: E402
+from spectral_callbacks.monitor.alerts import Alert, AlertRules, AlertWatch  # noqa: E402
 from spectral_callbacks.monitor.tracker import SpectralTracker  # noqa: E402
-from spectral_callbacks.names import parse_tag  # noqa: E402
+from spectral_callbacks.names import MatrixLabel, parse_tag  # noqa: E402
 
 
 class QKNormAttention(MultiHeadAttention):
@@ -183,19 +184,24 @@ def layer_max(values: dict[tuple[int, int], float]) -> dict[int, float]:
     return out
 
 
-def measured_growth_step(run: Run, rules: AlertRules) -> int | None:
-    """The first snapshot step from ``after_step`` on at which a layer's measured max |logit| (max
-    over heads) exceeds ``logit_growth`` times its lowest value in the previous ``window`` steps:
-    the rule ``logit_growth`` applies to the weight-only value, read on the real logits."""
-    series: dict[int, list[tuple[int, float]]] = {}
-    for step in sorted(run.measured):
-        peaks = layer_max({key: v[0] for key, v in run.measured[step].items()})
-        for layer, value in peaks.items():
-            history = series.setdefault(layer, [])
-            earlier = [v for s, v in history if s >= step - rules.window and s >= rules.after_step]
-            if step >= rules.after_step and earlier and value > rules.logit_growth * min(earlier):
-                return step
-            history.append((step, value))
+def replay(
+    series: dict[int, dict[tuple[int, int], dict[str, float]]], rules: AlertRules
+) -> int | None:
+    """The first step at which :class:`AlertWatch` with ``rules`` raises ``logit_growth`` on each
+    snapshot's per-head rows ``series[step][(layer, head)]`` (metric -> value): the rule itself,
+    replayed on other numbers (the measured max |logit| read as ``qk_spectral_norm``) or with
+    other rules."""
+    heads = {key for values in series.values() for key in values}
+    labels = {
+        key: MatrixLabel(f"L{key[0]}H{key[1]}", key[0], "heads", head=key[1],
+                         attention_layer=f"L{key[0]}")
+        for key in heads
+    }  # fmt: skip
+    watch = AlertWatch(list(labels.values()), rules)
+    for step in sorted(series):
+        rows = {labels[key].name: row for key, row in series[step].items()}
+        if any(alert.kind == "logit_growth" for alert in watch.check(step, rows)):
+            return step
     return None
 
 
@@ -243,6 +249,15 @@ def summary_row(name: str, lr: float, shape: tuple[int, int, int], seed: int, ru
         for key, v in per_head.items()
         if "qk_logit_bound" in run.logged.get(s, {})
     ) if name != "QK-norm" else math.nan  # fmt: skip
+    measured_rows = {
+        step: {key: {"qk_spectral_norm": v[0]} for key, v in per_head.items()}
+        for step, per_head in run.measured.items()
+    }
+    logged_rows: dict[int, dict[tuple[int, int], dict[str, float]]] = {}
+    for step, by_metric in run.logged.items():
+        for metric, per_head in by_metric.items():
+            for key, value in per_head.items():
+                logged_rows.setdefault(step, {}).setdefault(key, {})[metric] = value
     first = min((a.step for a in run.alerts if a.kind == "logit_growth"), default=None)
     kinds: dict[str, int] = {}
     for alert in run.alerts:
@@ -256,7 +271,8 @@ def summary_row(name: str, lr: float, shape: tuple[int, int, int], seed: int, ru
     layers, width, heads = shape
     return (
         f"| {layers} x {width}, {heads} heads | {lr:g} | {seed} | {name} | {early}: {cells[0]} | "
-        f"{last}: {cells[1]} | {unit_ratio:.2f} | {first} | {measured_growth_step(run, rules)} | "
+        f"{last}: {cells[1]} | {unit_ratio:.2f} | {first} | {replay(measured_rows, rules)} | "
+        f"{replay(logged_rows, dataclasses.replace(rules, after_step=0))} | "
         f"{diverged} | {lead} | {'-' if twin is None else behind} | "
         f"{'-' if twin is None else behind_lead} | {alerts} | {min(run.losses):.2f} / {final:.2f} | "
         f"{run.seconds:.0f} |"
@@ -327,21 +343,26 @@ def main(argv: list[str] | None = None) -> None:
     rules = AlertRules()
     print(
         f"{args.steps} steps, batch {args.batch} x {args.block} bytes, AdamW constant lr "
-        f"(warmup {args.warmup} steps, no weight decay), snapshots every {args.every}; AlertRules() defaults "
+        f"(warmup {args.warmup} steps, no weight decay), snapshots every {args.every}; "
+        "AlertRules() defaults "
         f"(logit_growth {rules.logit_growth:g}x within {rules.window} steps, from step "
         f"{rules.after_step}); divergence: loss > {args.diverge_factor:g}x its lowest so far "
         f"after step {args.settle}, or not finite; behind: mean loss of the last 20 steps "
         f"> the QK-norm run's + {args.gap:g}"
     )
-    print(
-        "| shape | lr | seed | run | measured max |logit| / qk_spectral_norm / bound at step "
-        "| the same at the end | max measured per unit norms / qk_logit_bound | first "
-        "logit_growth | rule on measured logits | loss diverges | lead time | alerts | "
-        "min / final loss | s |"
-    )
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
-    for name, lr, shape, seed, run in runs:
-        print(summary_row(name, lr, shape, seed, run, args))
+    columns = [
+        "shape", "lr", "seed", "run",
+        "measured max \\|logit\\| / qk_spectral_norm / bound, at step",
+        "the same at the end", "max measured per unit norms / qk_logit_bound",
+        "first logit_growth", "the rule read on the measured max \\|logit\\|",
+        "the rule from step 0", "loss diverges", "lead time", "loss behind the QK-norm run",
+        "lead time", "alerts", "min / final loss", "s",
+    ]  # fmt: skip
+    print("| " + " | ".join(columns) + " |")
+    print("|" + "---|" * len(columns))
+    for i, (name, lr, shape, seed, run) in enumerate(runs):
+        twin = runs[i + 1][4] if name == "no QK-norm" else None
+        print(summary_row(name, lr, shape, seed, run, twin, args))
     for name, _, _, _, run in runs[:2]:
         trace(name, run, args.trace_every)
 

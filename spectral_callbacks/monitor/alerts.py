@@ -11,10 +11,12 @@ Each snapshot's metrics (target name -> metric -> value, as the engine hands the
   ``esd_alpha_low`` (WeightWatcher's "over-trained" label is 2) or above ``esd_alpha_high``
   ("under-trained": 6); off unless set;
 * ``non_finite`` - its weights hold a NaN or Inf (its norms are not finite);
-* ``logit_growth`` - with ``circuits`` on, an attention layer's bound on its attention logits (the
-  max over its heads of ``qk_spectral_norm``) grew by more than the factor ``logit_growth`` over
-  its lowest value in the last ``window`` steps: the weight-only warning of attention-logit growth,
-  the instability behind many loss spikes (Dehghani et al. 2023; Wortsman et al. 2023).
+* ``logit_growth`` - with ``circuits`` on, an attention layer's weight-only value of its attention
+  logits (the max over its heads of ``qk_spectral_norm``; with QK-norm, of ``qk_norm_logit_bound``,
+  the bound the norms' gains put on the logits, since the projections' ``qk_spectral_norm`` is
+  normalized away there) grew by more than the factor ``logit_growth`` over its lowest value in the
+  last ``window`` steps: the weight-only warning of attention-logit growth, the instability behind
+  many loss spikes (Dehghani et al. 2023; Wortsman et al. 2023).
 
 The rules that compare over a window (against snapshots from ``after_step`` on only), and the ESD
 bands, are read only from ``after_step`` on: the
@@ -80,8 +82,9 @@ class AlertRules:
             for one matrix. Default ``50``.
         after_step: the first step whose snapshot the window and ESD rules read (``non_finite`` is
             read from the start). Default ``100``.
-        logit_growth: ``logit_growth`` when a layer's max-over-heads ``qk_spectral_norm`` exceeds
-            this factor times its lowest value within the window. Default ``3.0`` (the healthy
+        logit_growth: ``logit_growth`` when a layer's max-over-heads ``qk_spectral_norm`` (with
+            QK-norm: ``qk_norm_logit_bound``) exceeds this factor times its lowest value within
+            the window. Default ``3.0`` (the healthy
             runs of benchmarks/logit_bound_validation.py grew at most 2.06x within 50 steps from
             step 100, the 30x lr spike 19x: docs/callback.md, Attention heads).
 
@@ -259,7 +262,10 @@ class AlertWatch:
         bound: dict[str, tuple[Any, float]] = {}  # layer -> (a head target, max over heads)
         for name, row in values.items():
             target = self.targets.get(name)
-            value = row.get("qk_spectral_norm", math.nan)
+            # Behind QK-norm the logits do not follow the projections (their qk_spectral_norm grew
+            # 2x on QK-norm runs whose measured logits stayed flat: benchmarks/
+            # logit_growth_lead_time.py); the norms' gains bound them.
+            value = row.get("qk_norm_logit_bound", row.get("qk_spectral_norm", math.nan))
             if target is None or not math.isfinite(value):
                 continue
             layer = target.attention_layer or name

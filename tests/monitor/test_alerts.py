@@ -245,6 +245,26 @@ def test_logit_growth_reads_a_layers_max_over_heads_once_per_window() -> None:
     ] == ["logit_growth"]
 
 
+def test_logit_growth_reads_the_qk_norm_bound_where_a_layer_has_qk_norm() -> None:
+    """Behind QK-norm the projections' ``qk_spectral_norm`` does not bound the logits: a layer
+    that logs ``qk_norm_logit_bound`` is read on it, whatever its ``qk_spectral_norm`` does."""
+    heads = [
+        MatrixLabel(f"h.0.attn[head {h}]", 0, "heads", head=h, attention_layer="h.0.attn")
+        for h in range(2)
+    ]
+    watch = AlertWatch(heads, AlertRules(after_step=0, window=100, logit_growth=3.0))
+
+    def snapshot(step: int, projections: float, bound: float) -> list[Alert]:
+        row = {"qk_spectral_norm": projections, "qk_norm_logit_bound": bound}
+        return watch.check(step, {head.name: row for head in heads})
+
+    assert snapshot(10, 1.0, 8.0) == []
+    assert snapshot(20, 50.0, 9.0) == []  # the projections grew 50x, the bound 1.125x
+    [alert] = snapshot(30, 60.0, 25.0)  # the bound grew 3.125x
+    assert (alert.kind, alert.matrix, alert.since_step) == ("logit_growth", "h.0.attn", 10)
+    assert alert.value == pytest.approx(25.0 / 8.0)
+
+
 def test_logit_growth_must_be_a_factor_above_one() -> None:
     with pytest.raises(ConfigurationError, match=r"`logit_growth` must be a factor > 1"):
         MonitorOptions(alerts=AlertRules(logit_growth=1.0))
