@@ -671,14 +671,13 @@ BUILTIN_RULES: tuple[tuple[str, Rule], ...] = (
     # Hand-written MLPs as a list: nn.Sequential(Linear, act, Dropout, Linear) (Karpathy's
     # ffwd.net, many ViTs), diffusers' ff.net = [GELU/GEGLU with its proj, Dropout, Linear],
     # lucidrains' FeedForward.net (a class named for an MLP: the shapes must be an MLP's too).
+    # (fnmatch's `*` spans dots: `ff.[0-9]*.weight` also matches ff.0.0 and ff.0.proj.)
     *(
-        (f"{mlp}.{net}[0-9]*.{proj}weight", _sequential_mlp)
+        (f"{mlp}.{net}[0-9]*.weight", _sequential_mlp)
         for mlp in ("mlp", "ffn", "ff", "ffwd", "feed_forward")
         for net in ("", "net.")
-        for proj in ("", "proj.")
     ),
     ("net.[0-9]*.weight", _named_mlp_net),
-    ("net.[0-9]*.proj.weight", _named_mlp_net),
     # Hugging Face DistilBERT.
     ("attention.q_lin.weight", "Q"),
     ("attention.k_lin.weight", "K"),
