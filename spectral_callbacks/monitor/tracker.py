@@ -208,7 +208,10 @@ class SpectralTracker:
         self.targets: list[Any] = []
         self._engine: Engine | None = None
         self._closed = False
-        self._watch_plan = WatchPlan(model, options, caller, self._start_watching)
+        # The first snapshot's step while the heads wait for the first forward's logit scales
+        # (WatchPlan.scales_pending): taken when the plan releases it.
+        self._held_step: int | None = None
+        self._watch_plan = WatchPlan(model, options, caller, self._start_watching, self._offer_held)
         self._watch_plan.start(forward_compiled)
 
     def _watch(
@@ -422,7 +425,10 @@ class SpectralTracker:
                     "an earlier run, resume with its saved state",
                     category=RuntimeWarning,
                 )
-            self._offer(step)
+            if self._watch_plan.scales_pending:  # the heads' scales come with the first forward
+                self._held_step = step
+            else:
+                self._offer(step)
 
     @_as_caller
     def step(self, step: int) -> None:
@@ -437,6 +443,9 @@ class SpectralTracker:
         self._watch_plan.raise_kept_error()
         if self._waiting is not None:
             self._watch_plan.names_now(step)
+        # No forward was recorded before this step (none ran: the weights are still the first
+        # snapshot's): the declared scales stand and the held snapshot goes now.
+        self._watch_plan.settle_scales()
         if step < self._previous_step:  # checked before any work, so the run can go on
             raise ConfigurationError(
                 f"`step` must not go back: got {step} after {self._previous_step}; pass each "
@@ -500,6 +509,8 @@ class SpectralTracker:
         Idempotent; also called by ``with SpectralTracker(...)`` on exit.
         """
         self._watch_plan.cancel()  # a forward that comes later has nothing to tell
+        if error is None:  # a first snapshot held for the first forward, which never came
+            self._watch_plan.settle_scales()
         if self._waiting is not None:  # no forward ran: nothing was watched
             self._closed = True
             if error is None:
@@ -618,6 +629,12 @@ class SpectralTracker:
         except BaseException:
             self._waiting = waiting
             raise
+
+    def _offer_held(self) -> None:
+        """The first snapshot the heads' logit scales held (see ``begin``), taken now."""
+        step, self._held_step = self._held_step, None
+        if step is not None and self._engine is not None and not self._closed:
+            self._offer(step)
 
     def _make_balancer(
         self, model: torch.nn.Module, optimizer: Any, world_size: int

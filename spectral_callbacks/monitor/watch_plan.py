@@ -7,6 +7,13 @@ processes the ranks agree on it or fail together; ``delta=``'s references and ``
 are added last. The tracker gets the final targets by one call of ``hand`` and builds everything
 else from them.
 
+The heads' logit scales come from the recorded forward where it shows them
+(``targets/forward_scale.py``). Where the names decide before the first forward ("auto"), the
+heads are handed over with their modules' declared scales and the forward's are set when it is
+read; until then the tracker holds its first snapshot (:attr:`WatchPlan.scales_pending`), and
+``release`` lets it go (the weights are still the initial ones: the first forward comes before the
+first update).
+
 Its safety rules live here together: a callback of the first forward runs inside the user's
 forward, so nothing it raises is raised there (it is kept and raised by the tracker's next call,
 :meth:`WatchPlan.raise_kept_error`); the recording itself keeps no activation and stays inert while
@@ -82,15 +89,27 @@ class WatchPlan:
         hand: called with the final targets (see :data:`Hand`) once it returns; what it raises
             propagates (from :meth:`start` and :meth:`names_now`, or kept by the forward's
             callbacks like their own errors), and the names may then hand them again.
+        release: called once the heads' logit scales are settled where the tracker held its
+            first snapshot for them (:attr:`scales_pending`); default none.
     """
 
     def __init__(
-        self, model: torch.nn.Module, options: MonitorOptions, caller: str, hand: Hand
+        self,
+        model: torch.nn.Module,
+        options: MonitorOptions,
+        caller: str,
+        hand: Hand,
+        release: Callable[[], None] | None = None,
     ) -> None:
         self.model = model
         self.options = options
         self.caller = caller
         self._hand: Hand | None = hand
+        self._release = release
+        #: The heads handed over wait for the first forward's logit scales (the tracker holds
+        #: its first snapshot until :meth:`settle_scales` or the forward sets them).
+        self.scales_pending = False
+        self._heads: list[Target] = []
         self.first_forward: FirstForward | None = None
         # An error of the first forward's reading, kept to be raised by the tracker's next call
         # (step, forward_ends, close): nothing of ours is raised inside the user's forward.
@@ -115,7 +134,7 @@ class WatchPlan:
         if follow == "auto":  # the names first: the fast path, which the forward must confirm
             found = self._names_if_decided()
             if found is not None:
-                self._hand_over(found)
+                self._hand_over(found, scales_later=True)
                 confirm = functools.partial(self._in_forward, self._confirm, found)
                 names_stand = functools.partial(self._in_forward, self._names_stand)
                 self.first_forward = FirstForward(model, confirm, names_stand)
@@ -149,6 +168,19 @@ class WatchPlan:
         if self.first_forward is not None:
             self.first_forward.cancel()
 
+    def settle_scales(self, scales: Mapping[str, Any] | None = None) -> None:
+        """The heads' logit scales are final: the forward's (``FlowMap.logit_scales``) where
+        given, else their modules' declarations; the held first snapshot is released. A no-op
+        once settled."""
+        if not self.scales_pending:
+            return
+        from spectral_callbacks.targets.circuits import settle_scales
+
+        self.scales_pending = False
+        settle_scales(self._heads, scales or {})  # type: ignore[arg-type]
+        if self._release is not None:
+            self._release()
+
     def raise_kept_error(self) -> None:
         """Raise the first forward's error, if its reading failed (once)."""
         error, self._raise_later = self._raise_later, None
@@ -168,14 +200,23 @@ class WatchPlan:
 
     # --- the decision --------------------------------------------------------------------------
 
-    def _hand_over(self, targets: TargetList, begin: bool = True) -> None:
+    def _hand_over(
+        self,
+        targets: TargetList,
+        begin: bool = True,
+        scales: Mapping[str, Any] | None = None,
+        scales_later: bool = False,
+    ) -> None:
         """The final targets: those decided, with ``delta=``'s references and ``circuits=``'s
-        heads, handed to the tracker."""
+        heads (their logit scales the forward's ``scales``, or set later: ``scales_later``),
+        handed to the tracker."""
         final: list[Target] = targets
         if self.options.delta is not None:
             final = self._with_references(final)
         if self.options.circuits is not False:
-            final = final + self._find_circuits(final, targets.heads_read)
+            self._heads = self._find_circuits(final, targets.heads_read, scales, scales_later)
+            self.scales_pending = scales_later and bool(self._heads)
+            final = final + self._heads
         assert self._hand is not None, "the targets are handed over once"
         self._hand(final, begin)
         self._hand = None  # handed over: the plan holds no reference to the tracker any more
@@ -222,7 +263,8 @@ class WatchPlan:
             read, problem = self._find_targets(flow), None
         except ConfigurationError as error:
             read, problem = None, error
-        self._hand_over(self._agreed(read, problem))
+        agreed = self._agreed(read, problem)
+        self._hand_over(agreed, scales=flow.logit_scales if problem is None else None)
 
     def _on_forward_unread(self, why: str) -> None:
         """The first forward's roles could not be read (its recording failed, or it ran
@@ -239,6 +281,7 @@ class WatchPlan:
 
     def _names_stand(self, why: str) -> None:
         """``"auto"``: the first forward, which was to confirm the names, could not be read."""
+        self.settle_scales()
         if why == COMPILED:
             rank_zero_info(f"{self.caller}: the names are not checked by the forward: {why}")
         else:
@@ -254,6 +297,7 @@ class WatchPlan:
         a reading that failed otherwise (the names decide)."""
         from spectral_callbacks.targets.errors import PartialTargetWarning
 
+        self.settle_scales(flow.logit_scales)  # first: the held first snapshot goes now
         with warnings.catch_warnings():  # what the names said is said; only the differences count
             warnings.simplefilter("ignore")
             try:
@@ -360,15 +404,25 @@ class WatchPlan:
         return self.options.circuits if isinstance(self.options.circuits, Mapping) else None
 
     def _find_circuits(
-        self, targets: list[Target], read: Mapping[tuple[str, str], int]
+        self,
+        targets: list[Target],
+        read: Mapping[tuple[str, str], int],
+        scales: Mapping[str, Any] | None,
+        scales_later: bool,
     ) -> list[Target]:
         """The heads of every attention layer among ``targets`` (``circuits=``); ``read``: the
-        head counts a forward showed (``TargetList.heads_read``)."""
+        head counts a forward showed (``TargetList.heads_read``); ``scales``: the logit scales it
+        showed (or ``scales_later``: set when it is read)."""
         from spectral_callbacks.targets.circuits import find_circuits
         from spectral_callbacks.targets.errors import TargetError
 
         try:
-            return list(find_circuits(self.model, targets, self._circuit_heads(), read))
+            return list(
+                find_circuits(
+                    self.model, targets, self._circuit_heads(), read, scales,
+                    scales_later=scales_later,
+                )
+            )  # fmt: skip
         except TargetError as error:
             raise ConfigurationError(f"{self.caller}: {error}") from error
 

@@ -73,10 +73,12 @@ from spectral_callbacks.functional.circuits import circuit_metrics, qk_norm_logi
 from spectral_callbacks.messages import rank_zero_warn
 from spectral_callbacks.names import HEADS_ROLE
 from spectral_callbacks.targets.errors import PartialTargetWarning, TargetError
+from spectral_callbacks.targets.forward_scale import ForwardScale, attention_name
 from spectral_callbacks.targets.matching import matches
 from spectral_callbacks.targets.qk_logits import (
     SCALE_ATTRIBUTES,
     BiasRows,
+    LogitScale,
     NormGain,
     bias_of,
     norm_gains,
@@ -89,7 +91,14 @@ from spectral_callbacks.targets.target import Target
 if TYPE_CHECKING:
     from typing_extensions import Self
 
-__all__ = ["AttentionLayout", "CircuitBatch", "HeadCircuit", "find_circuits", "heads_unread"]
+__all__ = [
+    "AttentionLayout",
+    "CircuitBatch",
+    "HeadCircuit",
+    "find_circuits",
+    "heads_unread",
+    "settle_scales",
+]
 
 #: Roles that are not a plain Q/K/V/O: a layer holding one has a layout the circuits do not read.
 _REFUSED_ROLES = {"KV": "tied K/V (GTA)", "Q_A": "TPA factors", "K_A": "TPA factors"}
@@ -108,13 +117,16 @@ class AttentionLayout:
         num_kv_heads: ``G`` K/V heads.
         query_rows: rows of each query head that meet the key (``d_h``; fewer than the head's
             rows where its last ones are rotary).
-        scale: the logit scale the attention module declares (``qk_logits.read_scale``);
-            ``None`` where it declares none.
+        logit_scale: the logit scale the attention applies: its recorded forward's where read
+            (``forward_scale.py``), else its module's declaration (``qk_logits.read_scale``);
+            ``scale`` is its value, ``None`` where neither shows one.
         name: the attention module's name (``transformer.h.0.attn``).
         rotary: RoPE rotates its queries and keys.
         query_bias, key_bias: the projections' biases (rows as the targets'), or ``None``.
         norms: the query and key norms' gains under QK-norm, or ``None``.
-        no_bound: why ``qk_logit_bound`` does not hold for this layer (``""``: it holds).
+        no_bound: why ``qk_logit_bound`` does not hold for this layer whatever its scale
+            (``""``: it holds where the scale is read).
+        unread_norm: why the gains of its QK-norm are not read (``""``: read, or no QK-norm).
     """
 
     query: tuple[Any, ...]
@@ -124,13 +136,19 @@ class AttentionLayout:
     num_heads: int
     num_kv_heads: int
     query_rows: int
-    scale: float | None
+    logit_scale: LogitScale
     name: str
     rotary: bool = False
     query_bias: BiasRows | None = None
     key_bias: BiasRows | None = None
     norms: tuple[NormGain, NormGain] | None = None
     no_bound: str = ""
+    unread_norm: str = ""
+
+    @property
+    def scale(self) -> float | None:
+        """The logit scale its QK values are multiplied by (``None``: not read)."""
+        return self.logit_scale.value
 
     def parts(self) -> tuple[Any, ...]:
         """Every target this layout copies, each once."""
@@ -142,9 +160,11 @@ class AttentionLayout:
         return (self.query_bias, self.key_bias, *norms)
 
     def kind(self) -> str:
-        """What the layers of one batch share beyond shapes: which vectors, RoPE, a bound."""
+        """What the layers of one batch share beyond shapes: which vectors, RoPE, a bound, a
+        declared scale (the declaration: a key that the forward's scale, read later, leaves as
+        it is)."""
         present = "".join("1" if part is not None else "0" for part in self.small_parts())
-        scaled = "s" if self.scale is not None else "u"
+        scaled = "s" if self.logit_scale.declared is not None else "u"
         return f"{present}{'r' if self.rotary else ''}{scaled}{'b' if not self.no_bound else ''}"
 
     def copy_bytes(self) -> int:
@@ -240,6 +260,7 @@ class HeadCircuit(Target):
                 for i, part in enumerate(first.small_parts())
             )  # (L, rows) biases, (L, 2, width) norms' gain and shift
         scales = torch.tensor([math.nan if lay.scale is None else lay.scale for lay in layouts])
+        # (L,) copied with the snapshot: a scale the first forward reads later is the next one's
         index = [(layers[id(t.layout)], int(t.head or 0)) for t in targets]  # head: always set
         return CircuitBatch(first, tuple(copies.values()), tuple(index), small, scales)
 
@@ -327,7 +348,7 @@ class CircuitBatch(MeasuredBatch):
         # metric -> (L, H), the logit scale applied per layer below
         assert self.scales is not None
         scales = self.scales.to(self.device, torch.float64)[:, None]  # (L, 1)
-        if layout.scale is None:  # not read: nothing is scaled, nothing is a bound
+        if bool(scales.isnan().any()):  # a layer's scale not read: nothing scaled, no bound
             del metrics["qk_spectral_norm"], metrics["qk_logit_bound"]
         else:
             metrics["qk_spectral_norm"] = metrics["qk_spectral_norm"] * scales
@@ -375,6 +396,9 @@ def find_circuits(
     targets: Sequence[Any],
     heads: Heads | None = None,
     read: Mapping[tuple[str, str], int] | None = None,
+    scales: Mapping[str, ForwardScale | None] | None = None,
+    *,
+    scales_later: bool = False,
 ) -> list[HeadCircuit]:
     """One ``HeadCircuit`` per query head of every attention layer among ``targets``.
 
@@ -386,11 +410,19 @@ def find_circuits(
             name); default ``None``.
         read: the heads a forward showed, ``TargetList.heads_read`` (``(parameter name, role)``
             of Q/K/V -> heads): used where the modules carry no count; default ``None``.
+        scales: the logit scale each attention module's recorded forward applies
+            (``FlowMap.logit_scales``); default ``None`` (no forward recorded: the modules'
+            declarations).
+        scales_later: the forward's scales come later (a run whose names decided before its
+            first forward): :func:`settle_scales` is called then, and says what it finds;
+            default ``False``.
 
     Returns:
         The heads in (stack, layer, head) order; layers that cannot be read are left out with one
-        ``PartialTargetWarning`` naming each and why, and layers whose logit scale is not read
-        are named in one more (their QK values are not scaled, nor called a bound).
+        ``PartialTargetWarning`` naming each and why; layers whose QK-norm gains are not read are
+        named in one more (no ``qk_norm_logit_bound``), and :func:`settle_scales` names those
+        whose logit scale is not read (their QK values are not scaled, nor called a bound) and
+        those whose forward applies another scale than they declare (the forward's is used).
 
     Raises:
         TargetError: ``heads`` is not a mapping of patterns to positive ints, a pattern of it
@@ -413,7 +445,7 @@ def find_circuits(
         by_layer[(target.stack, target.layer, suffix)][role.removesuffix(suffix)] = target
     found: list[HeadCircuit] = []
     refused: list[str] = []
-    unscaled: list[str] = []
+    unread_norms: list[str] = []
     attention_names: list[str] = []
     for (stack, layer, suffix), roles in by_layer.items():
         if "O" not in roles:
@@ -425,8 +457,8 @@ def find_circuits(
         except _Refused as refusal:
             refused.append(f"{where}layer {layer} ({_attention_name(roles)}): {refusal}")
             continue
-        if layout.scale is None:
-            unscaled.append(f"{where}layer {layer} ({layout.name})")
+        if layout.unread_norm:
+            unread_norms.append(f"{where}layer {layer} ({layout.name}): {layout.unread_norm}")
         first = roles["O"]
         found += [
             HeadCircuit.of_head(
@@ -457,15 +489,12 @@ def find_circuits(
             + ". Where a head count is missing, give it with circuits={pattern: num_heads}.",
             category=PartialTargetWarning,
         )
-    if unscaled:
+    if unread_norms:
         rank_zero_warn(
-            "the logit scale of "
-            + ", ".join(unscaled[:6])
-            + (" ..." if len(unscaled) > 6 else "")
-            + " is not declared on its module (none of `"
-            + "`, `".join(SCALE_ATTRIBUTES)
-            + "`): qk_spectral_norm and qk_logit_bound are not logged for it. Set the attention "
-            "module's `scaling` to the scale its softmax applies.",
+            "the QK-norm gains of "
+            + "; ".join(unread_norms[:6])
+            + (" ..." if len(unread_norms) > 6 else "")
+            + ": qk_norm_logit_bound is not logged for it (nor qk_logit_bound: QK-norm).",
             category=PartialTargetWarning,
         )
     if not found and by_layer:
@@ -473,7 +502,49 @@ def find_circuits(
             "circuits: no attention layer could be read"
             + (f" ({refused[0]})" if refused else " (no layer has an O target)")
         )
+    if not scales_later:
+        settle_scales(found, scales or {})
     return found
+
+
+def settle_scales(heads: Sequence[HeadCircuit], scales: Mapping[str, ForwardScale | None]) -> None:
+    """Give each layer of ``heads`` the logit scale its recorded forward applies (``scales``,
+    by attention module; ``{}``: no forward read), before their first snapshot copies it; one
+    ``PartialTargetWarning`` names the layers whose forward applies another scale than their
+    module declares (the forward's is used), one more those with no scale at all."""
+    layouts = list({id(h.layout): (h, h.layout) for h in heads}.values())
+    contradicted: list[str] = []
+    unscaled: list[str] = []
+    for head, layout in layouts:
+        applied = scales.get(layout.name)
+        if applied is not None:
+            layout.logit_scale.applied = applied
+            said = layout.logit_scale.contradiction()
+            if said:
+                contradicted.append(f"{layout.name} {said}")
+        if layout.scale is None:
+            where = f"{head.stack} " if head.stack else ""
+            unscaled.append(f"{where}layer {head.layer} ({layout.name})")
+    if contradicted:
+        rank_zero_warn(
+            "the logit scale the forward applies is not the one the module declares: "
+            + "; ".join(contradicted[:6])
+            + (" ..." if len(contradicted) > 6 else "")
+            + ". The QK values are scaled by what the forward applies.",
+            category=PartialTargetWarning,
+        )
+    if unscaled:
+        rank_zero_warn(
+            "the logit scale of "
+            + ", ".join(unscaled[:6])
+            + (" ..." if len(unscaled) > 6 else "")
+            + " is not declared on its module (none of `"
+            + "`, `".join(SCALE_ATTRIBUTES)
+            + "`) nor shown by a recorded forward (an SDPA/flex `scale=`, a number multiplying "
+            "the logits): qk_spectral_norm and qk_logit_bound are not logged for it. Set the attention "
+            "module's `scaling` to the scale its softmax applies.",
+            category=PartialTargetWarning,
+        )
 
 
 class _Refused(Exception):
@@ -481,18 +552,13 @@ class _Refused(Exception):
 
 
 def _attention_name(roles: Mapping[str, Any]) -> str:
-    """The attention module's name: the common dotted prefix of its query's and output's modules
-    (``transformer.h.0.attn`` of ``attn.c_attn`` and ``attn.c_proj``)."""
+    """The attention module's name (``forward_scale.attention_name``: the common dotted prefix
+    of its query's and output's modules, ``transformer.h.0.attn`` of ``attn.c_attn`` and
+    ``attn.c_proj``), as the recorded forward names it too."""
     query = roles.get("Q", roles.get("Q_up"))
     if query is None:  # no query target: the output projection's owner
-        return roles["O"].parameter_name.rpartition(".")[0].rpartition(".")[0]
-    names = [t.parameter_name.rpartition(".")[0].split(".") for t in (query, roles["O"])]
-    common: list[str] = []
-    for first, second in zip(*names, strict=False):
-        if first != second:
-            break
-        common.append(first)
-    return ".".join(common)
+        return attention_name(roles["O"].parameter_name, None)
+    return attention_name(query.parameter_name, roles["O"].parameter_name)
 
 
 def _lookup(modules: Mapping[str, nn.Module], name: str, attributes: tuple[str, ...]) -> int | None:
@@ -577,7 +643,9 @@ def _layout(
     if v_rows % kv_heads or o_columns // num_heads != v_rows // kv_heads:
         raise _Refused(f"{v_rows} value rows do not fit {kv_heads} K/V heads and O's columns")
     return _with_logits(
-        AttentionLayout(query, key, value, roles["O"], num_heads, kv_heads, k_head, None, name),
+        AttentionLayout(
+            query, key, value, roles["O"], num_heads, kv_heads, k_head, LogitScale(None), name
+        ),
         modules,
     )
 
@@ -621,25 +689,24 @@ def _with_logits(layout: AttentionLayout, modules: Mapping[str, nn.Module]) -> A
     if module is None:
         return dataclasses.replace(layout, no_bound="its attention module is not found")
     per_head = layout.query[0].shape[0] // layout.num_heads
-    scale, _ = read_scale(module, per_head)
+    scale, declared_as = read_scale(module, per_head)
     norms = norm_gains(module)
     factored = len(layout.query) > 1 or len(layout.key) > 1 or layout.query_rows != per_head
     biases: tuple[BiasRows | None, ...] = (None, None)
     if not factored:
         biases = tuple(bias_of(part[0], dict(modules)) for part in (layout.query, layout.key))
     no_bound = ""
-    if scale is None:
-        no_bound = "its logit scale is not read"
-    elif norms is not None:
+    if norms is not None:
         no_bound = "QK-norm: the logit does not grow with the inputs' norms"
     elif factored:
         no_bound = "factored Q/K: normalizations and rotary channels sit between the factors"
     return dataclasses.replace(
         layout,
-        scale=scale,
+        logit_scale=LogitScale(scale, declared_as),
         rotary=read_rotary(module),
         query_bias=biases[0],
         key_bias=biases[1],
         norms=norms if isinstance(norms, tuple) else None,
         no_bound=no_bound,
+        unread_norm=norms if isinstance(norms, str) else "",
     )

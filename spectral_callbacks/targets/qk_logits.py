@@ -42,9 +42,10 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from spectral_callbacks.targets.forward_scale import ForwardScale
 from spectral_callbacks.targets.target import Target
 
-__all__ = ["NormGain", "bias_of", "norm_gains", "read_rotary", "read_scale"]
+__all__ = ["LogitScale", "NormGain", "bias_of", "norm_gains", "read_rotary", "read_scale"]
 
 #: Attributes an attention module declares its logit scale under, in the order they are read.
 SCALE_ATTRIBUTES = ("scaling", "softmax_scale", "scale", "attention_multiplier")
@@ -83,6 +84,43 @@ def read_scale(module: nn.Module, head_rows: int) -> tuple[float | None, str]:
     if multiplier is not None:
         return multiplier, "config.attention_multiplier"
     return None, ""
+
+
+@dataclass(eq=False)
+class LogitScale:
+    """One attention layer's logit scale: what its module declares (``read_scale``) and what its
+    recorded forward applies (``forward_scale.scale_of_call``), which wins where it is read.
+
+    Mutable: a run whose targets come from the names reads the forward's scale at its first
+    forward, after the layers are found and before their first snapshot copies the scale.
+    """
+
+    declared: float | None
+    declared_as: str = ""
+    applied: ForwardScale | None = None
+
+    @property
+    def value(self) -> float | None:
+        """The scale the QK values are multiplied by (``None``: not read)."""
+        return self.applied.value if self.applied is not None else self.declared
+
+    @property
+    def source(self) -> str:
+        """Where ``value`` was read (``"forward: ..."`` or the module's attribute)."""
+        if self.applied is not None:
+            return f"forward: {self.applied.source}"
+        return self.declared_as
+
+    def contradiction(self) -> str:
+        """``""``, or what the forward applies where the module declares another scale."""
+        declared, applied = self.declared, self.applied
+        if (
+            declared is None
+            or applied is None
+            or math.isclose(declared, applied.value, rel_tol=1e-6)
+        ):
+            return ""
+        return f"declares {declared:.6g} ({self.declared_as}), its forward applies {applied.value:.6g} ({applied.source})"
 
 
 def read_rotary(module: nn.Module) -> bool:

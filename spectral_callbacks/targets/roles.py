@@ -53,6 +53,7 @@ from spectral_callbacks.targets.dataflow import (
     Value,
     record,
 )
+from spectral_callbacks.targets.forward_scale import ForwardScale, attention_name, scale_of_call
 from spectral_callbacks.targets.provenance import at_two_tokens, heads_of, replay
 
 __all__ = ["CallRead", "FlowMap", "FlowRole", "discover_roles", "roles_from_recording"]
@@ -130,6 +131,15 @@ class FlowMap:
     unfollowed: list[str] = field(default_factory=list)  # one line per call not followed
     calls: list[CallRead] = field(default_factory=list)  # each call followed, in forward order
     shared: list[str] = field(default_factory=list)  # one line per layer run several times
+    #: attention module -> the logit scale its call applies (``forward_scale.py``); ``None``
+    #: where the forward does not show it, or its calls apply different ones.
+    logit_scales: dict[str, ForwardScale | None] = field(default_factory=dict)
+
+    def add_scale(self, attention: str, scale: ForwardScale | None) -> None:
+        """What one call of ``attention`` applies (a module called twice must agree)."""
+        if attention in self.logit_scales and self.logit_scales[attention] != scale:
+            scale = None
+        self.logit_scales[attention] = scale
 
     def of_parameter(self) -> dict[str, list[FlowRole]]:
         """The roles of each parameter, by name."""
@@ -237,6 +247,10 @@ def roles_from_recording(recording: Recording) -> FlowMap:
         reuses = first_of.setdefault(weights, call.op.index)
         heads = {role: len(rows) if rows is not None else 1 for role, _, rows in roles}
         read[call.op.index] = _Read(number, call.kind, cross, heads["Q"], heads["K"], reuses)
+        if call.operands:  # the scale it applies, by attention module (a shared one must agree)
+            parameter = None if output is None else output.parameter
+            name = attention_name(roles[0][1].parameter, parameter)
+            flow.add_scale(name, scale_of_call(call, call.operands["Q"][0], call.operands["K"][0]))
         if reuses != call.op.index:
             continue  # a shared layer run again: its roles are the first call's
         suffix = "_cross" if cross else ""
