@@ -50,6 +50,7 @@ from spectral_callbacks.monitor.engines.engine import SnapshotResult
 from spectral_callbacks.monitor.engines.placement import Placement, machine_placement
 from spectral_callbacks.monitor.engines.protocol import Engine, make_engine
 from spectral_callbacks.monitor.interrupts import ctrl_c_after
+from spectral_callbacks.monitor.max_logits import MAX_LOGIT, MaxLogits
 from spectral_callbacks.monitor.options import (
     DEFAULT_FIGURE_ROLES,
     DEFAULT_METRICS,
@@ -70,6 +71,7 @@ from spectral_callbacks.names import (
     METRIC_PREFIX,
     TARGET_MAP_TAG,
     format_target_map,
+    is_heads_role,
 )
 from spectral_callbacks.targets.target import Target
 
@@ -211,6 +213,7 @@ class SpectralTracker:
         # The first snapshot's step while the heads wait for the first forward's logit scales
         # (WatchPlan.scales_pending): taken when the plan releases it.
         self._held_step: int | None = None
+        self._max_logits = MaxLogits([])
         self._watch_plan = WatchPlan(model, options, caller, self._start_watching, self._offer_held)
         self._watch_plan.start(forward_compiled)
 
@@ -334,7 +337,8 @@ class SpectralTracker:
         if self.metrics == DEFAULT_METRICS and any(target.has_update for target in self.targets):
             self.metrics += UPDATE_METRICS
         if options.circuits is not False:  # asked for by name: logged whatever `metrics` lists
-            self.metrics += tuple(name for name in CIRCUIT_METRICS if name not in self.metrics)
+            circuits = (*CIRCUIT_METRICS, MAX_LOGIT)  # max_logit: where observe_max_logits gives it
+            self.metrics += tuple(name for name in circuits if name not in self.metrics)
         if self._balancer is not None:  # the ESD family and the α the balancer reads
             read = (*ESD_METRICS, self._balancer.balance.alpha_metric)
             self.metrics += tuple(dict.fromkeys(name for name in read if name not in self.metrics))
@@ -350,6 +354,7 @@ class SpectralTracker:
             options.figure_roles, options.figure_every_n_steps, exit_timeout=options.drain_timeout
         )
         self._layout = dashboards.LayoutWriter(self.targets, self.metrics)
+        self._max_logits = MaxLogits([t for t in self.targets if is_heads_role(t.role)])
 
     def _init_run_state(self) -> None:
         """The run's state before :meth:`begin`: no engine yet, nothing skipped or flushed."""
@@ -662,8 +667,33 @@ class SpectralTracker:
             balancer.attach(optimizer)
         return balancer
 
+    def observe_max_logits(self, attention: torch.nn.Module | str, max_scores: Any) -> None:
+        """Log the per-head maximum logit an attention call handed out, beside its heads' QK
+        values (``monitor/max_logits.py``): call it in the attention's forward with what the call
+        returned, e.g. ``flex_attention(..., return_aux=AuxRequest(max_scores=True))``'s
+        ``aux.max_scores`` (``(B, H, L)``). No logit is computed here and nothing is synchronized:
+        the running maximum stays on its device until the next snapshot's values are logged.
+
+        Args:
+            attention: the attention module (or its name) whose heads ``circuits=`` watches.
+            max_scores: ``(..., H, L)`` per-query maximum logits, or flex's ``AuxOutput``.
+
+        Raises:
+            ValueError: ``attention`` is not a watched attention layer, or ``max_scores`` does
+                not have its number of heads.
+        """
+        if isinstance(attention, torch.nn.Module):
+            model = self._watch_plan.model
+            attention = next(
+                (n for n, m in model.named_modules() if m is attention), repr(attention)
+            )
+        if self._waiting is not None:
+            return  # the heads are not decided yet (the first forward decides them)
+        self._max_logits.observe(attention, max_scores)
+
     def _offer(self, step: int) -> None:
         assert self._engine is not None
+        self._max_logits.take(step)  # the maxima since the previous snapshot are this one's
         self.schedule.record_snapshot(step)
         self._engine.offer(step)
 
@@ -684,7 +714,10 @@ class SpectralTracker:
 
     def _log(self, result: SnapshotResult) -> None:
         assert self._engine is not None
-        scalars = self._reporter.scalars(result.step, result.metrics)
+        metrics = dict(result.metrics)
+        for name, row in self._max_logits.rows(result.step).items():  # measured, beside them
+            metrics[name] = {**metrics.get(name, {}), **row}
+        scalars = self._reporter.scalars(result.step, metrics)
         history = self._reporter.history
         if (
             result.step == self._retaken_step
