@@ -4,6 +4,8 @@ the path a matrix takes when its own raised a solver error (``exact_after_failur
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
@@ -42,15 +44,22 @@ def from_gram_eigenvalues(values: Tensor) -> Tensor:
 
 
 def gram_eigvalsh(
-    A: Tensor, width: int | None = None, dtype: torch.dtype = torch.float64
+    A: Tensor,
+    width: int | None = None,
+    dtype: torch.dtype = torch.float64,
+    exponent: int | None = None,
 ) -> tuple[Tensor, Tensor, Tensor | None]:
     """All singular values, descending, from ``eigvalsh`` of the smaller Gram matrix in ``dtype``.
 
     Returns ``(S, finite, V)``: a matrix with a NaN/Inf entry is zeroed in its Gram matrix (LAPACK
     would fail for the whole batch) and flagged, without a host read on an accelerator. Every
     entry of A is in some column norm on G's diagonal, so that is where a NaN/Inf shows (and, in
-    float32, an overflow of the squares). With ``width``, ``V`` is the top-``width`` right singular
-    subspace (``eigh``; about twice the time), else ``None``.
+    float32, an overflow of the squares). With ``exponent``, so is a Gram matrix whose largest
+    diagonal entry (a squared column norm) lies outside ``2^(+-exponent)`` and is not 0: a float32
+    Gram matrix that far from unit scale lost its small squares to underflow, and LAPACK's
+    eigensolvers failed to converge on such (MKL, AMD EPYC); the caller redoes it in float64.
+    With ``width``, ``V`` is the top-``width`` right singular subspace (``eigh``; about twice the
+    time), else ``None``.
 
     In float64 every singular value above ``sqrt(eps64) * sigma_1`` is exact to float32. A float32
     Gram matrix squares W's rounding: sigma_i then carries a relative error of about
@@ -60,7 +69,7 @@ def gram_eigvalsh(
     """
     m, n = A.shape[-2:]
     G = _gram(A, dtype)  # (..., min, min)
-    finite = torch.isfinite(G.diagonal(dim1=-2, dim2=-1)).all(-1)
+    finite = _usable(G, exponent)
     G = keep_finite(G, finite)
     if width is None:
         values = torch.linalg.eigvalsh(G)
@@ -71,6 +80,21 @@ def gram_eigvalsh(
     if n > m:  # left singular vectors: the right ones are A^T u_i / sigma_i
         top = orthonormal_columns(keep_finite(A.mT @ top.to(A.dtype), finite))
     return S, finite, top.to(A.dtype)
+
+
+def _usable(G: Tensor, exponent: int | None) -> Tensor:
+    """``(...)`` bool: the Gram matrices whose diagonal is finite and, with ``exponent``, whose
+    largest diagonal entry is 0 or within ``2^(+-exponent)``; on the CPU decided on the host
+    (one read of B numbers: fewer small kernels, a sizeable part of a small matrix's call)."""
+    largest = G.diagonal(dim1=-2, dim2=-1).amax(-1)  # (...,): NaN and Inf propagate
+    low, high = (0.0, math.inf) if exponent is None else (2.0**-exponent, 2.0**exponent)
+    if G.device.type == "cpu":
+        usable = [
+            math.isfinite(v) and (v == 0 or low <= v <= high) for v in largest.flatten().tolist()
+        ]
+        return torch.tensor(usable).view(largest.shape)
+    in_range = (largest >= low) & (largest <= high) if exponent is not None else True
+    return torch.isfinite(largest) & ((largest == 0) | in_range)
 
 
 def _gram(A: Tensor, dtype: torch.dtype) -> Tensor:

@@ -15,21 +15,32 @@ import torch
 
 # Relative cost of one flop in each kind of kernel, in units of a large float32 matmul, calibrated on
 # an x86 CPU (torch 2.13, MKL, 1-2 threads): a big square product (the Gram matrix) runs near peak,
-# skinny products and tall-skinny QR slower, eigvalsh memory bound (tridiagonal reduction). Float64
-# costs twice float32.
+# skinny products and tall-skinny QR slower. Float64 costs twice float32.
 _COST_GEMM = 1.0
 _COST_SKINNY = 2.3
 _COST_QR = 7.5
-_COST_EIGH = 14.0
+# eigvalsh of a d x d matrix (tridiagonal reduction, memory bound) costs about
+# _COST_EIGH d^3 + _COST_EIGH_SQUARE d^2: measured (1 thread, float32, thread CPU time against a
+# 2048^3 GEMM) 9.9 d^3 at d = 256, 8.9 at 512, 6.1 at 768, 4.7 at 2048; a 128 x 128 Gram path
+# about 0.5 ms. A cube alone priced a 512-side Gram path at twice its time, so the cold randomized
+# path was chosen where the exact one was faster (1536 x 512: 24 ms against 21).
+_COST_EIGH = 4.5
+_COST_EIGH_SQUARE = 1400.0
+# The stopping rule: an eigh of the Rayleigh quotient on the whole Krylov basis of s = (depth + 1) b
+# columns per test (eigh with vectors: ~19 s^3 for s = 200-360), tested at the expected depth; a
+# warm start (depth 1) passes there, a cold one usually needs one more test. Fitted with the flop
+# counts above on cold calls of 16 shapes from 256^2 to 2048^2 (flat and sigma_i = i^-0.5, one
+# thread: 37 s^3 for both tests; benchmarks/stateless_vs_exact.py prints the model's ratio beside
+# the measured one): without it the cold path was priced at about half its time.
+_COST_RAYLEIGH_RITZ = 18.5
 # On a CPU with AMX tiles: a skinny product on bfloat16 operands (float32 accumulation) runs at
 # about 3x the float32 rate, and rounding W to bfloat16 into fresh memory costs about as much as
 # 190 float32 GEMM flops per entry (35 ms for 48 x 768 x 768, page faults included).
 _COST_SKINNY_BF16 = 0.73
 _COST_ROUND = 190.0
-# The exact Gram path in float64, and in float32 (measured 0.52-0.78 of float64's time for batches
-# of 128 to 512 sides: the eigvalsh gains less than the product), against the units above.
+# The exact Gram path in float64 against float32 (the units above: measured 0.52-0.78 of float64's
+# time for batches of 128 to 512 sides).
 _COST_FLOAT64 = 2.0
-_COST_FLOAT32_GRAM = 1.2
 # Exact is preferred when the block would cover this much of the smaller side anyway.
 _EXACT_FRACTION = 0.5
 # What one call of the randomized path costs beyond the exact one whatever the batch (Python and
@@ -55,17 +66,35 @@ def choose_method(
     On an accelerator the float64 Gram path is never chosen: many GPUs run float64 at a small
     fraction of their float32 rate, and a float32 Gram matrix would square W's rounding.
     """
-    small, large = min(m, n), max(m, n)
+    small = min(m, n)
     if width >= _EXACT_FRACTION * small:
         return "svdvals" if dtype == torch.float64 or device_type != "cpu" else "gram"
     if device_type != "cpu":
         return "randomized"
     randomized = min(randomized_costs(m, n, width, n_iter, krylov=True, rounded=rounded).values())
-    # Exact Gram: product and eigvalsh in float64 for float64 input, else (on the CPU, where this
-    # is reached) in float32 with float64 only where that cannot read the top k.
-    precision = _COST_FLOAT64 if dtype == torch.float64 else _COST_FLOAT32_GRAM
-    gram_exact = precision * (2 * _COST_GEMM * small * small * large + _COST_EIGH * small**3)
-    return "randomized" if batch * randomized + _COST_CALL <= batch * gram_exact else "gram"
+    randomized += stopping_rule_cost(width, n_iter)
+    return (
+        "randomized"
+        if batch * randomized + _COST_CALL <= batch * exact_cost(m, n, dtype)
+        else "gram"
+    )
+
+
+def exact_cost(m: int, n: int, dtype: torch.dtype) -> float:
+    """Cost of the exact Gram path on one ``m x n`` matrix: the product and eigvalsh in float64
+    for float64 input, else (on the CPU, where this is reached) in float32 with float64 only
+    where that cannot read the top k."""
+    small, large = min(m, n), max(m, n)
+    precision = _COST_FLOAT64 if dtype == torch.float64 else 1.0
+    eigvalsh = _COST_EIGH * small**3 + _COST_EIGH_SQUARE * small**2
+    return precision * (2 * _COST_GEMM * small * small * large + eigvalsh)
+
+
+def stopping_rule_cost(width: int, n_iter: int) -> float:
+    """Cost of the stopping rule's Rayleigh-Ritz on the basis of an expected depth ``n_iter``
+    (``(n_iter + 1) width`` columns): a cold start's dominant term beside its products."""
+    tests = 1 if n_iter <= 1 else 2
+    return tests * _COST_RAYLEIGH_RITZ * ((n_iter + 1) * width) ** 3
 
 
 def randomized_costs(

@@ -250,7 +250,9 @@ def randomized_svd(
             exact Gram path by what this :class:`~spectral_callbacks.functional.calibration.
             MethodCalibration` measured for calls like this one (same shape, batch, dtype,
             device, cold or warm), timing both on the first such call (the flop count is then
-            only the prior). Default ``None``: the flop count alone (deterministic).
+            only the prior). A calibration also says that warm calls will follow: an exact cold
+            call then returns the top subspace ``V`` to start them from. Default ``None``: the
+            flop count alone (deterministic), and an exact path returns ``V = None``.
 
     Returns:
         ``TopSVD(S, V, fell_back)``. A matrix with a NaN or Inf entry gets ``S`` all NaN (the
@@ -279,7 +281,9 @@ def randomized_svd(
         tensor([[4.],
                 [8.]])
     """
-    if isinstance(W, MatrixBatch):
+    # A Tensor first: the Protocol's isinstance walks its members (tens of microseconds, a
+    # sizeable part of a small matrix's call).
+    if not isinstance(W, Tensor) and isinstance(W, MatrixBatch):
         return _adapted_svd(W, k, n_oversamples, n_iter, generator, init, method, tol)
     _check_matrix(W, "W")
     _check_options(k, n_oversamples, n_iter, method, tol)
@@ -293,15 +297,17 @@ def randomized_svd(
     # bfloat16, where the CPU multiplies bfloat16 in matrix tiles; a warm start's one block gets
     # its values free from its own products, which a rounded W could not give.
     rounded = init is None and compute_dtype == torch.float32 and bf16_tiles(A.device)
-    batch = A[..., 0, 0].numel()
+    batch = math.prod(A.shape[:-2])
     calibrated = calibration if A.device.type == "cpu" else None
     key = (f"{m}x{n}", batch, str(compute_dtype), A.device.type, init is not None)
-    # An exact cold call hands back a subspace for the warm calls that follow (priced for the
-    # whole batch), unless they were measured to be exact too (then eigvalsh, not eigh: the
-    # subspace would go unused).
+    # An exact cold call of a caller that will call again (it keeps a calibration: the monitor's
+    # compute) hands back a subspace for the warm calls that follow (priced for the whole batch),
+    # unless they were measured to be exact too (then eigvalsh, not eigh: the subspace would go
+    # unused). A stateless call gets eigvalsh: eigh's vectors would double its time for nothing.
     warm_is_exact = calibrated is not None and calibrated.chosen.get((*key[:-1], True)) == "gram"
     keep_subspace = (
-        method == "auto"
+        calibration is not None
+        and method == "auto"
         and init is None
         and not warm_is_exact
         and choose_method(m, n, width, _EXPECTED_WARM_DEPTH, compute_dtype, batch=batch)
@@ -407,7 +413,7 @@ def _top_svd(
         if auto and compute_dtype == torch.float32:
             # A float32 Gram matrix: the product at float32's rate and no float64 copy of W
             # (a 4 x 512 x 128 batch: 2.1 ms against 3.6); what it cannot read is redone.
-            S, finite, V = gram_eigvalsh(A, subspace_width, torch.float32)
+            S, finite, V = gram_eigvalsh(A, subspace_width, torch.float32, _GRAM_EXPONENT)
             S, V, finite = _exact_where_float32_falls_short(A, S, V, finite, subspace_width, k)
         else:
             S, finite, V = gram_eigvalsh(A, subspace_width)

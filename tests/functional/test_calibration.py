@@ -13,6 +13,7 @@ import torch
 import spectral_callbacks.functional.svd as svd_module
 from spectral_callbacks.functional import randomized_svd
 from spectral_callbacks.functional.calibration import MethodCalibration, decide
+from spectral_callbacks.functional.method_choice import choose_method
 from spectral_callbacks.monitor.engines.compute import SpectrumCompute
 from spectral_callbacks.monitor.snapshot import ShapeGroup
 
@@ -136,10 +137,11 @@ def test_cold_and_warm_calls_and_shapes_are_calibrated_apart() -> None:
 
 
 def test_a_cold_exact_call_keeps_no_subspace_once_warm_calls_were_measured_exact() -> None:
-    # 1024 x 256: the flop count expects warm calls to be randomized, so an exact cold call
+    # 512 x 512: the flop count expects warm calls to be randomized, so an exact cold call
     # hands back a subspace (eigh) for them; once the warm calls were measured faster exact,
     # that subspace would go unused, and a cold call takes eigvalsh alone.
-    W = _flat(1024, 256)
+    assert choose_method(512, 512, 40, 1, torch.float32) == "randomized"
+    W = _flat(512, 512)
     calibration = _injected({"randomized": 1.0, "gram": 0.001}, [])
     cold = randomized_svd(W, 32, calibration=calibration)
     assert cold.V is not None
