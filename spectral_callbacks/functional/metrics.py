@@ -10,6 +10,7 @@ top-k) is NaN, never a made-up number. Singular values of exactly 0 (below the r
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -74,8 +75,7 @@ def stable_rank(S: Tensor, frobenius_sq: Tensor) -> Tensor:
         tensor(nan)
     """
     sigma_1 = S[..., 0]
-    ratio = frobenius_sq / sigma_1.square()
-    return torch.where(sigma_1 > 0, ratio, torch.full_like(ratio, float("nan")))
+    return torch.where(sigma_1 > 0, frobenius_sq / sigma_1.square(), math.nan)
 
 
 def powerlaw_alpha(S: Tensor, fit_window: tuple[int, int] | None = None) -> tuple[Tensor, Tensor]:
@@ -112,24 +112,30 @@ def powerlaw_alpha(S: Tensor, fit_window: tuple[int, int] | None = None) -> tupl
     """
     first, last = _window(fit_window, S.shape[-1])
     S = S[..., first - 1 : last].to(torch.float64)
-    ranks = torch.arange(first, first + S.shape[-1], dtype=torch.float64, device=S.device)
-    x = ranks.log().expand_as(S)
+    # Few kernels, each over k numbers: on a small matrix these small operations, not the SVD,
+    # are most of a call (a k = 32 fit took ~45 of them).
+    x = _log_ranks(first, S.shape[-1], S.device)  # (k,)
     valid = S > 0  # NaN compares False, so a NaN spectrum has no valid point
     weight = valid.to(torch.float64)
     count = weight.sum(-1)
-    y = torch.where(valid, S.clamp_min(torch.finfo(torch.float64).tiny).log(), 0.0)
-    x_mean = (weight * x).sum(-1) / count.clamp_min(1)
-    y_mean = (weight * y).sum(-1) / count.clamp_min(1)
-    dx = (x - x_mean[..., None]) * weight
-    dy = (y - y_mean[..., None]) * weight
-    cov = (dx * dy).sum(-1)
-    var_x = dx.square().sum(-1)
-    var_y = dy.square().sum(-1)
+    y = torch.where(valid, S.log(), 0.0)
+    dx = (x - (weight @ x / count.clamp_min(1))[..., None]) * weight
+    dy = (y - (y.sum(-1) / count.clamp_min(1))[..., None]) * weight
+    cov = torch.linalg.vecdot(dx, dy)
+    var_x = torch.linalg.vecdot(dx, dx)
+    var_y = torch.linalg.vecdot(dy, dy)
     alpha = -cov / var_x
     r2 = torch.where(var_y > 0, cov.square() / (var_x * var_y), 1.0)
     enough = count >= MIN_FIT_POINTS
-    nan = torch.full_like(alpha, float("nan"))
-    return torch.where(enough, alpha, nan).float(), torch.where(enough, r2, nan).float()
+    return torch.where(enough, alpha, math.nan).float(), torch.where(enough, r2, math.nan).float()
+
+
+@functools.cache
+def _log_ranks(first: int, size: int, device: torch.device) -> Tensor:
+    """``log i`` for the ranks ``first .. first + size - 1`` in float64 (kept: the same few
+    windows come back at every call)."""
+    ranks = torch.arange(first, first + size, dtype=torch.float64, device=device)
+    return ranks.log()
 
 
 def compression(stable_rank: Tensor, reference: Tensor | float) -> Tensor:
@@ -180,12 +186,12 @@ def energy_rank(S: Tensor, frobenius_sq: Tensor, energy: float = 0.9) -> Tensor:
     """
     _check_energy(energy)
     # Squares summed in float64 so the threshold comparison is not decided by float32 rounding.
-    cumulative = S.to(torch.float64).square().cumsum(-1)  # (..., k)
-    target = energy * frobenius_sq.to(torch.float64)
-    reached = cumulative >= target[..., None] * (1 - 1e-12)
-    rank = reached.to(torch.int64).argmax(-1).to(torch.float32) + 1
-    defined = reached.any(-1) & (frobenius_sq > 0)
-    return torch.where(defined, rank, torch.full_like(rank, float("nan")))
+    cumulative = S.to(torch.float64).square().cumsum(-1)  # (..., k), non-decreasing
+    target = (energy * (1 - 1e-12)) * frobenius_sq.to(torch.float64)
+    short = cumulative < target[..., None]  # a prefix: the ranks before the first one reached
+    rank = short.sum(-1, dtype=torch.float32) + 1
+    defined = (cumulative[..., -1] >= target) & (frobenius_sq > 0)  # False for a NaN spectrum
+    return torch.where(defined, rank, math.nan)
 
 
 def energy_rank_key(energy: float) -> str:
