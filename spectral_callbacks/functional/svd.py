@@ -477,10 +477,8 @@ def _tidy(S: Tensor, finite: Tensor, side: int, compute_dtype: torch.dtype) -> T
     # them as 0 so every method gives the same answer for a rank-deficient matrix.
     tolerance = side * torch.finfo(compute_dtype).eps
     if S.device.type == "cpu":  # a host read is free here: skip the masks when nothing is masked
-        tops, leasts = S[..., 0].flatten().tolist(), S[..., -1].flatten().tolist()
-        if bool(finite.all()) and all(
-            tolerance * top < least for top, least in zip(tops, leasts, strict=True)
-        ):
+        ends = S[..., [0, -1]].reshape(-1, 2).tolist()  # one read: (sigma_1, sigma_k) each
+        if all(finite.flatten().tolist()) and all(tolerance * top < least for top, least in ends):
             return S
     rank_tol = tolerance * S[..., :1]
     S = torch.where(rank_tol < S, S, torch.zeros((), dtype=S.dtype, device=S.device))
@@ -587,11 +585,11 @@ def _exact_where_float32_falls_short(
         return S, V, finite
     # Each matrix's sigma_1 and k-th value read on the host and checked there: the same check
     # as tensor operations cost a small matrix's exact call a tenth of its time.
-    tops, kths = S[..., 0].flatten().tolist(), S[..., (k or 1) - 1].flatten().tolist()
+    ends = S[..., [0, (k or 1) - 1]].reshape(-1, 2).tolist()  # one read: (sigma_1, sigma_k)
     redo = [
         index
-        for index, (is_finite, top, kth) in enumerate(
-            zip(finite.flatten().tolist(), tops, kths, strict=True)
+        for index, (is_finite, (top, kth)) in enumerate(
+            zip(finite.flatten().tolist(), ends, strict=True)
         )
         if not is_finite
         or 0 < top < _SMALLEST_SIGMA
