@@ -39,6 +39,11 @@ shared with ``randomized_svd``, with each product by ``W^T W`` replaced by a col
 loop itself (``_krylov_blocks``) is this module's: it keeps the blocks whole for the choice of
 Rayleigh-Ritz step and agrees its stop with the group.
 
+A rank's rows may also be held as an operator (a ``functional.batch.MatrixBatch``, ``split="rows"``):
+an adapted layer's local rows ``W_r = W_{0,r} + U_r V`` (LoRA on a sharded base: the base's own
+shard, the rows of ``s B`` held here and the whole small ``A``) are then multiplied as
+``W_{0,r} X + U_r (V X)`` inside the same iteration, never formed.
+
 Example (one process: ``group=None`` means the local block is the whole matrix)::
 
     >>> W = torch.diag(torch.tensor([4.0, 3.0, 2.0, 1.0]))
@@ -55,6 +60,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from spectral_callbacks.functional.batch import MatrixBatch
 from spectral_callbacks.functional.exact import from_gram_eigenvalues, gram_singular_values
 from spectral_callbacks.functional.krylov import (
     orthogonalize_against,
@@ -131,7 +137,7 @@ def _triangle_bytes(c: int) -> int:
 
 
 def sharded_randomized_svd(
-    local: Tensor,
+    local: Tensor | MatrixBatch,
     k: int = DEFAULT_K,
     *,
     group: Any = None,
@@ -156,7 +162,11 @@ def sharded_randomized_svd(
         local: this rank's block, ``(m_r, n)`` rows of W for ``split="rows"`` or ``(m, n_r)``
             columns for ``"columns"``, or a batch ``(B, ., .)`` of such blocks (the same ``B`` on
             every rank). ``m_r`` / ``n_r`` may be 0 and may differ between ranks; zero rows (or
-            columns) added as padding change nothing but the count (pass ``shape`` then).
+            columns) added as padding change nothing but the count (pass ``shape`` then). With
+            ``split="rows"`` a ``(B, m_r, n)`` operator (what it reads of a ``MatrixBatch``:
+            ``shape``, ``dtype``, ``device``, ``to``, ``matmul``, ``rmatmul``,
+            ``frobenius_norm_sq``, and ``dense`` on the exact Gram path) is multiplied through its
+            own products.
         k: singular values to return (default 32), clamped to ``min(m, n)``.
         group: the process group the blocks are spread over, e.g. a ``dist.new_group(backend=
             "gloo", timeout=...)`` of its own (its timeout bounds how long a missing rank can
@@ -199,7 +209,7 @@ def sharded_randomized_svd(
     """
     _check_arguments(local, k, split, method, n_oversamples, n_iter)
     tiles = _check_tiles(local, split, shape, row_index, col_index, method)
-    A = local.mT if split == "columns" else local  # (..., r, c): c = d unless tiles
+    A: Any = local.mT if isinstance(local, Tensor) and split == "columns" else local  # (..., r, c)
     if tiles is not None:
         rows_held, cols_held, m, d = tiles
         if d > m:  # iterate in the smaller side: a tile of W is a tile of W^T
@@ -215,18 +225,18 @@ def sharded_randomized_svd(
     if generator is None:
         generator = torch.Generator(device=A.device).manual_seed(0)
 
-    # 1. Scalars: exact ‖W_r‖_F² in float64, row counts, rows with a non-finite entry (a finite
-    #    row sum proves a row finite); summed, they are the same on every rank.
-    finite_rows = torch.isfinite(A.sum(-1))  # (..., r)
-    scalars = torch.stack(
-        [
-            torch.nan_to_num(frobenius_norm_sq(A), nan=0.0),
-            torch.full(A.shape[:-2], float(A.shape[-2]), dtype=torch.float64, device=A.device),
-            (~finite_rows).sum(-1).to(torch.float64),
-        ],
-        dim=-1,
-    )  # (..., 3)
-    collective.sum(scalars)
+    # 1. Scalars: exact ‖W_r‖_F² in float64, row counts, matrices or rows with a non-finite entry
+    #    (a finite row sum proves a row finite); summed, they are the same on every rank.
+    batch = tuple(A.shape[:-2])
+    count = torch.full(batch, float(A.shape[-2]), dtype=torch.float64, device=A.device)
+    if isinstance(A, Tensor):
+        own_sq = frobenius_norm_sq(A)
+        not_finite = (~torch.isfinite(A.sum(-1))).sum(-1).to(torch.float64)  # (...,)
+    else:  # an operator: its exact ‖W_r‖_F² is NaN where a value is not finite
+        own_sq = A.frobenius_norm_sq()
+        not_finite = (~torch.isfinite(own_sq)).to(torch.float64)
+    scalars = torch.stack([torch.nan_to_num(own_sq, nan=0.0), count, not_finite], dim=-1)
+    collective.sum(scalars)  # (..., 3)
     frobenius_sq, rows, bad = scalars.unbind(-1)
     finite = bad == 0
     frobenius_sq = torch.where(finite, frobenius_sq, float("nan"))
@@ -237,8 +247,6 @@ def sharded_randomized_svd(
             f"every rank's block is empty (local shape {tuple(local.shape)} here): there is no "
             "matrix to decompose; check which rows each rank passes"
         )
-    if not bool(finite.all()):  # zero the matrices with a NaN anywhere; their S is NaN below
-        A = torch.where(finite[..., None, None], A, 0.0)
 
     k = min(k, m, d)
     width = min(k + n_oversamples, m, d)
@@ -251,6 +259,11 @@ def sharded_randomized_svd(
         n_iter = default_n_iter(m, d)
     if method == "auto":
         method = "gram" if d <= _GRAM_FACTOR * width and tiles is None else "randomized"
+    if method == "gram" and not isinstance(A, Tensor):
+        A = A.dense(compute_dtype)  # the exact path reads every entry of the local rows
+    if not bool(finite.all()):  # zero the matrices with a NaN anywhere; their S is NaN below
+        A = _ZeroedWhere(A, finite) if not isinstance(A, Tensor) else _zeroed(A, finite)
+    times, times_t = _products(A)
 
     if method == "gram":
         A64 = A.to(torch.float64)  # one float64 copy of the shard, read on both sides
@@ -260,7 +273,7 @@ def sharded_randomized_svd(
     elif tiles is None:
 
         def apply(X: Tensor) -> Tensor:  # (W^T W) X = sum_r W_r^T (W_r X), one all-reduce
-            return collective.sum(_mm(A.mT, _mm(A, X)), comm_dtype)
+            return collective.sum(times_t(times(X)), comm_dtype)
 
         start = start_block(A, width, generator, init, n=d)  # (..., d, b)
         blocks, images, ritz = _krylov_blocks(apply, start, n_iter, converged)
@@ -276,7 +289,7 @@ def sharded_randomized_svd(
             # 3b. One more block gives the Rayleigh quotient of W^T W, whose top-b Ritz vectors
             #     V are kept; Rayleigh-Ritz on W then needs only the b x b Gram of W V.
             basis = _top_ritz_vectors(blocks, [*images, apply(blocks[-1])], width)
-        image = _mm(A, basis).to(torch.float64)  # (..., r, columns of basis)
+        image = times(basis).to(torch.float64)  # (..., r, columns of basis)
         gram = collective.sum_symmetric(image.mT @ image)
     else:
 
@@ -310,6 +323,31 @@ def sharded_randomized_svd(
         finite[..., None], S, torch.full((), float("nan"), dtype=S.dtype, device=S.device)
     )
     return ShardedTopSVD(S, V, frobenius_sq, collective.sent_bytes)
+
+
+def _zeroed(A: Tensor, finite: Tensor) -> Tensor:
+    return torch.where(finite[..., None, None], A, 0.0)
+
+
+class _ZeroedWhere:
+    """An operator whose matrices with a non-finite entry anywhere (on any rank) multiply as zero."""
+
+    def __init__(self, A: MatrixBatch, finite: Tensor) -> None:
+        self.A, self.finite = A, finite[..., None, None]
+        self.shape, self.dtype, self.device = A.shape, A.dtype, A.device
+
+    def matmul(self, X: Tensor, mm: Any = _mm) -> Tensor:
+        return torch.where(self.finite, torch.nan_to_num(self.A.matmul(X, mm)), 0.0)
+
+    def rmatmul(self, Y: Tensor, mm: Any = _mm) -> Tensor:
+        return torch.where(self.finite, torch.nan_to_num(self.A.rmatmul(Y, mm)), 0.0)
+
+
+def _products(A: Any) -> tuple[Any, Any]:
+    """``X -> A X`` and ``Y -> A^T Y`` of the local rows (a tensor, or an operator's own products)."""
+    if isinstance(A, Tensor):
+        return (lambda X: _mm(A, X)), (lambda Y: _mm(A.mT, Y))
+    return (lambda X: A.matmul(X, _mm)), (lambda Y: A.rmatmul(Y, _mm))
 
 
 def _krylov_blocks(
@@ -385,6 +423,14 @@ def _spread(local: Tensor, index: Tensor, size: int) -> Tensor:
 def _check_arguments(
     local: object, k: object, split: str, method: str, n_oversamples: object, n_iter: object
 ) -> None:
+    if not isinstance(local, Tensor) and callable(getattr(local, "rmatmul", None)):
+        shape = tuple(getattr(local, "shape", ()))
+        if split != "rows" or len(shape) != 3:
+            raise ValueError(
+                f"a `local` operator ({type(local).__name__}) must be a (B, m_r, n) batch split "
+                f'by rows, got shape {shape} and split={split!r}; pass "rows"'
+            )
+        return
     if not isinstance(local, Tensor) or not local.is_floating_point():
         raise TypeError(
             f"`local` must be a floating-point torch.Tensor, got {type(local).__name__}"
@@ -413,7 +459,7 @@ def _check_arguments(
 
 
 def _check_tiles(
-    local: Tensor,
+    local: Tensor | MatrixBatch,
     split: str,
     shape: tuple[int, int] | None,
     row_index: Tensor | None,

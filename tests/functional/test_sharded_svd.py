@@ -220,3 +220,30 @@ def test_with_tf32_products_it_keeps_float32_accuracy(
         top = sharded_randomized_svd(W, 16, split=split, method="randomized", n_iter=6, **tiles)
     relative = ((top.S.double() - exact) / exact).abs().max().item()
     assert relative < 1e-5, relative
+
+
+def test_local_rows_held_as_an_operator_give_the_values_of_the_formed_rows() -> None:
+    # A LoRA layer's rows: W = W0 + U V multiplied as W0 X + U (V X), never formed; DoRA's row
+    # scale too. One process (group=None): the whole matrix, against float64 and the formed one.
+    from spectral_callbacks.functional.lowrank import AdaptedMatrices
+
+    generator = torch.Generator().manual_seed(7)
+    base = torch.randn(2, 60, 40, generator=generator) / 8
+    U, V = torch.randn(2, 60, 4, generator=generator), torch.randn(2, 4, 40, generator=generator)
+    g = torch.rand(2, 60, generator=generator) + 0.5
+    for magnitudes in ((None, None), (g[0], g[1])):
+        batch = AdaptedMatrices(tuple(base), tuple(U), tuple(V), magnitudes)
+        formed = batch.dense(torch.float64)
+        held = sharded_randomized_svd(batch, K, method="randomized")
+        dense = sharded_randomized_svd(formed.float(), K, method="randomized")
+        for i in range(2):
+            expected = exact_metrics(formed[i])
+            got = metrics(held.S[i], held.frobenius_sq[i])
+            assert got["stable_rank"] == pytest.approx(expected["stable_rank"], rel=1e-3)
+            assert float(held.frobenius_sq[i]) == pytest.approx(
+                float((formed[i] ** 2).sum()), rel=1e-6
+            )
+        assert torch.allclose(held.S, dense.S, rtol=1e-4)
+    base[1, 3, 5] = float("nan")  # a NaN in one matrix: its values NaN, the other's kept
+    held = sharded_randomized_svd(AdaptedMatrices(tuple(base), tuple(U), tuple(V)), K)
+    assert bool(held.S[1].isnan().all()) and bool(held.S[0].isfinite().all())
