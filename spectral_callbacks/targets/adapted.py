@@ -31,7 +31,7 @@ Nothing here imports ``peft``: a tuner layer is recognized by what it has (``bas
 from __future__ import annotations
 
 import inspect
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -238,10 +238,9 @@ class AdaptedTarget(Target):
         return counting.counted
 
     def _snapshot(self, copies: _Copies, dequantize: bool = True) -> tuple[Any, ...]:
+        """``(base, U, V, magnitude, add)`` of the current weights, copied through ``copies``."""
         lora: Any = self.layer_module
         copy = copies.copy
-        rows = replace(self.rows, transposed=False)  # rows of the (out, ...) factors
-        active = _active(lora)
         weight = self.parameter.detach()
         read = dequantizer(lora.get_base_layer())
         if read is not None:  # a quantized base: its matrix, dequantized (a dense copy)
@@ -256,27 +255,76 @@ class AdaptedTarget(Target):
             base = copy(self.rows.take(weight))
         else:
             base = self.rows.take(weight)
+        # The parameters themselves: a factor several targets share is then one object, copied once.
+        return (base, *self._factors(copies, self.factor_parameters().__getitem__, weight))
+
+    def factors_of(
+        self, read: Callable[[str], torch.Tensor], like: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, bool]:
+        """``(U, V, magnitude, add)`` of the adapters, each factor read by its name in
+        :meth:`factor_parameters` through ``read`` (a sharded engine's whole factors, gathered
+        from every rank's part): ``U = s B`` (the active adapters side by side, ``(m, r)``),
+        ``V = A`` (``(r, n)``), DoRA's magnitude of the matrix's rows or ``None``, and whether
+        ``U V`` is added to the base. Reads no parameter of the layer (a sharding wrapper may
+        swap them while a forward runs); only its adapters' names, scalings and flags. ``like``:
+        the dtype and device of zero-width factors (a layer with no active adapter)."""
+        return self._factors(_Copies(), read, like)
+
+    def factor_names(self) -> list[str]:
+        """The names of :meth:`factor_parameters`, read without touching a parameter."""
+        lora: Any = self.layer_module
+        names: list[str] = []
+        for name in _active(lora):
+            names += [f"lora_B.{name}", f"lora_A.{name}"]
+            if name in lora.lora_magnitude_vector:
+                names.append(f"magnitude.{name}")
+        return names
+
+    def factor_parameters(self) -> dict[str, torch.Tensor]:
+        """The parameters the update is read from, by name (the active adapters' ``lora_B``,
+        ``lora_A`` and DoRA magnitude): what a sharded engine gathers."""
+        lora: Any = self.layer_module
+        stores = {
+            "lora_B": lambda a: lora.lora_B[a].weight,
+            "lora_A": lambda a: lora.lora_A[a].weight,
+            "magnitude": lambda a: lora.lora_magnitude_vector[a].weight,
+        }
+        found = {}
+        for name in self.factor_names():
+            store, _, adapter = name.partition(".")
+            found[name] = stores[store](adapter)
+        return found
+
+    def _factors(
+        self, copies: _Copies, read: Callable[[str], torch.Tensor], like: torch.Tensor
+    ) -> tuple[Any, ...]:
+        """``(U, V, magnitude, add)``, each factor read by name through ``read``; ``like``: the
+        dtype and device of zero-width factors (a layer with no active adapter)."""
+        lora: Any = self.layer_module
+        copy = copies.copy
+        rows = replace(self.rows, transposed=False)  # rows of the (out, ...) factors
+        active = _active(lora)
         if not active:
             # No active adapter on this layer (another one is set): a plain dense target, its
             # effective weight the base; the zero-width factors make its update family NaN.
-            up = copy(weight.new_zeros((self.shape[0], 0)))
-            down = copy(weight.new_zeros((0, self.shape[1])))
-            return base, up, down, None, False
+            zeros = torch.zeros((), dtype=like.dtype, device=like.device)
+            up = copy(zeros.expand(self.shape[0], 0))
+            down = copy(zeros.expand(0, self.shape[1]))
+            return up, down, None, False
         # Several active adapters: their factors side by side, each written once into one copy
         # (a concatenation of copies would be a second tensor the batch reads but does not own).
         up = copies.concat(
-            [rows.take(lora.lora_B[a].weight.detach()) for a in active],
+            [rows.take(read(f"lora_B.{a}").detach()) for a in active],
             [float(lora.scaling[a]) for a in active],
             dim=1,
         )
-        down = copies.concat([lora.lora_A[a].weight for a in active], dim=0, shared=True)
+        down = copies.concat([read(f"lora_A.{a}") for a in active], dim=0, shared=True)
         magnitude = None
         if active[0] in lora.lora_magnitude_vector:
-            magnitude = copy(
-                rows.take(lora.lora_magnitude_vector[active[0]].weight.detach()[:, None])[:, 0]
-            )
+            g = read(f"magnitude.{active[0]}").detach()
+            magnitude = copy(rows.take(g[:, None])[:, 0])
         add = not lora.merged and not lora.disable_adapters
-        return base, up, down, magnitude, add
+        return up, down, magnitude, add
 
     def matrix(self) -> torch.Tensor:
         """The current effective weight, formed (offline analysis; the engine never calls it)."""

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar
 
 import torch
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from spectral_callbacks.functional.delta import DeltaMatrices
 from spectral_callbacks.targets.errors import TargetError
@@ -35,7 +36,13 @@ Delta = str | os.PathLike[str] | Mapping[str, torch.Tensor]
 
 @dataclass(frozen=True)
 class DeltaTarget(Target):
-    """A dense watched matrix with the reference weight its update ``W_t - W_ref`` is taken from."""
+    """A dense watched matrix with the reference weight its update ``W_t - W_ref`` is taken from.
+
+    ``reference`` is the matrix's reference (``shape``); for a sharded (DTensor) parameter it is
+    the whole stored parameter's reference with the parameter's placements, so each rank keeps the
+    reference of its own shard (the sharded engine reads the matrix's rows of it as it reads the
+    parameter's, ``monitor/engines/shards.py``).
+    """
 
     reference: torch.Tensor = field(default=None, repr=False, compare=False)  # type: ignore[assignment]
     has_update: ClassVar[bool] = True
@@ -112,6 +119,20 @@ def _free_bytes(device: torch.device) -> int:
     return int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
 
 
+def _sharded_reference(parameter: DTensor, stored: torch.Tensor | None) -> torch.Tensor:
+    """The reference of a sharded parameter, with its placements: a copy of this rank's own shard
+    (``stored`` ``None``: the parameter now), or this rank's part of ``stored`` (a base model's
+    whole tensor, cut by torch's own placement rules without communication)."""
+    if stored is None:
+        return parameter.detach().clone()  # a DTensor: each rank clones its local shard
+    return distribute_tensor(
+        stored.detach().to(parameter.to_local().device, parameter.dtype),
+        parameter.device_mesh,
+        parameter.placements,
+        src_data_rank=None,  # every rank holds the whole stored tensor: no scatter
+    )
+
+
 def with_references(targets: Sequence[Target], delta: Delta, caller: str) -> list[Target]:
     """``targets`` with each dense one a :class:`DeltaTarget` keeping its reference weight.
 
@@ -137,6 +158,8 @@ def with_references(targets: Sequence[Target], delta: Delta, caller: str) -> lis
     needed: dict[torch.device, int] = {}
     for t in dense:
         size = t.shape[0] * t.shape[1] * t.parameter.element_size()
+        if isinstance(t.parameter, DTensor):  # each rank keeps its own shard's reference
+            size = t.parameter.to_local().numel() * t.parameter.element_size()
         needed[t.parameter.device] = needed.get(t.parameter.device, 0) + size
     for device, size in needed.items():
         free = _free_bytes(device)
@@ -147,22 +170,25 @@ def with_references(targets: Sequence[Target], delta: Delta, caller: str) -> lis
                 "matrices (roles=, include=) or leave `delta` unset"
             )
     missing, wrong, out = [], [], []
+    sharded: dict[int, torch.Tensor] = {}  # a sharded parameter's reference, once for its targets
     for t in targets:
         if t.has_update:
             out.append(t)
             continue
-        if state is None:
+        stored = None if state is None else _find(state, t.parameter_name)
+        if state is not None and stored is None:
+            missing.append(t.parameter_name)
+            continue
+        if stored is not None and tuple(stored.shape) != tuple(t.parameter.shape):
+            wrong.append(f"{t.parameter_name} {tuple(stored.shape)} != {tuple(t.parameter.shape)}")
+            continue
+        if isinstance(t.parameter, DTensor):
+            if id(t.parameter) not in sharded:
+                sharded[id(t.parameter)] = _sharded_reference(t.parameter, stored)
+            reference = sharded[id(t.parameter)]
+        elif stored is None:
             reference = t.matrix().detach().clone()
         else:
-            stored = _find(state, t.parameter_name)
-            if stored is None:
-                missing.append(t.parameter_name)
-                continue
-            if tuple(stored.shape) != tuple(t.parameter.shape):
-                wrong.append(
-                    f"{t.parameter_name} {tuple(stored.shape)} != {tuple(t.parameter.shape)}"
-                )
-                continue
             reference = (
                 t.rows.take(stored.detach()).to(t.parameter.device, t.parameter.dtype).clone()
             )

@@ -50,7 +50,7 @@ Example::
 from __future__ import annotations
 
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -87,12 +87,6 @@ class Layout:
     rows: tuple[int, ...] | None = None
     blocks: tuple[int, ...] | None = None
     block: int = 0
-
-    def update_factor(self, module: nn.Module) -> torch.Tensor:
-        """``U`` (m x R): ``s B`` placed, from the module's current ``B``."""
-        base = module.get_parameter(self.base)
-        down = module.get_parameter(self.down)
-        return self.place(module.get_parameter(self.up).detach(), base.shape[0], down.shape[0])
 
     def place(self, up: torch.Tensor, rows: int, columns: int) -> torch.Tensor:
         """``s B`` placed into an ``(rows, columns)`` matrix (``B`` itself scaled when plain)."""
@@ -364,26 +358,45 @@ class LowRankTarget(AdaptedTarget):
         return f"{_kind(self.layer_module)} {kind} r={self.rank} s={self.layout.scale:.4g}"
 
     def _snapshot(self, copies: _Copies, dequantize: bool = True) -> tuple[Any, ...]:
-        layer, layout = self.layer_module, self.layout
+        layer = self.layer_module
         rows = replace(self.rows, transposed=False)
         weight = self.parameter.detach()
         merged = bool(getattr(layer, "merged", False))
         base = rows.take(weight)
         if merged or self.parameter.requires_grad or rows.groups > 1:
             base = copies.copy(base)  # the base moves under the snapshot, or is gathered
-        down = copies.concat([layer.get_parameter(layout.down)], dim=0, shared=True)
+        # The parameters themselves: a factor several targets share is then one object, copied once.
+        return (base, *self._factors(copies, self.factor_parameters().__getitem__, weight))
+
+    def factor_names(self) -> list[str]:
+        """``up``, ``down`` and, for DoRA, ``magnitude``."""
+        return ["up", "down"] + (["magnitude"] if self.layout.magnitude else [])
+
+    def factor_parameters(self) -> dict[str, torch.Tensor]:
+        """The parameters the update is read from, by name: ``B``, ``A`` and DoRA's magnitude."""
+        layer, layout = self.layer_module, self.layout
+        paths = {"up": layout.up, "down": layout.down, "magnitude": layout.magnitude}
+        return {name: layer.get_parameter(paths[name]) for name in self.factor_names()}  # type: ignore[arg-type]
+
+    def _factors(
+        self, copies: _Copies, read: Callable[[str], torch.Tensor], like: torch.Tensor
+    ) -> tuple[Any, ...]:
+        layer, layout = self.layer_module, self.layout
+        rows = replace(self.rows, transposed=False)
+        m = self.parameter.shape[0]
+        down = copies.concat([read("down")], dim=0, shared=True)
         if layout.rows is None:
-            up = copies.copy(rows.take(layer.get_parameter(layout.up).detach()), layout.scale)
+            up = copies.copy(rows.take(read("up").detach()), layout.scale)
         elif copies.count_only:
-            up = copies.copy(rows.take(weight.new_empty((weight.shape[0], down.shape[0]))))
+            up = copies.copy(rows.take(like.new_empty((m, down.shape[0]))))
         else:
-            up = copies.copy(rows.take(layout.update_factor(layer)))
+            up = copies.copy(rows.take(layout.place(read("up").detach(), m, down.shape[0])))
         magnitude = None
         if layout.magnitude is not None:
-            g = layer.get_parameter(layout.magnitude).detach()[:, None]
-            magnitude = copies.copy(rows.take(g))[:, 0]
+            magnitude = copies.copy(rows.take(read("magnitude").detach()[:, None]))[:, 0]
+        merged = bool(getattr(layer, "merged", False))
         add = not merged and not getattr(layer, "disabled", False)
-        return base, up, down, magnitude, add
+        return up, down, magnitude, add
 
 
 def adapt_lowrank(target: Target, modules: Mapping[str, nn.Module]) -> Target:
