@@ -89,7 +89,7 @@ def tracked_on_one_gpu(
     detector = SyncDetector()
     with detector.active():
         # The tracker's construction snapshots step 0. The sharded engine's construction reads
-        # each piece's global indices back to the host once (shards._local_indices): a one-off
+        # each piece's global indices back to the host once (shards.local_indices): a one-off
         # at fit start, so that case checks the steps and the end only.
         construction = detector.checking("construction")
         with construction if how == "ddp" else contextlib.nullcontext():

@@ -18,6 +18,12 @@ runs each group on its device's compute stream once that event is reached (``str
 the SVD nor gloo's host staging of its CUDA all-reduces queues behind training's kernels, and
 training never waits for them.
 
+Targets with an update (``shard_updates.py``): an adapted layer's local rows are the base's shard
+plus the small factors, which the worker gathers over the same group (``r (m + n)`` floats per
+matrix) and multiplies as ``W_{0,r} X + U_r (V X)`` inside the Krylov iteration; its update family
+is exact from the whole factors. A ``delta=`` target's reference is kept sharded as the weight, and
+``W_t - W_ref`` gets a second sharded SVD.
+
 Agreement, by construction: every rank computes every snapshot it is handed, groups and matrices in
 one fixed order (target order), and the caller hands snapshots over at the steps of the shared
 schedule (a function of the optimizer step alone). Nothing depends on local timing, so the
@@ -69,23 +75,32 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from spectral_callbacks.functional.batch import Stack
-from spectral_callbacks.functional.metrics import metrics_from_spectrum
+from spectral_callbacks.functional.batch import UpdateSpectrum
+from spectral_callbacks.functional.lowrank import low_rank_singular_values
+from spectral_callbacks.functional.metrics import metrics_from_spectrum, update_metrics
 from spectral_callbacks.functional.sharded_svd import sharded_randomized_svd
+from spectral_callbacks.functional.svd import DEFAULT_K
 from spectral_callbacks.messages import count
 from spectral_callbacks.monitor import background
 from spectral_callbacks.monitor.engines.compute import SpectrumCompute
 from spectral_callbacks.monitor.engines.engine import SnapshotResult
-from spectral_callbacks.monitor.engines.shards import (
-    LocalPiece,
-    ShardingError,
-    local_piece,
-    mesh_ranks,
+from spectral_callbacks.monitor.engines.shard_updates import (
+    AdaptedCopy,
+    FactorShard,
+    LocalAdapted,
+    adapted_rows,
+    base_moves,
+    factor_shard,
+    gather_factors,
+    refuse_unsupported,
 )
+from spectral_callbacks.monitor.engines.shards import LocalPiece, local_piece, mesh_ranks
 from spectral_callbacks.monitor.engines.streams import ComputeStreams, record_event
 from spectral_callbacks.monitor.options import MonitorOptions
 from spectral_callbacks.monitor.reporting import health_scalars
 from spectral_callbacks.monitor.snapshot import Snapshot
+from spectral_callbacks.targets.adapted import AdaptedTarget
+from spectral_callbacks.targets.delta import DeltaTarget
 from spectral_callbacks.targets.target import Target
 
 __all__ = ["ShardGroup", "ShardedEngine", "ShardedEngineError", "ShardedResult", "svd_group"]
@@ -103,10 +118,13 @@ class ShardedEngineError(RuntimeError):
 class ShardedResult(SnapshotResult):
     """A snapshot's metrics (the same on every rank) and the payload this rank all-reduced.
 
-    ``rank_scalars`` carries it to the log as ``spectral_monitor/sent_bytes``.
+    ``rank_scalars`` carries it to the log as ``spectral_monitor/sent_bytes``; ``factor_bytes``
+    is the part of it adapters add: their factors (``shard_updates.gather_factors``) and their
+    bases' ``||W_0||_F^2``.
     """
 
     sent_bytes: int = 0
+    factor_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -120,22 +138,53 @@ class ShardGroup:
 
     key: str
     pieces: tuple[LocalPiece, ...]
+    #: For an adapted group, every factor its members read (each once), in target order, and
+    #: for each member its factors' names -> positions there. Resolved once, on the training
+    #: thread: the worker never reads a layer's parameters (FSDP2 swaps them during a forward).
+    factors: tuple[FactorShard, ...] = ()
+    factor_index: tuple[dict[str, int], ...] = ()
 
     @property
     def names(self) -> tuple[str, ...]:
         return tuple(piece.target.name for piece in self.pieces)
 
-    def stack(self) -> torch.Tensor:
-        """A fresh ``(B, rows, d)`` copy of the members' local blocks, zero rows as padding."""
-        blocks = [piece.block() for piece in self.pieces]
-        rows = max(block.shape[0] for block in blocks)
-        first = blocks[0]  # every member has the same width (d, or a tile's one member)
-        out = torch.zeros(
-            (len(blocks), rows, first.shape[1]), dtype=first.dtype, device=first.device
-        )
-        for slot, block in zip(out, blocks, strict=True):
-            slot[: block.shape[0]].copy_(block)
-        return out
+    @property
+    def adapted(self) -> bool:
+        """Whether the members are adapted layers (the effective weight ``W_0 + s B A``)."""
+        return isinstance(self.pieces[0].target, AdaptedTarget)
+
+    @property
+    def delta(self) -> bool:
+        """Whether the members keep a ``delta=`` reference (their update ``W_t - W_ref``)."""
+        return isinstance(self.pieces[0].target, DeltaTarget)
+
+    def stack(self) -> torch.Tensor | AdaptedCopy:
+        """A fresh ``(B, rows, d)`` copy of the members' local blocks, zero rows as padding; for
+        an adapted group, the local bases (views of the frozen shards, copies where the base
+        moves) and copies of this rank's parts of the factors."""
+        if self.adapted:
+            bases = [
+                piece.block().clone() if base_moves(piece.target) else piece.block()
+                for piece in self.pieces
+            ]
+            return AdaptedCopy(bases, [factor.copy() for factor in self.factors])
+        return _padded([piece.block() for piece in self.pieces])
+
+    def reference_stack(self) -> torch.Tensor:
+        """The ``(B, rows, d)`` local blocks of the members' ``delta=`` references, padded as
+        :meth:`stack` pads (the references never change: read on the worker)."""
+        references = [getattr(piece.target, "reference", None) for piece in self.pieces]
+        return _padded([p.block(r) for p, r in zip(self.pieces, references, strict=True)])
+
+
+def _padded(blocks: list[torch.Tensor]) -> torch.Tensor:
+    """A fresh ``(B, rows, d)`` stack of ``blocks``, zero rows as padding."""
+    rows = max(block.shape[0] for block in blocks)
+    first = blocks[0]  # every member has the same width (d, or a tile's one member)
+    out = torch.zeros((len(blocks), rows, first.shape[1]), dtype=first.dtype, device=first.device)
+    for slot, block in zip(out, blocks, strict=True):
+        slot[: block.shape[0]].copy_(block)
+    return out
 
 
 def svd_group(timeout_seconds: float = 300.0, ranks: Sequence[int] | None = None) -> Any:
@@ -194,8 +243,9 @@ class ShardedEngine:
     Raises:
         ValueError: an argument is out of range, or this rank is not in ``group``.
         ShardingError: a parameter is sharded in a way the engine cannot decompose, or a target
-            carries an update (a PEFT adapter's effective weight, ``delta=``): not decomposed
-            where the shards live yet.
+            carries an update it cannot decompose exactly where the shards live
+            (``shard_updates.refuse_unsupported``: an adapter without factors, a quantized base,
+            DoRA split by columns, an adapted base in tiles).
     """
 
     def __init__(
@@ -220,7 +270,6 @@ class ShardedEngine:
             raise ValueError("`targets` is empty: pass what find_targets returned for the model")
         if not behind_timeout > 0:
             raise ValueError(f"`behind_timeout` must be positive seconds, got {behind_timeout!r}")
-        _refuse_updates(targets)
         group_rank = dist.get_rank(group)
         if group_rank < 0:
             raise ValueError("this rank is not in `group`: build it with svd_group() on every rank")
@@ -243,7 +292,9 @@ class ShardedEngine:
         self.seed = seed
         self.synchronous = bool(options.synchronous) if inline is None else inline
         self.worker_threads = options.worker_threads
-        self.groups = _group(local_piece(target, group_rank) for target in targets)
+        pieces = [local_piece(target, group_rank) for target in targets]
+        refuse_unsupported(targets, pieces)
+        self.groups = _group(pieces, group_rank)
         self._subspaces: dict[str, torch.Tensor] = {}
         self._streams = ComputeStreams()
         self._jobs: collections.deque[_Job] = collections.deque()
@@ -303,7 +354,7 @@ class ShardedEngine:
         self._wait_for_room(step)
         start = time.perf_counter()
         with torch.no_grad():
-            tensors: dict[str, Stack] = {key: group.stack() for key, group in self.groups.items()}
+            tensors: dict[str, Any] = {key: group.stack() for key, group in self.groups.items()}
         # On CUDA the copies are queued on the training stream; the worker's compute stream waits
         # on this event (one per device) before it reads them (streams.py).
         devices = dict.fromkeys(str(t.device) for t in tensors.values() if t.device.type == "cuda")
@@ -417,39 +468,32 @@ class ShardedEngine:
     def _decompose(self, snapshot: Snapshot) -> ShardedResult:
         start = time.perf_counter()
         metrics: dict[str, dict[str, float]] = {}
-        sent = 0
+        sent = factor_bytes = 0
         for index, (key, group) in enumerate(self.groups.items()):
-            stack = snapshot.tensors.pop(key)  # freed once decomposed
-            assert isinstance(stack, torch.Tensor)  # a shard group is copied as a dense stack
-            piece = group.pieces[0]
+            held: Any = snapshot.tensors.pop(key)  # freed once decomposed
             # On the compute stream after the copy, autocast off (streams.py): the SVD and gloo's
             # host staging of its CUDA all-reduces do not queue behind training's kernels.
-            with self._streams.after_copy(stack, snapshot.copied):
-                batch = stack if stack.dtype in (torch.float32, torch.float64) else stack.float()
-                init = self._subspaces.get(key) if self.warm_start else None
+            with self._streams.after_copy(held, snapshot.copied):
                 # The same seed on every rank (a function of the step and the group only).
-                generator = torch.Generator(device=batch.device)
-                generator.manual_seed(self.seed + 1_000_003 * snapshot.step + index)
-                top = sharded_randomized_svd(
-                    batch,
-                    self.k,
-                    group=self.group,
-                    shape=piece.shape,
-                    generator=generator,
-                    init=init,
-                    # The stacks hold rows of the split orientation (columns were transposed).
-                    split="tiles" if piece.split == "tiles" else "rows",
-                    row_index=piece.row_index,
-                    col_index=piece.col_index,
-                    **self.svd_options,
-                )
-                if self.warm_start and top.V is not None:
-                    self._subspaces[key] = top.V
+                seed = self.seed + 1_000_003 * snapshot.step + index
+                update = None
+                if group.adapted:
+                    weights, update, moved = self._adapted(group, held)
+                    sent += moved
+                    factor_bytes += moved
+                else:
+                    weights = held if held.dtype in (torch.float32, torch.float64) else held.float()
+                top = self._svd(weights, key, group.pieces[0], seed, self.k)
                 values = metrics_from_spectrum(top.S, top.frobenius_sq, **self.metric_options)
+                sent += top.sent_bytes
+                if group.delta:
+                    update, moved = self._delta_update(group, weights, key, seed)
+                    sent += moved
+                if update is not None:
+                    values.update(update_metrics(*update))
                 # A host read on the worker: it waits for this compute stream only.
                 columns = {name: value.tolist() for name, value in values.items()}
-            del stack, batch
-            sent += top.sent_bytes
+            del held, weights
             for row, name in enumerate(group.names):
                 metrics[name] = {metric: float(column[row]) for metric, column in columns.items()}
         seconds = time.perf_counter() - start
@@ -460,7 +504,68 @@ class ShardedEngine:
             snapshot.main_thread_seconds,
             rank_scalars=health_scalars(sent_bytes=sent),
             sent_bytes=sent,
+            factor_bytes=factor_bytes,
         )
+
+    def _svd(self, weights: Any, key: str, piece: LocalPiece, seed: int, k: int) -> Any:
+        """The distributed SVD of one group's local rows, warm-started from the group's last."""
+        init = self._subspaces.get(key) if self.warm_start else None
+        generator = torch.Generator(device=weights.device)
+        generator.manual_seed(seed)
+        top = sharded_randomized_svd(
+            weights,
+            k,
+            group=self.group,
+            shape=piece.shape,
+            generator=generator,
+            init=init,
+            # The stacks hold rows of the split orientation (columns were transposed).
+            split="tiles" if piece.split == "tiles" else "rows",
+            row_index=piece.row_index,
+            col_index=piece.col_index,
+            **self.svd_options,
+        )
+        if self.warm_start and top.V is not None:
+            self._subspaces[key] = top.V
+        return top
+
+    def _adapted(self, group: ShardGroup, held: AdaptedCopy) -> tuple[Any, UpdateSpectrum, int]:
+        """The local rows of an adapted group as an operator, the update's exact spectrum, and
+        the bytes moved: the factors (one all-reduce) and ``||W_0||_F^2`` (one of B scalars)."""
+        wholes, moved = gather_factors(group.factors, held.parts, self.group)
+        members, ups, downs = [], [], []
+        for piece, index, base in zip(group.pieces, group.factor_index, held.bases, strict=True):
+            factors = {name: wholes[position] for name, position in index.items()}
+            local, up, down = adapted_rows(piece, factors, base)
+            members.append(local)
+            ups.append(up)
+            downs.append(down)
+        base_sq = torch.stack(
+            [torch.linalg.vector_norm(base, dtype=torch.float64).square() for base in held.bases]
+        )
+        moved += self._all_sum(base_sq)
+        rank = torch.tensor([float(up.shape[-1]) for up in ups], dtype=torch.float64)
+        spectrum = UpdateSpectrum(low_rank_singular_values(ups, downs), base_sq.sqrt(), rank)
+        rows = max(base.shape[0] for base in held.bases)
+        return LocalAdapted(members, rows), spectrum, moved
+
+    def _delta_update(
+        self, group: ShardGroup, weights: torch.Tensor, key: str, seed: int
+    ) -> tuple[UpdateSpectrum, int]:
+        """The spectrum of ``W_t - W_ref`` (a second distributed SVD of the same split: the
+        references are sharded as the weights) and ``||W_ref||_F``; the bytes moved."""
+        reference = group.reference_stack().to(weights.dtype)
+        top = self._svd(weights - reference, f"{key}/update", group.pieces[0], seed, DEFAULT_K)
+        reference_sq = torch.linalg.vector_norm(reference, dim=(-2, -1), dtype=torch.float64)
+        reference_sq = reference_sq.square()
+        moved = self._all_sum(reference_sq) + top.sent_bytes
+        rank = torch.full((len(reference),), float("nan"), dtype=torch.float64)
+        return UpdateSpectrum(top.S, reference_sq.sqrt(), rank, top.frobenius_sq), moved
+
+    def _all_sum(self, tensor: torch.Tensor) -> int:
+        """Sum ``tensor`` over the SVD's group in place; the bytes it sent."""
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group)
+        return tensor.numel() * tensor.element_size()
 
     # --- state ------------------------------------------------------------------------------
 
@@ -494,30 +599,34 @@ class ShardedEngine:
             raise self._error
 
 
-def _refuse_updates(targets: Sequence[Target]) -> None:
-    """Refuse targets that carry an update: the shards hold the frozen base ``W_0`` only, so the
-    blocks this engine decomposes would be the base's, not the effective ``W_0 + s B A``, and the
-    update family would stay empty. Until the worker assembles the (small) factors over the SVD
-    group, such a run is stopped at setup rather than charted as something it is not."""
-    updates = [target.name for target in targets if target.has_update]
-    if updates:
-        shown = ", ".join(updates[:3]) + (
-            f" and {len(updates) - 3} more" if len(updates) > 3 else ""
-        )
-        raise ShardingError(
-            f"sharded (DTensor) weights with an update are not decomposed yet: {shown} (PEFT "
-            "adapters or delta=); their base would be charted instead of the effective weight. "
-            "Watch them unsharded, or leave them out with exclude="
-        )
-
-
-def _group(pieces: Any) -> dict[str, ShardGroup]:
-    """Shape groups in first-seen (target) order, keyed by global facts only."""
+def _group(pieces: Sequence[LocalPiece], group_rank: int) -> dict[str, ShardGroup]:
+    """Shape groups in first-seen (target) order, keyed by global facts only (a kind that carries
+    an update groups apart: adapted layers, ``delta=`` targets)."""
     members: dict[str, list[LocalPiece]] = {}
     for piece in pieces:
-        dtype = str(piece.target.parameter.dtype).removeprefix("torch.")
+        target = piece.target
+        dtype = str(target.parameter.dtype).removeprefix("torch.")
         key = f"{piece.split}/{piece.shape[0]}x{piece.shape[1]}/{dtype}"
         if piece.split == "tiles":  # each its own group: the tiles' positions differ
-            key += f"/{piece.target.name}"
+            key += f"/{target.name}"
+        if isinstance(target, AdaptedTarget):
+            key += "/adapted"
+        elif isinstance(target, DeltaTarget):
+            key += "/delta"
         members.setdefault(key, []).append(piece)
-    return {key: ShardGroup(key, tuple(group)) for key, group in members.items()}
+    groups = {}
+    for key, group in members.items():
+        factors: dict[int, int] = {}  # id of a factor parameter -> its position
+        shards: list[FactorShard] = []
+        index: list[dict[str, int]] = []
+        for piece in group:
+            named = {}
+            if isinstance(piece.target, AdaptedTarget):
+                for name, parameter in piece.target.factor_parameters().items():
+                    if id(parameter) not in factors:  # shared (a fused layer's A): once
+                        factors[id(parameter)] = len(shards)
+                        shards.append(factor_shard(parameter, group_rank))
+                    named[name] = factors[id(parameter)]
+            index.append(named)
+        groups[key] = ShardGroup(key, tuple(group), tuple(shards), tuple(index))
+    return groups

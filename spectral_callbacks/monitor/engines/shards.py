@@ -52,7 +52,14 @@ from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 
 from spectral_callbacks.targets.target import Target
 
-__all__ = ["LocalPiece", "ShardingError", "local_piece", "mesh_ranks"]
+__all__ = [
+    "LocalPiece",
+    "ShardingError",
+    "is_replica",
+    "local_indices",
+    "local_piece",
+    "mesh_ranks",
+]
 
 
 class ShardingError(ValueError):
@@ -74,6 +81,9 @@ class LocalPiece:
             columns (``None`` otherwise).
         expert: for one expert of a 3-D experts tensor, its position in this rank's local block
             (``None`` for a 2-D weight).
+        held: for ``"rows"`` and ``"columns"``, the positions in the matrix of the block's rows
+            (the matrix's rows held here for ``"rows"``, its input columns for ``"columns"``):
+            where an adapter's factors meet the block (``shard_updates.py``).
 
     Index tensors live on the local block's device, put there once when the piece is built:
     moving them at each snapshot would be a host-to-device copy (a sync) on the training thread.
@@ -87,13 +97,16 @@ class LocalPiece:
     row_index: torch.Tensor | None = None
     col_index: torch.Tensor | None = None
     expert: int | None = None
+    held: torch.Tensor | None = None
 
-    def block(self) -> torch.Tensor:
+    def block(self, source: torch.Tensor | None = None) -> torch.Tensor:
         """The current ``(rows, d)`` local block: a view where the rows are contiguous.
 
         Reads only ``to_local()`` of a DTensor (never ``full_tensor()``): no communication.
+        ``source``: a tensor sharded as the parameter is, read in its place (a ``delta=``
+        reference kept with the parameter's placements).
         """
-        parameter = self.target.parameter
+        parameter = self.target.parameter if source is None else source
         local = (parameter.to_local() if isinstance(parameter, DTensor) else parameter).detach()
         if self.rows == 0:
             return local.new_empty((0, 0 if self.split == "tiles" else self.shape[1]))
@@ -128,7 +141,8 @@ def local_piece(target: Target, group_rank: int) -> LocalPiece:
     if not isinstance(parameter, DTensor):
         select: slice | torch.Tensor = slice(None) if group_rank == 0 else slice(0, 0)
         whole = target.shape[0] if group_rank == 0 else 0
-        return _piece(target, "rows", select, rows=whole, expert=expert)
+        held_rows = torch.arange(whole)
+        return _piece(target, "rows", select, rows=whole, expert=expert, held=held_rows)
     placements = parameter.placements
     if any(placement.is_partial() for placement in placements):
         raise ShardingError(
@@ -142,30 +156,28 @@ def local_piece(target: Target, group_rank: int) -> LocalPiece:
         split = "columns"
     else:
         split = "rows"
-    coordinate: Sequence[int] = parameter.device_mesh.get_coordinate() or ()
-    replica = any(
-        placement.is_replicate() and coordinate[mesh_dim] != 0
-        for mesh_dim, placement in enumerate(placements)
-    )
+    replica = is_replica(parameter)
     position = None
     if expert is not None:  # where the expert lies in the local block, if this rank holds it
-        found = (_local_indices(parameter, 0) == expert).nonzero().flatten()
+        found = (local_indices(parameter, 0) == expert).nonzero().flatten()
         replica = replica or len(found) == 0  # another rank holds it: an empty block here
         position = int(found[0]) if len(found) else None
-    held = _local_indices(parameter, out_dim)  # global output indices of the local rows
+    held = local_indices(parameter, out_dim)  # global output indices of the local rows
     rows = target.rows
     chunk = (parameter.shape[out_dim]) // rows.groups
     stop = chunk if rows.stop is None else rows.stop
     within = held % chunk
     positions = ((within >= rows.start) & (within < stop)).nonzero().flatten()
     if replica:  # another rank contributes this very block: take part with an empty one
-        empty = torch.zeros(0, dtype=torch.long) if split == "tiles" else None
-        return _piece(target, split, slice(0, 0), rows=0, row_index=empty, col_index=empty)
+        empty = torch.zeros(0, dtype=torch.long)
+        tile = empty if split == "tiles" else None
+        return _piece(
+            target, split, slice(0, 0), rows=0, row_index=tile, col_index=tile, held=empty
+        )
+    kept = within[positions]  # the role's rows of each chunk, in matrix order
+    role_rows = (held[positions] // chunk) * (stop - rows.start) + (kept - rows.start)
     if split == "tiles":
-        kept = within[positions]  # the role's rows of each chunk, in matrix order
-        group = held[positions] // chunk
-        role_rows = group * (stop - rows.start) + (kept - rows.start)
-        columns = _local_indices(parameter, in_dim)
+        columns = local_indices(parameter, in_dim)
         return _piece(
             target,
             split,
@@ -175,9 +187,10 @@ def local_piece(target: Target, group_rank: int) -> LocalPiece:
             col_index=columns,
             expert=position,
         )
-    held_columns = None if split == "rows" else _local_indices(parameter, in_dim)
+    held_columns = None if split == "rows" else local_indices(parameter, in_dim)
     count = len(positions) if held_columns is None else int(held_columns.numel())
-    return _piece(target, split, _as_slice(positions), rows=count, expert=position)
+    where = role_rows if held_columns is None else held_columns
+    return _piece(target, split, _as_slice(positions), rows=count, expert=position, held=where)
 
 
 def mesh_ranks(targets: list[Target]) -> list[int]:
@@ -220,7 +233,7 @@ def _shard_dim(placement: Any) -> int | None:
     return int(placement.dim)
 
 
-def _local_indices(parameter: DTensor, dim: int) -> torch.Tensor:
+def local_indices(parameter: DTensor, dim: int) -> torch.Tensor:
     """Global indices along ``dim`` of this rank's local block, by torch's own placement rules."""
     # Only the placements of `dim` move its indices: sharding of the other dimension is dropped
     # (Replicate), so the proxy is a size-1 vector along it, never a full-size tensor.
@@ -233,6 +246,16 @@ def _local_indices(parameter: DTensor, dim: int) -> torch.Tensor:
     proxy = torch.arange(parameter.shape[dim]).view(shape)
     local = distribute_tensor(proxy, parameter.device_mesh, placements, src_data_rank=None)
     return local.to_local().flatten().cpu()
+
+
+def is_replica(parameter: DTensor) -> bool:
+    """Whether another rank holds this very block: ``Replicate`` on a mesh dimension along which
+    this rank is not at coordinate 0 (the one there contributes it, so sums count it once)."""
+    coordinate: Sequence[int] = parameter.device_mesh.get_coordinate() or ()
+    return any(
+        placement.is_replicate() and coordinate[mesh_dim] != 0
+        for mesh_dim, placement in enumerate(parameter.placements)
+    )
 
 
 def _as_slice(positions: torch.Tensor) -> slice | torch.Tensor:
