@@ -6,6 +6,7 @@ formed in float64 by the test from ``full_tensor()`` of the base and the factors
 
 from __future__ import annotations
 
+import tempfile
 from typing import Any
 
 import torch
@@ -170,7 +171,7 @@ def refused(rank: int, world_size: int, how: str, kind: str) -> str:
     model = build(kind)
     shard(model, how, init_device_mesh("cpu", (world_size,)))
     try:
-        SpectralTracker(model, **OPTIONS).close(0)
+        SpectralTracker(model, logdir=tempfile.mkdtemp(), **OPTIONS).close(0)
     except Exception as error:  # noqa: BLE001 - the message is what the test reads
         return f"{type(error).__name__}: {error}"
     return "no error"
@@ -185,7 +186,7 @@ def circuits_refused(rank: int, world_size: int, how: str) -> list[str]:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
-            tracker = SpectralTracker(model, circuits=True, **OPTIONS)
+            tracker = SpectralTracker(model, logdir=tempfile.mkdtemp(), circuits=True, **OPTIONS)
         except Exception as error:  # noqa: BLE001 - the message is what the test reads
             return [f"{type(error).__name__}: {error}"]
         names = [target.name for target in tracker.targets]
