@@ -553,7 +553,7 @@ def _mlp_roles(
     residual stream, and what it reaches - the next block, the output head - is no MLP's)."""
 
     def entry(op: Op) -> str | None:
-        return next((name for name in op.modules if name in entries), None)
+        return next((name for name in _enclosing(op) if name in entries), None)
 
     for op in recording.ops:
         if op.name not in ACTIVATION_OPS or not op.data_inputs:
@@ -624,10 +624,21 @@ def _container_entries(modules: dict[str, nn.Module]) -> dict[str, str]:
     return entries
 
 
+def _enclosing(op: Op) -> list[str]:
+    """The modules ``op`` ran in and every module holding them, outermost first: a container's
+    entry reached by indexing (``block["attn"](x)``) is a block though it is never called."""
+    paths: dict[str, None] = {}
+    for name in op.modules:
+        parts = name.split(".") if name else []
+        for depth in range(len(parts) + 1):
+            paths.setdefault(".".join(parts[:depth]), None)
+    return list(paths)
+
+
 def _block_entries(entries: dict[str, str], calls: list[AttentionCall]) -> dict[str, str]:
     """The entries of the containers whose entries run attention calls (the stacks of blocks):
     an ``nn.Sequential(Linear, act, Dropout, Linear)`` MLP is a container too, but not a block's."""
-    ran = {name for call in calls for name in call.op.modules}
+    ran = {name for call in calls for name in _enclosing(call.op)}
     stacks = {container for name, container in entries.items() if name in ran}
     return {name: container for name, container in entries.items() if container in stacks}
 
@@ -645,11 +656,11 @@ def _place(
     holding: dict[str, int] = defaultdict(int)
     for call in calls:
         if call.op.index in read and not read[call.op.index].cross:
-            for name in set(call.op.modules):
+            for name in _enclosing(call.op):
                 holding[name] += 1
 
     def block_of(op: Op) -> tuple[str, str]:
-        for name in op.modules:
+        for name in _enclosing(op):
             if name in entries and holding.get(name, 0) <= 1:
                 return entries[name], name
         return "", ""

@@ -159,3 +159,60 @@ def test_a_short_fit_logs_every_form_exactly(form: Form) -> None:
             assert sorted(logged) == sorted(circuits), tag
             for step, value in logged.items():
                 assert value == pytest.approx(circuits[step][layer][h], rel=1e-6), (tag, step)
+
+
+class _NanoAttention(torch.nn.Module):
+    """nanoGPT's names (the rules read them) and its head count in ``self.nh`` (no name the
+    circuits look up): ``view(B, T, n, C // n)`` is where the count shows."""
+
+    def __init__(self, width: int = 32, nh: int = 4) -> None:
+        super().__init__()
+        self.nh = nh
+        self.c_attn, self.c_proj = torch.nn.Linear(width, 3 * width), torch.nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, L, C = x.shape
+        q, k, v = self.c_attn(x).split(C, dim=2)
+        q, k, v = (t.view(B, L, self.nh, C // self.nh).transpose(1, 2) for t in (q, k, v))
+        y = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.c_proj(y.transpose(1, 2).contiguous().view(B, L, C))
+
+
+class _NanoGPT(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.h = torch.nn.ModuleList(
+            [torch.nn.ModuleDict({"attn": _NanoAttention()}) for _ in "ab"]
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.h:
+            x = x + block["attn"](x)
+        return x
+
+
+def test_circuits_of_a_block_that_keeps_its_head_count_under_its_own_name() -> None:
+    # before: the names decided at construction and circuits=True ended with "no attention layer
+    # could be read (... its head count is not on the module or its config)"
+    torch.manual_seed(0)
+    model = _NanoGPT()
+    names = find_targets(model)
+    assert [t.role for t in names] == ["Q", "K", "V", "O"] * 2  # the names read every weight
+    logger = RecordingLogger()
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "the logit scale", PartialTargetWarning)
+        tracker = SpectralTracker(
+            model, ["stable_rank"], writers=[logger], figures=False, synchronous=True,
+            circuits=True,
+        )  # fmt: skip
+        assert tracker.targets == []  # the default ("auto"): only the forward tells the heads
+        model(example_input()).sum().backward()
+        tracker.step(1)
+        tracker.close()
+    heads = [(t.layer, t.head) for t in tracker.targets if t.head is not None]
+    assert heads == [(layer, h) for layer in range(2) for h in range(4)]
+    assert {t.name: t.role for t in tracker.targets if t.head is None} == {
+        t.name: t.role for t in names
+    }
+    tag = scalar_tag("qk_stable_rank", 1, "heads", 2, head=3)
+    assert sorted(logger.series(tag)) == [0, 1]
