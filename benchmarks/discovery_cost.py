@@ -14,6 +14,10 @@ of ``tests/unhelpful_model.py``) on the CPU, one thread. Per model, the median o
 Prints one row per model with the times in ms and the median of the per-round ratios
 ``recorded / plain`` (each round runs one of each, back to back).
 
+``--baseline REV``: the reader of git revision ``REV`` (its ``targets/roles.py``, loaded beside
+this checkout's, on this checkout's recording and replay) reads the same record, alternating with
+this one round by round; the row adds its ms and the median ratio ``read / read at REV``.
+
 Then what the default costs a run at step 0: per model and ``roles_from_first_forward`` value
 (``False``, ``"auto"``, ``True``), the median over ``--rounds`` of constructing a
 ``SpectralTracker`` and running the first training forward and backward (a compute that does no
@@ -26,8 +30,10 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import subprocess
 import sys
 import time
+import types
 from collections.abc import Callable
 from pathlib import Path
 
@@ -55,6 +61,22 @@ def _median_ms(run: Callable[[], object], rounds: int) -> float:
     return statistics.median(times)
 
 
+def _reader_at(revision: str) -> Callable[..., object]:
+    """``roles_from_recording`` as ``targets/roles.py`` of ``revision`` has it (a module of its
+    own, importing this checkout's recording and replay)."""
+    path = "spectral_callbacks/targets/roles.py"
+    source = subprocess.run(
+        ["git", "-C", str(ROOT), "show", f"{revision}:{path}"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    module = types.ModuleType(f"roles_at_{revision}")
+    sys.modules[module.__name__] = module  # dataclasses look their module up
+    exec(compile(source, f"{revision}:{path}", "exec"), module.__dict__)
+    return module.roles_from_recording  # type: ignore[no-any-return]
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=256)
@@ -62,7 +84,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--layers", type=int, default=12)
     parser.add_argument("--width", type=int, default=768)
+    parser.add_argument("--baseline", default=None, help="a git revision whose reader to compare")
     args = smoke.parse_args(parser, argv, tokens=16, batch=1, rounds=1, layers=2, width=128)
+    baseline = None if args.baseline is None else _reader_at(args.baseline)
     torch.set_num_threads(1)
     torch.manual_seed(0)
     size, heads = f"{args.layers}x{args.width}", max(4, args.width // 64)  # 4 groups
@@ -75,7 +99,10 @@ def main(argv: list[str] | None = None) -> None:
         ),
     }
     x = torch.randint(0, 256, (args.batch, args.tokens))
-    header = ("model", "plain ms", "recorded ms", "read ms", "find ms", "recorded/plain")
+    header: tuple[str, ...] = ("model", "plain ms", "recorded ms", "read ms", "find ms")
+    header += ("recorded/plain",)
+    if baseline is not None:
+        header += (f"read ms at {args.baseline}", f"read / read at {args.baseline}")
     print(" | ".join(header))
     print(" | ".join("---" for _ in header))
     for name, model in models.items():
@@ -96,11 +123,25 @@ def main(argv: list[str] | None = None) -> None:
         ratio = statistics.median(r / p for p, r in pairs)
         with torch.no_grad(), record(model) as rec:
             model(x)
-        read_ms = _median_ms(lambda rec=rec: roles_from_recording(rec), args.rounds)
+        extra = ""
+        if baseline is None:
+            read_ms = _median_ms(lambda rec=rec: roles_from_recording(rec), args.rounds)
+        else:  # both readers on the same record, alternating, so load hits both alike
+            reads = [
+                (
+                    _median_ms(lambda rec=rec: roles_from_recording(rec), 1),
+                    _median_ms(lambda rec=rec: baseline(rec), 1),
+                )
+                for _ in range(args.rounds)
+            ]
+            read_ms = statistics.median(now for now, _ in reads)
+            before_ms = statistics.median(then for _, then in reads)
+            read_ratio = statistics.median(now / then for now, then in reads)
+            extra = f" | {before_ms:.0f} | {read_ratio:.2f}"
         find_ms = _median_ms(lambda model=model: find_targets(model, example_input=x), 1)
         print(
             f"{name} | {plain_ms:.0f} | {recorded_ms:.0f} | {read_ms:.0f} | {find_ms:.0f} | "
-            f"{ratio:.2f}"
+            f"{ratio:.2f}{extra}"
         )
 
     print()
