@@ -182,22 +182,9 @@ def test_a_forward_confirms_each_names_reading(name: str) -> None:
     )
 
 
-# Blocks held in a list of lists (each entry of ``layers`` a ModuleList of its parts).
-NESTED = {"lucidrains", "x-transformers", "x-transformers glu"}
-LAYERED_BY_THE_FORWARD = [
-    pytest.param(
-        name,
-        marks=pytest.mark.xfail(
-            strict=True,
-            reason="the forward's reading numbers each entry of a nested list of blocks "
-            "(layers = ModuleList([ModuleList([...])])) as a stack of its own",
-        ),
-    )
-    for name in sorted(NESTED)
-] + sorted(set(MODELS) - NESTED)
-
-
-@pytest.mark.parametrize("name", LAYERED_BY_THE_FORWARD)
+# Blocks held in a list of lists (each entry of ``layers`` a ModuleList of its parts, called by
+# indexing): numbered by the forward as the names number them too.
+@pytest.mark.parametrize("name", sorted(MODELS))
 def test_a_forward_numbers_the_layers_as_the_names_do(name: str) -> None:
     model = rm.biased(MODELS[name][0]("sdpa"))
     with warnings.catch_warnings():
