@@ -6,8 +6,9 @@ QK-norm, trained at a high constant learning rate, grows its attention logits un
 is one-hot (attention entropy collapse) and its loss suffers; the same model with QK-norm
 (LayerNorm on each head's queries and keys, Dehghani et al. 2023) does not. Nothing is injected:
 the example GPT (examples/gpt.py, MHA, pre-LN, no biases) is trained on the standard library's
-bytes (examples/data.py) with AdamW at a constant learning rate, no warmup, no weight decay, no
-z-loss, and the same run is repeated with QK-norm, for each learning rate, shape and seed asked.
+bytes (examples/data.py) with AdamW at a constant learning rate (no warmup unless ``--warmup``),
+no weight decay, no z-loss, and the same run is repeated with QK-norm, for each learning rate,
+shape and seed asked.
 
 Each run has ``SpectralTracker(circuits=True)`` on with the default ``AlertRules()`` (a snapshot
 every ``--every`` steps). At each snapshot step a forward hook on every attention module measures,
@@ -18,14 +19,16 @@ does. Beside them: the logged weight-only values, ``qk_spectral_norm`` and the b
 (``qk_logit_bound`` without QK-norm, ``qk_norm_logit_bound`` with it).
 
 Printed, per run: the measured max |logit| and the logged values at step ``after_step`` and at
-the end; the first ``logit_growth`` alert; the first step the *measured* max |logit| of a layer
-grew by the rule's factor within its window (the same rule read on the real logits); the step the
-loss diverges (the first step after ``--settle`` whose loss is not finite or exceeds
-``--diverge-factor`` times the lowest loss before it) and the lead time (divergence step minus
-the first alert); the lowest and the final loss (mean of the last 20 steps). Then, for the first
-learning rate and seed, the trace of both runs over training.
+the end, and the largest measured max |logit| / (‖xᵢ‖‖xⱼ‖) over ``qk_logit_bound``; the first
+``logit_growth`` alert; the rule replayed by :class:`AlertWatch` on the measured max |logit| in
+place of the logged value, and on the logged values armed from step 0; the step the loss diverges
+(the first step after ``--settle`` whose loss is not finite or exceeds ``--diverge-factor`` times
+the lowest loss before it) and the step it falls behind the QK-norm run (its mean over the last 20
+steps ``--gap`` nats above that run's), each with its lead time after the first alert; the lowest
+and the final loss (mean of the last 20 steps). Then the trace of the first pair of runs.
 
-Run: ``python benchmarks/logit_growth_lead_time.py`` (about 10 minutes on a shared 2-core CPU).
+Run: ``python benchmarks/logit_growth_lead_time.py`` (six runs of 300 steps; the table and its
+reading are in docs/callback.md, Attention heads).
 """
 
 from __future__ import annotations

@@ -263,8 +263,8 @@ class AlertWatch:
         for name, row in values.items():
             target = self.targets.get(name)
             # Behind QK-norm the logits do not follow the projections (their qk_spectral_norm grew
-            # 2x on QK-norm runs whose measured logits stayed flat: benchmarks/
-            # logit_growth_lead_time.py); the norms' gains bound them.
+            # 3.4x in 50 steps on a QK-norm run whose measured logits fell: benchmarks/
+            # logit_growth_lead_time.py, docs/callback.md); the norms' gains bound them.
             value = row.get("qk_norm_logit_bound", row.get("qk_spectral_norm", math.nan))
             if target is None or not math.isfinite(value):
                 continue
