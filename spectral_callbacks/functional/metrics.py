@@ -317,7 +317,7 @@ def frobenius_norm_sq(W: Tensor | MatrixBatch) -> Tensor:
         # ~1e19: those matrices are redone exactly, decided by a host read (free on the CPU, and
         # the usual all-finite batch then needs no mask: fewer small kernels per call).
         rows = torch.linalg.vector_norm(W, dim=-1)  # (..., m): no copy of W
-        frobenius_sq = torch.linalg.vector_norm(rows.double(), dim=-1).square()
+        frobenius_sq = rows.double().square().sum(-1)
         if all(math.isfinite(value) for value in frobenius_sq.flatten().tolist()):
             return frobenius_sq
         overflowed = ~torch.isfinite(frobenius_sq)
