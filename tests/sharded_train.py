@@ -1,12 +1,14 @@
 """A short sharded run (CPU, gloo, 2 processes) with SpectralMonitor, for tests/integrations/test_sharded_frontends.py.
 
-``python tests/sharded_train.py OUTDIR [--tp] [--steps S] [--fail-rank R --fail-step F]
+``python tests/sharded_train.py OUTDIR [--tp] [--lora] [--steps S] [--fail-rank R --fail-step F]
 [--checkpoint-every N] [--resume CKPT] [--suffix S]``
 
 Lightning's ``ModelParallelStrategy`` on 2 CPU devices: by default ``data_parallel_size=2`` with
 ``fully_shard`` per block of Hugging Face's GPT-2 (fused ``c_attn``, ``Conv1D`` stored (in, out));
 with ``--tp``, ``tensor_parallel_size=2`` with column/row-parallel attention and MLP of a GPT-NeoX
-style GPT (fused ``query_key_value`` interleaved per head). Lightning re-runs this script once per
+style GPT (fused ``query_key_value`` interleaved per head); with ``--lora``, ``fully_shard`` per
+block of a Llama-layout GPT with PEFT LoRA adapters (``tests/sharded_update_cases.py``), whose
+recorded matrices are the effective ``W_0 + s B A``. Lightning re-runs this script once per
 extra rank, so it must be a file. A recorder gathers every watched matrix (``full_tensor()``, a
 test-only collective on every rank) at every optimizer step and rank 0 saves them to
 ``OUTDIR/weights.pt``, with the callback's state to ``OUTDIR/monitor_state.pt``.
@@ -31,6 +33,7 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.strategies import ModelParallelStrategy
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import sharded_update_cases as updates  # noqa: E402
 from sharded_models import build, full_matrix, shard  # noqa: E402
 from tiny_models import WeightRecorder, token_loader  # noqa: E402
 
@@ -47,12 +50,15 @@ class ShardedGPT(LightningModule):
     def __init__(self, name: str, how: str, fail_rank: int | None, fail_step: int | None) -> None:
         super().__init__()
         torch.manual_seed(0)  # the same initial weights on every rank
-        self.model, self.loss_of = build(name, d=64)
-        self.how, self.fail_rank, self.fail_step = how, fail_rank, fail_step
+        if name == "lora":
+            self.model, self.loss_of = updates.build("lora"), lambda model, x, y: model(x, y)
+        else:
+            self.model, self.loss_of = build(name, d=64)
+        self.name, self.how, self.fail_rank, self.fail_step = name, how, fail_rank, fail_step
 
     def configure_model(self) -> None:
         mesh = self.device_mesh["data_parallel" if self.how == "fsdp" else "tensor_parallel"]
-        shard(self.model, self.how, mesh)
+        (updates.shard if self.name == "lora" else shard)(self.model, self.how, mesh)
 
     def training_step(self, batch: Any, batch_idx: int) -> Any:
         if self.global_rank == self.fail_rank and self.global_step == self.fail_step:
@@ -71,7 +77,8 @@ class FullWeights(WeightRecorder):
         self.path = path
 
     def copy(self, target: Any) -> torch.Tensor:
-        return full_matrix(target)  # every rank: full_tensor() is a collective
+        # Every rank: full_tensor() is a collective. An adapted target: W_0 + s B A, float64.
+        return updates.effective(target)["weight"] if target.has_update else full_matrix(target)
 
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         super().on_train_end(trainer, pl_module)
@@ -83,6 +90,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("outdir", type=Path)
     parser.add_argument("--tp", action="store_true")
+    parser.add_argument("--lora", action="store_true")
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--fail-rank", type=int, default=None)
     parser.add_argument("--fail-step", type=int, default=None)
@@ -125,7 +133,8 @@ def main() -> None:
         enable_checkpointing=args.checkpoint_every is not None,
         log_every_n_steps=1,
     )
-    model = ShardedGPT("neox" if args.tp else "gpt2", how, args.fail_rank, args.fail_step)
+    name = "lora" if args.lora else "neox" if args.tp else "gpt2"
+    model = ShardedGPT(name, how, args.fail_rank, args.fail_step)
     trainer.fit(model, token_loader(num_batches=4 * args.steps), ckpt_path=args.resume)
     if trainer.is_global_zero:  # what a checkpoint written by rank 0 would hold
         torch.save(monitor.state_dict(), args.outdir / f"monitor_state{args.suffix}.pt")

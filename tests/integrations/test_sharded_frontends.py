@@ -71,6 +71,26 @@ def test_model_parallel_strategy_logs_the_exact_spectra_of_the_full_weights(
         assert state["references"][target.name] == pytest.approx(logged[0], rel=1e-6)
 
 
+def test_model_parallel_strategy_with_lora_logs_the_exact_spectra_of_the_effective_weights(
+    tmp_path: Path,
+) -> None:
+    # fully_shard per block of a PEFT LoRA model in configure_model: every matrix's logged values
+    # against float64 of W_0 + s B A (adapted) or W (frozen), gathered by full_tensor().
+    finished = run_script(tmp_path, "--lora", script=SCRIPT)
+    assert finished.returncode == 0, finished.stdout[-3000:]
+    scalars = read_scalars(tmp_path / "tb" / "version_0")
+    weights = torch.load(tmp_path / "weights.pt")
+    sys.path.insert(0, str(SCRIPT.parent))
+    from sharded_train import ShardedGPT
+
+    targets = find_targets(ShardedGPT("lora", "fsdp", None, None))
+    check_against_exact(scalars, weights, targets, k=8)
+    adapted = [target for target in targets if target.has_update]
+    assert len(adapted) == 8
+    for target in adapted:  # the update family is logged too
+        assert sorted(scalars[scalar_tag("update_stable_rank", target.layer, target.role)])
+
+
 def test_a_resumed_model_parallel_run_keeps_every_compression_reference(tmp_path: Path) -> None:
     # Fit 6 steps with a checkpoint at step 6 (a distributed checkpoint directory: the sharded
     # weights in .distcp files, the callback states in rank 0's meta.pt), then resume it to
