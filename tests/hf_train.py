@@ -9,6 +9,7 @@ The watched matrices after every optimizer step are saved (rank 0) to ``OUTDIR/w
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 from pathlib import Path
@@ -63,9 +64,20 @@ class WeightRecorder(TrainerCallback):
         self.weights: dict[int, dict[str, torch.Tensor]] = {}
 
     def _record(self, step: int, model: torch.nn.Module) -> None:
-        self.weights[step] = {
-            t.name: t.matrix().detach().double().clone() for t in find_targets(model)
-        }
+        with _gathered(model):
+            self.weights[step] = {
+                t.name: t.matrix().detach().double().clone() for t in find_targets(model)
+            }
+
+
+def _gathered(model: torch.nn.Module) -> contextlib.AbstractContextManager[object]:
+    """ZeRO-3's partitions gathered with DeepSpeed's public ``GatheredParameters`` (every rank)."""
+    parameters = list(model.parameters())
+    if not any(hasattr(parameter, "ds_id") for parameter in parameters):
+        return contextlib.nullcontext()
+    import deepspeed
+
+    return deepspeed.zero.GatheredParameters(parameters, modifier_rank=None)
 
     def on_train_begin(
         self, args: Any, state: Any, control: Any, model: Any = None, **kw: Any

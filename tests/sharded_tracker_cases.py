@@ -103,43 +103,6 @@ def resumed_training(rank: int, world_size: int, outdir: str) -> dict[str, Any]:
     return found
 
 
-def fsdp1_refused(rank: int, world_size: int) -> list[str]:
-    """Wrap GPT-2 in FSDP1 (``FullyShardedDataParallel`` on the CPU, gloo), with and without
-    ``use_orig_params``, train one step, then construct a tracker on the wrapper and on the module
-    inside it, and once more on the wrapper with the private parameter marks unknown; returns each
-    ConfigurationError's message."""
-    from torch.distributed.fsdp import FullyShardedDataParallel
-
-    from spectral_callbacks.monitor.options import ConfigurationError
-
-    messages = []
-    for use_orig_params in (False, True):
-        torch.manual_seed(0)
-        model, loss_of = build("gpt2", d=64)
-        wrapped = FullyShardedDataParallel(
-            model, device_id=torch.device("cpu"), use_orig_params=use_orig_params
-        )
-        optimizer = torch.optim.AdamW(wrapped.parameters(), lr=1e-2)
-        loss_of(wrapped, *batch(rank, 1, "fsdp")).backward()  # FSDP1 really trains on the CPU
-        optimizer.step()
-        for held in (wrapped, model):  # what a loop holds: the wrapper, or the module inside it
-            try:
-                SpectralTracker(held, figures=False)
-            except ConfigurationError as error:
-                messages.append(str(error))
-            else:
-                messages.append(f"not refused: use_orig_params={use_orig_params}, {type(held)}")
-    # The fallback if torch renames its private marks: the public wrapper class still refuses.
-    from spectral_callbacks.monitor.engines import partitioned
-
-    partitioned._FSDP1_FLATTENED = ("_a_renamed_mark",)
-    try:
-        SpectralTracker(wrapped, figures=False)
-    except ConfigurationError as error:
-        messages.append(str(error))
-    return messages
-
-
 def hf_callback_under_fully_shard(rank: int, world_size: int, outdir: str) -> dict[str, Any]:
     """SpectralTrainerCallback's hooks, called as the Trainer calls them, on a ``fully_shard``
     GPT-2: what accelerate's FSDP2 (``fsdp_version: 2``) hands the callbacks, the same module with

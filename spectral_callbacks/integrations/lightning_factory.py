@@ -44,7 +44,6 @@ from typing import TYPE_CHECKING, Any
 
 from typing_extensions import override
 
-from spectral_callbacks.monitor.engines.partitioned import partitioned_error
 from spectral_callbacks.monitor.options import (
     DEFAULT_METRICS,
     ConfigurationError,
@@ -298,31 +297,26 @@ def check_strategy(trainer: Any, max_overhead: float | None, strategies: Any) ->
         strategies: the ``strategies`` module of the Trainer's package.
 
     Raises:
-        ConfigurationError: for FSDP (``FSDPStrategy``, FSDP1: its flat parameters are not
-            DTensors) and DeepSpeed ZeRO-3 (partitioned parameters): no rank holds a matrix or a
-            DTensor shard of one (``monitor/engines/partitioned.py``'s one message, which the tracker
-            also raises for such a model under the other frontends); for any other multi-process strategy than DDP and
-            ``ModelParallelStrategy``; and for ``max_overhead`` with several processes (the budget
+        ConfigurationError: for any other multi-process strategy than DDP (DeepSpeed included),
+            ``FSDPStrategy`` and ``ModelParallelStrategy``; and for ``max_overhead`` with several processes (the budget
             is measured per rank, so ranks would snapshot at different steps).
     """
     strategy = getattr(trainer, "strategy", None)
     name = type(strategy).__name__
-    if isinstance(strategy, strategies.FSDPStrategy):
-        raise partitioned_error("SpectralMonitor", f"{name} (FSDP1)")
-    if (
-        isinstance(strategy, strategies.DeepSpeedStrategy)
-        and isinstance(getattr(strategy, "config", None), dict)
-        and strategy.zero_stage_3
-    ):
-        raise partitioned_error("SpectralMonitor", f"{name} (ZeRO stage 3)")
     world_size = int(getattr(trainer, "world_size", 1) or 1)
-    multi_process = (strategies.DDPStrategy, strategies.ModelParallelStrategy)
+    # FSDPStrategy (FSDP1) and DeepSpeed ZeRO-3 (a DDPStrategy): gathered unit by unit by the
+    # tracker (monitor/engines/partitioned.py), which refuses what it cannot gather.
+    multi_process = (
+        strategies.DDPStrategy,
+        strategies.ModelParallelStrategy,
+        strategies.FSDPStrategy,
+    )
     if world_size > 1 and not isinstance(strategy, multi_process):
         raise ConfigurationError(
             f"SpectralMonitor does not support {name} with {world_size} processes: it supports a "
             "single device, DDP (strategy='ddp', 'ddp_spawn', 'ddp_notebook', DeepSpeed stages "
-            "1-2) and sharded DTensor weights through ModelParallelStrategy (fully_shard / FSDP2 "
-            "and tensor parallelism in configure_model)."
+            "1-3), FSDPStrategy (FSDP1) and sharded DTensor weights through "
+            "ModelParallelStrategy (fully_shard / FSDP2 and tensor parallelism in configure_model)."
         )
     if world_size > 1 and max_overhead is not None:
         raise ConfigurationError(

@@ -37,8 +37,10 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -96,21 +98,35 @@ def group_by_shape(targets: Sequence[Target]) -> list[ShapeGroup]:
     ]
 
 
-def take_snapshot(groups: Sequence[ShapeGroup], step: int) -> Snapshot:
+def take_snapshot(
+    groups: Sequence[ShapeGroup],
+    step: int,
+    gathers: Sequence[tuple[Callable[[], AbstractContextManager[object]], Sequence[ShapeGroup]]]
+    | None = None,
+) -> Snapshot:
     """Copy every group's current matrices, on the stream that runs training (see the module doc).
 
     Args:
         groups: from :func:`group_by_shape`.
         step: the optimizer step whose weights these are (``trainer.global_step``).
+        gathers: where the parameters are whole only inside a gather (FSDP1, ZeRO-3:
+            ``engines/partitioned.py``), ``(open, groups)`` pairs: each pair's groups are copied
+            inside ``open()``, in order; every pair is opened, even with no group to copy (the
+            gathers are collectives). ``None``: ``groups`` copied as they are.
 
     Returns:
         The snapshot, with the main-thread seconds the copy cost (on CUDA: the launches only).
     """
     start = time.perf_counter()
-    cuda = list(dict.fromkeys(group.device for group in groups if group.device.startswith("cuda")))
+    rounds = [(contextlib.nullcontext, groups)] if gathers is None else gathers
+    every = [group for _, members in rounds for group in members]
+    cuda = list(dict.fromkeys(group.device for group in every if group.device.startswith("cuda")))
     copy_started = {device: record_event(device) for device in cuda}
+    tensors: dict[str, Stack] = {}
     with torch.no_grad():
-        tensors = {group.key: _stack(group) for group in groups}
+        for gather, members in rounds:
+            with gather():
+                tensors.update({group.key: _stack(group) for group in members})
     # The compute stream waits on this event before it reads the stacks (engine.py); the training
     # stream itself waits for nothing: the copies are simply the next work in its order.
     copied = {device: record_event(device) for device in cuda}

@@ -142,9 +142,10 @@ class SpectralTracker:
             ``figure_roles`` naming a role the model does not have, ``max_overhead`` with
             several processes, ``lr_balance`` with several processes, without an optimizer at
             :meth:`begin` or with a param group mixing a watched matrix with other parameters,
-            ``optimizer`` without ``lr_balance``, ``compute`` with sharded (DTensor) weights, or parameters
-            flattened and partitioned by FSDP1 (``FullyShardedDataParallel``) or DeepSpeed
-            ZeRO-3 (shard with FSDP2 ``fully_shard`` instead).
+            ``optimizer`` without ``lr_balance``, ``compute`` with sharded (DTensor) weights, or
+            FSDP1 / ZeRO-3 parameters that cannot be gathered (FSDP1 without
+            ``use_orig_params=True``; adapters or ``circuits=`` under either: see
+            ``monitor/engines/partitioned.py``).
         ConfigurationError: from :meth:`step`, a step that is not a non-negative int or that
             goes back (checked before any work: the tracker stays usable).
         ShardedEngineError: with sharded weights, from :meth:`step` or :meth:`close`, if the
@@ -413,6 +414,7 @@ class SpectralTracker:
             options,
             inline=self.placement.inline,
             skipped=self._restored_skipped,
+            gathering=self._watch_plan.gathering,
         )
         once = {
             **self._reporter.num_layers_scalars(),

@@ -22,6 +22,7 @@ dynamo traces (``first_forward.py``); the checks of a module run with autocast o
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import warnings
 from collections.abc import Callable, Mapping
@@ -32,7 +33,7 @@ from torch.distributed.tensor import DTensor
 
 from spectral_callbacks.messages import rank_zero_info, rank_zero_warn
 from spectral_callbacks.monitor.engines.distributed import world
-from spectral_callbacks.monitor.engines.partitioned import refuse_partitioned
+from spectral_callbacks.monitor.engines.partitioned import Gathering, gathering_of, partitioning
 from spectral_callbacks.monitor.options import ConfigurationError, MonitorOptions
 from spectral_callbacks.targets.first_forward import COMPILED, FirstForward
 from spectral_callbacks.targets.roles import FlowMap
@@ -55,6 +56,9 @@ def _forward_not_followed(model: torch.nn.Module, compiled: bool = False) -> str
         # (forward, training_step) in place: dynamo's wrappers keep the callable they wrap.
         if any(hasattr(method, "_torchdynamo_orig_callable") for method in vars(module).values()):
             return "the model is compiled (torch.compile): its forward runs a graph"
+    scheme = partitioning(model)
+    if scheme is not None:
+        return f"its parameters are partitioned ({scheme}): each rank's forward gathers them"
     if any(isinstance(parameter, DTensor) for parameter in model.parameters()):
         return (
             "its weights are sharded (DTensor: fully_shard / tensor parallel): each rank's "
@@ -104,6 +108,10 @@ class WatchPlan:
         self.model = model
         self.options = options
         self.caller = caller
+        #: How FSDP1 / ZeRO-3 parameters are gathered (``None``: every rank holds its matrices or
+        #: DTensor shards); the targets are found, and ``delta=``'s references copied, inside
+        #: one gather of the whole model.
+        self.gathering: Gathering | None = gathering_of(model, caller)
         self._hand: Hand | None = hand
         self._release = release
         #: The heads handed over wait for the first forward's logit scales (the tracker holds
@@ -141,7 +149,6 @@ class WatchPlan:
                 return
         if follow is not False:
             # Everything that needs the targets waits for the forward (_on_first_forward).
-            refuse_partitioned(model, caller)
             self.first_forward = FirstForward(
                 model,
                 functools.partial(self._in_forward, self._on_first_forward),
@@ -217,6 +224,8 @@ class WatchPlan:
             self._heads = self._find_circuits(final, targets.heads_read, scales, scales_later)
             self.scales_pending = scales_later and bool(self._heads)
             final = final + self._heads
+        if self.gathering is not None:
+            self.gathering.check(final, self.caller)
         assert self._hand is not None, "the targets are handed over once"
         self._hand(final, begin)
         self._hand = None  # handed over: the plan holds no reference to the tracker any more
@@ -375,10 +384,9 @@ class WatchPlan:
         from spectral_callbacks.targets import UnwatchedExpertWarning, find_targets
         from spectral_callbacks.targets.find import TargetError, unwatched_experts_message
 
-        refuse_partitioned(self.model, self.caller)  # FSDP1, ZeRO-3: no matrix on any rank
         options = self.options.target_options
         try:
-            with warnings.catch_warnings():  # said once below, as the frontend's own warning
+            with warnings.catch_warnings(), self._whole():  # warnings: said once below
                 warnings.simplefilter("ignore", UnwatchedExpertWarning)
                 found = find_targets(self.model, **options, flow=flow)
         except TargetError as error:  # nothing to watch, or a bad mapping: a configuration error
@@ -398,6 +406,10 @@ class WatchPlan:
                 "`spectral_callbacks.format_targets(find_targets(model))`, then pass `mapping=`"
             )
         return found
+
+    def _whole(self) -> contextlib.AbstractContextManager[object]:
+        """The whole model gathered where its parameters are partitioned (FSDP1, ZeRO-3)."""
+        return contextlib.nullcontext() if self.gathering is None else self.gathering.whole()
 
     def _circuit_heads(self) -> Mapping[str, int] | None:
         """``circuits=``'s ``{pattern: num_heads}``, or ``None`` where it is ``True``."""
@@ -433,6 +445,7 @@ class WatchPlan:
 
         assert self.options.delta is not None
         try:
-            return with_references(targets, self.options.delta, self.caller)
+            with self._whole():
+                return with_references(targets, self.options.delta, self.caller)
         except TargetError as error:
             raise ConfigurationError(str(error)) from error

@@ -300,7 +300,9 @@ def decide(
     candidates, skipped, low_dim = [], [], 0
     first_name: dict[int, str] = {}
     position: dict[str, int] = {}  # parameter order, so the summary lists skipped weights in it
-    for name, parameter in model.named_parameters(remove_duplicate=False):
+    # nn.Module's own walk: FSDP1 overrides named_parameters to drop its wrapper segments, and the
+    # names must stay the paths of named_modules (clean_name removes the segments for the rules).
+    for name, parameter in nn.Module.named_parameters(model, remove_duplicate=False):
         position[name] = len(position)
         if parameter.dim() < 2:
             low_dim += id(parameter) not in first_name

@@ -243,13 +243,9 @@ def test_engine_sends_each_result_at_the_next_point_and_a_late_one_as_missing(
         dist.destroy_process_group()
 
 
-def test_fsdp1_is_refused_at_setup_and_model_parallel_is_accepted() -> None:
+def test_fsdp1_and_model_parallel_are_accepted_at_setup() -> None:
     fsdp = SimpleNamespace(strategy=FSDPStrategy(), world_size=2, loggers=[object()])
-    with pytest.raises(
-        MisconfigurationException,
-        match=r"FSDPStrategy \(FSDP1\): it flattens.*ModelParallelStrategy with fully_shard",
-    ):
-        SpectralMonitor().setup(fsdp, TinyGPT(), "fit")
+    SpectralMonitor().setup(fsdp, TinyGPT(), "fit")  # FSDP1: gathered unit by unit
     sharded = SimpleNamespace(strategy=ModelParallelStrategy(), world_size=2, loggers=[object()])
     SpectralMonitor().setup(sharded, TinyGPT(), "fit")  # FSDP2 / tensor parallel DTensors
     with pytest.raises(MisconfigurationException, match="`max_overhead` is not supported with 2"):

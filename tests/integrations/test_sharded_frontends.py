@@ -226,19 +226,6 @@ def test_the_hugging_face_callback_under_fully_shard_uses_the_sharded_engine(
             assert value == pytest.approx(truth, rel=0.01), (name, step)
 
 
-def test_the_tracker_refuses_an_fsdp1_model_naming_fully_shard(tmp_path: Path) -> None:
-    for messages in run_ranks(cases.fsdp1_refused, 2, tmp_path):
-        # {wrapper, module inside} x {use_orig_params False, True}, and the wrapper found by its
-        # class alone (the fallback if torch renames the private marks on flattened parameters)
-        assert len(messages) == 5
-        for message in messages:
-            assert message.startswith(
-                "SpectralTracker cannot watch a model trained with FSDP1 "
-                "(FullyShardedDataParallel): it flattens and partitions the parameters"
-            ), message
-            assert "fully_shard" in message and "`spectral-callbacks analyze`" in message
-
-
 def test_make_engine_picks_the_sharded_engine_for_dtensors_and_refuses_a_custom_compute(
     tmp_path: Path,
 ) -> None:

@@ -49,6 +49,7 @@ Example::
 from __future__ import annotations
 
 import collections
+import dataclasses
 import datetime
 import time
 from collections.abc import Sequence
@@ -59,10 +60,12 @@ import torch
 import torch.distributed as dist
 
 from spectral_callbacks.messages import rank_zero_warn
+from spectral_callbacks.monitor.engines.budget import Plan, mib, plan_snapshot
 from spectral_callbacks.monitor.engines.compute import SVD_FALLBACK
 from spectral_callbacks.monitor.engines.engine import Compute, SnapshotEngine, SnapshotResult
-from spectral_callbacks.monitor.options import MonitorOptions
-from spectral_callbacks.monitor.snapshot import Snapshot, group_by_shape
+from spectral_callbacks.monitor.engines.partitioned import GatherUnit
+from spectral_callbacks.monitor.options import ConfigurationError, MonitorOptions
+from spectral_callbacks.monitor.snapshot import ShapeGroup, Snapshot, group_by_shape, take_snapshot
 from spectral_callbacks.names import monitor_tag
 from spectral_callbacks.targets.target import Target
 
@@ -258,33 +261,34 @@ class DistributedEngine:
         inline: bool | None = None,
         budget: int | None = None,
         skipped: int = 0,
+        units: Sequence[GatherUnit] | None = None,
     ) -> None:
         owners = partition(targets, world_size)
         self.rank, self.world_size, self.group = rank, world_size, group
-        self.owned = [
-            target for target, owner in zip(targets, owners, strict=True) if owner == rank
-        ]
+        mine = {target.name for target, owner in zip(targets, owners, strict=True) if owner == rank}
+        self.owned = [target for target in targets if target.name in mine]
         self.layout = ResultLayout([target.name for target in targets], columns, world_size)
+        # FSDP1 / ZeRO-3: every unit is gathered on every rank, this rank's groups copied inside;
+        # the largest unit's full parameters are held beside this rank's copies.
+        self.gathers = None
+        groups = group_by_shape(self.owned)
+        gathered = 0
+        if units is not None:
+            self.gathers = [(unit.open, _unit_groups(unit, mine)) for unit in units]
+            groups = [group for _, unit_groups in self.gathers for group in unit_groups]
+            gathered = max((unit.gathered_bytes for unit in units), default=0)
+            if budget is not None:  # checked whole, before any matrix alone is
+                _refuse_staggered(plan_snapshot(groups, compute, None), budget, rank, gathered)
         self._local = SnapshotEngine(
             compute,
-            group_by_shape(self.owned),
+            groups,
             options,
             inline=inline,
-            budget=budget,
+            budget=None if budget is None else budget - gathered,
             skipped=skipped,
         )
         if self._local.plan.staggered:
-            from spectral_callbacks.monitor.engines.budget import mib
-            from spectral_callbacks.monitor.options import ConfigurationError
-
-            plan = self._local.plan
-            need = sum(plan.copies.values()) + max(plan.working.values()) + plan.kept
-            raise ConfigurationError(
-                f"`max_snapshot_bytes` ({plan.budget} bytes = {mib(plan.budget or 0)}) cannot hold "
-                f"rank {rank}'s share of a snapshot at once ({need} bytes = {mib(need)}); under "
-                "several processes every snapshot is taken at one step on every rank, so raise "
-                "`max_snapshot_bytes` to at least that, or watch fewer matrices (`roles=`, `exclude=`)"
-            )
+            _refuse_staggered(self._local.plan, budget, rank, gathered)
         self.groups = self._local.groups
         self.max_pending = options.max_pending
         self.lag = max(1, self.max_pending - 1)
@@ -325,11 +329,18 @@ class DistributedEngine:
         """Nothing: snapshots are never staggered here."""
 
     def offer(self, step: int) -> bool:
-        """A scheduled point: send the result now due, then snapshot this rank's share of ``step``."""
+        """A scheduled point: send the result now due, then snapshot this rank's share of ``step``
+        (FSDP1 / ZeRO-3: inside each unit's gather, which every rank opens, copying or not)."""
         if self._aborted:
             return False
         self._send_due()
-        accepted = self._local.offer(step)
+        if self.gathers is not None:
+            # No collect runs between this test and submit, so a full engine still skips there.
+            room = self._local.pending < self.max_pending
+            gathers = self.gathers if room else [(open_, []) for open_, _ in self.gathers]
+            accepted = self._local.submit(take_snapshot([], step, gathers))
+        else:
+            accepted = self._local.offer(step)
         self._points.append(_Point(step, accepted))
         return accepted
 
@@ -463,6 +474,36 @@ class DistributedEngine:
                 category=RuntimeWarning,
             )
         return partial
+
+
+def _refuse_staggered(plan: Plan, budget: int | None, rank: int, gathered: int) -> None:
+    """Raise if ``plan``'s snapshot and ``gathered`` bytes of one gathered unit exceed ``budget``:
+    under several processes a snapshot is never staggered over steps.
+
+    Raises:
+        ConfigurationError: with the bytes needed.
+    """
+    need = sum(plan.copies.values()) + max(plan.working.values(), default=0) + plan.kept
+    need += gathered
+    if budget is None or (need <= budget and not plan.staggered):
+        return
+    gather = f", {gathered} bytes of them one gathered unit" if gathered else ""
+    raise ConfigurationError(
+        f"`max_snapshot_bytes` ({budget} bytes = {mib(budget)}) cannot hold "
+        f"rank {rank}'s share of a snapshot at once ({need} bytes = {mib(need)}{gather}); "
+        "under several processes every snapshot is taken at one step on every rank, so "
+        "raise `max_snapshot_bytes` to at least that, or watch fewer matrices (`roles=`, "
+        "`exclude=`)"
+    )
+
+
+def _unit_groups(unit: GatherUnit, mine: set[str]) -> list[ShapeGroup]:
+    """The shape groups of ``unit``'s targets that this rank owns, keyed by the unit too (each
+    is copied inside its own gather)."""
+    owned = [target for target in unit.targets if target.name in mine]
+    return [
+        dataclasses.replace(group, key=f"{unit.key}/{group.key}") for group in group_by_shape(owned)
+    ]
 
 
 def results_group(timeout_seconds: float) -> Any:

@@ -1,24 +1,36 @@
-"""Parameters no rank holds a matrix of: FSDP1's flat parameters and DeepSpeed ZeRO-3's partitions.
+"""Parameters no rank holds a matrix of - FSDP1's flat parameters, DeepSpeed ZeRO-3's partitions -
+gathered by the strategy's own public API, one unit at a time.
 
 The monitor decomposes a watched matrix where it lives: whole on every rank (one process, DDP), or
 as DTensor shards whose global positions are known (FSDP2 ``fully_shard``, tensor parallelism;
-see ``shards.py``). FSDP1 (``FullyShardedDataParallel``) concatenates a module's parameters into
-one 1-D ``FlatParameter`` and gives each rank a slice of it; with ``use_orig_params=True`` each
-original parameter is a 1-D view of that slice, often empty. ZeRO-3 replaces every parameter by an
-empty placeholder with its partition kept aside. Neither leaves a matrix, or a block of one with
-known rows and columns, on any rank, and gathering them would move every watched weight at every
-snapshot. So every frontend refuses them, with one message (:func:`partitioned_error`): the
-tracker when it finds them on the model (:func:`refuse_partitioned`, which the Hugging Face
-callback, Fabric and raw loops go through), Lightning's ``check_strategy`` earlier, from the
-strategy, before the model is wrapped.
+see ``shards.py``). FSDP1 (``FullyShardedDataParallel``) concatenates each wrapped unit's
+parameters into one 1-D ``FlatParameter`` and gives each rank a slice of it; with
+``use_orig_params=True`` each original parameter is a 1-D view of that slice, often empty.
+ZeRO-3 replaces every parameter by an empty placeholder with its partition kept aside. Neither
+leaves a matrix on any rank, so a snapshot gathers them with the strategy's own public API:
 
-How they are recognised, the one place that reads other libraries' markers:
+* FSDP1: ``FullyShardedDataParallel.summon_full_params(unit, recurse=False, writeback=False)``
+  per FSDP unit (inside it the original ``Parameter`` objects hold their full values);
+* ZeRO-3: ``deepspeed.zero.GatheredParameters(params, modifier_rank=None)`` per block of the
+  model (the parameters its watched matrices read).
+
+A :class:`GatherUnit` is one such gather and the targets that read only what it gathers. The
+engine (``distributed.DistributedEngine`` with ``units=``) opens every unit on every rank in the
+same order (the gathers are collectives) and, inside each, copies the matrices this rank owns;
+the ranks then decompose their own shares as under DDP. So a rank holds at most one unit's full
+parameters beyond its own copies, and a snapshot moves each unit's parameters once: at a 25-step
+cadence about 1/50 of the strategy's own traffic (it gathers every parameter twice a step,
+forward and backward; docs/distributed.md has the measured bytes).
+
+Finding the targets needs the model's full shapes once: :meth:`Gathering.whole` gathers the
+whole model for that (as one forward does, unit by unit, and the whole model at once here).
+
+How the schemes are recognised, the one place that reads other libraries' markers:
 
 * FSDP1: a ``FullyShardedDataParallel`` module (public), else a parameter FSDP1 marked as
   flattened - the ``FlatParameter`` itself (``_is_flat_param``) or an original parameter under
   ``use_orig_params`` - through the private ``_fsdp_flattened`` / ``_is_flat_param`` attributes
-  (torch's ``fsdp._common_utils.FSDP_FLATTENED``; FSDP2 sets neither). If torch renames them,
-  a wrapped model is still caught by its wrapper; only a module taken out of its wrapper is not.
+  (torch's ``fsdp._common_utils.FSDP_FLATTENED``; FSDP2 sets neither).
 * ZeRO-3: DeepSpeed's documented parameter attributes ``ds_id``, ``ds_status`` and ``ds_numel``
   (what ``deepspeed.zero.Init`` and the ZeRO-3 engine add to every partitioned parameter, and
   what ``deepspeed.zero.GatheredParameters`` users test for).
@@ -36,11 +48,25 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
+import functools
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+
 import torch
 
 from spectral_callbacks.monitor.options import ConfigurationError
+from spectral_callbacks.targets.target import Target
 
-__all__ = ["partitioned_error", "partitioning", "refuse_partitioned"]
+__all__ = [
+    "GatherUnit",
+    "Gathering",
+    "gathering_of",
+    "partitioned_error",
+    "partitioning",
+    "refuse_partitioned",
+]
 
 FSDP1 = "FSDP1 (FullyShardedDataParallel)"
 ZERO3 = "DeepSpeed ZeRO-3"
@@ -67,32 +93,242 @@ def partitioning(model: torch.nn.Module) -> str | None:
     return None
 
 
-def partitioned_error(caller: str, scheme: str) -> ConfigurationError:
-    """The one error every frontend raises for a model trained with ``scheme``.
+def partitioned_error(caller: str, scheme: str, why: str) -> ConfigurationError:
+    """The error every frontend raises for a model trained with ``scheme`` that cannot be gathered.
 
     Args:
         caller: the frontend's name (``SpectralMonitor``, ``SpectralTracker``, ...).
         scheme: what partitions the parameters (``FSDP1``, ``ZERO3``, a Lightning strategy name).
+        why: what stands in the way, and what to do.
     """
-    return ConfigurationError(
-        f"{caller} cannot watch a model trained with {scheme}: it flattens and partitions the "
-        "parameters, so no rank holds a matrix or a DTensor shard of one, and gathering them would "
-        "move every weight at every snapshot. Shard with FSDP2 instead "
-        "(torch.distributed.fsdp.fully_shard; under Lightning, ModelParallelStrategy with "
-        "fully_shard in configure_model), whose DTensor shards are decomposed where they live, or "
-        "save a full checkpoint and decompose it offline with `spectral-callbacks analyze`."
-    )
+    return ConfigurationError(f"{caller} cannot watch a model trained with {scheme}: {why}")
 
 
 def refuse_partitioned(model: torch.nn.Module, caller: str) -> None:
-    """Raise :func:`partitioned_error` if FSDP1 or ZeRO-3 holds ``model``'s parameters.
+    """Raise :func:`partitioned_error` if FSDP1 or ZeRO-3 holds ``model``'s parameters in a way
+    :func:`gathering_of` cannot gather (see there).
 
     Raises:
-        ConfigurationError: see :func:`partitioned_error`.
+        ConfigurationError: see :func:`gathering_of`.
+    """
+    gathering_of(model, caller)
+
+
+@dataclass(frozen=True)
+class GatherUnit:
+    """One gather of the strategy's public API and the watched matrices that read only what it
+    gathers.
+
+    Attributes:
+        key: the unit's name in the snapshot's group keys (``u03``).
+        targets: the targets read inside it, in target order.
+        gathered_bytes: the full bytes of every parameter it gathers (what a rank holds inside it).
+        open: enters the gather (a collective: every rank opens every unit, in the same order).
+    """
+
+    key: str
+    targets: tuple[Target, ...]
+    gathered_bytes: int
+    open: Callable[[], AbstractContextManager[object]]
+
+
+class Gathering:
+    """How one scheme gathers a model's parameters: the whole model, or unit by unit.
+
+    Args:
+        model: the model the loop holds.
+        scheme: :data:`FSDP1` or :data:`ZERO3`.
+    """
+
+    def __init__(self, model: torch.nn.Module, scheme: str) -> None:
+        self.model = model
+        self.scheme = scheme
+
+    def whole(self) -> AbstractContextManager[object]:
+        """Every parameter gathered (to find the targets and copy ``delta=``'s references)."""
+        raise NotImplementedError
+
+    def units(self, targets: Sequence[Target]) -> list[GatherUnit]:
+        """The gathers a snapshot of ``targets`` opens, in order, each with the targets it serves."""
+        raise NotImplementedError
+
+    def check(self, targets: Sequence[Target], caller: str) -> None:
+        """Refuse the kinds of target a gather cannot serve yet, in one line.
+
+        Raises:
+            ConfigurationError: an adapted layer (its snapshot keeps a reference to the frozen
+                base, which exists whole only inside the gather) or attention heads
+                (``circuits=``: their batch reads four projections the units do not group).
+        """
+        for target in targets:
+            if target.adapter_layer() is not None:
+                why = (
+                    f"{target.name} is an adapted layer, whose snapshot keeps a reference to its "
+                    "frozen base instead of a copy, and the base is whole only inside the gather; "
+                    "shard with FSDP2 (fully_shard) to watch adapters, or pass roles=/exclude= to "
+                    "leave the adapted layers out"
+                )
+                raise partitioned_error(caller, self.scheme, why)
+            if target.attention_layer is not None:
+                why = (
+                    "the per-head circuits (circuits=) are not gathered: pass circuits=False, or "
+                    "shard with FSDP2 (fully_shard)"
+                )
+                raise partitioned_error(caller, self.scheme, why)
+
+
+class FSDP1Gathering(Gathering):
+    """FSDP1 units: each ``FullyShardedDataParallel`` module, gathered without its nested units.
+
+    ``summon_full_params(unit, recurse=False, writeback=False)`` restores the unit's original
+    ``Parameter`` objects (``use_orig_params=True``) to their full values for the context, so a
+    target, which holds the live parameter, reads its whole matrix there; ``writeback=False``
+    discards nothing, the copies never write.
+    """
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__(model, FSDP1)
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
+        self._fsdp = FullyShardedDataParallel
+        self._units = [m for m in model.modules() if isinstance(m, FullyShardedDataParallel)]
+        # id(parameter) -> index of the unit that flattened it (its own modules, not nested units).
+        self._owner = {
+            id(parameter): index
+            for index, unit in enumerate(self._units)
+            for module in _own_modules(unit, FullyShardedDataParallel)
+            for parameter in module.parameters(recurse=False)
+        }
+        self._full_bytes: dict[int, int] = {}  # id(parameter) -> its full bytes, read in whole()
+
+    @contextlib.contextmanager
+    def whole(self) -> Iterator[object]:
+        with self._fsdp.summon_full_params(self.model, recurse=True, writeback=False):
+            for parameter in self.model.parameters():
+                self._full_bytes[id(parameter)] = parameter.numel() * parameter.element_size()
+            yield None
+
+    def units(self, targets: Sequence[Target]) -> list[GatherUnit]:
+        if not self._full_bytes:  # the plan found the targets without a whole gather
+            with self.whole():
+                pass
+        by_units: dict[tuple[int, ...], list[Target]] = {}
+        for target in targets:
+            read = {self._owner[id(p)] for p in read_parameters(target) if id(p) in self._owner}
+            by_units.setdefault(tuple(sorted(read)), []).append(target)
+        gathers = []
+        for owners, members in sorted(by_units.items()):
+            units = [self._units[index] for index in owners]
+            own = {
+                id(p)
+                for unit in units
+                for m in _own_modules(unit, self._fsdp)
+                for p in m.parameters(recurse=False)
+            }
+            gathers.append(
+                GatherUnit(
+                    "u" + "+".join(f"{index:03d}" for index in owners),
+                    tuple(members),
+                    sum(self._full_bytes.get(key, 0) for key in own),
+                    functools.partial(self._summon, units),
+                )
+            )
+        return gathers
+
+    @contextlib.contextmanager
+    def _summon(self, units: Sequence[torch.nn.Module]) -> Iterator[object]:
+        with contextlib.ExitStack() as stack:
+            for unit in units:
+                stack.enter_context(
+                    self._fsdp.summon_full_params(unit, recurse=False, writeback=False)
+                )
+            yield None
+
+
+class Zero3Gathering(Gathering):
+    """ZeRO-3 units: the parameters the watched matrices of one block (stack, layer) read,
+    gathered by one ``deepspeed.zero.GatheredParameters(params, modifier_rank=None)``."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__(model, ZERO3)
+
+    def whole(self) -> AbstractContextManager[object]:
+        return self._gathered(list(self.model.parameters()))
+
+    def units(self, targets: Sequence[Target]) -> list[GatherUnit]:
+        blocks: dict[tuple[str, int], list[Target]] = {}
+        for target in targets:
+            blocks.setdefault((target.stack, target.layer), []).append(target)
+        gathers = []
+        for index, members in enumerate(blocks.values()):
+            read = list({id(p): p for t in members for p in read_parameters(t)}.values())
+            size = sum(int(getattr(p, "ds_numel", p.numel())) * p.element_size() for p in read)
+            gathers.append(
+                GatherUnit(
+                    f"u{index:03d}", tuple(members), size, functools.partial(self._gathered, read)
+                )
+            )
+        return gathers
+
+    @staticmethod
+    def _gathered(parameters: list[torch.Tensor]) -> AbstractContextManager[object]:
+        import deepspeed
+
+        return deepspeed.zero.GatheredParameters(parameters, modifier_rank=None)
+
+
+def gathering_of(model: torch.nn.Module, caller: str = "SpectralTracker") -> Gathering | None:
+    """The gathering of ``model``'s partitioned parameters, or ``None`` where a rank holds them
+    whole (one process, DDP) or as DTensor shards (FSDP2, tensor parallel).
+
+    Args:
+        model: the model as the training loop holds it.
+        caller: the name messages use.
+
+    Raises:
+        ConfigurationError: FSDP1 with ``use_orig_params=False`` (its parameters are re-created
+            at each gather, so a watched matrix cannot be held), or FSDP1 parameters with no
+            ``FullyShardedDataParallel`` unit inside ``model`` (the module held inside its
+            wrapper: hand the tracker the wrapper).
     """
     scheme = partitioning(model)
-    if scheme is not None:
-        raise partitioned_error(caller, scheme)
+    if scheme == ZERO3:
+        return Zero3Gathering(model)
+    if scheme != FSDP1:
+        return None
+    if any(getattr(parameter, "_is_flat_param", False) for parameter in model.parameters()):
+        raise partitioned_error(
+            caller,
+            scheme,
+            "with use_orig_params=False its parameters are flat and the module's weights are "
+            "re-created at each gather, so no watched matrix can be held; wrap with "
+            "FullyShardedDataParallel(..., use_orig_params=True) (accelerate: "
+            "fsdp_use_orig_params: true; the Hugging Face Trainer: "
+            'fsdp_config={"use_orig_params": True})',
+        )
+    if not any(isinstance(module, _fsdp1_wrapper()) for module in model.modules()):
+        raise partitioned_error(
+            caller,
+            scheme,
+            "the model given holds FSDP1's flattened parameters but no FullyShardedDataParallel "
+            "unit to gather them with (the module taken out of its wrapper); pass the wrapper",
+        )
+    return FSDP1Gathering(model)
+
+
+def read_parameters(target: Target) -> tuple[torch.Tensor, ...]:
+    """The parameters a snapshot of ``target`` reads: its adapter layer's (base and factors) or
+    its own parameter."""
+    layer = target.adapter_layer()
+    return tuple(layer.parameters()) if layer is not None else (target.parameter,)
+
+
+def _own_modules(unit: torch.nn.Module, wrapper: type) -> Iterator[torch.nn.Module]:
+    """``unit`` and its descendants that no nested ``wrapper`` (FSDP unit) holds."""
+    yield unit
+    for child in unit.children():
+        if not isinstance(child, wrapper):
+            yield from _own_modules(child, wrapper)
 
 
 def _fsdp1_wrapper() -> tuple[type, ...]:

@@ -41,6 +41,7 @@ from torch.distributed.tensor import DTensor
 from spectral_callbacks.monitor.engines.budget import resolve_budget
 from spectral_callbacks.monitor.engines.compute import SpectrumCompute
 from spectral_callbacks.monitor.engines.engine import Compute, SnapshotResult
+from spectral_callbacks.monitor.engines.partitioned import Gathering
 from spectral_callbacks.monitor.options import ConfigurationError, MonitorOptions
 from spectral_callbacks.targets.target import Target
 
@@ -123,9 +124,11 @@ def make_engine(
     *,
     inline: bool | None = None,
     skipped: int = 0,
+    gathering: Gathering | None = None,
 ) -> Engine:
-    """The engine for this process: a ``ShardedEngine`` if a watched parameter is a DTensor, else a
-    :class:`SnapshotEngine`, or under DDP a ``DistributedEngine``.
+    """The engine for this process: a ``ShardedEngine`` if a watched parameter is a DTensor, a
+    ``DistributedEngine`` under DDP or where the parameters are gathered (``gathering``: FSDP1,
+    ZeRO-3), else a :class:`SnapshotEngine`.
 
     Under several processes (a default process group with more than one rank) it is a collective:
     every rank must call it, in the same order relative to other collectives.
@@ -143,6 +146,8 @@ def make_engine(
         inline: where the snapshots' CPU work runs, as ``placement.machine_placement`` chose
             (``None``: ``options.synchronous``, ``None`` there being the worker).
         skipped: skips counted before a resume.
+        gathering: how the model's partitioned parameters are gathered (``partitioned.py``'s
+            :func:`~spectral_callbacks.monitor.engines.partitioned.gathering_of`), or ``None``.
 
     Raises:
         ConfigurationError: sharded weights with a custom ``compute`` (the sharded SVD runs the
@@ -156,7 +161,7 @@ def make_engine(
         return _sharded_engine(compute, targets, options, inline=inline, skipped=skipped)
     budget = resolve_budget(options.max_snapshot_bytes, targets)
     rank, world_size = distributed.world()
-    if world_size == 1:
+    if world_size == 1 and gathering is None:
         return SnapshotEngine(
             compute,
             group_by_shape(targets),
@@ -176,6 +181,7 @@ def make_engine(
         inline=inline,
         budget=budget,
         skipped=skipped,
+        units=None if gathering is None else gathering.units(targets),
     )
 
 

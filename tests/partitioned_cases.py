@@ -1,0 +1,174 @@
+"""Raw training loops with SpectralTracker on FSDP1 (``FullyShardedDataParallel``, one unit per
+GPT-2 block, ``use_orig_params=True``, on the CPU), per rank (spawn_ranks.run_ranks).
+
+Each rank returns what the test checks; the full weights of every step are gathered *by the test*
+with FSDP1's own ``summon_full_params``, never by the tracker.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from sharded_engine_cases import batch
+from sharded_models import build
+
+from spectral_callbacks import SpectralTracker
+from spectral_callbacks.targets import find_targets
+
+K = 8
+STEPS = 10
+D = 64
+# Every scheduled step is checked, so max_pending never lets a loaded machine skip one.
+OPTIONS = dict(
+    every_n_steps=4, log_spaced_until=3, k=K, figures=False, drain_timeout=20.0, max_pending=8
+)
+
+
+def gpt2_with_biases(seed: int = 0) -> tuple[torch.nn.Module, Any]:
+    """The tiny GPT-2 of sharded_models with non-zero biases, as a checkpoint's are."""
+    torch.manual_seed(seed)  # the same initial weights on every rank
+    model, loss_of = build("gpt2", d=D)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if name.endswith(".bias"):
+                parameter.normal_(0.0, 0.02)
+    return model, loss_of
+
+
+def fsdp1(model: torch.nn.Module) -> torch.nn.Module:
+    """FSDP1 as accelerate and the Hugging Face Trainer wrap GPT-2: one unit per block."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+    from transformers.models.gpt2.modeling_gpt2 import GPT2Block
+
+    return FullyShardedDataParallel(
+        model,
+        auto_wrap_policy=ModuleWrapPolicy({GPT2Block}),
+        device_id=torch.device("cpu"),
+        use_orig_params=True,
+    )
+
+
+def gathered_weights(wrapped: torch.nn.Module, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every watched matrix in float64 by (layer, role), gathered with FSDP1's public
+    ``summon_full_params``."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    with FullyShardedDataParallel.summon_full_params(wrapped, writeback=False):
+        return {(t.layer, t.role): t.matrix().double().clone() for t in find_targets(model)}
+
+
+def tracked_fsdp1(
+    rank: int,
+    logdir: str,
+    wrap: bool = True,
+    options: dict[str, Any] | None = None,
+    steps: tuple[int, int] = (1, STEPS),
+    state: dict[str, Any] | None = None,
+    checkpoint: str | None = None,
+) -> dict[str, Any]:
+    """Train ``steps`` under the tracker (0, 1, 2, every 4, the last), FSDP1-wrapped (``wrap``)
+    or as the same model on every rank with no wrapper (the single-process reference: each rank
+    trains as one process would); every rank trains on the same batches, so both follow one
+    process's trajectory. ``checkpoint``: saved there (FSDP1's full state dict) after a first run,
+    loaded from it before a resumed one (``state``: the tracker's state to resume from)."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    model, loss_of = gpt2_with_biases()
+    if state is not None and checkpoint is not None:
+        model.load_state_dict(torch.load(checkpoint))
+    held = fsdp1(model) if wrap else model
+    optimizer = torch.optim.AdamW(held.parameters(), lr=1e-2)
+    first, last = steps
+    weights = {}
+    with SpectralTracker(
+        held, logdir=logdir, state=state, start_step=first - 1, **OPTIONS, **(options or {})
+    ) as tracker:
+        weights[first - 1] = gathered_weights(held, model) if wrap else None
+        for step in range(first, last + 1):
+            loss_of(held, *batch(0, step, "fsdp")).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            tracker.step(step)
+            weights[step] = gathered_weights(held, model) if wrap else None
+    if state is None and checkpoint is not None:
+        # Through summon_full_params: FSDP1's FULL_STATE_DICT with CPU offload segfaults on the
+        # CPU here (torch 2.13, in its post-state-dict hook).
+        with FullyShardedDataParallel.summon_full_params(held, writeback=False):
+            full = {
+                name.replace("_fsdp_wrapped_module.", ""): value.clone()
+                for name, value in model.state_dict().items()
+            }
+        if rank == 0:
+            torch.save(full, checkpoint)
+    return {
+        "state": tracker.state_dict(),
+        "weights": weights if rank == 0 else None,
+        "targets": [(t.layer, t.role) for t in tracker.targets],
+    }
+
+
+def refusals(rank: int) -> dict[str, str]:
+    """What each FSDP1 wrapping the tracker cannot gather says (or ``"accepted"``)."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    from spectral_callbacks.monitor.options import ConfigurationError
+
+    said = {}
+    for use_orig_params in (False, True):
+        model, loss_of = gpt2_with_biases()
+        wrapped = FullyShardedDataParallel(
+            model, device_id=torch.device("cpu"), use_orig_params=use_orig_params
+        )
+        loss_of(wrapped, *batch(rank, 1, "fsdp")).backward()  # FSDP1 really trains on the CPU
+        for held, what in ((wrapped, "wrapper"), (model, "inside")):
+            try:
+                SpectralTracker(held, figures=False, logdir=None, writers=[_Discard()]).close()
+            except ConfigurationError as error:
+                said[f"{what}, use_orig_params={use_orig_params}"] = str(error)
+            else:
+                said[f"{what}, use_orig_params={use_orig_params}"] = "accepted"
+    return said
+
+
+class _Discard:
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        pass
+
+
+def fsdp1_runs(rank: int, world_size: int, outdir: str) -> dict[str, Any]:
+    """Everything the FSDP1 tests check, on one group of ranks (a spawn costs more than a run):
+    a tracked run with ``delta="first"`` within a budget that holds one gathered unit and this
+    rank's share; the same model unwrapped; a budget one byte too small; a run resumed from a
+    checkpoint; the wrappings that are refused."""
+    from spectral_callbacks.monitor.options import ConfigurationError
+
+    found: dict[str, Any] = {"refusals": refusals(rank)}
+    try:  # the bytes a snapshot holds on this rank: the refusal of a budget that holds one
+        # matrix (808 KiB with its working set) but not the share says them
+        tracked_fsdp1(rank, f"{outdir}/never", options=dict(max_snapshot_bytes=10**6), steps=(1, 0))
+    except ConfigurationError as error:
+        found["need"] = int(str(error).split("at once (")[1].split(" bytes")[0])
+    need = torch.tensor([found["need"]])
+    torch.distributed.all_reduce(need, op=torch.distributed.ReduceOp.MAX)  # the largest share
+    budget = int(need)
+    found["budget"] = budget
+    try:  # every rank refuses its own need less one byte (a rank that went on would hang)
+        tracked_fsdp1(rank, f"{outdir}/never", options=dict(max_snapshot_bytes=found["need"] - 1))
+    except ConfigurationError as error:
+        found["too_small"] = str(error)
+    found["fsdp1"] = tracked_fsdp1(
+        rank, f"{outdir}/fsdp1", options=dict(delta="first", max_snapshot_bytes=budget)
+    )
+    found["single"] = tracked_fsdp1(
+        rank, f"{outdir}/single", wrap=False, options=dict(delta="first")
+    )
+    checkpoint = f"{outdir}/checkpoint.pt"
+    first = tracked_fsdp1(rank, f"{outdir}/first", steps=(1, 6), checkpoint=checkpoint)
+    torch.distributed.barrier()  # rank 0 has saved the checkpoint
+    found["first"] = first
+    found["resumed"] = tracked_fsdp1(
+        rank, f"{outdir}/resumed", steps=(7, STEPS), state=first["state"], checkpoint=checkpoint
+    )
+    return found
