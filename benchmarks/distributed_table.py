@@ -12,6 +12,18 @@ snapshot at step 0 and warm ones after each of 3 AdamW steps through the ``Shard
 tracker builds (k = 32, Krylov blocks in bfloat16); ``exact`` means every stable rank is within 1 %
 of the float64 SVD of the whole effective matrix, gathered here by ``full_tensor()``.
 
+``partitioned_rows``: FSDP1 (``FullyShardedDataParallel``, one unit per block,
+``use_orig_params=True``) and DeepSpeed ZeRO-3, gathered unit by unit (``monitor/engines/
+partitioned.py``), on a GPT-2 of 2 blocks of width ``--width``. FSDP1 x {dense, delta} runs a real
+tracker and *measures* the bytes by counting every all-gather FSDP1 issues through
+``torch.distributed`` (what a rank receives) during one snapshot and during one training step
+(``strategy's own KB/step``: forward and backward gather every unit); ZeRO-3 is not run here
+(DeepSpeed's CPU accelerator JIT-builds an extension, minutes): its bytes are *counted* from the
+``ds_numel`` of the parameters each block's gather holds, and its own traffic as 2 gathers of every
+parameter. Their ``exact`` cites tests/integrations/test_fsdp1.py (FSDP1 dense and delta) and
+test_deepspeed.py (ZeRO-3 dense under the Hugging Face Trainer); ``gathered``: the same path, no
+test checks it. LoRA: the refusal's reason, read from the tracker's message.
+
 Columns: ``moved KB`` (the payload a rank put into all-reduces per warm snapshot, the mean of the
 warm ones; a ring all-reduce moves about twice its payload per rank over the wire); ``watched MB``
 (the whole watched matrices, float32: what gathering them would move); ``moved %``; the note of a
@@ -22,6 +34,7 @@ matrix, and the bases' norms).
 
     python benchmarks/distributed_table.py                       # width 512, 2 ranks
     python benchmarks/distributed_table.py --width 1024 --world-size 4
+    python benchmarks/distributed_table.py --rows partitioned        # FSDP1 and ZeRO-3 only
 """
 
 from __future__ import annotations
@@ -32,7 +45,8 @@ import multiprocessing
 import os
 import sys
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -44,6 +58,7 @@ sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "examples"), str(Path(__file__).
 import smoke  # noqa: E402
 
 KINDS = ("dense", "lora", "delta")
+CADENCE = 25  # the docs' reference cadence of a gathered strategy: a snapshot every 25 steps
 
 
 def measure(rank: int, world_size: int, strategy: str, kind: str, args: Any) -> dict[str, Any]:
@@ -160,15 +175,207 @@ def sharded_rows(world_size: int, width: int, smoke: bool) -> list[Row]:
     return rows
 
 
-ROWS: list[Callable[[int, int, bool], list[Row]]] = [sharded_rows]
+@contextmanager
+def all_gather_bytes(world_size: int) -> Iterator[list[int]]:
+    """Count the bytes this rank receives through ``torch.distributed``'s all-gathers meanwhile
+    (FSDP1 calls ``all_gather`` with a list of chunks on the CPU, a one-tensor all-gather on GPUs):
+    ``(world_size - 1) / world_size`` of the gathered tensor."""
+    received = [0]
+    names = [
+        n for n in ("all_gather", "all_gather_into_tensor", "all_gather_single") if hasattr(dist, n)
+    ]
+    originals = {name: getattr(dist, name) for name in names}
+
+    def counting(name: str) -> Callable[..., Any]:
+        def call(output: Any, *args: Any, **kwargs: Any) -> Any:
+            tensors = output if isinstance(output, list) else [output]
+            whole = sum(t.numel() * t.element_size() for t in tensors)
+            received[0] += whole * (world_size - 1) // world_size
+            return originals[name](output, *args, **kwargs)
+
+        return call
+
+    for name in names:
+        setattr(dist, name, counting(name))
+    try:
+        yield received
+    finally:
+        for name, original in originals.items():
+            setattr(dist, name, original)
+
+
+def gpt2(width: int, layers: int) -> tuple[torch.nn.Module, Callable[..., torch.Tensor]]:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    config = GPT2Config(vocab_size=256, n_positions=32, n_embd=width, n_layer=layers, n_head=4)
+    model = GPT2LMHeadModel(config)
+    return model, lambda held, tokens: held(tokens, labels=tokens).loss
+
+
+def fsdp1(model: torch.nn.Module) -> torch.nn.Module:
+    from torch.distributed.fsdp import FullyShardedDataParallel
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+    from transformers.models.gpt2.modeling_gpt2 import GPT2Block
+
+    return FullyShardedDataParallel(
+        model,
+        auto_wrap_policy=ModuleWrapPolicy({GPT2Block}),
+        device_id=torch.device("cpu"),
+        use_orig_params=True,
+    )
+
+
+def fsdp1_rows(rank: int, world_size: int, args: argparse.Namespace, logdir: str) -> list[Row]:
+    """FSDP1 x {dense, delta}: a real tracker, bytes measured; LoRA: the refusal."""
+    from spectral_callbacks import SpectralTracker
+    from spectral_callbacks.monitor.options import ConfigurationError
+
+    rows = []
+    tokens = torch.randint(0, 256, (4, 32), generator=torch.Generator().manual_seed(rank))
+    for kind, options in (("dense", {}), ("delta", {"delta": "first"})):
+        model, loss_of = gpt2(args.width, args.layers)
+        held = fsdp1(model)
+        optimizer = torch.optim.AdamW(held.parameters(), lr=1e-3)
+        tracker = SpectralTracker(
+            held, logdir=f"{logdir}/{kind}", figures=False, every_n_steps=1, start_step=None,
+            **options,
+        )  # fmt: skip
+        tracker.begin(0)  # step 0's snapshot: the cold one (measured below: a later, warm one)
+        with all_gather_bytes(world_size) as step_bytes:
+            loss_of(held, tokens).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        with all_gather_bytes(world_size) as snapshot_bytes:
+            tracker.step(1)
+        tracker.close()
+        watched = sum(t.shape[0] * t.shape[1] * t.parameter.element_size() for t in tracker.targets)
+        rows.append(
+            Row("FSDP1", kind, "exact", _cadence(snapshot_bytes[0], step_bytes[0], "measured"),
+                float(snapshot_bytes[0]), watched, step_bytes[0])
+        )  # fmt: skip
+    import peft
+
+    model, _ = gpt2(args.width, args.layers)
+    model = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=["c_attn"]))
+    try:
+        SpectralTracker(fsdp1(model), logdir=f"{logdir}/lora", figures=False).close()
+        rows.append(Row("FSDP1", "LoRA", "NOT REFUSED", "", "", "", ""))
+    except ConfigurationError as error:
+        rows.append(Row("FSDP1", "LoRA", "refused", _adapter_reason(str(error)), "", "", ""))
+    return rows
+
+
+def zero3_rows(rank: int, world_size: int, args: argparse.Namespace, logdir: str) -> list[Row]:
+    """ZeRO-3: the units' bytes counted from the ``ds_numel`` DeepSpeed sets (not run here)."""
+    from spectral_callbacks.monitor.engines.partitioned import Zero3Gathering
+    from spectral_callbacks.targets import find_targets
+
+    model, _ = gpt2(args.width, args.layers)
+    for number, parameter in enumerate(model.parameters()):  # DeepSpeed's documented marks
+        parameter.ds_id, parameter.ds_status = number, "NOT_AVAILABLE"
+        parameter.ds_numel, parameter.ds_shape = parameter.numel(), parameter.shape
+    targets = find_targets(model)
+    units = Zero3Gathering(model).units(targets)
+    moved = sum(unit.gathered_bytes for unit in units) * (world_size - 1) // world_size
+    watched = sum(t.shape[0] * t.shape[1] * t.parameter.element_size() for t in targets)
+    every = sum(p.numel() * p.element_size() for p in model.parameters())
+    per_step = 2 * every * (world_size - 1) // world_size  # forward + backward gathers
+    note = _cadence(moved, per_step, "counted from ds_numel")
+    rows = [
+        Row("ZeRO-3", "dense", "exact", note, float(moved), watched, per_step),
+        Row(
+            "ZeRO-3",
+            "delta",
+            "gathered",
+            "not run in the tests; " + note,
+            float(moved),
+            watched,
+            per_step,
+        ),
+    ]
+    import peft
+
+    from spectral_callbacks.monitor.options import ConfigurationError
+
+    adapted = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=["c_attn"]))
+    try:
+        Zero3Gathering(adapted).check(find_targets(adapted), "SpectralTracker")
+        rows.append(Row("ZeRO-3", "LoRA", "NOT REFUSED", "", "", "", ""))
+    except ConfigurationError as error:
+        rows.append(Row("ZeRO-3", "LoRA", "refused", _adapter_reason(str(error)), "", "", ""))
+    return rows
+
+
+def _cadence(moved: int, per_step: int, how: str) -> str:
+    """The note of a gathered row: the snapshot against the strategy's own all-gathers."""
+    return (
+        f"{how}; one snapshot = {moved / per_step:.2f} of one step's all-gathers, "
+        f"{moved / (CADENCE * per_step):.3f} of {CADENCE} steps'"
+    )
+
+
+def _adapter_reason(message: str) -> str:
+    """The refusal's reason without the layer's name (the message names the first one)."""
+    reason = message.split(" is an adapted layer, ", 1)[-1]
+    return "an adapted layer, " + reason.split("; ", 1)[0]
+
+
+def _partitioned_rank(rank: int, world_size: int, store: str, args: Any, out: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{store}",
+        rank=rank,
+        world_size=world_size,
+        timeout=datetime.timedelta(seconds=600),
+    )
+    rows = fsdp1_rows(rank, world_size, args, f"{out}.tb") + zero3_rows(
+        rank, world_size, args, f"{out}.tb"
+    )
+    if rank == 0:
+        torch.save(rows, out)
+    dist.destroy_process_group()
+    os._exit(0)  # skip teardown: nothing is left to flush
+
+
+def partitioned_rows(world_size: int, width: int, smoke: bool) -> list[Row]:
+    """FSDP1 and ZeRO-3 x {dense, delta, LoRA}: gathered unit by unit (FSDP1 measured by
+    counting its all-gathers, ZeRO-3 counted from ``ds_numel``), on a GPT-2 of 2 blocks."""
+    args = argparse.Namespace(width=width, layers=2)
+    with tempfile.TemporaryDirectory() as tmp:
+        store, out = os.path.join(tmp, "store"), os.path.join(tmp, "out.pt")
+        context = multiprocessing.get_context("spawn")
+        processes = [
+            context.Process(target=_partitioned_rank, args=(r, world_size, store, args, out))
+            for r in range(world_size)
+        ]
+        for process in processes:
+            process.start()
+        for process in processes:
+            process.join()
+        if not os.path.exists(out):
+            sys.exit("a rank failed; see its traceback above")
+        return list(torch.load(out, weights_only=False))
+
+
+ROWS: list[Callable[[int, int, bool], list[Row]]] = [sharded_rows, partitioned_rows]
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--width", type=int, default=512)
     parser.add_argument("--world-size", type=int, default=2)
+    parser.add_argument(
+        "--rows",
+        nargs="+",
+        choices=[rows_of.__name__.removesuffix("_rows") for rows_of in ROWS],
+        default=[rows_of.__name__.removesuffix("_rows") for rows_of in ROWS],
+        help="which strategy families to measure (default: all)",
+    )
     args = smoke.parse_args(parser, argv, width=64)
-    rows = [row for rows_of in ROWS for row in rows_of(args.world_size, args.width, args.smoke)]
+    chosen = [rows_of for rows_of in ROWS if rows_of.__name__.removesuffix("_rows") in args.rows]
+    rows = [row for rows_of in chosen for row in rows_of(args.world_size, args.width, args.smoke)]
     print(f"{args.world_size} gloo processes, width {args.width}; bytes per rank per snapshot")
     print("| strategy | watched | exact / refused | moved KB | watched MB | moved % | "
           "strategy's own KB/step | note |")  # fmt: skip

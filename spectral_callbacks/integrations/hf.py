@@ -71,8 +71,10 @@ class SpectralTrainerCallback(TrainerCallback):
 
     Raises:
         ConfigurationError: an option out of range (at construction); nothing to watch in the
-            model, or a model wrapped by FSDP1 or partitioned by DeepSpeed ZeRO-3 (at
-            ``on_train_begin``; FSDP2, ``fsdp_version: 2``, is decomposed where its shards live);
+            model, or FSDP1 / DeepSpeed ZeRO-3 parameters that cannot be gathered (at
+            ``on_train_begin``: FSDP1 without ``use_orig_params``, adapters or ``circuits=``
+            under either; the rest is gathered unit by unit, and FSDP2, ``fsdp_version: 2``, is
+            decomposed where its shards live);
             with ``lr_balance``, a Trainer optimizer whose param groups mix a watched matrix with
             other parameters (pass ``optimizers=(AdamW(balanced_param_groups(model)), None)``).
         TypeError: an argument that is not an option.

@@ -104,9 +104,8 @@ def monitor_class(package: str) -> type:
                 model has no matrix to watch or no role of ``figure_roles`` (at ``on_fit_start``);
                 if ``lr_balance`` is set and the fit has not one optimizer or its param
                 groups mix a watched matrix with other parameters (at ``on_train_start``);
-                if the strategy is FSDP (``FSDPStrategy``) or DeepSpeed ZeRO-3 (use
-                ``ModelParallelStrategy`` with ``fully_shard``), another multi-process strategy
-                than DDP or ``ModelParallelStrategy``, or ``max_overhead`` is set with several
+                if the strategy is another multi-process strategy than DDP (DeepSpeed
+                included), ``FSDPStrategy`` or ``ModelParallelStrategy``, or ``max_overhead`` is set with several
                 processes (at ``setup``). Under DDP each rank decomposes a share of the
                 matrices; under ``ModelParallelStrategy`` the ranks decompose each sharded
                 matrix together where its shards live; rank 0 logs them all: see

@@ -4,5 +4,5 @@
 process, or one per rank with ``distributed``'s split of the shape groups), ``sharded.ShardedEngine``
 (matrices sharded across ranks, ``shards``), each running ``compute.SpectrumCompute`` within
 ``budget``'s ledger, inline or on the worker thread as ``placement`` decides, on ``streams``' compute
-stream on CUDA; ``partitioned`` refuses what no engine can read.
+stream on CUDA; ``partitioned`` gathers FSDP1 / ZeRO-3 parameters unit by unit for ``distributed``.
 """

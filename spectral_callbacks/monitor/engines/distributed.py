@@ -34,8 +34,9 @@ training path:
 
 This engine is for whole (replicated) weights. Sharded DTensor weights (FSDP2, tensor parallel)
 go to ``sharded.ShardedEngine``, which decomposes each matrix where its shards live
-(``protocol.make_engine`` chooses); FSDP1 and DeepSpeed ZeRO-3, whose flattened parameters hold no
-matrix, are refused by every frontend with an error that says what to use instead.
+(``protocol.make_engine`` chooses). FSDP1 and DeepSpeed ZeRO-3, whose flattened parameters hold no
+matrix, come here too with ``units=`` (``partitioned.py``): at each scheduled point every rank
+opens every unit's gather, in order, and copies the matrices it owns inside it; the rest is DDP's.
 
 Example::
 
