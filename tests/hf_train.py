@@ -69,16 +69,6 @@ class WeightRecorder(TrainerCallback):
                 t.name: t.matrix().detach().double().clone() for t in find_targets(model)
             }
 
-
-def _gathered(model: torch.nn.Module) -> contextlib.AbstractContextManager[object]:
-    """ZeRO-3's partitions gathered with DeepSpeed's public ``GatheredParameters`` (every rank)."""
-    parameters = list(model.parameters())
-    if not any(hasattr(parameter, "ds_id") for parameter in parameters):
-        return contextlib.nullcontext()
-    import deepspeed
-
-    return deepspeed.zero.GatheredParameters(parameters, modifier_rank=None)
-
     def on_train_begin(
         self, args: Any, state: Any, control: Any, model: Any = None, **kw: Any
     ) -> None:
@@ -88,6 +78,16 @@ def _gathered(model: torch.nn.Module) -> contextlib.AbstractContextManager[objec
         self, args: Any, state: Any, control: Any, model: Any = None, **kw: Any
     ) -> None:
         self._record(state.global_step, model)
+
+
+def _gathered(model: torch.nn.Module) -> contextlib.AbstractContextManager[object]:
+    """ZeRO-3's partitions gathered with DeepSpeed's public ``GatheredParameters`` (every rank)."""
+    parameters = list(model.parameters())
+    if not any(hasattr(parameter, "ds_id") for parameter in parameters):
+        return contextlib.nullcontext()
+    import deepspeed
+
+    return deepspeed.zero.GatheredParameters(parameters, modifier_rank=None)
 
 
 def train(

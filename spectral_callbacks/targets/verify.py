@@ -52,11 +52,14 @@ def computes_weight(
         transposed: how ``weight`` is stored; default ``False``.
 
     Returns ``None`` also where the check cannot run (a module that is not called on one tensor,
-    a weight on the meta device or sharded): such modules are read by the rules alone.
+    a weight on the meta device, sharded or partitioned by ZeRO-3, whose module's forward hooks
+    partition it again even inside a gather): such modules are read by the rules alone.
     """
     if getattr(module, "weight", None) is not weight or weight.dim() != 2:
         return None
     if weight.device.type == "meta" or type(weight).__name__ == "DTensor":
+        return None
+    if hasattr(weight, "ds_id"):  # ZeRO-3: its module's forward hooks re-partition the weight
         return None
     if not weight.dtype.is_floating_point:
         return None
