@@ -119,6 +119,13 @@ _LARGE_SIDE = 2048
 _EXTRA_DEPTH = 4
 # A warm start from the previous snapshot's subspace normally stops after its first block.
 _EXPECTED_WARM_DEPTH = 1
+# A warm start's first block is grown by the residual of its leading column before the rule is
+# first tested (sigma_1's tight bound nearly always asks for it). Two columns (the top two of a
+# trained weight are often nearly equal) passed the first test where one column sometimes needed
+# a third Krylov step (GPT-2 small's 768 x 768, Qwen2's 4864 x 896), but MKL's products with two
+# columns cost as much as two with one (48 x 768 x 768: 14 against 8 ms), so one column costs
+# less on the stacks of benchmarks/model_snapshot.py.
+_LEAD_COLUMNS = 1
 # Stopping rule: a Krylov step is the last when the top Ritz pair (theta_1, x_1) of W^T W has
 # ||W^T W x_1 - theta_1 x_1||^2 <= tol * theta_1^2 (one more power step would raise theta_1 by at
 # most a fraction tol) and every other top-k pair meets 10 * tol. Measured along the Krylov depth of
@@ -444,20 +451,21 @@ def _expected_depth(m: int, n: int, n_iter: int | None, warm: bool) -> int:
 
 def _iteration(
     m: int, n: int, n_iter: int | None, chosen: str, warm: bool
-) -> tuple[int, int | None, bool]:
+) -> tuple[int, int | None, int]:
     """The iterative path's largest depth, the depth its stopping rule is first tested at
-    (``None``: no rule), and whether the leading column's residual grows the first block.
+    (``None``: no rule), and how many leading columns' residuals grow the first block (0: none).
 
-    The stopping rule is tested from the first block of a warm start, grown first by the residual
-    of its leading column (which sigma_1's tight bound nearly always asks for), and from the
+    The stopping rule is tested from the first block of a warm start, grown first by the residuals
+    of its ``_LEAD_COLUMNS`` leading columns (which sigma_1's tight bound nearly always asks for),
+    and from the
     expected depth of a cold one: each test costs an eigh of the Rayleigh quotient, which at a
     cold depth's basis size (200-300 columns) costs more than a Krylov step. Subspace iteration (a
     comparison method) has no rule: the expected cold depth.
     """
     depth = default_n_iter(m, n) if n_iter is None else n_iter
     if n_iter is not None or chosen != "randomized":
-        return depth, None, False
-    return depth + _EXTRA_DEPTH, 1 if warm else depth, warm
+        return depth, None, 0
+    return depth + _EXTRA_DEPTH, 1 if warm else depth, _LEAD_COLUMNS if warm else 0
 
 
 def _start(
@@ -636,7 +644,7 @@ def _randomized(
     *,
     krylov: bool,
     rounded: bool = False,
-    lead: bool = False,
+    lead: int = 0,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Block Krylov (or subspace iteration) + Rayleigh-Ritz on W itself; returns (S, V, finite)."""
     m, n = A.shape[-2:]
@@ -672,18 +680,18 @@ def _randomized(
         A_low = A.to(low)
         finite = None
         if wide:  # (..., m, b): the left image of the right start; a NaN/Inf shows in its sum
-            image = _times(A_low, start.to(low)).to(A.dtype)
+            image = _matmul(A_low, start.to(low)).to(A.dtype)
             finite = torch.isfinite(image.sum((-2, -1)))
             start = orthonormalize(keep_finite(image, finite))
 
             def apply(X: Tensor) -> tuple[Tensor, Tensor | None]:
                 Y = _matmul(X.to(low).mT, A_low).mT  # W^T X as (X^T W)^T
-                return _times(A_low, Y).to(X.dtype), None
+                return _matmul(A_low, Y).to(X.dtype), None
 
         else:
 
             def apply(X: Tensor) -> tuple[Tensor, Tensor | None]:
-                Y = _times(A_low, X.to(low))
+                Y = _matmul(A_low, X.to(low))
                 return _matmul(Y.mT, A_low).mT.to(X.dtype), None
 
     else:
@@ -691,7 +699,7 @@ def _randomized(
         unit: list[Tensor | None] = []  # the powers of two of _unit_scale, from the first block
 
         def apply(X: Tensor) -> tuple[Tensor, Tensor | None]:
-            Y = _times(B, X)  # (..., rows, b)
+            Y = _matmul(B, X)  # (..., rows, b)
             if not unit:
                 unit.append(_unit_scale(Y))
             c = unit[0]
@@ -747,11 +755,20 @@ def _unit_scale(Y: Tensor) -> Tensor | None:
     >>> _unit_scale(torch.full((1, 1, 2), 2.0**60)).flatten().tolist() == [2.0**-61]
     True
     """
-    largest = column_norms(Y).amax(-1)  # (...,)
+    bound = 2.0**_UNIT_EXPONENT
     if Y.device.type == "cpu":
-        bound = 2.0**_UNIT_EXPONENT
-        if all(not 0 < v < math.inf or 1 / bound <= v <= bound for v in largest.flatten().tolist()):
+        # First from the largest entry a (one pass; column norms took 5x as long): the largest
+        # column norm lies in [a, sqrt(rows) a], so a within [1/bound, bound / sqrt(rows)] says
+        # it lies within 2^(+-_UNIT_EXPONENT).
+        entries = Y.abs().amax((-2, -1)).flatten().tolist()
+        room = bound / math.sqrt(Y.shape[-2])
+        if all(not 0 < a < math.inf or 1 / bound <= a <= room for a in entries):
             return None
+    largest = column_norms(Y).amax(-1)  # (...,)
+    if Y.device.type == "cpu" and all(
+        not 0 < v < math.inf or 1 / bound <= v <= bound for v in largest.flatten().tolist()
+    ):
+        return None
     usable = torch.isfinite(largest) & (largest > 0)
     exponent = torch.frexp(torch.where(usable, largest, torch.ones_like(largest))).exponent
     return torch.ldexp(torch.ones_like(largest), -exponent)[..., None, None]
@@ -835,12 +852,6 @@ def _singular_values(X: Tensor) -> Tensor:
         return torch.linalg.svdvals(torch.linalg.qr(X, mode="r").R)
     X64 = X.to(torch.float64)
     return gram_singular_values(X64.mT @ X64).to(X.dtype)
-
-
-def _times(B: Tensor, X: Tensor) -> Tensor:
-    """``B @ X``; one column (a partial block) as ``(X^T B^T)^T``: MKL's batched GEMM with one
-    column reads B at under half the speed of the GEMV this becomes."""
-    return _matmul(B, X) if X.shape[-1] > 1 else _matmul(X.mT, B.mT).mT
 
 
 def _check_options(k: int, n_oversamples: int, n_iter: int | None, method: str, tol: float) -> None:

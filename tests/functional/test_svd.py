@@ -16,6 +16,7 @@ from spectral_callbacks.functional import randomized_svd
 from spectral_callbacks.functional.calibration import MethodCalibration
 from spectral_callbacks.functional.krylov import (
     block_krylov,
+    cholesky_qr,
     column_norms,
     ritz_residuals,
     start_block,
@@ -338,6 +339,53 @@ def test_column_norms_hold_at_any_scale_float32_holds(exponent: int) -> None:
     norms = column_norms(X.float())
     assert norms.dtype == torch.float32 and norms.shape == (3, 7)
     torch.testing.assert_close(norms.double(), X.norm(dim=-2), rtol=1e-5, atol=0)
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("columns", [1, 2, precision.NARROW, precision.NARROW + 1, 40])
+def test_products_of_every_width_agree_with_float64(columns: int, seed: int) -> None:
+    # Narrow products take a transposed form and rank-one accumulations an elementwise one
+    # (precision.matmul, precision.accumulate): each must give the float32 product, within
+    # float32 rounding of the float64 one, batched or not, in place or not.
+    g = torch.Generator().manual_seed(seed)
+    A = torch.randn(3, 300, 50, generator=g, dtype=torch.float64)
+    B = torch.randn(3, 50, columns, generator=g, dtype=torch.float64)
+    out = torch.randn(3, 300, columns, generator=g, dtype=torch.float64)
+    scale = (A.abs() @ B.abs()).amax()  # rounding is relative to the sizes summed
+    for a, b, o in ((A, B, out), (A[0], B[0], out[0])):
+        exact = o - a @ b
+        torch.testing.assert_close(
+            precision.matmul(a.float(), b.float()).double(), a @ b, atol=1e-6 * scale, rtol=0
+        )
+        for in_place in (False, True):
+            result = precision.accumulate(o.float(), a.float(), b.float(), -1.0, in_place=in_place)
+            torch.testing.assert_close(result.double(), exact, atol=1e-6 * scale, rtol=0)
+    # An outer product (one inner column) accumulated into a block, as a Ritz vector is formed.
+    u, v = A[..., :1], torch.randn(3, 1, 50, generator=g, dtype=torch.float64)
+    into = torch.randn(3, 300, 50, generator=g, dtype=torch.float64)
+    for in_place in (False, True):
+        result = precision.accumulate(into.float(), u.float(), v.float(), 2.0, in_place=in_place)
+        torch.testing.assert_close(result.double(), into + 2.0 * u @ v, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("condition", [1.0, 1e2])
+def test_cholesky_qr_gives_an_orthonormal_basis_of_the_same_columns(
+    condition: float, seed: int
+) -> None:
+    # X = Q R: Q orthonormal to float32 rounding times the condition, and spanning X's columns
+    # (X is reproduced by Q Q^T X), for columns of known condition number.
+    g = torch.Generator().manual_seed(seed)
+    U = torch.linalg.qr(torch.randn(4, 700, 40, generator=g, dtype=torch.float64)).Q
+    W = torch.linalg.qr(torch.randn(4, 40, 40, generator=g, dtype=torch.float64)).Q
+    singular = torch.logspace(0, -torch.log10(torch.tensor(condition)).item(), 40).double()
+    X = U @ torch.diag_embed(singular.expand(4, 40)) @ W.mT  # (4, 700, 40), cond = condition
+    Q = cholesky_qr(X.float(), least=0.5 / condition)
+    assert Q is not None and Q.shape == X.shape
+    Q = Q.double()
+    eye = torch.eye(40, dtype=torch.float64).expand(4, 40, 40)
+    torch.testing.assert_close(Q.mT @ Q, eye, atol=1e-4 * condition, rtol=0)
+    torch.testing.assert_close(Q @ (Q.mT @ X), X, atol=1e-5 * condition, rtol=0)
 
 
 def test_an_overflowing_matrix_is_redone_and_a_nan_one_stays_nan() -> None:
