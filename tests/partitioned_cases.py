@@ -17,6 +17,7 @@ from spectral_callbacks import SpectralTracker
 from spectral_callbacks.targets import find_targets
 
 K = 8
+R = 4  # the LoRA rank
 STEPS = 10
 D = 64
 # Every scheduled step is checked, so max_pending never lets a loaded machine skip one.
@@ -34,6 +35,22 @@ def gpt2_with_biases(seed: int = 0) -> tuple[torch.nn.Module, Any]:
             if name.endswith(".bias"):
                 parameter.normal_(0.0, 0.02)
     return model, loss_of
+
+
+def with_lora(model: torch.nn.Module) -> torch.nn.Module:
+    """PEFT LoRA (rank ``R``) on every attention and MLP ``c_proj`` and the fused ``c_attn``
+    (Conv1D bases: ``fan_in_fan_out``), random ``B`` so the update is non-zero from step 0; the
+    MLP's ``c_fc`` stays dense."""
+    import peft
+
+    config = peft.LoraConfig(
+        r=R,
+        lora_alpha=2 * R,
+        target_modules=["c_attn", "c_proj"],
+        fan_in_fan_out=True,
+        init_lora_weights=False,
+    )
+    return peft.get_peft_model(model, config)
 
 
 def fsdp1(model: torch.nn.Module) -> torch.nn.Module:
@@ -59,6 +76,32 @@ def gathered_weights(wrapped: torch.nn.Module, model: torch.nn.Module) -> dict[s
         return {(t.layer, t.role): t.matrix().double().clone() for t in find_targets(model)}
 
 
+def gathered_effective(
+    wrapped: torch.nn.Module, model: torch.nn.Module
+) -> dict[tuple[int, str], dict[str, torch.Tensor]]:
+    """Every watched matrix in float64 by (layer, role), from parameters gathered with FSDP1's
+    public ``summon_full_params``: ``weight``, the effective ``W_0 + s B A`` of an adapted one
+    (formed here from the base and the factors), and its ``update`` ``s B A``."""
+    from dataclasses import replace
+
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    found = {}
+    with FullyShardedDataParallel.summon_full_params(wrapped, writeback=False):
+        for target in find_targets(model):
+            layer = getattr(target, "layer_module", None)
+            base = target.rows.take(target.parameter.detach()).double()
+            if layer is None:
+                found[target.layer, target.role] = {"weight": base.clone()}
+                continue
+            (name,) = target.adapters
+            rows = replace(target.rows, transposed=False)  # B's rows: the output's
+            up = layer.scaling[name] * rows.take(layer.lora_B[name].weight.detach()).double()
+            update = up @ layer.lora_A[name].weight.detach().double()
+            found[target.layer, target.role] = {"weight": base + update, "update": update}
+    return found
+
+
 def tracked_fsdp1(
     rank: int,
     logdir: str,
@@ -67,31 +110,37 @@ def tracked_fsdp1(
     steps: tuple[int, int] = (1, STEPS),
     state: dict[str, Any] | None = None,
     checkpoint: str | None = None,
+    lora: bool = False,
 ) -> dict[str, Any]:
     """Train ``steps`` under the tracker (0, 1, 2, every 4, the last), FSDP1-wrapped (``wrap``)
     or as the same model on every rank with no wrapper (the single-process reference: each rank
     trains as one process would); every rank trains on the same batches, so both follow one
     process's trajectory. ``checkpoint``: saved there (FSDP1's full state dict) after a first run,
-    loaded from it before a resumed one (``state``: the tracker's state to resume from)."""
+    loaded from it before a resumed one (``state``: the tracker's state to resume from).
+    ``lora``: PEFT LoRA adapters (:func:`with_lora`) trained, the base frozen; the weights are
+    then the effective ones (:func:`gathered_effective`)."""
     from torch.distributed.fsdp import FullyShardedDataParallel
 
     model, loss_of = gpt2_with_biases()
     if state is not None and checkpoint is not None:
         model.load_state_dict(torch.load(checkpoint))
+    if lora:
+        model = with_lora(model)
     held = fsdp1(model) if wrap else model
-    optimizer = torch.optim.AdamW(held.parameters(), lr=1e-2)
+    optimizer = torch.optim.AdamW([p for p in held.parameters() if p.requires_grad], lr=1e-2)
     first, last = steps
-    weights = {}
+    gathered = gathered_effective if lora else gathered_weights
+    weights: dict[int, Any] = {}
     with SpectralTracker(
         held, logdir=logdir, state=state, start_step=first - 1, **OPTIONS, **(options or {})
     ) as tracker:
-        weights[first - 1] = gathered_weights(held, model) if wrap else None
+        weights[first - 1] = gathered(held, model) if wrap else None
         for step in range(first, last + 1):
             loss_of(held, *batch(0, step, "fsdp")).backward()
             optimizer.step()
             optimizer.zero_grad()
             tracker.step(step)
-            weights[step] = gathered_weights(held, model) if wrap else None
+            weights[step] = gathered(held, model) if wrap else None
     if state is None and checkpoint is not None:
         # Through summon_full_params: FSDP1's FULL_STATE_DICT with CPU offload segfaults on the
         # CPU here (torch 2.13, in its post-state-dict hook).
@@ -106,6 +155,12 @@ def tracked_fsdp1(
         "state": tracker.state_dict(),
         "weights": weights if rank == 0 else None,
         "targets": [(t.layer, t.role) for t in tracker.targets],
+        # what the budget counts for each adapted matrix's snapshot, and its parts' sizes
+        "adapted": {
+            (t.layer, t.role): (t.snapshot_bytes(), t.shape, t.parameter.element_size())
+            for t in tracker.targets
+            if t.adapter_layer() is not None
+        },
     }
 
 
@@ -140,7 +195,7 @@ class _Discard:
 def fsdp1_runs(rank: int, world_size: int, outdir: str) -> dict[str, Any]:
     """Everything the FSDP1 tests check, on one group of ranks (a spawn costs more than a run):
     a tracked run with ``delta="first"`` within a budget that holds one gathered unit and this
-    rank's share; the same model unwrapped; a budget one byte too small; a run resumed from a
+    rank's share; the same model unwrapped; the model with LoRA adapters; a budget one byte too small; a run resumed from a
     checkpoint; the wrappings that are refused."""
     from spectral_callbacks.monitor.options import ConfigurationError
 
@@ -164,6 +219,7 @@ def fsdp1_runs(rank: int, world_size: int, outdir: str) -> dict[str, Any]:
     found["single"] = tracked_fsdp1(
         rank, f"{outdir}/single", wrap=False, options=dict(delta="first")
     )
+    found["lora"] = tracked_fsdp1(rank, f"{outdir}/lora", lora=True)
     checkpoint = f"{outdir}/checkpoint.pt"
     first = tracked_fsdp1(rank, f"{outdir}/first", steps=(1, 6), checkpoint=checkpoint)
     torch.distributed.barrier()  # rank 0 has saved the checkpoint

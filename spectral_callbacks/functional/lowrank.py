@@ -53,7 +53,8 @@ class AdaptedMatrices:
 
     Attributes:
         bases: ``(m, n)`` each; the live frozen base (a view of the parameter, never copied) or, for
-            a base that changes (merged into, or trained), a copy.
+            a base that changes (merged into, or trained) or is whole only inside an FSDP1 /
+            ZeRO-3 gather, a copy.
         ups: ``(m, r_i)`` each, the scaling folded in (copies).
         downs: ``(r_i, n)`` each (copies).
         magnitudes: ``(m,)`` DoRA magnitude vectors, or ``None`` (copies).

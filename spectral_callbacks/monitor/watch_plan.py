@@ -33,7 +33,12 @@ from torch.distributed.tensor import DTensor
 
 from spectral_callbacks.messages import rank_zero_info, rank_zero_warn
 from spectral_callbacks.monitor.engines.distributed import world
-from spectral_callbacks.monitor.engines.partitioned import Gathering, gathering_of, partitioning
+from spectral_callbacks.monitor.engines.partitioned import (
+    Gathering,
+    gathering_of,
+    held_in_gathers,
+    partitioning,
+)
 from spectral_callbacks.monitor.options import ConfigurationError, MonitorOptions
 from spectral_callbacks.targets.first_forward import COMPILED, FirstForward
 from spectral_callbacks.targets.roles import FlowMap
@@ -389,6 +394,8 @@ class WatchPlan:
             with warnings.catch_warnings(), self._whole():  # warnings: said once below
                 warnings.simplefilter("ignore", UnwatchedExpertWarning)
                 found = find_targets(self.model, **options, flow=flow)
+                if self.gathering is not None:  # read while the parameters are whole
+                    found[:] = held_in_gathers(found)
         except TargetError as error:  # nothing to watch, or a bad mapping: a configuration error
             raise ConfigurationError(
                 f"{self.caller}: {error}\n{self.caller}(roles=, include=, exclude=, mapping=) "

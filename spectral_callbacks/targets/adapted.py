@@ -8,7 +8,8 @@ by its name without the ``base_layer`` segment (so ``q_proj.base_layer.weight`` 
 
 * snapshots only what changes: the adapter factors (``s B`` and ``A``, and DoRA's magnitude),
   never the frozen base, which the worker reads live (a base that requires grad, or a layer whose
-  update was merged into its base, is copied: then the base itself changes);
+  update was merged into its base, is copied: then the base itself changes; so is a base whole
+  only inside an FSDP1 / ZeRO-3 gather: :meth:`AdaptedTarget.for_gather`);
 * multiplies itself as ``W_0 X + s B (A X)`` (``functional.lowrank.AdaptedMatrices``), so the
   engine decomposes the effective weight without forming it;
 * carries its update ``s B A`` (PEFT's ``get_delta_weight``), whose spectrum is exact from the
@@ -165,6 +166,17 @@ class AdaptedTarget(Target):
     adapters: tuple[str, ...] = ()
     rank: int = 0
     has_update: ClassVar[bool] = True
+    #: The layer's parameters are whole only inside a gather (FSDP1, DeepSpeed ZeRO-3): each
+    #: snapshot, taken there, copies the base like the factors (``in_gather``), and the bytes it
+    #: copies were counted there, with the base (``gathered_bytes``). See :meth:`for_gather`.
+    in_gather: bool = False
+    gathered_bytes: int | None = None
+
+    def for_gather(self) -> Self:
+        """This target where its parameters are whole only inside a gather: the base copied by
+        each snapshot, and the bytes a snapshot copies counted now. Call it inside the gather."""
+        marked = replace(self, in_gather=True)
+        return replace(marked, gathered_bytes=marked.snapshot_bytes())
 
     def adapter_layer(self) -> nn.Module | None:
         """The tuner layer: its adapters are scaled with the base by a learning-rate factor."""
@@ -231,7 +243,9 @@ class AdaptedTarget(Target):
     def snapshot_bytes(self) -> int:
         """The bytes :meth:`stack_batch` copies for this target: its adapter factors (and the base
         only where it changes), counted by the same walk without copying (a factor shared by
-        several targets is counted for each: an upper bound)."""
+        several targets is counted for each: an upper bound); under a gather, as counted there."""
+        if self.gathered_bytes is not None:  # the parameters are not whole here: not read
+            return self.gathered_bytes
         counting = _Copies(count_only=True)
         with torch.no_grad():
             self._snapshot(counting, dequantize=False)
@@ -455,10 +469,12 @@ class _Copies:
 
 
 def _base_changes(target: AdaptedTarget) -> bool:
-    """Whether the base moves under the snapshot: merged into, trained, or rows gathered per head
-    (no view can hold them). Otherwise nothing writes the frozen parameter while the SVD reads it."""
+    """Whether the base must be copied: it moves under the snapshot (merged into, trained), its
+    rows are gathered per head (no view can hold them), or it is whole only inside the gather the
+    snapshot is taken in. Otherwise nothing writes the frozen parameter while the SVD reads it."""
     layer: Any = target.layer_module
-    return bool(layer.merged) or target.parameter.requires_grad or target.rows.groups > 1
+    moves = bool(layer.merged) or target.parameter.requires_grad
+    return moves or target.rows.groups > 1 or target.in_gather
 
 
 def _update_of(layer: Any, weight: torch.Tensor) -> torch.Tensor:

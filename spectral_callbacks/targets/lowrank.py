@@ -363,8 +363,10 @@ class LowRankTarget(AdaptedTarget):
         weight = self.parameter.detach()
         merged = bool(getattr(layer, "merged", False))
         base = rows.take(weight)
-        if merged or self.parameter.requires_grad or rows.groups > 1:
-            base = copies.copy(base)  # the base moves under the snapshot, or is gathered
+        if merged or self.parameter.requires_grad or rows.groups > 1 or self.in_gather:
+            # the base moves under the snapshot, its rows are gathered, or it is whole only in
+            # the gather (FSDP1, ZeRO-3)
+            base = copies.copy(base)
         # The parameters themselves: a factor several targets share is then one object, copied once.
         return (base, *self._factors(copies, self.factor_parameters().__getitem__, weight))
 

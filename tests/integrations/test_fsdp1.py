@@ -2,7 +2,8 @@
 loop with SpectralTracker, 2 CPU processes with gloo: each snapshot gathers one unit at a time
 with FSDP1's own ``summon_full_params``, and every logged value equals a float64 SVD of the full
 matrix that the test gathers with the same public API, at every scheduled step; the same values
-as the unwrapped model; within a budget that holds one unit; resumed with the step-0 references.
+as the unwrapped model; within a budget that holds one unit; resumed with the step-0 references;
+with PEFT LoRA adapters, every effective matrix ``W_0 + s B A`` and its update exact too.
 
 Every check reads one group of ranks (``partitioned_cases.fsdp1_runs``): a spawn costs more than
 the runs.
@@ -54,6 +55,39 @@ def test_fsdp1_logs_the_exact_spectrum_and_update_of_every_gathered_matrix(runs:
                 truth = exact_metrics(matrix, cases.K)[metric.removeprefix("update_")]
                 assert logged[step] == pytest.approx(truth, rel=1e-4), (metric, layer, role, step)
     assert set(scalars[monitor_tag("skipped")].values()) == {0.0}
+
+
+def test_fsdp1_lora_logs_the_exact_spectrum_and_update_of_every_effective_matrix(
+    runs: dict,
+) -> None:
+    scalars = read_scalars(runs["outdir"] / "lora")
+    rank0 = runs["ranks"][0]["lora"]
+    weights, targets, adapted = rank0["weights"], rank0["targets"], rank0["adapted"]
+    assert len(targets) == 12 and len(adapted) == 10  # Q, K, V, O, down adapted; up dense
+    for layer, role in targets:
+        metrics = ["stable_rank", "spectral_norm"]
+        if (layer, role) in adapted:
+            metrics += ["update_stable_rank", "update_spectral_norm", "update_frobenius_norm"]
+        else:
+            assert scalar_tag("update_stable_rank", layer, role) not in scalars
+        for metric in metrics:
+            logged = scalars[scalar_tag(metric, layer, role)]
+            assert sorted(logged) == SCHEDULED, (metric, layer, role)
+            for step in SCHEDULED:
+                seen = weights[step][layer, role]
+                matrix = seen["update"] if metric.startswith("update_") else seen["weight"]
+                truth = exact_metrics(matrix, cases.K)[metric.removeprefix("update_")]
+                assert logged[step] == pytest.approx(truth, rel=1e-4), (metric, layer, role, step)
+        if (layer, role) in adapted:  # the adapter trained: the update moved
+            assert weights[10][layer, role]["update"].ne(weights[0][layer, role]["update"]).any()
+    assert set(scalars[monitor_tag("skipped")].values()) == {0.0}
+
+
+def test_fsdp1_lora_snapshots_count_the_base_they_copy_inside_the_gather(runs: dict) -> None:
+    for rank in runs["ranks"]:
+        for counted, (m, n), size in rank["lora"]["adapted"].values():
+            # the base (whole only in the gather, so copied) and the factors s B and A
+            assert counted == (m * n + m * cases.R + cases.R * n) * size
 
 
 def test_fsdp1_logs_what_the_unwrapped_model_logs(runs: dict) -> None:

@@ -14,6 +14,11 @@ leaves a matrix on any rank, so a snapshot gathers them with the strategy's own 
 * ZeRO-3: ``deepspeed.zero.GatheredParameters(params, modifier_rank=None)`` per block of the
   model (the parameters its watched matrices read).
 
+An adapted layer (PEFT LoRA and kin) is snapshotted as its base and factors; elsewhere the frozen
+base is referenced, not copied, but here it is whole only inside the gather, so
+:func:`held_in_gathers` makes each snapshot copy it there (and counts it in the budget): the
+decomposition after the gather reads whole matrices.
+
 A :class:`GatherUnit` is one such gather and the targets that read only what it gathers. The
 engine (``distributed.DistributedEngine`` with ``units=``) opens every unit on every rank in the
 same order (the gathers are collectives) and, inside each, copies the matrices this rank owns;
@@ -57,12 +62,14 @@ from dataclasses import dataclass
 import torch
 
 from spectral_callbacks.monitor.options import ConfigurationError
+from spectral_callbacks.targets.adapted import AdaptedTarget
 from spectral_callbacks.targets.target import Target
 
 __all__ = [
     "GatherUnit",
     "Gathering",
     "gathering_of",
+    "held_in_gathers",
     "partitioned_error",
     "partitioning",
     "refuse_partitioned",
@@ -156,19 +163,10 @@ class Gathering:
         """Refuse the kinds of target a gather cannot serve yet, in one line.
 
         Raises:
-            ConfigurationError: an adapted layer (its snapshot keeps a reference to the frozen
-                base, which exists whole only inside the gather) or attention heads
-                (``circuits=``: their batch reads four projections the units do not group).
+            ConfigurationError: attention heads (``circuits=``: their batch reads four
+                projections the units do not group).
         """
         for target in targets:
-            if target.adapter_layer() is not None:
-                why = (
-                    f"{target.name} is an adapted layer, whose snapshot keeps a reference to its "
-                    "frozen base instead of a copy, and the base is whole only inside the gather; "
-                    "shard with FSDP2 (fully_shard) to watch adapters, or pass roles=/exclude= to "
-                    "leave the adapted layers out"
-                )
-                raise partitioned_error(caller, self.scheme, why)
             if target.attention_layer is not None:
                 why = (
                     "the per-head circuits (circuits=) are not gathered: pass circuits=False, or "
@@ -314,6 +312,13 @@ def gathering_of(model: torch.nn.Module, caller: str = "SpectralTracker") -> Gat
             "unit to gather them with (the module taken out of its wrapper); pass the wrapper",
         )
     return FSDP1Gathering(model)
+
+
+def held_in_gathers(targets: Sequence[Target]) -> list[Target]:
+    """``targets`` with each adapted one copying its base at every snapshot (the frozen base,
+    which a snapshot elsewhere references, is whole only inside the gather) and its snapshot's
+    bytes counted now, base included. Call it inside :meth:`Gathering.whole`."""
+    return [t.for_gather() if isinstance(t, AdaptedTarget) else t for t in targets]
 
 
 def read_parameters(target: Target) -> tuple[torch.Tensor, ...]:
