@@ -72,8 +72,8 @@ class SpectralTrainerCallback(TrainerCallback):
     Raises:
         ConfigurationError: an option out of range (at construction); nothing to watch in the
             model, or FSDP1 / DeepSpeed ZeRO-3 parameters that cannot be gathered (at
-            ``on_train_begin``: FSDP1 without ``use_orig_params``, adapters or ``circuits=``
-            under either; the rest is gathered unit by unit, and FSDP2, ``fsdp_version: 2``, is
+            ``on_train_begin``: FSDP1 without ``use_orig_params``, or ``circuits=`` under
+            either; the rest (adapters too) is gathered unit by unit, and FSDP2, ``fsdp_version: 2``, is
             decomposed where its shards live);
             with ``lr_balance``, a Trainer optimizer whose param groups mix a watched matrix with
             other parameters (pass ``optimizers=(AdamW(balanced_param_groups(model)), None)``).
