@@ -18,6 +18,7 @@ import os
 import sys
 import threading
 import warnings
+from collections.abc import Sequence
 
 from lightning_utilities.core.rank_zero import rank_zero_only
 
@@ -39,6 +40,17 @@ def count(number: int, noun: str, plural: str | None = None) -> str:
     ('1 run', '3 runs', '1 matrix', '0 rows')
     """
     return f"{number} {noun if number == 1 else plural or noun + 's'}"
+
+
+def first_few(items: Sequence[object], separator: str = ", ", most: int = 6) -> str:
+    """The first ``most`` of ``items`` joined by ``separator``, `` ...`` where more were left out
+    (for messages that name what they are about without flooding the console).
+
+    >>> first_few(["a", "b"]), first_few(range(8), most=3)
+    ('a, b', '0, 1, 2 ...')
+    """
+    shown = separator.join(str(item) for item in items[:most])
+    return shown + (" ..." if len(items) > most else "")
 
 
 def rank_zero_warn(message: str, category: type[Warning] = UserWarning) -> None:

@@ -70,7 +70,7 @@ from torch import Tensor, nn
 
 from spectral_callbacks.functional.batch import MeasuredBatch
 from spectral_callbacks.functional.circuits import circuit_metrics, qk_norm_logit_bound
-from spectral_callbacks.messages import rank_zero_warn
+from spectral_callbacks.messages import first_few, rank_zero_warn
 from spectral_callbacks.names import HEADS_ROLE
 from spectral_callbacks.targets.errors import PartialTargetWarning, TargetError
 from spectral_callbacks.targets.forward_scale import ForwardScale, attention_name
@@ -480,7 +480,7 @@ def find_circuits(
     if unmatched:
         raise TargetError(
             f"circuits: pattern(s) {unmatched} match no attention layer; the attention modules "
-            f"are {attention_names[:6]}{' ...' if len(attention_names) > 6 else ''}"
+            f"are {first_few(attention_names)}"
         )
     if refused:
         rank_zero_warn(
@@ -492,8 +492,7 @@ def find_circuits(
     if unread_norms:
         rank_zero_warn(
             "the QK-norm gains of "
-            + "; ".join(unread_norms[:6])
-            + (" ..." if len(unread_norms) > 6 else "")
+            + first_few(unread_norms, "; ")
             + ": qk_norm_logit_bound is not logged for it (nor qk_logit_bound: QK-norm).",
             category=PartialTargetWarning,
         )
@@ -528,16 +527,14 @@ def settle_scales(heads: Sequence[HeadCircuit], scales: Mapping[str, ForwardScal
     if contradicted:
         rank_zero_warn(
             "the logit scale the forward applies is not the one the module declares: "
-            + "; ".join(contradicted[:6])
-            + (" ..." if len(contradicted) > 6 else "")
+            + first_few(contradicted, "; ")
             + ". The QK values are scaled by what the forward applies.",
             category=PartialTargetWarning,
         )
     if unscaled:
         rank_zero_warn(
             "the logit scale of "
-            + ", ".join(unscaled[:6])
-            + (" ..." if len(unscaled) > 6 else "")
+            + first_few(unscaled)
             + " is not declared on its module (none of `"
             + "`, `".join(SCALE_ATTRIBUTES)
             + "`) nor shown by a recorded forward (an SDPA/flex `scale=`, a number multiplying "
