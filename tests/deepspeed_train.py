@@ -1,6 +1,7 @@
 """The tiny GPT-2 of hf_train.py trained by the Hugging Face Trainer under DeepSpeed ZeRO, on CPUs.
 
-``torchrun --nproc_per_node 2 tests/deepspeed_train.py OUTDIR STAGE`` (``DS_ACCELERATOR=cpu``):
+``torchrun --nproc_per_node 2 tests/deepspeed_train.py OUTDIR STAGE [lora]`` (``DS_ACCELERATOR=cpu``;
+``lora``: PEFT LoRA on ``c_attn``):
 6 optimizer steps with SpectralTrainerCallback writing to ``OUTDIR/spectral``; rank 0 saves the
 watched matrices after every step to ``OUTDIR/weights.pt`` and each rank prints the optimizer
 DeepSpeed wraps and the size of a watched weight it holds. Used by
@@ -45,6 +46,7 @@ class ShowZero(TrainerCallback):
 
 def main() -> None:
     outdir, stage = Path(sys.argv[1]), int(sys.argv[2])
+    lora = sys.argv[3:] == ["lora"]
     config = {
         "train_micro_batch_size_per_gpu": "auto",
         "gradient_accumulation_steps": "auto",
@@ -60,6 +62,7 @@ def main() -> None:
         figures=False,
         arguments=dict(deepspeed=config, use_cpu=False),  # DS_ACCELERATOR=cpu places it
         extra_callbacks=[ShowZero()],
+        lora=lora,
     )
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import os
 import sys
 from pathlib import Path
@@ -65,9 +66,9 @@ class WeightRecorder(TrainerCallback):
 
     def _record(self, step: int, model: torch.nn.Module) -> None:
         with _gathered(model):
-            self.weights[step] = {
-                t.name: t.matrix().detach().double().clone() for t in find_targets(model)
-            }
+            self.weights[step] = {}
+            for target in find_targets(model):
+                self.weights[step].update(_effective(target))
 
     def on_train_begin(
         self, args: Any, state: Any, control: Any, model: Any = None, **kw: Any
@@ -78,6 +79,30 @@ class WeightRecorder(TrainerCallback):
         self, args: Any, state: Any, control: Any, model: Any = None, **kw: Any
     ) -> None:
         self._record(state.global_step, model)
+
+
+def _effective(target: Any) -> dict[str, torch.Tensor]:
+    """``{name: W}`` in float64; an adapted target's ``W_0 + s B A`` formed here from its base
+    and factors, and its update ``s B A`` as ``name + ":update"``."""
+    layer = getattr(target, "layer_module", None)
+    if layer is None:
+        return {target.name: target.matrix().detach().double().clone()}
+    (adapter,) = target.adapters
+    base = target.rows.take(target.parameter.detach()).double()
+    rows = dataclasses.replace(target.rows, transposed=False)  # B's rows: the output's
+    up = layer.scaling[adapter] * rows.take(layer.lora_B[adapter].weight.detach()).double()
+    update = up @ layer.lora_A[adapter].weight.detach().double()
+    return {target.name: base + update, f"{target.name}:update": update}
+
+
+def with_lora(model: torch.nn.Module) -> torch.nn.Module:
+    """PEFT LoRA r = 2 on the fused ``c_attn`` (random ``B``: a non-zero update from step 0)."""
+    import peft
+
+    config = peft.LoraConfig(
+        r=2, target_modules=["c_attn"], fan_in_fan_out=True, init_lora_weights=False
+    )
+    return peft.get_peft_model(model, config)
 
 
 def _gathered(model: torch.nn.Module) -> contextlib.AbstractContextManager[object]:
@@ -103,13 +128,15 @@ def train(
     width: int = 32,
     attach: bool = False,
     extra_callbacks: list[TrainerCallback] | None = None,
+    lora: bool = False,
     **options: Any,
 ) -> WeightRecorder:
     """Train, and return the recorder of the weights (every rank records; rank 0 saves them).
 
     ``arguments`` override the ``TrainingArguments`` below (``use_cpu=False, bf16=True`` ...);
     ``width``: the model's ``n_embd``; ``attach``: ``callback.attach(trainer)`` (the spectra also
-    go to ``report_to``); ``extra_callbacks`` follow the others; ``options`` go to the callback.
+    go to ``report_to``); ``extra_callbacks`` follow the others; ``lora``: PEFT LoRA on ``c_attn``
+    (:func:`with_lora`); ``options`` go to the callback.
     """
     defaults: dict[str, Any] = dict(
         output_dir=str(outdir),
@@ -131,7 +158,7 @@ def train(
     recorder = WeightRecorder()
     callback = SpectralTrainerCallback(logdir=logdir, **{**OPTIONS, **options})
     trainer = Trainer(
-        model=tiny_gpt2(width),
+        model=with_lora(tiny_gpt2(width)) if lora else tiny_gpt2(width),
         args=args,
         train_dataset=samples(2 * steps * accumulate * 2),
         callbacks=[callback, recorder, *(extra_callbacks or [])],
