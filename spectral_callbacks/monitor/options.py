@@ -444,8 +444,12 @@ class MonitorOptions:
                 )
 
     @classmethod
-    def from_kwargs(cls, caller: str, **kwargs: Any) -> MonitorOptions:
-        """The options from a frontend's keyword arguments, naming an unknown one plainly.
+    def from_kwargs(
+        cls, caller: str, own_arguments: Sequence[str] = (), **kwargs: Any
+    ) -> MonitorOptions:
+        """The options from a frontend's keyword arguments, naming an unknown one plainly
+        (``own_arguments``: the frontend's keywords that are not options, such as the tracker's
+        ``logdir``, so that ``log_dir`` is answered with the one meant).
 
         Raises:
             TypeError: an argument that is not an option (with the list of options).
@@ -454,9 +458,12 @@ class MonitorOptions:
         known = option_names()
         unknown = sorted(set(kwargs) - set(known))
         if unknown:
-            named = ", ".join(f"{name!r}{did_you_mean(name, known)}" for name in unknown)
+            everything = [*own_arguments, *known]
+            named = ", ".join(f"{name!r}{did_you_mean(name, everything)}" for name in unknown)
+            own = f"{', '.join(own_arguments)} and " if own_arguments else ""
             raise TypeError(
-                f"{caller} got unknown argument(s) {named}; its options are {', '.join(known)}"
+                f"{caller} got unknown argument(s) {named}; it takes {own}the options "
+                f"{', '.join(known)}"
             )
         return cls(**kwargs)
 

@@ -79,6 +79,8 @@ from spectral_callbacks.targets.target import Target
 # files every few seconds) still shows each point within seconds, and a burst of snapshots (the
 # dense early schedule) costs one flush, not one each (a flush waits for the writer thread).
 FLUSH_INTERVAL_SECONDS = 1.0
+# The tracker's keywords that are not MonitorOptions: named with the options when one is mistyped.
+_TRACKER_ARGUMENTS = ("logdir", "writers", "start_step", "state", "optimizer", "forward_compiled")
 # What is said once per run, at the first matrix each kind of problem hit.
 _FIRST_PROBLEM = {
     "non_finite": (
@@ -192,7 +194,12 @@ class SpectralTracker:
             "None or a non-negative int (the optimizer step the weights are at now)",
         )
         if options is None:
-            options = MonitorOptions.from_kwargs(caller, metrics=metrics, **kwargs)
+            options = MonitorOptions.from_kwargs(
+                caller,
+                _TRACKER_ARGUMENTS if caller == "SpectralTracker" else (),
+                metrics=metrics,
+                **kwargs,
+            )
         elif kwargs:
             raise TypeError(f"pass either `options` or keyword options, not both: {sorted(kwargs)}")
         self.options = options

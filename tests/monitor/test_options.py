@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 import spectral_callbacks
 from spectral_callbacks import SpectralMonitor, SpectralTracker
@@ -80,8 +81,14 @@ def test_the_docs_option_table_and_the_signature_list_the_same_options_and_defau
 def test_an_unknown_keyword_is_answered_with_the_closest_option() -> None:
     with pytest.raises(TypeError, match=r"'every_n_step' \(did you mean 'every_n_steps'\?\)"):
         SpectralMonitor(every_n_step=10)
-    with pytest.raises(TypeError, match=r"unknown argument\(s\) 'zzz'; its options"):
+    with pytest.raises(TypeError, match=r"unknown argument\(s\) 'zzz'; it takes the options"):
         SpectralMonitor(zzz=1)
+
+
+def test_a_mistyped_tracker_keyword_that_is_not_an_option_is_answered_too() -> None:
+    # logdir is the tracker's own keyword, not an option: the answer names it all the same
+    with pytest.raises(TypeError, match=r"'log_dir' \(did you mean 'logdir'\?\); it takes logdir"):
+        SpectralTracker(torch.nn.Linear(4, 4), log_dir="runs")
 
 
 def test_the_documented_user_types_are_exported() -> None:
