@@ -21,9 +21,9 @@ tracker and *measures* the bytes by counting every all-gather FSDP1 issues throu
 (DeepSpeed's CPU accelerator JIT-builds an extension, minutes): its bytes are *counted* from the
 ``ds_numel`` of the parameters each block's gather holds, and its own traffic as 2 gathers of every
 parameter. Their ``exact`` cites tests/integrations/test_fsdp1.py (FSDP1 dense, delta and LoRA) and
-test_deepspeed.py (ZeRO-3 dense and LoRA under the Hugging Face Trainer); ``gathered``: the same path, no
-test checks it. LoRA (PEFT, r = 4 on Q, K, V, O and MLP down): each adapted layer's snapshot copies
-its frozen base inside the gather (whole only there) with its factors; the note gives those bytes.
+test_deepspeed.py (ZeRO-3 dense, delta and LoRA under the Hugging Face Trainer). LoRA (PEFT, r = 4
+on Q, K, V, O and MLP down): each adapted layer's snapshot copies its frozen base inside the gather
+(whole only there) with its factors; the note gives those bytes.
 
 Columns: ``moved KB`` (the payload a rank put into all-reduces per warm snapshot, the mean of the
 warm ones; a ring all-reduce moves about twice its payload per rank over the wire); ``watched MB``
@@ -292,13 +292,10 @@ def zero3_rows(rank: int, world_size: int, args: argparse.Namespace, logdir: str
         every = sum(p.numel() * p.element_size() for p in model.parameters())
         per_step = 2 * every * (world_size - 1) // world_size  # forward + backward gathers
         note = _cadence(moved, per_step, "counted from ds_numel")
-        status = "gathered" if kind == "delta" else "exact"
-        if kind == "delta":
-            note = "not run in the tests; " + note
         if kind == "LoRA":
             note = "the same path as FSDP1 LoRA's; " + note
             note += _adapted_copies(targets)
-        rows.append(Row("ZeRO-3", kind, status, note, float(moved), watched, per_step))
+        rows.append(Row("ZeRO-3", kind, "exact", note, float(moved), watched, per_step))
     return rows
 
 

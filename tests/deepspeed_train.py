@@ -1,7 +1,8 @@
 """The tiny GPT-2 of hf_train.py trained by the Hugging Face Trainer under DeepSpeed ZeRO, on CPUs.
 
-``torchrun --nproc_per_node 2 tests/deepspeed_train.py OUTDIR STAGE [lora]`` (``DS_ACCELERATOR=cpu``;
-``lora``: PEFT LoRA on ``c_attn``):
+``torchrun --nproc_per_node 2 tests/deepspeed_train.py OUTDIR STAGE [lora] [delta]``
+(``DS_ACCELERATOR=cpu``; ``lora``: PEFT LoRA on ``c_attn``; ``delta``: the callback's
+``delta="first"``, the update ``W_t - W_0`` from references it copies at the start):
 6 optimizer steps with SpectralTrainerCallback writing to ``OUTDIR/spectral``; rank 0 saves the
 watched matrices after every step to ``OUTDIR/weights.pt`` and each rank prints the optimizer
 DeepSpeed wraps and the size of a watched weight it holds. Used by
@@ -46,7 +47,7 @@ class ShowZero(TrainerCallback):
 
 def main() -> None:
     outdir, stage = Path(sys.argv[1]), int(sys.argv[2])
-    lora = sys.argv[3:] == ["lora"]
+    flags = set(sys.argv[3:])
     config = {
         "train_micro_batch_size_per_gpu": "auto",
         "gradient_accumulation_steps": "auto",
@@ -62,7 +63,8 @@ def main() -> None:
         figures=False,
         arguments=dict(deepspeed=config, use_cpu=False),  # DS_ACCELERATOR=cpu places it
         extra_callbacks=[ShowZero()],
-        lora=lora,
+        lora="lora" in flags,
+        **({"delta": "first"} if "delta" in flags else {}),
     )
 
 

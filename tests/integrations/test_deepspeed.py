@@ -2,11 +2,13 @@
 gloo): stages 1 and 2 keep every weight whole on every rank, stage 3 partitions them and each
 snapshot gathers them block by block (``deepspeed.zero.GatheredParameters``); at every stage the
 callback logs each scheduled step's spectrum equal to the float64 SVD of the weights; under stage 3
-with PEFT LoRA too, of the effective weight ``W_0 + s B A`` and of the update ``s B A``.
+with ``delta="first"`` the update ``W_t - W_0`` too, and with PEFT LoRA the effective weight
+``W_0 + s B A`` and the update ``s B A``.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 from pathlib import Path
@@ -18,6 +20,7 @@ from sharded_models import exact_metrics
 from spawn_ranks import run_session
 from tiny_models import exact_stable_rank, read_scalars
 
+from spectral_callbacks.functional.metrics import UPDATE_METRICS, UPDATE_TOP
 from spectral_callbacks.names import scalar_tag
 
 pytest.importorskip("deepspeed", reason="deepspeed is not installed: pip install -e .[dev]")
@@ -25,6 +28,15 @@ pytestmark = pytest.mark.slow  # four 2-process DeepSpeed runs, ~1 min each
 
 SCRIPT = Path(__file__).resolve().parents[1] / "deepspeed_train.py"
 Q0 = scalar_tag("stable_rank", 0, "Q")
+# the role of each watched matrix of a GPT-2 block, by the end of its name
+ROLES = {
+    "attn.c_attn.weight[Q]": "Q",
+    "attn.c_attn.weight[K]": "K",
+    "attn.c_attn.weight[V]": "V",
+    "attn.c_proj.weight": "O",
+    "mlp.c_fc.weight": "MLP_up",
+    "mlp.c_proj.weight": "MLP_down",
+}
 
 
 def zero_run(tmp_path: Path, stage: int, *extra: str) -> tuple[int, str]:
@@ -37,9 +49,21 @@ def zero_run(tmp_path: Path, stage: int, *extra: str) -> tuple[int, str]:
     return finished.returncode, finished.stdout
 
 
+@pytest.fixture(scope="module")
+def zero3(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, int, str]:
+    """One ZeRO-3 launch (tens of seconds) for its dense and its update tests: ``delta="first"``."""
+    outdir = tmp_path_factory.mktemp("zero3")
+    return (outdir, *zero_run(outdir, 3, "delta"))
+
+
 @pytest.mark.parametrize("stage", [1, 2, 3])
-def test_zero_stages_log_the_exact_spectrum_of_whole_weights(tmp_path: Path, stage: int) -> None:
-    returncode, output = zero_run(tmp_path, stage)
+def test_zero_stages_log_the_exact_spectrum_of_whole_weights(
+    request: pytest.FixtureRequest, tmp_path: Path, stage: int
+) -> None:
+    if stage == 3:
+        tmp_path, returncode, output = request.getfixturevalue("zero3")
+    else:
+        returncode, output = zero_run(tmp_path, stage)
     assert returncode == 0, output[-3000:]
     # DeepSpeed's ZeRO optimizer; stages 1-2 keep the whole 32 x 96 c_attn on each rank, stage 3
     # an empty placeholder (the snapshot gathers it with deepspeed.zero.GatheredParameters)
@@ -53,6 +77,66 @@ def test_zero_stages_log_the_exact_spectrum_of_whole_weights(tmp_path: Path, sta
     for step, value in logged[Q0].items():
         exact = exact_stable_rank(weights[step]["transformer.h.0.attn.c_attn.weight[Q]"])
         assert value == pytest.approx(exact, rel=0.01)
+
+
+def test_zero3_delta_logs_the_exact_update_of_every_gathered_matrix(
+    zero3: tuple[Path, int, str],
+) -> None:
+    outdir, returncode, output = zero3
+    assert returncode == 0, output[-3000:]
+    logged = read_scalars(outdir / "spectral")
+    weights = torch.load(outdir / "weights.pt")  # gathered by the test (hf_train.py)
+    assert len(weights[0]) == len(ROLES) * 2  # every watched matrix of blocks 0 and 1
+    checked = set()
+    for name in weights[0]:
+        layer = int(name.split(".")[2])
+        role = next(role for suffix, role in ROLES.items() if name.endswith(suffix))
+        tags = {metric: scalar_tag(metric, layer, role) for metric in UPDATE_METRICS}
+        checked |= set(tags.values())
+        base = weights[0][name]
+        assert weights[6][name].ne(base).any(), name  # the weight trained: a real update
+        for tag in tags.values():
+            assert sorted(logged[tag]) == [0, 1, 2, 5, 6], tag
+        for step in (0, 1, 2, 5, 6):
+            seen = {metric: logged[tag][step] for metric, tag in tags.items()}
+            assert math.isnan(seen["update_rank"])  # a dense fine-tune: no adapter rank
+            expected = exact_update(weights[step][name] - base, base)
+            for metric, exact in expected.items():
+                if math.isnan(exact):  # a zero update (step 0): no stable or energy rank
+                    assert math.isnan(seen[metric]), (name, metric, step)
+                elif metric != "update_energy_rank_90":
+                    close = pytest.approx(exact, rel=1e-4, abs=1e-6)
+                    assert seen[metric] == close, (name, metric, step)
+            if not math.isnan(expected["update_energy_rank_90"]):  # within float32 rounding
+                low = energy_rank_90(weights[step][name] - base, 1 - 1e-4)
+                high = energy_rank_90(weights[step][name] - base, 1 + 1e-4)
+                assert low <= seen["update_energy_rank_90"] <= high, (name, step)
+    # no update metric is logged that this test does not compare
+    assert {tag for tag in logged if tag.startswith("spectral_update_") and "/L" in tag} <= checked
+
+
+def energy_rank_90(update: torch.Tensor, scale: float = 1.0) -> float:
+    """The smallest r whose top-r squared singular values hold ``0.9 * scale`` of ‖ΔW‖_F²."""
+    squares = torch.linalg.svdvals(update.double()).square()
+    total = float(squares.sum())
+    if total == 0:
+        return math.nan
+    return float((squares.cumsum(0) < 0.9 * scale * total).sum() + 1)
+
+
+def exact_update(update: torch.Tensor, base: torch.Tensor) -> dict[str, float]:
+    """The update family of ``ΔW = W_t - W_0`` from its float64 full SVD (NaN ranks if ΔW = 0)."""
+    values = torch.linalg.svdvals(update.double())
+    frobenius = float(values.square().sum().sqrt())
+    out = {
+        "update_stable_rank": frobenius**2 / float(values[0]) ** 2 if frobenius else math.nan,
+        "update_spectral_norm": float(values[0]),
+        "update_frobenius_norm": frobenius,
+        "update_energy_rank_90": energy_rank_90(update),
+        "update_relative_size": frobenius / float(base.double().norm()),
+    }
+    out.update({f"update_sv_{i}": float(values[i - 1]) for i in range(1, UPDATE_TOP + 1)})
+    return out
 
 
 def test_zero3_lora_logs_the_exact_spectrum_and_update_of_the_effective_weights(
