@@ -1,11 +1,13 @@
 """The tiny GPT-2 of hf_train.py trained by the Hugging Face Trainer under DeepSpeed ZeRO, on CPUs.
 
-``torchrun --nproc_per_node 2 tests/deepspeed_train.py OUTDIR STAGE [lora] [delta]``
+``torchrun --nproc_per_node 2 tests/deepspeed_train.py OUTDIR STAGE [lora] [delta] [resume]``
 (``DS_ACCELERATOR=cpu``; ``lora``: PEFT LoRA on ``c_attn``; ``delta``: the callback's
 ``delta="first"``, the update ``W_t - W_0`` from references it copies at the start):
 6 optimizer steps with SpectralTrainerCallback writing to ``OUTDIR/spectral``; rank 0 saves the
 watched matrices after every step to ``OUTDIR/weights.pt`` and each rank prints the optimizer
-DeepSpeed wraps and the size of a watched weight it holds. Used by
+DeepSpeed wraps and the size of a watched weight it holds. ``resume``: the 6 steps end with a
+Trainer checkpoint, and a second Trainer in the same processes resumes from it to step 10, logging
+to ``OUTDIR/resumed`` and saving its weights to ``OUTDIR/resumed.pt``. Used by
 tests/integrations/test_deepspeed.py.
 """
 
@@ -48,6 +50,7 @@ class ShowZero(TrainerCallback):
 def main() -> None:
     outdir, stage = Path(sys.argv[1]), int(sys.argv[2])
     flags = set(sys.argv[3:])
+    options = {"delta": "first"} if "delta" in flags else {}
     config = {
         "train_micro_batch_size_per_gpu": "auto",
         "gradient_accumulation_steps": "auto",
@@ -57,6 +60,7 @@ def main() -> None:
     train(
         outdir,
         steps=6,
+        save_steps=6 if "resume" in flags else None,
         report_to=[],
         every_n_steps=5,
         logdir=outdir / "spectral",
@@ -64,8 +68,27 @@ def main() -> None:
         arguments=dict(deepspeed=config, use_cpu=False),  # DS_ACCELERATOR=cpu places it
         extra_callbacks=[ShowZero()],
         lora="lora" in flags,
-        **({"delta": "first"} if "delta" in flags else {}),
+        **options,
     )
+    if "resume" in flags:
+        if os.environ.get("RANK") == "0":  # the first run's weights, kept from the second's
+            (outdir / "weights.pt").rename(outdir / "first.pt")
+        train(
+            outdir,
+            steps=10,
+            save_steps=6,
+            resume=True,
+            report_to=[],
+            every_n_steps=5,
+            logdir=outdir / "resumed",
+            figures=False,
+            arguments=dict(deepspeed=config, use_cpu=False),
+            lora="lora" in flags,
+            **options,
+        )
+        if os.environ.get("RANK") == "0":
+            (outdir / "weights.pt").rename(outdir / "resumed.pt")
+            (outdir / "first.pt").rename(outdir / "weights.pt")
 
 
 if __name__ == "__main__":

@@ -166,7 +166,9 @@ def train(
     if attach:
         callback.attach(trainer)
     trainer.train(resume_from_checkpoint=True if resume else None)
-    if trainer.is_world_process_zero():
+    # global rank 0 (the Trainer's is_world_process_zero is true on every rank under DeepSpeed's
+    # CPU accelerator)
+    if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
         torch.save(recorder.weights, outdir / "weights.pt")
     return recorder
 

@@ -8,8 +8,9 @@ Which hooks, and why (steps are ``state.global_step``: optimizer steps, 0 = befo
   per four micro-batches (those end in ``on_substep_end``) - after the update and before the next
   forward, so a snapshot there holds exactly the weights after ``global_step``.
 * ``on_save`` writes the tracker's state beside the checkpoint the Trainer just wrote
-  (``<output_dir>/checkpoint-<step>/spectral_tracker.pt``); ``on_train_begin`` reads it back when
-  the run resumes from that checkpoint, so compression keeps its step-0 reference.
+  (``<output_dir>/checkpoint-<step>/spectral_tracker.pt``, from global rank 0, which holds the
+  compression references); ``on_train_begin`` reads it back when the run resumes from that
+  checkpoint, so compression keeps its step-0 reference.
 * ``on_step_end`` of the last step (``control.should_training_stop``) also measures it, drains
   in-flight work (bounded) and draws the figures, while the ``report_to`` trackers' runs are still
   open; ``on_train_end`` does it where another callback stopped training after that hook (then
@@ -194,7 +195,7 @@ class SpectralTrainerCallback(TrainerCallback):
             return
         saved = self.tracker.state_dict()  # every rank: it may wait for rank 0's first results
         checkpoint = _output_dir(args) / f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"
-        if state.is_world_process_zero and checkpoint.is_dir():
+        if _holds_the_references() and checkpoint.is_dir():
             torch.save(saved, checkpoint / STATE_FILE)
 
     def on_train_end(
@@ -327,6 +328,15 @@ def trainer_logdir(args: TrainingArguments) -> str:
 
 def _output_dir(args: TrainingArguments) -> Path:
     return Path(str(args.output_dir))
+
+
+def _holds_the_references() -> bool:
+    """Whether this process writes the tracker's state: global rank 0 of ``torch.distributed``,
+    where the tracker logs and keeps the compression references. Not the Trainer's
+    ``is_world_process_zero``: under DeepSpeed with its CPU accelerator it is true on every rank,
+    and another rank's file (no references) overwrote rank 0's."""
+    distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+    return not distributed or torch.distributed.get_rank() == 0
 
 
 def _saved_state(args: TrainingArguments, state: TrainerState) -> dict[str, Any] | None:

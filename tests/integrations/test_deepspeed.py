@@ -21,6 +21,7 @@ from spawn_ranks import run_session
 from tiny_models import exact_stable_rank, read_scalars
 
 from spectral_callbacks.functional.metrics import UPDATE_METRICS, UPDATE_TOP
+from spectral_callbacks.integrations.hf import STATE_FILE
 from spectral_callbacks.names import scalar_tag
 
 pytest.importorskip("deepspeed", reason="deepspeed is not installed: pip install -e .[dev]")
@@ -51,9 +52,10 @@ def zero_run(tmp_path: Path, stage: int, *extra: str) -> tuple[int, str]:
 
 @pytest.fixture(scope="module")
 def zero3(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, int, str]:
-    """One ZeRO-3 launch (tens of seconds) for its dense and its update tests: ``delta="first"``."""
+    """One ZeRO-3 launch (tens of seconds) for its dense, update and resume tests: ``delta="first"``,
+    6 steps and a checkpoint, then a second Trainer resumed from it to step 10."""
     outdir = tmp_path_factory.mktemp("zero3")
-    return (outdir, *zero_run(outdir, 3, "delta"))
+    return (outdir, *zero_run(outdir, 3, "delta", "resume"))
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
@@ -163,3 +165,32 @@ def test_zero3_lora_logs_the_exact_spectrum_and_update_of_the_effective_weights(
                 key = f"{name}:update" if metric.startswith("update_") else name
                 exact = exact_metrics(weights[step][key], 8)[metric.removeprefix("update_")]
                 assert value == pytest.approx(exact, rel=1e-4), (metric, layer, step)
+
+
+def test_a_resumed_zero3_run_keeps_the_step_0_compression_references(
+    zero3: tuple[Path, int, str],
+) -> None:
+    outdir, returncode, output = zero3
+    assert returncode == 0, output[-3000:]
+    assert (outdir / "checkpoint-6" / STATE_FILE).is_file()  # the tracker's state, beside it
+    first, resumed = read_scalars(outdir / "spectral"), read_scalars(outdir / "resumed")
+    step0 = torch.load(outdir / "weights.pt")[0]  # the first run's, gathered by the test
+    weights = torch.load(outdir / "resumed.pt")  # the resumed run's, steps 6 to 10
+    for name in step0:
+        layer = int(name.split(".")[2])
+        role = next(role for suffix, role in ROLES.items() if name.endswith(suffix))
+        assert weights[6][name].equal(torch.load(outdir / "weights.pt")[6][name]), name
+        stable_rank = resumed[scalar_tag("stable_rank", layer, role)]
+        assert sorted(stable_rank) == [10], name  # no new reference snapshot at the resumed step
+        exact = exact_metrics(weights[10][name], 8)["stable_rank"]
+        assert stable_rank[10] == pytest.approx(exact, rel=0.01), name
+        # compression against the first run's step 0, not against step 6's weights
+        reference = first[scalar_tag("stable_rank", layer, role)][0]
+        compression = resumed[scalar_tag("compression", layer, role)][10]
+        assert compression == pytest.approx(100 * (1 - stable_rank[10] / reference), abs=1e-3)
+        # delta="first" of a resumed run: W_10 - W_6, the weights it resumes from
+        # (docs/fine-tuning.md)
+        expected = exact_update(weights[10][name] - weights[6][name], weights[6][name])
+        for metric in ("update_stable_rank", "update_spectral_norm", "update_frobenius_norm"):
+            logged = resumed[scalar_tag(metric, layer, role)][10]
+            assert logged == pytest.approx(expected[metric], rel=1e-4), (name, metric)
