@@ -143,16 +143,14 @@ def _sharded_rank(rank: int, world_size: int, store: str, args: Any, out: str) -
     os._exit(0)  # skip teardown: nothing is left to flush
 
 
-def sharded_rows(world_size: int, width: int, smoke: bool) -> list[Row]:
-    """FSDP2 and tensor parallelism x {dense, LoRA, delta}, measured on ``world_size`` processes."""
-    args = argparse.Namespace(
-        width=width, rank=4 if smoke else 16, k=8 if smoke else 32, steps=1 if smoke else 3
-    )
+def _on_ranks(rank_main: Callable[..., None], world_size: int, args: argparse.Namespace) -> Any:
+    """Run ``rank_main(rank, world_size, store, args, out)`` on ``world_size`` spawned processes;
+    what rank 0 saved to ``out``."""
     with tempfile.TemporaryDirectory() as tmp:
         store, out = os.path.join(tmp, "store"), os.path.join(tmp, "out.pt")
         context = multiprocessing.get_context("spawn")
         processes = [
-            context.Process(target=_sharded_rank, args=(r, world_size, store, args, out))
+            context.Process(target=rank_main, args=(r, world_size, store, args, out))
             for r in range(world_size)
         ]
         for process in processes:
@@ -161,7 +159,15 @@ def sharded_rows(world_size: int, width: int, smoke: bool) -> list[Row]:
             process.join()
         if not os.path.exists(out):
             sys.exit("a rank failed; see its traceback above")
-        measured = torch.load(out, weights_only=False)
+        return torch.load(out, weights_only=False)
+
+
+def sharded_rows(world_size: int, width: int, smoke: bool) -> list[Row]:
+    """FSDP2 and tensor parallelism x {dense, LoRA, delta}, measured on ``world_size`` processes."""
+    args = argparse.Namespace(
+        width=width, rank=4 if smoke else 16, k=8 if smoke else 32, steps=1 if smoke else 3
+    )
+    measured = _on_ranks(_sharded_rank, world_size, args)
     rows = []
     for strategy, kind, row in measured:
         name = {"fsdp2": "FSDP2", "tp": "tensor parallel"}[strategy]
@@ -336,20 +342,7 @@ def partitioned_rows(world_size: int, width: int, smoke: bool) -> list[Row]:
     """FSDP1 and ZeRO-3 x {dense, delta, LoRA}: gathered unit by unit (FSDP1 measured by
     counting its all-gathers, ZeRO-3 counted from ``ds_numel``), on a GPT-2 of 2 blocks."""
     args = argparse.Namespace(width=width, layers=2)
-    with tempfile.TemporaryDirectory() as tmp:
-        store, out = os.path.join(tmp, "store"), os.path.join(tmp, "out.pt")
-        context = multiprocessing.get_context("spawn")
-        processes = [
-            context.Process(target=_partitioned_rank, args=(r, world_size, store, args, out))
-            for r in range(world_size)
-        ]
-        for process in processes:
-            process.start()
-        for process in processes:
-            process.join()
-        if not os.path.exists(out):
-            sys.exit("a rank failed; see its traceback above")
-        return list(torch.load(out, weights_only=False))
+    return list(_on_ranks(_partitioned_rank, world_size, args))
 
 
 ROWS: list[Callable[[int, int, bool], list[Row]]] = [sharded_rows, partitioned_rows]

@@ -26,7 +26,6 @@ Run: ``PYTHONPATH=. python benchmarks/performance_table.py`` (about ten minutes 
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import sys
 import time
@@ -145,18 +144,7 @@ def main(argv: list[str] | None = None) -> None:
     g = torch.Generator().manual_seed(0)
     print(f"CPU, 1 thread, thread CPU time, load average {os.getloadavg()[0]:.1f} at the start\n")
     print("Single shapes, stateless calls (ms):\n")
-    print(
-        "| shape | spectrum | best exact ms | best exact | floor ms | metrics ms | speedup "
-        "| svd ms | svd speedup | chosen | model exact/rand | measured exact/rand "
-        "| err sigma_1 | err stable rank |"
-    )
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
-    worst = math.inf
-    for shape in args.shapes:
-        for spectrum in args.spectra.split(","):
-            line, speedup = stateless_vs_exact.shape_row(shape, spectrum, shape_args, g)
-            worst = min(worst, speedup)
-            print(line, flush=True)
+    worst = stateless_vs_exact.print_shape_table(args.shapes, args.spectra, shape_args, g)
     print(f"\nworst stateless speedup {worst:.2f}\n\nWhole stacks, the callback's snapshots (s):\n")
     print(
         "| stack | best exact s | ours cold s | ours warm s | exact/cold | exact/warm | floor s "

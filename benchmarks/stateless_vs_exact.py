@@ -247,6 +247,26 @@ def analyze_row(args: argparse.Namespace) -> str:
     )
 
 
+def print_shape_table(
+    shapes: list[tuple[int, int]], spectra: str, args: argparse.Namespace, g: torch.Generator
+) -> float:
+    """Print one row per shape of ``shapes`` and spectrum of ``spectra`` (comma-separated);
+    the worst speedup."""
+    print(
+        "| shape | spectrum | best exact ms | best exact | floor ms | metrics ms | speedup "
+        "| svd ms | svd speedup | chosen | model exact/rand | measured exact/rand "
+        "| err sigma_1 | err stable rank |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    worst = math.inf
+    for shape in shapes:
+        for spectrum in spectra.split(","):
+            line, speedup = shape_row(shape, spectrum, args, g)
+            worst = min(worst, speedup)
+            print(line, flush=True)
+    return worst
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", type=parse_shapes, default=SHAPES)
@@ -272,18 +292,7 @@ def main(argv: list[str] | None = None) -> None:
         f"CPU, {torch.get_num_threads()} thread(s), {clock}, fastest of {args.repeats} rounds "
         "(fewer above 4M entries), float32, k = 32, stateless calls\n"
     )
-    print(
-        "| shape | spectrum | best exact ms | best exact | floor ms | metrics ms | speedup "
-        "| svd ms | svd speedup | chosen | model exact/rand | measured exact/rand "
-        "| err sigma_1 | err stable rank |"
-    )
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
-    worst = math.inf
-    for shape in args.shapes:
-        for spectrum in args.spectra.split(","):
-            line, speedup = shape_row(shape, spectrum, args, g)
-            worst = min(worst, speedup)
-            print(line, flush=True)
+    worst = print_shape_table(args.shapes, args.spectra, args, g)
     print(f"\nworst speedup {worst:.2f} (target >= {TARGET})")
     if args.analyze:
         print(analyze_row(args), flush=True)
