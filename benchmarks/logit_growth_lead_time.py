@@ -333,11 +333,17 @@ def main(argv: list[str] | None = None) -> None:
     )  # fmt: skip
     torch.set_num_threads(1)
     text = load_bytes(max_bytes=2_000_000)
-    shapes = [tuple(int(n) for n in s.split("x")) for s in args.shapes.split(",")]
+    try:
+        lrs, seeds = parse_list(float, args.lrs), parse_list(int, args.seeds)
+        shapes = [tuple(int(n) for n in s.split("x")) for s in args.shapes.split(",")]
+    except ValueError as error:
+        parser.error(f"--lrs, --seeds and --shapes take comma-separated numbers ({error})")
+    if any(len(shape) != 3 for shape in shapes):
+        parser.error(f"--shapes: each is layers x width x heads, e.g. 2x128x2; got {args.shapes!r}")
     runs = []
     for shape in shapes:
-        for lr in parse_list(float, args.lrs):
-            for seed in parse_list(int, args.seeds):
+        for lr in lrs:
+            for seed in seeds:
                 for name, qk_norm in (("no QK-norm", False), ("QK-norm", True)):
                     run = train(lr, shape, seed, qk_norm, args, text)  # type: ignore[arg-type]
                     print(f"{shape} lr {lr:g} seed {seed} {name}: {run.seconds:.0f} s",
