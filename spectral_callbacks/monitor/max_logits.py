@@ -92,8 +92,14 @@ class MaxLogits:
 
     def rows(self, step: int) -> dict[str, dict[str, float]]:
         """target name -> ``{"max_logit": value}`` of the snapshot of ``step`` (copied to the host
-        now); finite values only (a query with every key masked has none)."""
-        taken = self._taken.pop(step, {})
+        now); finite values only (a query with every key masked has none). Results are logged in
+        step order, so maxima taken for an earlier snapshot that was never logged (skipped) fold
+        into this one: nothing is kept past the snapshot that logs it."""
+        taken: dict[str, Tensor] = {}
+        for earlier in sorted(s for s in self._taken if s <= step):
+            for attention, per_head in self._taken.pop(earlier).items():
+                before = taken.get(attention)
+                taken[attention] = per_head if before is None else torch.maximum(before, per_head)
         rows: dict[str, dict[str, float]] = {}
         for attention, per_head in taken.items():
             for head, value in zip(self._heads[attention], per_head.tolist(), strict=True):

@@ -5,11 +5,13 @@ the maximum of what the calls handed; nothing of ours computes a logit."""
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
 from torch.nn.attention.flex_attention import AuxRequest, flex_attention
 
+from spectral_callbacks.monitor.max_logits import MaxLogits
 from spectral_callbacks.monitor.tracker import SpectralTracker
 from spectral_callbacks.names import parse_tag
 
@@ -144,3 +146,21 @@ def test_flex_attentions_max_scores_are_logged_per_head_on_cuda() -> None:
     }
     for h in range(HEADS):
         assert logged[h] == pytest.approx(float(reference[h]), rel=1e-3)
+
+
+def test_maxima_of_a_snapshot_never_logged_fold_into_the_next_and_are_not_kept() -> None:
+    # a snapshot the engine skipped never reaches rows(): its maxima belong to the next one logged
+    heads = [
+        SimpleNamespace(name=f"attn[head {h}]", head=h, layout=SimpleNamespace(name="attn"))
+        for h in range(2)
+    ]
+    watch = MaxLogits(heads)
+    watch.observe("attn", torch.tensor([[[7.0], [1.0]]]))
+    watch.take(5)  # skipped: never logged
+    watch.observe("attn", torch.tensor([[[2.0], [3.0]]]))
+    watch.take(10)
+    assert watch.rows(10) == {
+        "attn[head 0]": {"max_logit": 7.0},
+        "attn[head 1]": {"max_logit": 3.0},
+    }
+    assert watch.rows(5) == {} and not watch._taken
