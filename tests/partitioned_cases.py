@@ -187,6 +187,39 @@ def refusals(rank: int) -> dict[str, str]:
     return said
 
 
+def outer_unit(rank: int, world_size: int = 2) -> dict[str, Any]:
+    """What the tracker watches, or says, when handed the module inside FSDP1's root wrapper (as
+    Lightning's ``FSDPStrategy`` and the Hugging Face Trainer hand their callbacks), with the
+    blocks wrapped in units of their own (the root holds only the embeddings and the final norm)
+    or with only the attention wrapped (the root holds the MLP's matrices); and handed the wrapper.
+    """
+    from torch.distributed.fsdp import FullyShardedDataParallel
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+    from transformers.models.gpt2.modeling_gpt2 import GPT2Attention, GPT2Block
+
+    from spectral_callbacks.monitor.options import ConfigurationError
+
+    found: dict[str, Any] = {}
+    for policy in (GPT2Block, GPT2Attention):
+        model, loss_of = gpt2_with_biases()
+        wrapped = FullyShardedDataParallel(
+            model,
+            auto_wrap_policy=ModuleWrapPolicy({policy}),
+            device_id=torch.device("cpu"),
+            use_orig_params=True,
+        )
+        loss_of(wrapped, *batch(rank, 1, "fsdp")).backward()
+        for held, what in ((wrapped, "wrapper"), (model, "inside")):
+            try:
+                tracker = SpectralTracker(held, figures=False, logdir=None, writers=[_Discard()])
+            except ConfigurationError as error:
+                found[policy.__name__, what] = str(error)
+            else:
+                found[policy.__name__, what] = sorted((t.layer, t.role) for t in tracker.targets)
+                tracker.close()
+    return found
+
+
 class _Discard:
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
         pass
@@ -199,7 +232,7 @@ def fsdp1_runs(rank: int, world_size: int, outdir: str) -> dict[str, Any]:
     checkpoint; the wrappings that are refused."""
     from spectral_callbacks.monitor.options import ConfigurationError
 
-    found: dict[str, Any] = {"refusals": refusals(rank)}
+    found: dict[str, Any] = {"refusals": refusals(rank), "outer_unit": outer_unit(rank)}
     try:  # the bytes a snapshot holds on this rank: the refusal of a budget that holds one
         # matrix (808 KiB with its working set) but not the share says them
         tracked_fsdp1(rank, f"{outdir}/never", options=dict(max_snapshot_bytes=10**6), steps=(1, 0))

@@ -3,7 +3,8 @@ loop with SpectralTracker, 2 CPU processes with gloo: each snapshot gathers one 
 with FSDP1's own ``summon_full_params``, and every logged value equals a float64 SVD of the full
 matrix that the test gathers with the same public API, at every scheduled step; the same values
 as the unwrapped model; within a budget that holds one unit; resumed with the step-0 references;
-with PEFT LoRA adapters, every effective matrix ``W_0 + s B A`` and its update exact too.
+with PEFT LoRA adapters, every effective matrix ``W_0 + s B A`` and its update exact too; a
+linear layer inside a block held by the root unit around the module given refused in one line.
 
 Every check reads one group of ranks (``partitioned_cases.fsdp1_runs``): a spawn costs more than
 the runs.
@@ -23,6 +24,7 @@ from spectral_callbacks.names import monitor_tag, scalar_tag
 
 pytestmark = pytest.mark.slow
 SCHEDULED = [0, 1, 2, 4, 8, 10]
+ROLES = ("Q", "K", "V", "O", "MLP_up", "MLP_down")
 
 
 @pytest.fixture(scope="module")
@@ -135,3 +137,20 @@ def test_fsdp1_wrappings_that_cannot_be_gathered_are_refused_in_one_line(runs: d
         )
         assert "use_orig_params=True" in message and "\n" not in message
     assert said["inside, use_orig_params=True"].endswith("pass the wrapper")
+
+
+def test_matrices_held_by_the_root_unit_around_the_model_given_are_refused_in_one_line(
+    runs: dict,
+) -> None:
+    # Lightning's FSDPStrategy and the Hugging Face Trainer hand their callbacks the module inside
+    # FSDP1's root wrapper: the root's own parameters can never be gathered from there.
+    said = runs["ranks"][0]["outer_unit"]
+    every = sorted((layer, role) for layer in (0, 1) for role in ROLES)
+    # blocks in units of their own (the root holds only embeddings and the final norm)
+    assert said["GPT2Block", "inside"] == said["GPT2Block", "wrapper"] == every
+    # only attention wrapped: the root holds the MLP's matrices; the wrapper gathers them
+    assert said["GPT2Attention", "wrapper"] == every
+    message = said["GPT2Attention", "inside"]
+    assert message.startswith("SpectralTracker cannot watch a model trained with FSDP1"), message
+    assert "4 linear weights inside its blocks (transformer.h.0.mlp.c_fc.weight" in message
+    assert "FSDPStrategy(auto_wrap_policy={Block})" in message and "\n" not in message

@@ -63,6 +63,7 @@ import torch
 
 from spectral_callbacks.monitor.options import ConfigurationError
 from spectral_callbacks.targets.adapted import AdaptedTarget
+from spectral_callbacks.targets.matching import block_of
 from spectral_callbacks.targets.target import Target
 
 __all__ = [
@@ -199,6 +200,10 @@ class FSDP1Gathering(Gathering):
         }
         self._full_bytes: dict[int, int] = {}  # id(parameter) -> its full bytes, read in whole()
 
+    def owned(self, parameter: torch.Tensor) -> bool:
+        """Whether a unit inside the model flattened ``parameter`` (so a gather here holds it)."""
+        return id(parameter) in self._owner
+
     @contextlib.contextmanager
     def whole(self) -> Iterator[object]:
         with self._fsdp.summon_full_params(self.model, recurse=True, writeback=False):
@@ -285,9 +290,10 @@ def gathering_of(model: torch.nn.Module, caller: str = "SpectralTracker") -> Gat
 
     Raises:
         ConfigurationError: FSDP1 with ``use_orig_params=False`` (its parameters are re-created
-            at each gather, so a watched matrix cannot be held), or FSDP1 parameters with no
+            at each gather, so a watched matrix cannot be held), FSDP1 parameters with no
             ``FullyShardedDataParallel`` unit inside ``model`` (the module held inside its
-            wrapper: hand the tracker the wrapper).
+            wrapper: hand the tracker the wrapper), or a linear layer's weight inside ``model``'s
+            blocks flattened by a unit outside ``model`` (see :func:`_held_outside`).
     """
     scheme = partitioning(model)
     if scheme == ZERO3:
@@ -311,7 +317,47 @@ def gathering_of(model: torch.nn.Module, caller: str = "SpectralTracker") -> Gat
             "the model given holds FSDP1's flattened parameters but no FullyShardedDataParallel "
             "unit to gather them with (the module taken out of its wrapper); pass the wrapper",
         )
-    return FSDP1Gathering(model)
+    gathering = FSDP1Gathering(model)
+    outside = _held_outside(model, gathering.owned)
+    if outside:
+        shown = ", ".join(outside[:3]) + (
+            f" and {len(outside) - 3} more" if len(outside) > 3 else ""
+        )
+        raise partitioned_error(
+            caller,
+            scheme,
+            f"{len(outside)} linear weights inside its blocks ({shown}) are flattened into a "
+            "FullyShardedDataParallel unit outside the model given (the root unit around it), "
+            "which it cannot gather, so they would go unwatched; wrap every block in a unit of its "
+            "own (auto_wrap_policy=ModuleWrapPolicy({Block}); Lightning: "
+            "FSDPStrategy(auto_wrap_policy={Block}); the Hugging Face Trainer: "
+            'fsdp_config={"transformer_layer_cls_to_wrap": ["Block"]}), or pass the outermost '
+            "wrapper",
+        )
+    return gathering
+
+
+def _held_outside(model: torch.nn.Module, owned: Callable[[torch.Tensor], bool]) -> list[str]:
+    """The weights of linear layers (``nn.Linear``, Hugging Face's ``Conv1D``) inside ``model``'s
+    blocks that FSDP1 flattened into a unit ``model`` does not contain.
+
+    A frontend handed the module inside FSDP1's root wrapper (Lightning's ``pl_module``, the
+    Hugging Face Trainer's ``model``) sees every nested unit but not the root: what the root
+    flattened stays a 1-D slice in every gather the tracker can open, so the matrices among it
+    would never be found. Embeddings, norms and heads outside the blocks are never watched, so the
+    root may hold them.
+    """
+    modules = dict(torch.nn.Module.named_modules(model))
+    outside = []
+    for name, parameter in torch.nn.Module.named_parameters(model):  # FSDP1's names kept
+        path, _, leaf = name.rpartition(".")
+        layer = modules.get(path)
+        linear = isinstance(layer, torch.nn.Linear) or type(layer).__name__ == "Conv1D"
+        flattened = any(getattr(parameter, mark, False) for mark in _FSDP1_FLATTENED)
+        in_block = block_of(name, 0, modules) is not None
+        if leaf == "weight" and linear and flattened and in_block and not owned(parameter):
+            outside.append(name.replace("_fsdp_wrapped_module.", ""))
+    return outside
 
 
 def held_in_gathers(targets: Sequence[Target]) -> list[Target]:
