@@ -1,7 +1,8 @@
 """A tiny GPT-2 (from a config) trained by the Hugging Face Trainer with SpectralTrainerCallback.
 
 ``python tests/hf_train.py OUTDIR [--steps S] [--accumulate A] [--save-steps N] [--resume]
-[--logdir DIR]`` - run directly or under ``torchrun --nproc_per_node 2`` (gloo, CPU). Used by
+[--logdir DIR] [--fsdp]`` - run directly or under ``torchrun --nproc_per_node 2`` (gloo, CPU;
+``--fsdp``: the Trainer's ``fsdp=``, FSDP1 on 2 CUDA devices with NCCL). Used by
 tests/integrations/test_hf.py: in-process through :func:`train`, and as a script for the multi-process run.
 The watched matrices after every optimizer step are saved (rank 0) to ``OUTDIR/weights.pt``.
 """
@@ -106,7 +107,12 @@ def with_lora(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def _gathered(model: torch.nn.Module) -> contextlib.AbstractContextManager[object]:
-    """ZeRO-3's partitions gathered with DeepSpeed's public ``GatheredParameters`` (every rank)."""
+    """ZeRO-3's partitions gathered with DeepSpeed's public ``GatheredParameters``, FSDP1's units
+    inside ``model`` with its public ``summon_full_params`` (every rank)."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    if any(isinstance(module, FullyShardedDataParallel) for module in model.modules()):
+        return FullyShardedDataParallel.summon_full_params(model, writeback=False)
     parameters = list(model.parameters())
     if not any(hasattr(parameter, "ds_id") for parameter in parameters):
         return contextlib.nullcontext()
@@ -178,12 +184,22 @@ def main() -> None:
     parser.add_argument("outdir", type=Path)
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--logdir", type=Path, default=None)
+    parser.add_argument("--fsdp", action="store_true", help="the Trainer's fsdp= (FSDP1), CUDA")
     args = parser.parse_args()
     torch.set_num_threads(1)  # two processes share a small machine
     # A loaded machine may make a worker miss the 1 s due wait; the test checks every value, so
     # give each rank more time (the late path has its own test in test_ddp.py).
     distributed.DUE_WAIT_SECONDS = 20.0
-    train(args.outdir, steps=args.steps, logdir=args.logdir, figures=False)
+    # fsdp=: one FSDP1 unit per block through accelerate; it needs CUDA devices and NCCL (accelerate
+    # turns FSDP on only for an accelerator's distributed type, never for MULTI_CPU).
+    fsdp = dict(
+        fsdp="full_shard auto_wrap",
+        fsdp_config={"transformer_layer_cls_to_wrap": ["GPT2Block"], "use_orig_params": True},
+        use_cpu=False,
+        ddp_backend="nccl",
+    )
+    arguments = fsdp if args.fsdp else None
+    train(args.outdir, steps=args.steps, logdir=args.logdir, figures=False, arguments=arguments)
 
 
 if __name__ == "__main__":
