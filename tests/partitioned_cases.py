@@ -134,6 +134,12 @@ def tracked_fsdp1(
     with SpectralTracker(
         held, logdir=logdir, state=state, start_step=first - 1, **OPTIONS, **(options or {})
     ) as tracker:
+        # the delta= references this rank keeps (released at the end of the run), by name
+        references = {
+            t.name: t.reference.numel() * t.reference.element_size()
+            for t in tracker.targets
+            if getattr(t, "reference", None) is not None
+        }
         weights[first - 1] = gathered(held, model) if wrap else None
         for step in range(first, last + 1):
             loss_of(held, *batch(0, step, "fsdp")).backward()
@@ -155,6 +161,9 @@ def tracked_fsdp1(
         "state": tracker.state_dict(),
         "weights": weights if rank == 0 else None,
         "targets": [(t.layer, t.role) for t in tracker.targets],
+        "references": references,
+        # every watched matrix's name, (m, n) and element size, in target order
+        "shapes": [(t.name, t.shape, t.parameter.element_size()) for t in tracker.targets],
         # what the budget counts for each adapted matrix's snapshot, and its parts' sizes
         "adapted": {
             (t.layer, t.role): (t.snapshot_bytes(), t.shape, t.parameter.element_size())
@@ -229,7 +238,7 @@ def fsdp1_runs(rank: int, world_size: int, outdir: str) -> dict[str, Any]:
     """Everything the FSDP1 tests check, on one group of ranks (a spawn costs more than a run):
     a tracked run with ``delta="first"`` within a budget that holds one gathered unit and this
     rank's share; the same model unwrapped; the model with LoRA adapters; a budget one byte too small; a run resumed from a
-    checkpoint; the wrappings that are refused."""
+    checkpoint (both with ``delta="first"``); the wrappings that are refused."""
     from spectral_callbacks.monitor.options import ConfigurationError
 
     found: dict[str, Any] = {"refusals": refusals(rank), "outer_unit": outer_unit(rank)}
@@ -254,10 +263,18 @@ def fsdp1_runs(rank: int, world_size: int, outdir: str) -> dict[str, Any]:
     )
     found["lora"] = tracked_fsdp1(rank, f"{outdir}/lora", lora=True)
     checkpoint = f"{outdir}/checkpoint.pt"
-    first = tracked_fsdp1(rank, f"{outdir}/first", steps=(1, 6), checkpoint=checkpoint)
+    delta = dict(delta="first")
+    first = tracked_fsdp1(
+        rank, f"{outdir}/first", options=delta, steps=(1, 6), checkpoint=checkpoint
+    )
     torch.distributed.barrier()  # rank 0 has saved the checkpoint
     found["first"] = first
     found["resumed"] = tracked_fsdp1(
-        rank, f"{outdir}/resumed", steps=(7, STEPS), state=first["state"], checkpoint=checkpoint
+        rank,
+        f"{outdir}/resumed",
+        options=delta,
+        steps=(7, STEPS),
+        state=first["state"],
+        checkpoint=checkpoint,
     )
     return found

@@ -32,7 +32,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from spectral_callbacks.messages import rank_zero_info, rank_zero_warn
-from spectral_callbacks.monitor.engines.distributed import world
+from spectral_callbacks.monitor.engines.distributed import owned_names, world
 from spectral_callbacks.monitor.engines.partitioned import (
     Gathering,
     gathering_of,
@@ -446,13 +446,22 @@ class WatchPlan:
             raise ConfigurationError(f"{self.caller}: {error}") from error
 
     def _with_references(self, targets: list[Target]) -> list[Target]:
-        """The dense targets as ``DeltaTarget``s keeping their reference (``delta=``)."""
+        """The dense targets as ``DeltaTarget``s keeping their reference (``delta=``).
+
+        Gathered (FSDP1, ZeRO-3), a rank copies and decomposes only its own share of the matrices
+        (``DistributedEngine``'s partition of these same targets), so it keeps only their
+        references: the copy of every watched matrix on every rank would cost world size times
+        the model's watched bytes in all.
+        """
         from spectral_callbacks.targets.delta import with_references
         from spectral_callbacks.targets.errors import TargetError
 
         assert self.options.delta is not None
+        kept = None
+        if self.gathering is not None:
+            kept = owned_names(targets, *world())
         try:
             with self._whole():
-                return with_references(targets, self.options.delta, self.caller)
+                return with_references(targets, self.options.delta, self.caller, kept=kept)
         except TargetError as error:
             raise ConfigurationError(str(error)) from error

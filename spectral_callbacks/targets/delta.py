@@ -13,7 +13,7 @@ numbers, references that do not fit in the free memory of their device.
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar
@@ -41,10 +41,11 @@ class DeltaTarget(Target):
     ``reference`` is the matrix's reference (``shape``); for a sharded (DTensor) parameter it is
     the whole stored parameter's reference with the parameter's placements, so each rank keeps the
     reference of its own shard (the sharded engine reads the matrix's rows of it as it reads the
-    parameter's, ``monitor/engines/shards.py``).
+    parameter's, ``monitor/engines/shards.py``). ``None`` where another rank decomposes the matrix
+    (gathered weights: each rank keeps the references of its own share) or after the run.
     """
 
-    reference: torch.Tensor = field(default=None, repr=False, compare=False)  # type: ignore[assignment]
+    reference: torch.Tensor | None = field(default=None, repr=False, compare=False)
     has_update: ClassVar[bool] = True
 
     def release_reference(self) -> None:
@@ -60,8 +61,21 @@ class DeltaTarget(Target):
 
     @classmethod
     def stack_batch(cls, targets: Sequence[Self]) -> DeltaMatrices:
-        """One fresh ``(B, m, n)`` copy of the current weights, with the kept references."""
-        return DeltaMatrices.of(dense_stack(targets), tuple(t.reference for t in targets))
+        """One fresh ``(B, m, n)`` copy of the current weights, with the kept references.
+
+        Raises:
+            RuntimeError: a member keeps no reference (another rank decomposes it, or the run
+                is over): the engine copies only the matrices whose references this rank keeps.
+        """
+        references = []
+        for target in targets:
+            if target.reference is None:
+                raise RuntimeError(
+                    f"{target.name}: no delta= reference is kept here (another rank decomposes "
+                    "this matrix, or the run is over), so its update cannot be formed"
+                )
+            references.append(target.reference)
+        return DeltaMatrices.of(dense_stack(targets), tuple(references))
 
 
 def load_state_dict(path: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
@@ -133,10 +147,19 @@ def _sharded_reference(parameter: DTensor, stored: torch.Tensor | None) -> torch
     )
 
 
-def with_references(targets: Sequence[Target], delta: Delta, caller: str) -> list[Target]:
+def with_references(
+    targets: Sequence[Target], delta: Delta, caller: str, kept: Collection[str] | None = None
+) -> list[Target]:
     """``targets`` with each dense one a :class:`DeltaTarget` keeping its reference weight.
 
     Targets that carry an update of their own (adapted layers) are kept as they are.
+
+    Args:
+        targets: the watched matrices.
+        delta: ``"first"`` (each matrix's weights now), a state_dict or the path of one.
+        caller: the name messages use.
+        kept: the names of the targets whose references this process keeps (those it
+            decomposes); the others become ``DeltaTarget``s without one. ``None``: every one.
 
     Raises:
         TargetError: ``delta`` is not ``"first"``, a state_dict or a path to one; a target has no
@@ -154,7 +177,7 @@ def with_references(targets: Sequence[Target], delta: Delta, caller: str) -> lis
             f"{caller}: `delta` must be None, 'first', a state_dict or the path of one, got "
             f"{type(delta).__name__}"
         )
-    dense = [t for t in targets if not t.has_update]
+    dense = [t for t in targets if not t.has_update and (kept is None or t.name in kept)]
     needed: dict[torch.device, int] = {}
     for t in dense:
         size = t.shape[0] * t.shape[1] * t.parameter.element_size()
@@ -182,7 +205,9 @@ def with_references(targets: Sequence[Target], delta: Delta, caller: str) -> lis
         if stored is not None and tuple(stored.shape) != tuple(t.parameter.shape):
             wrong.append(f"{t.parameter_name} {tuple(stored.shape)} != {tuple(t.parameter.shape)}")
             continue
-        if isinstance(t.parameter, DTensor):
+        if kept is not None and t.name not in kept:
+            reference = None  # another rank decomposes it
+        elif isinstance(t.parameter, DTensor):
             if id(t.parameter) not in sharded:
                 sharded[id(t.parameter)] = _sharded_reference(t.parameter, stored)
             reference = sharded[id(t.parameter)]

@@ -3,8 +3,9 @@ loop with SpectralTracker, 2 CPU processes with gloo: each snapshot gathers one 
 with FSDP1's own ``summon_full_params``, and every logged value equals a float64 SVD of the full
 matrix that the test gathers with the same public API, at every scheduled step; the same values
 as the unwrapped model; within a budget that holds one unit; resumed with the step-0 references;
-with PEFT LoRA adapters, every effective matrix ``W_0 + s B A`` and its update exact too; a
-linear layer inside a block held by the root unit around the module given refused in one line.
+each rank keeping the ``delta=`` references of the matrices it decomposes only; with PEFT LoRA
+adapters, every effective matrix ``W_0 + s B A`` and its update exact too; a linear layer inside a
+block held by the root unit around the module given refused in one line.
 
 Every check reads one group of ranks (``partitioned_cases.fsdp1_runs``): a spawn costs more than
 the runs.
@@ -12,6 +13,7 @@ the runs.
 
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import Any
 
 import partitioned_cases as cases
@@ -20,6 +22,7 @@ from sharded_models import exact_metrics
 from spawn_ranks import run_ranks
 from tiny_models import read_scalars
 
+from spectral_callbacks.monitor.engines.distributed import partition
 from spectral_callbacks.names import monitor_tag, scalar_tag
 
 pytestmark = pytest.mark.slow
@@ -125,6 +128,51 @@ def test_a_resumed_fsdp1_run_keeps_the_step_0_compression_references(runs: dict)
         expected = 100 * (1 - truth / step0)
         logged = resumed[scalar_tag("compression", layer, role)][10]
         assert logged == pytest.approx(expected, rel=1e-3, abs=1e-3), (layer, role)
+
+
+def _shares(shapes: list[Any], world_size: int) -> list[dict[str, int]]:
+    """Each rank's share of the watched matrices, by name, with their bytes: the partition the
+    engine splits the SVD work by."""
+    owners = partition([SimpleNamespace(shape=shape) for _, shape, _ in shapes], world_size)
+    shares: list[dict[str, int]] = [{} for _ in range(world_size)]
+    for (name, (m, n), size), owner in zip(shapes, owners, strict=True):
+        shares[owner][name] = m * n * size
+    return shares
+
+
+@pytest.mark.parametrize("run", ["fsdp1", "first", "resumed"])
+def test_each_fsdp1_rank_keeps_the_delta_references_of_its_own_share_only(
+    runs: dict, run: str
+) -> None:
+    ranks = [rank[run] for rank in runs["ranks"]]
+    shapes = ranks[0]["shapes"]
+    shares = _shares(shapes, len(ranks))
+    scalars = read_scalars(runs["outdir"] / run)
+    watched = sum(m * n * size for _, (m, n), size in shapes)
+    for rank, (found, share) in enumerate(zip(ranks, shares, strict=True)):
+        assert found["shapes"] == shapes  # the same targets, in the same order, on every rank
+        assert 0 < sum(share.values()) < watched
+        # exactly the references of the matrices this rank decomposes, each a whole matrix ...
+        assert found["references"] == share, rank
+        # ... which are the matrices its engine decomposed at every snapshot (a new run and a
+        # resumed one alike)
+        counted = scalars[monitor_tag(f"rank{rank}/matrices")]
+        assert set(counted.values()) == {float(len(share))}, (rank, counted)
+    assert sorted(name for share in shares for name in share) == sorted(n for n, _, _ in shapes)
+
+
+def test_a_resumed_fsdp1_run_measures_delta_from_the_weights_it_resumed_from(runs: dict) -> None:
+    resumed = read_scalars(runs["outdir"] / "resumed")
+    rank0 = runs["ranks"][0]["resumed"]
+    weights = rank0["weights"]
+    for layer, role in rank0["targets"]:
+        for metric in ("update_stable_rank", "update_spectral_norm"):
+            logged = resumed[scalar_tag(metric, layer, role)]
+            assert sorted(logged) == [8, 10], (metric, layer, role)
+            for step in (8, 10):
+                update = weights[step][layer, role] - weights[6][layer, role]
+                truth = exact_metrics(update, cases.K)[metric.removeprefix("update_")]
+                assert logged[step] == pytest.approx(truth, rel=1e-4), (metric, layer, role, step)
 
 
 def test_fsdp1_wrappings_that_cannot_be_gathered_are_refused_in_one_line(runs: dict) -> None:

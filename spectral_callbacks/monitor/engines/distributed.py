@@ -127,6 +127,16 @@ def partition(targets: Sequence[Target], world_size: int) -> list[int]:
     return owners
 
 
+def owned_names(targets: Sequence[Target], rank: int, world_size: int) -> set[str]:
+    """The names of the targets ``rank`` copies and decomposes: its share of :func:`partition`.
+
+    A function of the targets' shapes and order and of the world size alone, so it is the same at
+    every snapshot of a run and in a run resumed on as many ranks.
+    """
+    owners = partition(targets, world_size)
+    return {target.name for target, owner in zip(targets, owners, strict=True) if owner == rank}
+
+
 def result_columns(metrics: Sequence[str]) -> tuple[str, ...]:
     """The metrics each rank sends: the logged ones, with ``stable_rank`` for ``compression``,
     ``frobenius_norm`` for rank 0's check of non-finite weights (a NaN ``stable_rank`` alone could
@@ -264,9 +274,8 @@ class DistributedEngine:
         skipped: int = 0,
         units: Sequence[GatherUnit] | None = None,
     ) -> None:
-        owners = partition(targets, world_size)
         self.rank, self.world_size, self.group = rank, world_size, group
-        mine = {target.name for target, owner in zip(targets, owners, strict=True) if owner == rank}
+        mine = owned_names(targets, rank, world_size)
         self.owned = [target for target in targets if target.name in mine]
         self.layout = ResultLayout([target.name for target in targets], columns, world_size)
         # FSDP1 / ZeRO-3: every unit is gathered on every rank, this rank's groups copied inside;
