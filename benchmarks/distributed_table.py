@@ -10,14 +10,18 @@ with PEFT ``LoRA`` adapters (r = 16 on Q, V, O and MLP down) and with ``delta="f
 Llama-layout GPT of tests/sharded_update_cases.py (2 layers of width ``--width``). It takes a cold
 snapshot at step 0 and warm ones after each of 3 AdamW steps through the ``ShardedEngine`` the
 tracker builds (k = 32, Krylov blocks in bfloat16); ``exact`` means every stable rank is within 1 %
-of the float64 SVD of the whole effective matrix, gathered here by ``full_tensor()``.
+of the float64 SVD of the whole effective matrix, gathered here by ``full_tensor()``. Each training
+step (forward, backward, the optimizer's step; 4 x 16 tokens a rank) runs under
+:class:`CollectiveBytes`, which counts the bytes of every collective the strategy issues (FSDP2's
+all-gathers and reduce-scatters, tensor parallelism's all-reduces) and is checked against the
+number of collectives torch's ``CommDebugMode`` counts in the same step.
 
 ``partitioned_rows``: FSDP1 (``FullyShardedDataParallel``, one unit per block,
 ``use_orig_params=True``) and DeepSpeed ZeRO-3, gathered unit by unit (``monitor/engines/
 partitioned.py``), on a GPT-2 of 2 blocks of width ``--width``. FSDP1 x {dense, delta} runs a real
-tracker and *measures* the bytes by counting every all-gather FSDP1 issues through
-``torch.distributed`` (what a rank receives) during one snapshot and during one training step
-(``strategy's own KB/step``: forward and backward gather every unit); ZeRO-3 is not run here
+tracker and *measures* the bytes with :class:`CollectiveBytes` during one snapshot and during one
+training step (``strategy's own KB/step``: its all-gathers, forward and backward gather every unit;
+the note adds its reduce-scatters); ZeRO-3 is not run here
 (DeepSpeed's CPU accelerator JIT-builds an extension, minutes): its bytes are *counted* from the
 ``ds_numel`` of the parameters each block's gather holds, and its own traffic as 2 gathers of every
 parameter. Their ``exact`` cites tests/integrations/test_fsdp1.py (FSDP1 dense, delta and LoRA) and
@@ -25,11 +29,14 @@ test_deepspeed.py (ZeRO-3 dense, delta and LoRA under the Hugging Face Trainer).
 on Q, K, V, O and MLP down): each adapted layer's snapshot copies its frozen base inside the gather
 (whole only there) with its factors; the note gives those bytes.
 
-Columns: ``moved KB`` (the payload a rank put into all-reduces per warm snapshot, the mean of the
-warm ones; a ring all-reduce moves about twice its payload per rank over the wire); ``watched MB``
-(the whole watched matrices, float32: what gathering them would move); ``moved %``; the note of a
-LoRA row gives what its adapters add per snapshot (the factors, ``r (m + n)`` floats per adapted
-matrix, and the bases' norms).
+Columns: ``moved KB`` (sharded rows: the payload a rank put into all-reduces per warm snapshot, the
+mean of the warm ones; gathered rows: what a rank receives in the snapshot's all-gathers);
+``watched MB`` (the whole watched matrices, float32: what gathering them would move); ``moved %``;
+``strategy's own KB/step`` (what a rank sends in one training step's collectives, counted as a ring
+sends them: ``(N - 1) / N`` of an all-gather's output or a reduce-scatter's input, ``2 (N - 1) / N``
+of an all-reduce's tensor; the sharded rows compare it with the snapshot's payload counted the same
+way, which at 2 ranks is the payload itself); the note of a LoRA row gives what its adapters add
+per snapshot (the factors, ``r (m + n)`` floats per adapted matrix, and the bases' norms).
 
 ::
 
@@ -46,13 +53,15 @@ import multiprocessing
 import os
 import sys
 import tempfile
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "examples"), str(Path(__file__).parent)]
@@ -67,6 +76,7 @@ def measure(rank: int, world_size: int, strategy: str, kind: str, args: Any) -> 
     import sharded_update_cases as cases
     from sharded_engine_cases import batch
     from torch.distributed.tensor import init_device_mesh
+    from torch.distributed.tensor.debug import CommDebugMode
 
     from spectral_callbacks.functional import metrics_from_spectrum
     from spectral_callbacks.monitor.engines.compute import SpectrumCompute
@@ -88,12 +98,19 @@ def measure(rank: int, world_size: int, strategy: str, kind: str, args: Any) -> 
         group=svd_group(timeout_seconds=600),
     )
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
-    sent, adapters, exact = [], [], True
+    sent, adapters, traffic, exact = [], [], [], True
     for step in range(args.steps + 1):
-        if step:
-            model(*batch(rank, step, how)).backward()
-            optimizer.step()
-            optimizer.zero_grad()
+        if step:  # training's own collectives: forward, backward and the optimizer's step
+            with CommDebugMode() as debug, CollectiveBytes(world_size) as training:
+                model(*batch(rank, step, how)).backward()
+                optimizer.step()
+                optimizer.zero_grad()
+            if training.calls != debug.get_total_counts():  # both see the same collectives
+                raise RuntimeError(
+                    f"{training.calls} collectives counted, CommDebugMode saw "
+                    f"{debug.get_total_counts()}"
+                )
+            traffic.append(training.sent)
         engine.offer(step)
         wholes = {t.name: cases.effective(t)["weight"] for t in targets}  # collectives: all ranks
         (result,) = engine.collect()
@@ -105,7 +122,14 @@ def measure(rank: int, world_size: int, strategy: str, kind: str, args: Any) -> 
             exact &= abs(result.metrics[name]["stable_rank"] / truth - 1) < 0.01
     engine.close()
     watched = sum(t.shape[0] * t.shape[1] * 4 for t in targets)
-    return {"watched": watched, "sent": sent, "adapters": adapters, "exact": exact}
+    return {
+        "watched": watched,
+        "sent": sent,
+        "adapters": adapters,
+        "exact": exact,
+        "traffic": traffic,
+        "tokens": batch(rank, 1, how)[0].numel(),
+    }
 
 
 class Row(NamedTuple):
@@ -176,39 +200,91 @@ def sharded_rows(world_size: int, width: int, smoke: bool) -> list[Row]:
             rows.append(Row(name, label, "refused", row["refused"], "", "", ""))
             continue
         warm = sum(row["sent"][1:]) / max(len(row["sent"]) - 1, 1)
-        why = "" if kind != "lora" else f"adapters' factors {row['adapters'][0] / 1e3:.1f} KB"
+        per_step = _mean_traffic(row["traffic"])
+        # the snapshot's all-reduce payload as the bytes a ring sends, as the step's are counted
+        on_wire = 2 * (world_size - 1) / world_size * warm
+        why = _cadence(on_wire, sum(per_step.values()), "measured", "collectives")
+        if "all_gather" in per_step:  # FSDP2: comparable with the gathered strategies' notes
+            why += f"; {on_wire / per_step['all_gather']:.2f} of its all-gathers alone"
+        why += "; the step's " + ", ".join(
+            f"{kind.replace('_', '-')}s {size / 1e3:.0f} KB" for kind, size in per_step.items()
+        )
+        if strategy == "tp":  # activations: the more tokens a step, the more they move
+            why += f" at {row['tokens']} tokens a step"
+        if kind == "lora":
+            why += f"; adapters' factors {row['adapters'][0] / 1e3:.1f} KB"
         status = "exact" if row["exact"] else "NOT EXACT"
-        rows.append(Row(name, label, status, why, warm, row["watched"], ""))
+        rows.append(Row(name, label, status, why, warm, row["watched"], sum(per_step.values())))
     return rows
 
 
-@contextmanager
-def all_gather_bytes(world_size: int) -> Iterator[list[int]]:
-    """Count the bytes this rank receives through ``torch.distributed``'s all-gathers meanwhile
-    (FSDP1 calls ``all_gather`` with a list of chunks on the CPU, a one-tensor all-gather on GPUs):
-    ``(world_size - 1) / world_size`` of the gathered tensor."""
-    received = [0]
-    names = [
-        n for n in ("all_gather", "all_gather_into_tensor", "all_gather_single") if hasattr(dist, n)
-    ]
-    originals = {name: getattr(dist, name) for name in names}
+def _mean_traffic(steps: Sequence[dict[str, float]]) -> dict[str, float]:
+    """The bytes of each kind of collective one training step sent, the mean over ``steps``."""
+    kinds = sorted({kind for step in steps for kind in step})
+    return {kind: sum(step.get(kind, 0.0) for step in steps) / len(steps) for kind in kinds}
 
-    def counting(name: str) -> Callable[..., Any]:
-        def call(output: Any, *args: Any, **kwargs: Any) -> Any:
-            tensors = output if isinstance(output, list) else [output]
-            whole = sum(t.numel() * t.element_size() for t in tensors)
-            received[0] += whole * (world_size - 1) // world_size
-            return originals[name](output, *args, **kwargs)
 
-        return call
+class CollectiveBytes(TorchDispatchMode):
+    """Counts, per kind, the bytes this rank sends through the collectives run meanwhile: the
+    ``c10d`` ops ``torch.distributed``'s functions dispatch (FSDP1's and FSDP2's all-gathers and
+    reduce-scatters) and the functional collectives DTensor issues (tensor parallelism's
+    all-reduces), the ops torch's ``CommDebugMode`` counts (it counts calls, not bytes; ``calls``
+    here is the same count). A ring algorithm over N ranks sends ``(N - 1) / N`` of an all-gather's
+    output or a reduce-scatter's input and ``2 (N - 1) / N`` of an all-reduce's tensor.
 
-    for name in names:
-        setattr(dist, name, counting(name))
-    try:
-        yield received
-    finally:
-        for name, original in originals.items():
-            setattr(dist, name, original)
+    Every collective counted must be on a group of ``world_size`` ranks (these benchmarks have one
+    mesh dimension). DTensor operations are let through (``NotImplemented``) so that they run as
+    the collectives they lower to, which are then counted.
+    """
+
+    def __init__(self, world_size: int) -> None:
+        super().__init__()
+        self.share = (world_size - 1) / world_size
+        self.sent: dict[str, float] = {}
+        self.calls = 0
+        c10d, functional = torch.ops.c10d, torch.ops._c10d_functional
+        # op -> (kind, which tensors it moves: "output" the op's first argument or its result,
+        # "input" its input tensors)
+        self.ops: dict[Any, tuple[str, str]] = {
+            c10d.allgather_: ("all_gather", "output"),
+            c10d._allgather_base_: ("all_gather", "output"),
+            c10d.allgather_into_tensor_coalesced_: ("all_gather", "output"),
+            c10d.reduce_scatter_: ("reduce_scatter", "input"),
+            c10d._reduce_scatter_base_: ("reduce_scatter", "input"),
+            c10d.reduce_scatter_tensor_coalesced_: ("reduce_scatter", "input"),
+            c10d.allreduce_: ("all_reduce", "input"),
+            c10d.allreduce_coalesced_: ("all_reduce", "input"),
+            functional.all_gather_into_tensor: ("all_gather", "output"),
+            functional.all_gather_into_tensor_coalesced: ("all_gather", "output"),
+            functional.reduce_scatter_tensor: ("reduce_scatter", "input"),
+            functional.reduce_scatter_tensor_coalesced: ("reduce_scatter", "input"),
+            functional.all_reduce: ("all_reduce", "input"),
+            functional.all_reduce_coalesced: ("all_reduce", "input"),
+        }
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if any(issubclass(kind, DTensor) for kind in types):
+            return NotImplemented  # let DTensor lower it; its collectives come back here
+        out = func(*args, **(kwargs or {}))
+        counted = self.ops.get(getattr(func, "_overloadpacket", None))
+        if counted is not None:
+            kind, moved = counted
+            c10d_op = func.namespace == "c10d"  # in place: (outputs, inputs, group, ...)
+            if moved == "output":
+                tensors = args[0] if c10d_op else out
+            else:
+                tensors = args[1] if c10d_op and kind == "reduce_scatter" else args[0]
+            size = sum(
+                t.numel() * t.element_size() for t in tree_leaves(tensors) if torch.is_tensor(t)
+            )
+            factor = 2 * self.share if kind == "all_reduce" else self.share
+            self.sent[kind] = self.sent.get(kind, 0.0) + factor * size
+            self.calls += 1
+        return out
+
+    @property
+    def total(self) -> float:
+        return sum(self.sent.values())
 
 
 def gpt2(width: int, layers: int) -> tuple[torch.nn.Module, Callable[..., torch.Tensor]]:
@@ -261,20 +337,20 @@ def fsdp1_rows(rank: int, world_size: int, args: argparse.Namespace, logdir: str
             **options,
         )  # fmt: skip
         tracker.begin(0)  # step 0's snapshot: the cold one (measured below: a later, warm one)
-        with all_gather_bytes(world_size) as step_bytes:
+        with CollectiveBytes(world_size) as step:
             loss_of(held, tokens).backward()
         optimizer.step()
         optimizer.zero_grad()
-        with all_gather_bytes(world_size) as snapshot_bytes:
+        with CollectiveBytes(world_size) as snapshot:
             tracker.step(1)
         tracker.close()
         watched = sum(t.shape[0] * t.shape[1] * t.parameter.element_size() for t in tracker.targets)
-        note = _cadence(snapshot_bytes[0], step_bytes[0], "measured")
+        moved, per_step = snapshot.sent["all_gather"], step.sent["all_gather"]
+        note = _cadence(moved, per_step, "measured")
+        note += f"; the step's reduce-scatters {step.sent['reduce_scatter'] / 1e3:.0f} KB besides"
         if kind == "LoRA":
             note += _adapted_copies(tracker.targets)
-        rows.append(
-            Row("FSDP1", kind, "exact", note, float(snapshot_bytes[0]), watched, step_bytes[0])
-        )
+        rows.append(Row("FSDP1", kind, "exact", note, moved, watched, per_step))
     return rows
 
 
@@ -305,10 +381,10 @@ def zero3_rows(rank: int, world_size: int, args: argparse.Namespace, logdir: str
     return rows
 
 
-def _cadence(moved: int, per_step: int, how: str) -> str:
-    """The note of a gathered row: the snapshot against the strategy's own all-gathers."""
+def _cadence(moved: float, per_step: float, how: str, what: str = "all-gathers") -> str:
+    """The note of a row: one snapshot's bytes against the strategy's own ``what`` per step."""
     return (
-        f"{how}; one snapshot = {moved / per_step:.2f} of one step's all-gathers, "
+        f"{how}; one snapshot = {moved / per_step:.2f} of one step's {what}, "
         f"{moved / (CADENCE * per_step):.3f} of {CADENCE} steps'"
     )
 
