@@ -69,32 +69,115 @@ def gram_eigvalsh(
     """
     m, n = A.shape[-2:]
     G = _gram(A, dtype)  # (..., min, min)
-    finite = _usable(G, exponent)
-    G = keep_finite(G, finite)
+    finite, every = _usable(G, exponent)
+    if not every:
+        G = keep_finite(G, finite)
     if width is None:
         values = torch.linalg.eigvalsh(G)
-        return from_gram_eigenvalues(values).to(A.dtype), finite, None
+        return _as(from_gram_eigenvalues(values), A.dtype), finite, None
     values, vectors = torch.linalg.eigh(G)  # ascending
-    S = from_gram_eigenvalues(values).to(A.dtype)
+    S = _as(from_gram_eigenvalues(values), A.dtype)
     top = vectors.flip(-1)[..., :width]
     if n > m:  # left singular vectors: the right ones are A^T u_i / sigma_i
         top = orthonormal_columns(keep_finite(A.mT @ top.to(A.dtype), finite))
     return S, finite, top.to(A.dtype)
 
 
-def _usable(G: Tensor, exponent: int | None) -> Tensor:
+def _usable(G: Tensor, exponent: int | None) -> tuple[Tensor, bool]:
     """``(...)`` bool: the Gram matrices whose diagonal is finite and, with ``exponent``, whose
-    largest diagonal entry is 0 or within ``2^(+-exponent)``; on the CPU decided on the host
-    (one read of B numbers: fewer small kernels, a sizeable part of a small matrix's call)."""
+    largest diagonal entry is 0 or within ``2^(+-exponent)``; and whether every one is known to
+    be. On the CPU the usual batch is settled by one host read of its extremes (each small
+    kernel is a sizeable part of a small matrix's call); a batch with a zero, non-finite or
+    out-of-range matrix, and every batch elsewhere, by the masks.
+
+    >>> _usable(torch.eye(2).expand(3, 2, 2), 100)
+    (tensor([True, True, True]), True)
+    >>> _usable(torch.stack([torch.eye(2), torch.zeros(2, 2), torch.eye(2) * 2.0**101]), 100)
+    (tensor([ True,  True, False]), False)
+    """
     largest = G.diagonal(dim1=-2, dim2=-1).amax(-1)  # (...,): NaN and Inf propagate
     low, high = (0.0, math.inf) if exponent is None else (2.0**-exponent, 2.0**exponent)
-    if G.device.type == "cpu":
-        usable = [
-            math.isfinite(v) and (v == 0 or low <= v <= high) for v in largest.flatten().tolist()
-        ]
-        return torch.tensor(usable).view(largest.shape)
+    if G.device.type == "cpu" and _within(largest, low, high):
+        return torch.ones(largest.shape, dtype=torch.bool), True
     in_range = (largest >= low) & (largest <= high) if exponent is not None else True
-    return torch.isfinite(largest) & ((largest == 0) | in_range)
+    return torch.isfinite(largest) & ((largest == 0) | in_range), False
+
+
+def _within(X: Tensor, low: float, high: float) -> bool:
+    """Whether every entry of the CPU tensor ``X`` lies in ``[low, high]`` and is finite (NaN
+    fails)."""
+    least, most = _extremes(X)
+    return low <= least and most <= high and most < math.inf
+
+
+def _extremes(X: Tensor) -> tuple[float, float]:
+    """The least and the largest entry of the CPU tensor ``X`` (NaN if it has one), read on the
+    host: a single entry as it is."""
+    if X.numel() == 1:
+        value = X.item()
+        return value, value
+    least, most = X.aminmax()
+    return least.item(), most.item()
+
+
+def ends_clear(S: Tensor, k: int, least: float, smallest: float = 0.0) -> bool:
+    """Whether every matrix of ``S`` (..., >= k), descending, on the CPU has ``sigma_1 > 0``,
+    ``sigma_1 >= smallest`` and ``sigma_k > least * sigma_1``: then no mask or redo that depends
+    on those ends has anything to do.
+
+    A sufficient test on the batch's extremes (the least sigma_k against the largest sigma_1),
+    read on the host whatever the batch's size: the usual batch passes it, and one that fails
+    (a NaN fails) takes the per-matrix masks, which decide exactly.
+
+    >>> ends_clear(torch.tensor([[4.0, 2.0, 1.0], [2.0, 1.0, 0.5]]), 3, 0.1)
+    True
+    >>> ends_clear(torch.tensor([[4.0, 2.0, 0.3], [2.0, 1.0, 0.5]]), 3, 0.1)
+    False
+    """
+    if S.ndim == 1:  # one matrix: its top k in one read
+        values = (S if S.shape[-1] == k else S[:k]).tolist()
+        top_low = top_high = values[0]
+        kth_low = values[-1]
+    else:
+        top_low, top_high = _extremes(S[..., 0])
+        kth_low, _ = _extremes(S[..., k - 1])
+    return top_low > 0 and smallest <= top_low and least * top_high < kth_low
+
+
+def float32_gram_top(
+    A: Tensor, k: int, exponent: int, least: float, smallest: float
+) -> Tensor | None:
+    """The top ``k`` singular values of each matrix of a float32 CPU batch, descending, from
+    ``eigvalsh`` of its float32 Gram matrix; ``None`` where some matrix needs the checked path of
+    :func:`gram_eigvalsh` (and its float64 redo).
+
+    That is a matrix whose squared column norms are not finite, or not all within
+    ``2^(+-exponent)`` (decided before LAPACK sees it, from the Gram matrix's trace: it lies
+    between the largest of them and d times it), or whose values have ``sigma_1 < smallest`` or
+    ``sigma_k <= least * sigma_1`` (after). Each test is one host read of the batch's extremes,
+    and nothing else is done: on a small matrix (64 x 64) every extra kernel costs about as much
+    as the product that forms the Gram matrix.
+
+    >>> float32_gram_top(torch.diag(torch.tensor([4.0, 3.0, 2.0, 1.0])), 2, 100, 0.01, 0.0)
+    tensor([4., 3.])
+    >>> float32_gram_top(torch.diag(torch.tensor([4.0, 3.0, 0.0, 0.0])), 4, 100, 0.01, 0.0) is None
+    True
+    """
+    G = _gram(A, A.dtype)  # (..., d, d)
+    d = G.shape[-1]
+    # (...,) ||W||_F^2 in float32: NaN and Inf propagate. Twice d: float32's rounding of the sum.
+    total = G.trace() if G.ndim == 2 else G.diagonal(dim1=-2, dim2=-1).sum(-1)
+    if not _within(total, 2 * d * 2.0**-exponent, 2.0**exponent):
+        return None
+    # The top k of the ascending eigenvalues, descending; a negative one (rounding, on a
+    # rank-deficient matrix) reads as NaN and fails the test below.
+    S = torch.linalg.eigvalsh(G)[..., -k:].flip(-1).sqrt()  # (..., k)
+    return S if ends_clear(S, k, least, smallest) else None
+
+
+def _as(X: Tensor, dtype: torch.dtype) -> Tensor:
+    """``X`` in ``dtype``, without a call where it is there already (each costs microseconds)."""
+    return X if X.dtype == dtype else X.to(dtype)
 
 
 def _gram(A: Tensor, dtype: torch.dtype) -> Tensor:

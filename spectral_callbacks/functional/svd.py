@@ -70,7 +70,9 @@ from torch import Tensor
 from spectral_callbacks.functional.batch import MatrixBatch
 from spectral_callbacks.functional.calibration import MethodCalibration
 from spectral_callbacks.functional.exact import (
+    ends_clear,
     exact_after_failure,
+    float32_gram_top,
     gram_eigvalsh,
     gram_singular_values,
     svdvals_tall,
@@ -156,6 +158,8 @@ _GRAM_EXPONENT = 100
 # this fraction of sigma_1 (relative error about 5e-7 (sigma_1 / sigma_i)^2, measured at most 6e-5
 # there; float32 Gram noise sits near 5e-4 sigma_1), else in float64.
 _FLOAT32_GRAM_LEAST = 1e-2
+#: A slice of a batch that is all of it (taken without making a view).
+_WHOLE = slice(None)
 
 
 def default_n_iter(m: int, n: int) -> int:
@@ -298,7 +302,7 @@ def randomized_svd(
     if init is not None:
         _check_init(init, W)
     compute_dtype = torch.float64 if W.dtype == torch.float64 else torch.float32
-    A = W.to(compute_dtype)
+    A = W if W.dtype == compute_dtype else W.to(compute_dtype)
     k, width, expected = _sizes(m, n, k, n_oversamples, n_iter, init is not None)
     # A cold start (several full blocks) may find its subspace with products on W rounded to
     # bfloat16, where the CPU multiplies bfloat16 in matrix tiles; a warm start's one block gets
@@ -306,29 +310,32 @@ def randomized_svd(
     rounded = init is None and compute_dtype == torch.float32 and bf16_tiles(A.device)
     batch = math.prod(A.shape[:-2])
     calibrated = calibration if A.device.type == "cpu" else None
-    key = (f"{m}x{n}", batch, str(compute_dtype), A.device.type, init is not None)
     # An exact cold call of a caller that will call again (it keeps a calibration: the monitor's
     # compute) hands back a subspace for the warm calls that follow (priced for the whole batch),
     # unless they were measured to be exact too (then eigvalsh, not eigh: the subspace would go
     # unused). A stateless call gets eigvalsh: eigh's vectors would double its time for nothing.
-    warm_is_exact = calibrated is not None and calibrated.chosen.get((*key[:-1], True)) == "gram"
-    keep_subspace = (
-        calibration is not None
-        and method == "auto"
-        and init is None
-        and not warm_is_exact
-        and choose_method(m, n, width, _EXPECTED_WARM_DEPTH, compute_dtype, batch=batch)
-        == "randomized"
-    )
+    keep_subspace = False
+    if calibration is not None:
+        key = (f"{m}x{n}", batch, str(compute_dtype), A.device.type, init is not None)
+        warm_is_exact = (
+            calibrated is not None and calibrated.chosen.get((*key[:-1], True)) == "gram"
+        )
+        keep_subspace = (
+            method == "auto"
+            and init is None
+            and not warm_is_exact
+            and choose_method(m, n, width, _EXPECTED_WARM_DEPTH, compute_dtype, batch=batch)
+            == "randomized"
+        )
 
     def run(chosen: str, rows: slice = slice(None)) -> TopSVD:
-        part, part_init = A[rows], _batch_rows(init, rows)
+        part, part_init = _rows(A, rows), _batch_rows(init, rows)
         # The exact path that stands in for a failed one returns a subspace where this one would.
         keeps = chosen in ("randomized", "subspace") or (chosen == "gram" and keep_subspace)
 
         def attempt(one: slice) -> TopSVD:
             return _top_svd(
-                part[one],
+                _rows(part, one),
                 k,
                 width,
                 chosen,
@@ -417,6 +424,14 @@ def _top_svd(
         # also hands back the top subspace (eigh, not eigvalsh), so there is something to warm
         # start from.
         subspace_width = width if keep_subspace else None
+        cpu = A.device.type == "cpu"
+        if auto and compute_dtype == torch.float32 and subspace_width is None and cpu:
+            # The values alone (a stateless call), each check one host read; the batch that
+            # has a matrix to redo or to mask takes the checked path below.
+            least = max(_FLOAT32_GRAM_LEAST, _rank_tolerance(max(m, n), compute_dtype))
+            top = float32_gram_top(A, k, _GRAM_EXPONENT, least, _SMALLEST_SIGMA)
+            if top is not None:
+                return TopSVD(top, None)
         if auto and compute_dtype == torch.float32:
             # A float32 Gram matrix: the product at float32's rate and no float64 copy of W
             # (a 4 x 512 x 128 batch: 2.1 ms against 3.6); what it cannot read is redone.
@@ -479,15 +494,19 @@ def _start(
     return start_block(like, width, generator, init)
 
 
+def _rank_tolerance(side: int, compute_dtype: torch.dtype) -> float:
+    """The rank tolerance relative to sigma_1, ``max(m, n) * eps`` (``torch.linalg.matrix_rank``'s)."""
+    return side * torch.finfo(compute_dtype).eps
+
+
 def _tidy(S: Tensor, finite: Tensor, side: int, compute_dtype: torch.dtype) -> Tensor:
     """``S`` with values below the rank tolerance as 0 and non-finite matrices as NaN."""
     # Values below the rank tolerance are rounding noise whose size depends on the method; report
     # them as 0 so every method gives the same answer for a rank-deficient matrix.
-    tolerance = side * torch.finfo(compute_dtype).eps
-    if S.device.type == "cpu":  # a host read is free here: skip the masks when nothing is masked
-        ends = S[..., [0, -1]].reshape(-1, 2).tolist()  # one read: (sigma_1, sigma_k) each
-        if all(finite.flatten().tolist()) and all(tolerance * top < least for top, least in ends):
-            return S
+    tolerance = _rank_tolerance(side, compute_dtype)
+    # A host read is free on the CPU: skip the masks when nothing is masked.
+    if S.device.type == "cpu" and bool(finite.all()) and ends_clear(S, S.shape[-1], tolerance):
+        return S
     rank_tol = tolerance * S[..., :1]
     S = torch.where(rank_tol < S, S, torch.zeros((), dtype=S.dtype, device=S.device))
     return torch.where(
@@ -591,8 +610,10 @@ def _exact_where_float32_falls_short(
     """
     if A.device.type != "cpu":
         return S, V, finite
-    # Each matrix's sigma_1 and k-th value read on the host and checked there: the same check
-    # as tensor operations cost a small matrix's exact call a tenth of its time.
+    least = 0.0 if k is None else _FLOAT32_GRAM_LEAST
+    if bool(finite.all()) and ends_clear(S, k or 1, least, _SMALLEST_SIGMA):
+        return S, V, finite  # the usual batch: nothing to redo
+    # Else each matrix's sigma_1 and k-th value read on the host and checked there.
     ends = S[..., [0, (k or 1) - 1]].reshape(-1, 2).tolist()  # one read: (sigma_1, sigma_k)
     redo = [
         index
@@ -833,9 +854,15 @@ def _concatenated(parts: list[TopSVD]) -> TopSVD:
     return TopSVD(torch.cat([top.S for top in parts]), V, fell_back)
 
 
+def _rows(A: Tensor, rows: slice) -> Tensor:
+    """The matrices ``rows`` of the batch ``A``; ``A`` itself for all of it (a view costs a small
+    matrix's call microseconds)."""
+    return A if rows == _WHOLE else A[rows]
+
+
 def _batch_rows(X: Tensor | None, rows: slice) -> Tensor | None:
     """``X``'s matrices ``rows`` of a batch; a 2-D ``X`` (one ``init`` for every matrix) whole."""
-    return X if X is None or X.ndim == 2 else X[rows]
+    return X if X is None or X.ndim == 2 else _rows(X, rows)
 
 
 def _singular_values(X: Tensor) -> Tensor:

@@ -8,6 +8,8 @@ thread, thread CPU time) and are what the model's constants were fitted to.
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from seeds import run_seed
@@ -131,3 +133,92 @@ def test_the_path_a_stateless_call_takes_agrees_with_float64(
         rtol = 1e-2 if chosen == "randomized" else 1e-4
         torch.testing.assert_close(metrics["stable_rank"].double(), stable_rank, rtol=rtol, atol=0)
         torch.testing.assert_close(metrics["spectral_norm"].double(), truth[0], rtol=rtol, atol=0)
+
+
+def spy_on_the_float32_gram_top(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
+    """Records, for each stateless float32 Gram call, whether its one-read path answered
+    (True) or left the batch to the checked path (False)."""
+    answered: list[bool] = []
+    original = svd_module.float32_gram_top
+
+    def spy(*args: object) -> object:
+        top = original(*args)  # type: ignore[arg-type]
+        answered.append(top is not None)
+        return top
+
+    monkeypatch.setattr(svd_module, "float32_gram_top", spy)
+    return answered
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("shape", [(64, 64), (96, 200), (200, 96)])
+def test_the_stateless_float32_gram_path_agrees_with_float64_alone_and_batched(
+    shape: tuple[int, int], seed: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The path that checks everything in two host reads, on known spectra (i^-0.5, i^-1) and a
+    # flat one, one matrix and a batch of them, against float64 svdvals.
+    m, n = shape
+    answered = spy_on_the_float32_gram_top(monkeypatch)
+    flat = torch.randn(m, n, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    batch64 = torch.stack([decaying(m, n, 0.5, seed), decaying(m, n, 1.0, seed), flat / n**0.5])
+    truth = torch.linalg.svdvals(batch64.float().double())[..., :32]
+    for W, expected in ((batch64.float(), truth), *zip(batch64.float(), truth, strict=True)):
+        top = randomized_svd(W)
+        assert answered[-1] and top.V is None and top.fell_back is None
+        assert top.S.dtype == torch.float32 and top.S.shape == expected.shape
+        # float32's rounding, squared by the float32 Gram matrix at sigma_32 >= sigma_1 / 32
+        torch.testing.assert_close(top.S.double(), expected, rtol=1e-4, atol=0)
+        assert bool((top.S[..., :-1] >= top.S[..., 1:]).all())  # descending
+
+
+@pytest.mark.parametrize(
+    "case", ["rank-deficient", "zero", "nan", "tiny", "huge", "one-rank-deficient-of-a-batch"]
+)
+def test_the_stateless_float32_gram_path_leaves_what_it_cannot_read_to_the_checked_path(
+    case: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Each kind of matrix the one-read path must not answer for: its top 32 reach below
+    # 0.01 sigma_1 (redone in float64), a zero matrix, a NaN, a Gram matrix out of float32's
+    # range (2^-70, 2^70). The checked path's answer, against float64.
+    answered = spy_on_the_float32_gram_top(monkeypatch)
+    seed = run_seed()
+    good = decaying(80, 64, 0.5, seed)
+    low_rank = torch.diag(torch.tensor([1.0, 0.5, 1e-3, *[0.0] * 61], dtype=torch.float64))
+    low_rank = torch.cat([low_rank, torch.zeros(16, 64, dtype=torch.float64)])  # (80, 64)
+    W64 = {
+        "rank-deficient": low_rank,
+        "zero": torch.zeros(80, 64, dtype=torch.float64),
+        "nan": torch.where(
+            (torch.arange(80)[:, None] == 3) & (torch.arange(64) == 5), math.nan, good
+        ),
+        "tiny": good * 2.0**-70,
+        "huge": good * 2.0**70,
+        "one-rank-deficient-of-a-batch": torch.stack([good, low_rank]),
+    }[case]
+    W = W64.float()
+    top = randomized_svd(W)
+    assert answered == [False] and top.fell_back is None
+    if case == "nan":
+        assert bool(top.S.isnan().all())
+        return
+    truth = torch.linalg.svdvals(W.double())[..., :32]
+    # The rank tolerance (max(m, n) eps32 sigma_1) reads what lies below it as exactly 0.
+    truth = torch.where(truth > 80 * 2.0**-23 * truth[..., :1], truth, 0.0)
+    torch.testing.assert_close(top.S.double(), truth, rtol=1e-5, atol=0)
+
+
+def test_a_batch_through_the_stateless_path_is_one_call_of_each_batched_kernel(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # All the Q's of a model: one batched eigvalsh of the (B, d, d) Gram matrices, not B calls.
+    calls: list[tuple[int, ...]] = []
+    eigvalsh = torch.linalg.eigvalsh
+
+    def counting(G: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
+        calls.append(tuple(G.shape))
+        return eigvalsh(G, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(torch.linalg, "eigvalsh", counting)
+    W = torch.randn(12, 96, 128, generator=torch.Generator().manual_seed(run_seed()))
+    out = spectral_metrics(W)
+    assert calls == [(12, 96, 96)] and out["stable_rank"].shape == (12,)
