@@ -74,8 +74,14 @@ def stable_rank(S: Tensor, frobenius_sq: Tensor) -> Tensor:
         >>> stable_rank(torch.zeros(3), torch.tensor(0.0))
         tensor(nan)
     """
+    return _stable_rank(S, frobenius_sq, positive=False)
+
+
+def _stable_rank(S: Tensor, frobenius_sq: Tensor, *, positive: bool) -> Tensor:
+    """``stable_rank``; ``positive``: sigma_1 is known to be > 0 (no mask)."""
     sigma_1 = S[..., 0]
-    return torch.where(sigma_1 > 0, frobenius_sq / sigma_1.square(), math.nan)
+    ratio = frobenius_sq / sigma_1.square()
+    return ratio if positive else torch.where(sigma_1 > 0, ratio, math.nan)
 
 
 def powerlaw_alpha(S: Tensor, fit_window: tuple[int, int] | None = None) -> tuple[Tensor, Tensor]:
@@ -111,10 +117,35 @@ def powerlaw_alpha(S: Tensor, fit_window: tuple[int, int] | None = None) -> tupl
         (tensor(2.), tensor(1.))
     """
     first, last = _window(fit_window, S.shape[-1])
-    S = S[..., first - 1 : last].to(torch.float64)
-    # Few kernels, each over k numbers: on a small matrix these small operations, not the SVD,
-    # are most of a call (a k = 32 fit took ~45 of them).
-    x = _log_ranks(first, S.shape[-1], S.device)  # (k,)
+    window = S[..., first - 1 : last].to(torch.float64)
+    alpha, r2 = _fit(window, first, _all_positive(window))
+    return alpha.float(), r2.float()
+
+
+def _all_positive(S: Tensor) -> bool:
+    """Whether every value of ``S`` is known to be > 0 (a NaN is not): on the CPU one host read
+    of its least value; elsewhere never assumed (that read would make the device wait)."""
+    return S.device.type == "cpu" and S.amin().item() > 0
+
+
+def _fit(S: Tensor, first: int, positive: bool) -> tuple[Tensor, Tensor]:
+    """``powerlaw_alpha`` on the float64 window ``S`` (..., size) of ranks ``first ..``: float64
+    ``(alpha, r2)``. ``positive``: every value is known to be > 0, so every rank takes part.
+
+    Few kernels, each over k numbers: on a small matrix these small operations, not the SVD, are
+    most of a call. With every rank in the fit the masks are all ones and the centered log ranks
+    are the same at every call (kept), which leaves about a third of the kernels.
+    """
+    size = S.shape[-1]
+    if positive and size >= MIN_FIT_POINTS:
+        dx, var_x = _centered_log_ranks(first, size, S.device)  # (size,), float
+        y = S.log()
+        dy = y - y.sum(-1, keepdim=True) / size
+        cov = dy @ dx
+        var_y = torch.linalg.vecdot(dy, dy)
+        r2 = cov.square() / (var_y * var_x)
+        return cov / -var_x, torch.where(var_y > 0, r2, 1.0)
+    x = _log_ranks(first, size, S.device)  # (k,)
     valid = S > 0  # NaN compares False, so a NaN spectrum has no valid point
     weight = valid.to(torch.float64)
     count = weight.sum(-1)
@@ -127,7 +158,7 @@ def powerlaw_alpha(S: Tensor, fit_window: tuple[int, int] | None = None) -> tupl
     alpha = -cov / var_x
     r2 = torch.where(var_y > 0, cov.square() / (var_x * var_y), 1.0)
     enough = count >= MIN_FIT_POINTS
-    return torch.where(enough, alpha, math.nan).float(), torch.where(enough, r2, math.nan).float()
+    return torch.where(enough, alpha, math.nan), torch.where(enough, r2, math.nan)
 
 
 @functools.cache
@@ -136,6 +167,15 @@ def _log_ranks(first: int, size: int, device: torch.device) -> Tensor:
     windows come back at every call)."""
     ranks = torch.arange(first, first + size, dtype=torch.float64, device=device)
     return ranks.log()
+
+
+@functools.cache
+def _centered_log_ranks(first: int, size: int, device: torch.device) -> tuple[Tensor, float]:
+    """``log i`` of the ranks ``first .. first + size - 1`` minus their mean, and the sum of its
+    squares: the fit's ``dx`` and ``var(x)`` when every rank takes part."""
+    x = _log_ranks(first, size, device)
+    dx = x - x.sum() / size
+    return dx, float(dx @ dx)
 
 
 def compression(stable_rank: Tensor, reference: Tensor | float) -> Tensor:
@@ -185,8 +225,13 @@ def energy_rank(S: Tensor, frobenius_sq: Tensor, energy: float = 0.9) -> Tensor:
         tensor(nan)
     """
     _check_energy(energy)
+    return _energy_rank(S.to(torch.float64), frobenius_sq, energy)
+
+
+def _energy_rank(S: Tensor, frobenius_sq: Tensor, energy: float) -> Tensor:
+    """``energy_rank`` of the float64 ``S``."""
     # Squares summed in float64 so the threshold comparison is not decided by float32 rounding.
-    cumulative = S.to(torch.float64).square().cumsum(-1)  # (..., k), non-decreasing
+    cumulative = S.square().cumsum(-1)  # (..., k), non-decreasing
     target = (energy * (1 - 1e-12)) * frobenius_sq.to(torch.float64)
     short = cumulative < target[..., None]  # a prefix: the ranks before the first one reached
     rank = short.sum(-1, dtype=torch.float32) + 1
@@ -232,18 +277,24 @@ def metrics_from_spectrum(
         >>> out["stable_rank"], out["spectral_norm"], out["frobenius_norm"], out["energy_rank_90"]
         (tensor(1.3125), tensor(4.), tensor(4.5826), tensor(2.))
     """
-    S = S.float() if S.dtype != torch.float64 else S
+    S = S if S.dtype in (torch.float32, torch.float64) else S.float()
     frobenius_sq = torch.as_tensor(frobenius_sq, device=S.device)
-    alpha, r2 = powerlaw_alpha(S, fit_window)
-    out = {
-        "stable_rank": stable_rank(S, frobenius_sq).float(),
-        "alpha": alpha,
-        "alpha_r2": r2,
+    first, last = _window(fit_window, S.shape[-1])
+    key = energy_rank_key(energy)
+    # Each intermediate made once for every metric: on a small matrix each small kernel costs
+    # about as much as a tenth of its SVD. One host read (on the CPU) of the least value says
+    # whether any rank must be masked out; the usual spectrum has none.
+    S64 = S.to(torch.float64)
+    positive = _all_positive(S)
+    alpha, r2 = _fit(S64[..., first - 1 : last], first, positive)
+    return {
+        "stable_rank": _stable_rank(S, frobenius_sq, positive=positive).float(),
+        "alpha": alpha.float(),
+        "alpha_r2": r2.float(),
         "spectral_norm": S[..., 0].float(),
         "frobenius_norm": frobenius_sq.sqrt().float(),
-        energy_rank_key(energy): energy_rank(S, frobenius_sq, energy),
+        key: _energy_rank(S64, frobenius_sq, energy),
     }
-    return out
 
 
 def spectral_metrics(
@@ -316,9 +367,11 @@ def frobenius_norm_sq(W: Tensor | MatrixBatch) -> Tensor:
         # faster on a 4096x4096 than an exact float64 pass. A float32 row norm overflows past
         # ~1e19: those matrices are redone exactly, decided by a host read (free on the CPU, and
         # the usual all-finite batch then needs no mask: fewer small kernels per call).
-        rows = torch.linalg.vector_norm(W, dim=-1)  # (..., m): no copy of W
-        frobenius_sq = rows.double().square().sum(-1)
-        if all(math.isfinite(value) for value in frobenius_sq.flatten().tolist()):
+        rows = torch.linalg.vector_norm(W, dim=-1).double()  # (..., m): no copy of W
+        frobenius_sq = torch.linalg.vecdot(rows, rows)
+        # The batch's total is finite exactly when each is (each is below 2^256 m).
+        total = frobenius_sq if frobenius_sq.ndim == 0 else frobenius_sq.sum()
+        if math.isfinite(total.item()):
             return frobenius_sq
         overflowed = ~torch.isfinite(frobenius_sq)
         frobenius_sq = torch.where(overflowed, _float64_by_rows(W), frobenius_sq)

@@ -225,3 +225,83 @@ def test_update_energy_rank_90_is_the_least_rank_holding_90_percent_of_the_updat
     held = S.square().cumsum(-1) / S.square().sum(-1, keepdim=True)  # energy of the top r
     least = (held < 0.9).sum(-1) + 1  # the least r with at least 90 %
     assert got["update_energy_rank_90"].tolist() == least.double().tolist()
+
+
+def reference_fit(S: torch.Tensor, first: int) -> tuple[float, float]:
+    """float64 least squares of log sigma_i on log i over the positive values of the 1-D window
+    ``S`` of ranks ``first ..``: ``(alpha, r2)``."""
+    ranks = torch.arange(first, first + S.shape[-1], dtype=torch.float64)
+    keep = S > 0
+    x, y = ranks[keep].log(), S[keep].double().log()
+    X = torch.stack([x, torch.ones_like(x)], -1)
+    slope, intercept = torch.linalg.lstsq(X, y[:, None]).solution[:, 0].tolist()
+    residual = y - (slope * x + intercept)
+    return -slope, 1 - float(residual.square().sum() / (y - y.mean()).square().sum())
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("window", [None, (1, 10), (4, 32)])
+def test_the_fit_of_an_all_positive_spectrum_agrees_with_the_masked_fit_and_float64(
+    window: tuple[int, int] | None, seed: int
+) -> None:
+    # Every value > 0 (read once on the host): the fit runs without masks on the kept centered
+    # log ranks. The same numbers as the masked fit, and as float64 least squares.
+    g = torch.Generator().manual_seed(seed)
+    S = torch.rand(5, 32, generator=g, dtype=torch.float64).sort(-1, descending=True).values
+    S = S * torch.arange(1, 33, dtype=torch.float64).pow(-torch.rand(5, 1, generator=g) * 2)
+    first, last = metrics_module._window(window, 32)
+    fast = metrics_module._fit(S[..., first - 1 : last], first, True)
+    masked = metrics_module._fit(S[..., first - 1 : last], first, False)
+    for got, want in zip(fast, masked, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    for i in range(5):
+        alpha, r2 = reference_fit(S[i, first - 1 : last], first)
+        assert fast[0][i].item() == pytest.approx(alpha, rel=1e-9, abs=1e-12)
+        assert fast[1][i].item() == pytest.approx(r2, rel=1e-9, abs=1e-12)
+
+
+@pytest.mark.parametrize(
+    ("S", "positive"),
+    [
+        (torch.arange(1, 33, dtype=torch.float32).pow(-0.7), True),
+        (torch.full((32,), 2.0), True),  # a flat window is an exact fit: R^2 = 1
+        (torch.cat([torch.arange(1, 21, dtype=torch.float32).pow(-0.7), torch.zeros(12)]), False),
+        (torch.tensor([[3.0, 2.0, 1.0, 0.5], [math.nan] * 4]), False),
+    ],
+    ids=["power-law", "flat", "zeros-below-the-rank-tolerance", "nan"],
+)
+def test_metrics_from_spectrum_masks_ranks_only_where_a_value_is_not_positive(
+    S: torch.Tensor, positive: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Whichever way the fit runs, every metric is what each metric's own function and float64
+    # give: zeros are left out of the fit, NaN gives NaN.
+    taken: list[bool] = []
+    fit = metrics_module._fit
+
+    def spy(window: torch.Tensor, first: int, all_positive: bool) -> tuple[torch.Tensor, ...]:
+        taken.append(all_positive)
+        return fit(window, first, all_positive)
+
+    monkeypatch.setattr(metrics_module, "_fit", spy)
+    frobenius_sq = S.double().square().sum(-1) * 1.05  # a tail beyond the top k
+    out = metrics_from_spectrum(S, frobenius_sq)
+    assert taken == [positive]
+    expected = {
+        "stable_rank": stable_rank(S, frobenius_sq).float(),
+        "energy_rank_90": energy_rank(S, frobenius_sq),
+        "spectral_norm": S[..., 0].float(),
+        "frobenius_norm": frobenius_sq.sqrt().float(),
+    }
+    for name, value in expected.items():
+        torch.testing.assert_close(out[name], value, equal_nan=True)
+    assert not out["energy_rank_90"].isnan().all()  # 95 % of the energy lies in the top k
+    rows = zip(
+        S.reshape(-1, S.shape[-1]), out["alpha"].flatten(), out["alpha_r2"].flatten(), strict=True
+    )
+    for row, alpha, r2 in rows:
+        if row.isnan().any():
+            assert alpha.isnan() and r2.isnan()
+            continue
+        want_alpha, want_r2 = reference_fit(row, 1)
+        assert alpha.item() == pytest.approx(want_alpha, abs=1e-6)
+        assert r2.item() == pytest.approx(1.0 if row.unique().numel() == 1 else want_r2, abs=1e-6)
