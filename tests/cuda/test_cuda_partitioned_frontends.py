@@ -1,7 +1,8 @@
 """The frontends whose flat-partitioned strategies refuse the CPU, on 2 CUDA devices with NCCL
 (``@pytest.mark.gpu``, and skipped with fewer than two GPUs): Lightning's ``FSDPStrategy`` and
-``DeepSpeedStrategy(stage=3)`` (tests/lightning_partitioned_train.py), and the Hugging Face
-Trainer's ``fsdp=`` (FSDP1 through accelerate, tests/hf_train.py ``--fsdp`` under torchrun).
+``DeepSpeedStrategy(stage=3)`` (tests/lightning_partitioned_train.py), the Hugging Face
+Trainer's ``fsdp=`` (FSDP1 through accelerate, tests/hf_train.py ``--fsdp`` under torchrun), and
+Fabric's ``FSDPStrategy`` and ``DeepSpeedStrategy(stage=3)`` (tests/fabric_train.py).
 
 Every logged stable rank, σ₁ and ‖W‖_F of every watched matrix at every scheduled step is checked
 against a float64 SVD of the matrix the script gathers with the strategy's own public API
@@ -91,3 +92,25 @@ def test_hugging_face_trainer_fsdp_logs_the_exact_spectrum_of_every_gathered_mat
     targets = find_targets(hf_train.tiny_gpt2())
     scalars = read_scalars(tmp_path / "tb")
     _check(scalars, weights, targets, [0, 1, 2, 10, 12], hf_train.OPTIONS["k"])
+
+
+@pytest.mark.parametrize("strategy", ["fsdp", "deepspeed"])
+def test_fabric_partitioned_strategies_log_the_exact_spectrum_of_every_gathered_matrix(
+    tmp_path: Path, strategy: str
+) -> None:
+    import fabric_train
+
+    command = [sys.executable, fabric_train.__file__, str(tmp_path), strategy]
+    finished = run_session(command, 600, _environment())
+    assert finished.returncode == 0, finished.stdout[-3000:]
+    saved = torch.load(tmp_path / "weights.pt")
+    scheduled = [0, 1, 2, 4, 8, 10]
+    scalars = read_scalars(tmp_path / "tb" / "version_0")
+    assert len(saved["targets"]) == 12
+    for layer, role in saved["targets"]:
+        for metric in METRICS:
+            logged = scalars[scalar_tag(metric, layer, role)]
+            assert sorted(logged) == scheduled, (metric, layer, role)
+            for step in scheduled:
+                truth = exact_metrics(saved["weights"][step][layer, role], fabric_train.K)[metric]
+                assert logged[step] == pytest.approx(truth, rel=1e-4), (metric, layer, role, step)
