@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import pytest
@@ -138,3 +139,37 @@ def test_closing_releases_the_delta_references_and_the_warm_start_subspaces() ->
     assert [ref() for ref in references] == [None] * len(references)
     assert [ref() for ref in subspaces] == [None] * len(subspaces)
     assert len(tracker.targets) == len(references)  # the targets themselves stay described
+
+
+def test_references_kept_for_some_targets_only_are_those_and_counted_alone(
+    monkeypatch: Any,
+) -> None:
+    # Gathered weights (FSDP1, ZeRO-3): each rank keeps the references of its own share only.
+    torch.manual_seed(0)
+    model = TinyGPT(n_layer=2, n_embd=32, n_head=2, block_size=8)
+    found = find_targets(model)
+    kept = {t.name for t in found[::3]}
+    targets = delta_module.with_references(found, "first", "test", kept=kept)
+    assert all(isinstance(t, DeltaTarget) for t in targets)  # every one logs its update
+    held = {t.name: t.reference for t in targets if t.reference is not None}
+    assert set(held) == kept
+    for target in targets:
+        if target.name in kept:  # a copy of the weights now
+            assert torch.equal(held[target.name], target.matrix())
+            assert held[target.name].untyped_storage().data_ptr() != (
+                target.parameter.untyped_storage().data_ptr()
+            )
+    first = next(t for t in targets if t.name in kept)
+    assert DeltaTarget.stack_batch([first]).references[0] is held[first.name]
+    other = next(t for t in targets if t.name not in kept)
+    with pytest.raises(
+        RuntimeError, match=re.escape(f"{other.name}: no delta= reference is kept here")
+    ):
+        DeltaTarget.stack_batch([other])
+    # The free-memory check counts the references kept, not every watched matrix.
+    size = sum(t.shape[0] * t.shape[1] * 4 for t in found if t.name in kept)
+    monkeypatch.setattr(delta_module, "_free_bytes", lambda device: size)
+    delta_module.with_references(found, "first", "test", kept=kept)
+    monkeypatch.setattr(delta_module, "_free_bytes", lambda device: size - 1)
+    with pytest.raises(delta_module.TargetError, match="keeps a reference copy"):
+        delta_module.with_references(found, "first", "test", kept=kept)
