@@ -32,8 +32,14 @@ is exact without an ``m x n`` matrix: with reduced QRs :math:`A = Q_A R_A` and
 :math:`B = Q_B R_B`, :math:`A B^\top = Q_A (R_A R_B^\top) Q_B^\top`, so its nonzero singular values
 are those of the ``r x r`` matrix :math:`R_A R_B^\top` (the same path as the LoRA update in
 ``lowrank.low_rank_singular_values``, batched over heads). Cost :math:`O((m + n) r^2)` per head;
-R is taken as the Cholesky factor of the float64 Gram matrix :math:`A^\top A` (a GEMM, several
-times faster than a Householder QR of A), or from the QR where that Gram is ill-conditioned.
+R is taken as the Cholesky factor of the Gram matrix :math:`A^\top A` (a GEMM, several times
+faster than a Householder QR of A), or from the QR where that Gram is ill-conditioned.
+``circuit_singular_values`` works in float64. ``circuit_metrics``, which needs only σ₁ and the
+Frobenius norm of each core, works in float32 on float32 or half-precision weights (the precision
+of the spectra's Krylov products): their relative error is at most about
+:math:`\epsilon_{32} \kappa(A)^2`, and a factor whose Cholesky diagonal shows a :math:`\kappa`
+past :math:`\epsilon_{32} \kappa^2 = 10^{-3}` (or whose Gram is singular in float32) is redone
+in float64.
 
 Example::
 
@@ -111,27 +117,37 @@ def circuit_singular_values(left: Tensor, right: Tensor) -> Tensor:
 #: relative accuracy on its small singular values as eps * cond(A)^2 (float64: about 1e-8 here).
 _GRAM_CONDITION = 1e4
 
+#: float32 keeps a factor whose diagonal spread (a lower estimate of cond(R)) stays under this:
+#: eps32 * cond^2 <= 1e-3, the spectra's own warm error, bounds the logged values' relative error.
+_FLOAT32_CONDITION = math.sqrt(1e-3 / torch.finfo(torch.float32).eps)  # about 92
 
-def _triangle(factor: Tensor) -> Tensor:
+
+def _triangle(factor: Tensor, dtype: torch.dtype = torch.float64) -> Tensor:
     r"""An ``(..., r, r)`` upper triangle :math:`R` with :math:`R^\top R = A^\top A` (the R of
-    A's reduced QR, up to signs), float64.
+    A's reduced QR, up to signs), in ``dtype`` (float32 or float64).
 
     The Cholesky factor of the Gram matrix :math:`A^\top A` is that R and costs a GEMM and an
     ``r x r`` factorization (about a fifth of a Householder QR of the tall A, measured at
-    768 x 64); a factor whose Gram is singular or ill-conditioned (a zero-initialized projection,
-    a rank-deficient head) takes the QR instead.
+    768 x 64). In float64, a factor whose Gram is singular or ill-conditioned (a zero-initialized
+    projection, a rank-deficient head) takes the QR instead; in float32, such a factor is redone
+    in float64 (and the result is float64 for the whole batch).
     """
-    A = factor.detach().double()
+    A = factor.detach().to(dtype)
     if A.shape[-2] < A.shape[-1]:  # wide: the QR's R is (m, r), no Gram shortcut
-        return torch.linalg.qr(A, mode="r").R
+        return torch.linalg.qr(A.double(), mode="r").R
     L, info = torch.linalg.cholesky_ex(A.mT @ A)  # (..., r, r) lower, A^T A = L L^T
     diagonal = L.diagonal(dim1=-2, dim2=-1)
-    spread = diagonal.amin(-1) * _GRAM_CONDITION <= diagonal.amax(-1)
+    limit = _GRAM_CONDITION if dtype == torch.float64 else _FLOAT32_CONDITION
+    spread = diagonal.amin(-1) * limit <= diagonal.amax(-1)
     poor = (info != 0) | spread | ~diagonal.isfinite().all(-1)
     R = L.mT
-    if poor.any():
-        R = R.clone()
+    if not poor.any():
+        return R
+    R = R.double()  # a copy: some heads are redone in float64 below
+    if dtype == torch.float64:
         R[poor] = torch.linalg.qr(A[poor], mode="r").R
+    else:
+        R[poor] = _triangle(factor.detach()[poor], torch.float64)
     return R
 
 
@@ -215,7 +231,9 @@ def circuit_metrics(
         \mathrm{qk\_stable\_rank}_h = \frac{\sum_i \sigma_i(W_{QK}^h)^2}{\sigma_1(W_{QK}^h)^2},
 
     and likewise for :math:`W_{OV}^h` (its norm unscaled); the spectra are complete (rank at most
-    ``d_h``), so the Frobenius norms are exact sums. ``qk_logit_bound`` bounds
+    ``d_h``), so the Frobenius norms are exact sums. Computed in float64 where any input is
+    float64, else in float32 with a float64 redo of each factor float32 cannot carry (module
+    docstring). ``qk_logit_bound`` bounds
     :math:`|\mathrm{logit}_{ij}| / (\lVert \tilde x_i \rVert \lVert \tilde x_j \rVert)` (module
     docstring): :math:`s\,\sigma_1(\tilde W_Q^{h\top} \tilde W_K^g)` without a rotation between
     the factors, :math:`s\,\lVert \tilde W_Q^h \rVert_2 \lVert \tilde W_K^g \rVert_2` with one
@@ -251,34 +269,42 @@ def circuit_metrics(
     head_dim = query.shape[-2] // num_heads
     scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
     group = _check_groups(num_heads, num_kv_heads)
+    # Only sigma_1 and Frobenius norms are logged, whose relative error the float32 Gram route
+    # bounds by eps32 * cond^2 (checked per factor in _triangle): float64 only for float64 weights.
+    float64 = any(part.dtype == torch.float64 for part in (query, key, value, output))
+    dtype = torch.float64 if float64 else torch.float32
+
+    def triangle(factor: Tensor) -> Tensor:
+        return _triangle(factor, dtype)
 
     def shared(factor: Tensor) -> Tensor:
         # A K/V head's triangle once, then for each query head of its group (GQA, MQA).
-        R = _triangle(key_factors(factor, num_kv_heads, num_kv_heads))
+        R = triangle(key_factors(factor, num_kv_heads, num_kv_heads))
         return R if group == 1 else R.repeat_interleave(group, dim=-3)
 
-    R_query, R_key = _triangle(query_factors(query, num_heads)), shared(key)
-    R_output = _triangle(output_factors(output, num_heads))
+    R_query, R_key = triangle(query_factors(query, num_heads)), shared(key)
+    R_output = triangle(output_factors(output, num_heads))
     # Only sigma_1 and the Frobenius norm of each d_h x d_h core are logged: no full spectrum.
-    qk_norm, qk_frobenius = _norms(R_query @ R_key.mT)  # (..., H) each
-    ov_norm, ov_frobenius = _norms(R_output @ shared(value).mT)
+    qk_norm, qk_frobenius = _norms(_core(R_query, R_key))  # (..., H) each
+    ov_norm, ov_frobenius = _norms(_core(R_output, shared(value)))
     if query_bias is not None or key_bias is not None:
         # The biases as one more input column of each factor: the same d_h x d_h cores.
-        R_query = _triangle(query_factors(augmented(query, query_bias), num_heads))
+        R_query = triangle(query_factors(augmented(query, query_bias), num_heads))
         R_key = shared(augmented(key, key_bias))
     if rotary:  # a rotation between the factors: only their norms bound the product
         bound = _norms(R_query)[0] * _norms(R_key)[0]
     elif query_bias is None and key_bias is None:
         bound = qk_norm
     else:
-        bound = _norms(R_query @ R_key.mT)[0]
-    return {
+        bound = _norms(_core(R_query, R_key))[0]
+    metrics = {
         "qk_spectral_norm": scale * qk_norm,
         "qk_logit_bound": scale * bound,
         "qk_stable_rank": _stable_rank(qk_norm, qk_frobenius),
         "ov_spectral_norm": ov_norm,
         "ov_stable_rank": _stable_rank(ov_norm, ov_frobenius),
     }
+    return {name: value.double() for name, value in metrics.items()}
 
 
 def qk_norm_logit_bound(scale: float, query_norm: Tensor, key_norm: Tensor) -> Tensor:
@@ -316,12 +342,19 @@ def qk_norm_logit_bound(scale: float, query_norm: Tensor, key_norm: Tensor) -> T
     return scale * largest(query_norm) * largest(key_norm)
 
 
+def _core(left: Tensor, right: Tensor) -> Tensor:
+    r""":math:`R_A R_B^\top` of two ``(..., r, r)`` triangles, in the wider of their dtypes (one
+    may have been redone in float64)."""
+    dtype = torch.promote_types(left.dtype, right.dtype)
+    return left.to(dtype) @ right.to(dtype).mT
+
+
 def _norms(core: Tensor) -> tuple[Tensor, Tensor]:
-    r"""σ₁ and the squared Frobenius norm of each ``(..., r, r)`` float64 matrix :math:`M`.
+    r"""σ₁ and the squared Frobenius norm of each ``(..., r, r)`` matrix :math:`M`, in its dtype.
 
     σ₁² is the largest eigenvalue of the symmetric :math:`M M^\top` (values only: about half the
     time of ``svdvals`` at r = 64); its absolute error is :math:`O(\epsilon \lVert M \rVert_2^2)`,
-    so σ₁ keeps float64's relative accuracy. The squared Frobenius norm is the sum of squares.
+    so σ₁ keeps the dtype's relative accuracy. The squared Frobenius norm is the sum of squares.
     """
     top = torch.linalg.eigvalsh(core @ core.mT)[..., -1].clamp_min(0.0)
     return top.sqrt(), core.square().sum((-2, -1))

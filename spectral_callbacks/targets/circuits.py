@@ -312,7 +312,7 @@ class CircuitBatch(MeasuredBatch):
         return len(self.index)
 
     def float(self) -> CircuitBatch:
-        """Itself: the circuits convert to float64 where they factor."""
+        """Itself: the circuits pick their precision where they factor."""
         return self
 
     def __getitem__(self, index: slice) -> CircuitBatch:
@@ -341,8 +341,8 @@ class CircuitBatch(MeasuredBatch):
                 rotary=layout.rotary,
             )  # fmt: skip
 
-        # One layer at a time (all its heads in one batch): its float64 copies are still in cache
-        # when their Grams read them (1.8x faster than converting every layer first, 12 x 768).
+        # One layer at a time (all its heads in one batch): its Grams read one layer's copies while
+        # they are in cache.
         layers = [of_layer(i) for i in range(len(self.copies[0]))]
         metrics = {name: torch.cat([layer[name] for layer in layers]) for name in layers[0]}
         # metric -> (L, H), the logit scale applied per layer below
@@ -363,15 +363,17 @@ class CircuitBatch(MeasuredBatch):
         return {name: value[layer, head] for name, value in metrics.items()}
 
     def projections(self, layers: slice = slice(None)) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        """The float64 ``(L, H * d_h, d)`` query (content rows), key, value and ``(L, d, H * d_v)``
-        output of the batch's ``layers`` (default all), formed from their factors where they are
-        factored."""
+        """The ``(L, H * d_h, d)`` query (content rows), key, value and ``(L, d, H * d_v)`` output
+        of the batch's ``layers`` (default all): views of the copies (float32 where they are
+        half precision), or formed in float64 from their factors where they are factored."""
         layout = self.layout
         by_part = {
             part: copy[layers] for part, copy in zip(layout.parts(), self.copies, strict=True)
         }
 
         def product(parts: tuple[Any, ...]) -> Tensor:
+            if len(parts) == 1:
+                return _at_least_float32(by_part[parts[0]])
             # 1. A factored projection formed from its factors (d_h-wide at most: never d x d).
             matrix = by_part[parts[0]].double()
             for part in parts[1:]:
@@ -384,8 +386,13 @@ class CircuitBatch(MeasuredBatch):
             per_head = query.shape[-2] // layout.num_heads
             heads = query.unflatten(-2, (layout.num_heads, per_head))
             query = heads[..., : layout.query_rows, :].flatten(-3, -2)
-        output = by_part[layout.output].double()
+        output = _at_least_float32(by_part[layout.output])
         return query, product(layout.key), product(layout.value), output
+
+
+def _at_least_float32(copy: Tensor) -> Tensor:
+    """``copy`` itself where it is float32 or float64 (no conversion), else its float32 copy."""
+    return copy if copy.dtype in (torch.float32, torch.float64) else copy.float()
 
 
 Heads = Mapping[str, int]

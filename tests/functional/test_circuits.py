@@ -126,3 +126,157 @@ def test_metrics_keep_float64_accuracy_on_circuits_of_known_spectrum(seed):
     torch.testing.assert_close(metrics["qk_spectral_norm"], s[:, 0], rtol=1e-12, atol=0)
     known_rank = s.square().sum(-1) / s[:, 0].square()
     torch.testing.assert_close(metrics["qk_stable_rank"], known_rank, rtol=1e-12, atol=0)
+
+
+def _formed_metrics(q, k, v, o, heads, kv_heads, q_bias, k_bias):
+    """σ₁ and stable ranks from float64 SVDs of each head's formed (d, d) circuits, and the biased
+    QK circuit's σ₁ (the bound without rotation) from the formed augmented product."""
+    qk, ov = _formed_spectra(q, k, v, o, heads, kv_heads)
+    qa = torch.cat([q.double(), q_bias.double()[:, None]], dim=1)  # [W_Q b_Q]
+    ka = torch.cat([k.double(), k_bias.double()[:, None]], dim=1)
+    biased, _ = _formed_spectra(qa, ka, v, o, heads, kv_heads)
+    return {
+        "qk_spectral_norm": qk[:, 0] / math.sqrt(q.shape[0] // heads),
+        "qk_logit_bound": biased[:, 0] / math.sqrt(q.shape[0] // heads),
+        "qk_stable_rank": qk.square().sum(-1) / qk[:, 0].square(),
+        "ov_spectral_norm": ov[:, 0],
+        "ov_stable_rank": ov.square().sum(-1) / ov[:, 0].square(),
+    }
+
+
+@pytest.mark.parametrize(
+    ("heads", "kv_heads"), [(8, 8), (8, 2), (8, 1)], ids=["MHA", "GQA4", "MQA"]
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_float32_metrics_with_biases_equal_the_float64_formed_products(
+    heads, kv_heads, dtype, seed
+):
+    # Weights like a checkpoint's: a decaying spectrum per projection and non-zero biases; the
+    # metrics of half/single-precision weights are computed in float32 and must agree with float64
+    # SVDs of the products of the very same (rounded) weights.
+    generator = torch.Generator().manual_seed(seed)
+    d, d_h = 128, 16
+
+    def weight(rows, columns):
+        U = (
+            torch.linalg.qr(torch.randn(rows, columns, generator=generator)).Q
+            if rows >= columns
+            else torch.linalg.qr(torch.randn(columns, rows, generator=generator)).Q.T
+        )
+        decay = torch.logspace(0, -1.5, min(rows, columns))
+        W = (
+            torch.randn(rows, min(rows, columns), generator=generator)
+            * decay
+            @ (torch.randn(min(rows, columns), columns, generator=generator))
+        )
+        return (W + 0.1 * U).to(dtype)
+
+    q, k, v = weight(heads * d_h, d), weight(kv_heads * d_h, d), weight(kv_heads * d_h, d)
+    o = weight(d, heads * d_h)
+    q_bias = (0.3 * torch.randn(heads * d_h, generator=generator)).to(dtype)
+    k_bias = (0.3 * torch.randn(kv_heads * d_h, generator=generator)).to(dtype)
+    want = _formed_metrics(q, k, v, o, heads, kv_heads, q_bias, k_bias)
+    got = circuit_metrics(q, k, v, o, heads, kv_heads, query_bias=q_bias, key_bias=k_bias)
+    for name, value in want.items():
+        assert got[name].dtype == torch.float64
+        torch.testing.assert_close(got[name], value, rtol=1e-5, atol=0, msg=name)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_float32_metrics_on_circuits_of_known_spectrum(seed):
+    # As the float64 test above, on float32 weights: the reference is the known spectrum of the
+    # rounded weights' products (float64 SVD), to the tests' float32 tolerance.
+    generator = torch.Generator().manual_seed(seed)
+    heads, d, d_h = 3, 96, 8
+    s = torch.logspace(0, -3, d_h, dtype=torch.float64)
+    s[1] = 1.0 - 1e-4
+    U = torch.linalg.qr(torch.randn(heads, d, d_h, dtype=torch.float64, generator=generator)).Q
+    V = torch.linalg.qr(torch.randn(heads, d, d_h, dtype=torch.float64, generator=generator)).Q
+    query = (U * s).mT.reshape(heads * d_h, d).float()
+    key = V.mT.reshape(heads * d_h, d).float()
+    metrics = circuit_metrics(query, key, key, key.T, heads, heads, scale=1.0)
+    qk, _ = _formed_spectra(query, key, key, key.T, heads, heads)
+    torch.testing.assert_close(qk[:, 0], s[0].expand(heads), rtol=1e-6, atol=0)  # known, rounded
+    torch.testing.assert_close(metrics["qk_spectral_norm"], qk[:, 0], rtol=1e-5, atol=0)
+    known_rank = qk.square().sum(-1) / qk[:, 0].square()
+    torch.testing.assert_close(metrics["qk_stable_rank"], known_rank, rtol=1e-5, atol=0)
+
+
+def _conditioned(heads, d, d_h, condition, generator):
+    """(heads, d, d_h) factors U diag(s) V^T with s from 1 down to 1 / condition, and U, V."""
+    U = torch.linalg.qr(torch.randn(heads, d, d_h, dtype=torch.float64, generator=generator)).Q
+    V = torch.linalg.qr(torch.randn(heads, d_h, d_h, dtype=torch.float64, generator=generator)).Q
+    s = torch.logspace(0, -math.log10(condition), d_h, dtype=torch.float64)
+    return U * s @ V.mT, U, V, s
+
+
+def test_float32_heads_float32_cannot_carry_are_redone_in_float64():
+    # Head 0's query factor has condition number 1e5 and its key reads the query's weakest
+    # directions most (sigma_1 of the product is 1e-5 ||W_Q|| ||W_K||: the float32 Gram route
+    # would lose it entirely); head 1's query is zero; head 2 is a plain random head. In float32
+    # the first two fail the conditioning check and are redone in float64.
+    generator = torch.Generator().manual_seed(7)
+    d, d_h = 64, 8
+    A, U, V, s = _conditioned(1, d, d_h, 1e5, generator)
+    W = torch.linalg.qr(torch.randn(1, d, d_h, dtype=torch.float64, generator=generator)).Q
+    B = W * s.flip(0) @ V.mT  # A B^T = U diag(s * s.flip) W^T: every value 1e-5
+    q_factors = torch.cat(
+        [
+            A,
+            torch.zeros(1, d, d_h, dtype=torch.float64),
+            torch.randn(1, d, d_h, dtype=torch.float64, generator=generator),
+        ]
+    )
+    k_factors = torch.cat([B, torch.randn(2, d, d_h, dtype=torch.float64, generator=generator)])
+    query = q_factors.mT.reshape(3 * d_h, d).float()
+    key = k_factors.mT.reshape(3 * d_h, d).float()
+    value = torch.randn(3 * d_h, d, generator=generator)
+    output = torch.randn(d, 3 * d_h, generator=generator)
+    output[:, d_h : 2 * d_h] = 0.0  # head 1's output factor is zero too
+
+    from spectral_callbacks.functional.circuits import _FLOAT32_CONDITION, _triangle
+
+    R = _triangle(query_factors(query, 3), torch.float32)
+    assert R.dtype == torch.float64  # some heads were redone: the batch comes back float64
+    L, info = torch.linalg.cholesky_ex(query_factors(query, 3).mT @ query_factors(query, 3))
+    diagonal = L.diagonal(dim1=-2, dim2=-1)
+    poor = (info != 0) | (diagonal.amin(-1) * _FLOAT32_CONDITION <= diagonal.amax(-1))
+    assert poor.tolist() == [True, True, False]  # the check sees both heads float32 cannot carry
+
+    got = circuit_metrics(query, key, value, output, 3, 3, scale=1.0)
+    qk, ov = _formed_spectra(query, key, value, output, 3, 3)
+    torch.testing.assert_close(got["qk_spectral_norm"], qk[:, 0], rtol=1e-5, atol=0)
+    assert got["qk_spectral_norm"][0].item() == pytest.approx(1e-5, rel=1e-3)
+    assert got["qk_spectral_norm"][1].item() == 0.0 and got["qk_stable_rank"][1].isnan()
+    torch.testing.assert_close(
+        got["qk_stable_rank"][[0, 2]],
+        (qk.square().sum(-1) / qk[:, 0].square())[[0, 2]],
+        rtol=1e-5,
+        atol=0,
+    )
+    assert got["ov_spectral_norm"][1].item() == 0.0 and got["ov_stable_rank"][1].isnan()
+    torch.testing.assert_close(got["ov_spectral_norm"][[0, 2]], ov[[0, 2], 0], rtol=1e-5, atol=0)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_float32_error_stays_within_its_bound_for_factors_it_keeps(seed):
+    # The worst case float32 keeps: a query factor whose condition number is just under the
+    # threshold, read by a key aligned with its weakest directions (sigma_1 of the product is
+    # 1 / cond of ||W_Q|| ||W_K||). The error bound the threshold is chosen from, eps32 * cond^2
+    # <= 1e-3, holds for every logged value.
+    from spectral_callbacks.functional.circuits import _FLOAT32_CONDITION, _triangle
+
+    generator = torch.Generator().manual_seed(seed)
+    d, d_h = 96, 8
+    condition = 0.9 * _FLOAT32_CONDITION
+    A, U, V, s = _conditioned(4, d, d_h, condition, generator)
+    W = torch.linalg.qr(torch.randn(4, d, d_h, dtype=torch.float64, generator=generator)).Q
+    B = W * s.flip(0) @ V.mT
+    query, key = A.mT.reshape(4 * d_h, d).float(), B.mT.reshape(4 * d_h, d).float()
+    assert _triangle(query_factors(query, 4), torch.float32).dtype == torch.float32  # kept
+    got = circuit_metrics(query, key, key, key.T, 4, 4, scale=1.0)
+    qk, _ = _formed_spectra(query, key, key, key.T, 4, 4)
+    torch.testing.assert_close(got["qk_spectral_norm"], qk[:, 0], rtol=1e-3, atol=0)
+    rank = qk.square().sum(-1) / qk[:, 0].square()
+    torch.testing.assert_close(got["qk_stable_rank"], rank, rtol=1e-3, atol=0)
