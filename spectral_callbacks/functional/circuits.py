@@ -143,7 +143,7 @@ def _triangle(factor: Tensor, dtype: torch.dtype = torch.float64) -> Tensor:
     R = L.mT
     if not poor.any():
         return R
-    R = R.double()  # a copy: some heads are redone in float64 below
+    R = R.double()  # float64 (a copy of a float32 R; L itself is ours): poor heads redone below
     if dtype == torch.float64:
         R[poor] = torch.linalg.qr(A[poor], mode="r").R
     else:
