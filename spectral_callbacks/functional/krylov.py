@@ -24,6 +24,7 @@ __all__ = [
     "column_norms",
     "combine",
     "keep_finite",
+    "left_rayleigh_ritz",
     "orthogonalize_against",
     "orthonormalize",
     "project",
@@ -45,18 +46,20 @@ def block_krylov(
     first_check: int | None,
     finite: Tensor | None,
     rank_scale: int,
-    lead: int = 0,
+    forward: Callable[[Tensor], Tensor | None] | None = None,
 ) -> tuple[Tensor, Tensor, Tensor | None, Tensor]:
     """Top-b Ritz vectors of the block Krylov space of ``apply`` (Musco & Musco 2015, Alg. 2).
 
     With ``first_check`` set, the stopping rule is tested after every step from that one on (each
     test costs an ``eigh`` of the Rayleigh quotient, so a cold start skips the steps it will need
-    anyway); with ``None`` the depth is fixed. With ``lead`` > 0 the first step grows by the
-    residuals of the start's ``lead`` leading columns only (a warm start's estimates of the top
-    pairs, whose bounds are what its first test would fail on), so that test and its ``eigh`` are
-    spared. Returns the
-    Ritz vectors ``X`` (..., d, b), their images ``apply(X)``, ``B X`` when ``apply`` makes the
-    products with B (else None), and which matrices are finite.
+    anyway); with ``None`` the depth is fixed. With ``forward`` (``B X``; it returns None where
+    ``apply``'s images are not ``B^T B X`` at B's own scale), a test after the first block that
+    fails only on the top pair is taken again on the Rayleigh-Ritz of the left space
+    ``B span(Q_0)`` (:func:`left_rayleigh_ritz`: free from the images, half a power step
+    further), decided by one product ``B s_1`` and two more host reads. Returns the
+    Ritz vectors ``X`` (..., d, b), their images ``apply(X)``, a matrix ``L`` whose singular
+    values are the Ritz values found (``B X`` when ``apply`` makes the products with B, the
+    left Rayleigh-Ritz's ``B^T U`` when it decided; else None), and which matrices are finite.
     """
     d, b = start.shape[-2:]
     # The basis [Q_0, Q_1, ...], the images apply(Q_j) (the Rayleigh quotient and the next block)
@@ -108,8 +111,6 @@ def block_krylov(
         # column), unless the rule says what is missing.
         grow: Tensor = images[-1]
         projection: Tensor | None = column
-        if lead and step == 0:  # the residuals W^T W q - Q (Q^T W^T W q) of the leading columns
-            grow, projection = images[-1][..., :lead], column[..., :lead]
         if check and not last:
             residual = ritz_images[..., :k] - ritz[..., :k] * theta[..., None, :k]  # (..., d, k)
             excess = residual_excess(residual, theta, k, tol, rank_scale)
@@ -117,6 +118,12 @@ def block_krylov(
             # few small kernels are queued behind it).
             missing = int((excess > 1).sum(-1).max())
             last = missing == 0
+            if step == 0 and missing == 1 and forward is not None and lefts:
+                left = left_rayleigh_ritz(
+                    forward, lefts[0], vectors, ritz_images, theta, tol, rank_scale, excess
+                )
+                if left is not None:
+                    return ritz, ritz_images, left, finite
             # Only the pairs that failed need new directions: the next block is their
             # residuals (the worst `missing` of each matrix), not b new columns. A warm start
             # typically misses only sigma_1's tight bound, so it grows by one column, not 40;
@@ -130,6 +137,57 @@ def block_krylov(
         # The next block, trimmed so the basis never has more than d columns.
         block = orthogonalize_against(grow, blocks, projection)[..., :room]
     raise AssertionError("unreachable: the last step returns")
+
+
+def left_rayleigh_ritz(
+    forward: Callable[[Tensor], Tensor | None],
+    left: Tensor,
+    vectors: Tensor,
+    ritz_images: Tensor,
+    theta: Tensor,
+    tol: float,
+    rank_scale: int,
+    excess: Tensor,
+) -> Tensor | None:
+    """``B^T U`` (..., d, b) for an orthonormal basis ``U`` of ``B span(Q_0)``, when its top Ritz
+    pair passes the stopping rule; else None.
+
+    The first block's Rayleigh-Ritz on the right, ``Q_0^T B^T B Q_0 = x theta x^T``, also gives
+    the left space ``span(B Q_0)`` its orthonormal basis ``U = B Q_0 x theta^{-1/2}`` and, free,
+    ``B^T U = (B^T B Q_0 x) theta^{-1/2}``, whose singular values are the Ritz values of ``B B^T``
+    there: lower bounds of ``sigma_i``, each one half power step past the first block's. Its top
+    pair ``(u_1, s_1 = B^T u_1)`` is tested by the rule of :func:`ritz_residuals` on ``B B^T``,
+    whose residual ``B s_1 - ||s_1||^2 u_1`` costs one product with B (a warm start's
+    ``sigma_1`` otherwise asks for a Krylov step: two). Taken only where every other pair passed
+    on the right (``excess``, (..., k)) and ``theta_b >= _LEFT_LEAST theta_1``: ``theta^{-1/2}``
+    multiplies the rounding of the small values by ``theta_1 / theta_i``.
+    """
+    if bool((excess[..., 1:] > 1).any()) or not bool(
+        (theta[..., -1] >= _LEFT_LEAST * theta[..., 0]).all()
+    ):
+        return None
+    zero = torch.zeros((), dtype=theta.dtype, device=theta.device)
+    scale = torch.where(theta > 0, theta.rsqrt(), zero)
+    images = ritz_images * scale[..., None, :]  # B^T U, (..., d, b)
+    # The top right singular vector w of B^T U (a direction: float32 is enough), and the top
+    # pair u_1 = U w, s_1 = B^T U w.
+    w = torch.linalg.eigh(precision.matmul(images.mT, images)).eigenvectors[..., -1:]
+    s = precision.matmul(images, w)  # (..., d, 1)
+    product = forward(s)  # B B^T u_1, (..., rows, 1)
+    if product is None:
+        return None
+    u = precision.matmul(left, precision.matmul(vectors, scale[..., :, None] * w))
+    value = s.square().sum(-2)  # ||s_1||^2 = u_1^T B B^T u_1, (..., 1)
+    residual = product - u * value[..., None, :]
+    if bool((residual_excess(residual, value, 1, tol, rank_scale) > 1).any()):
+        return None
+    return images
+
+
+# Where the smallest of the first block's Ritz values theta_b (~ sigma_b^2) is below this fraction
+# of theta_1, theta^{-1/2} would scale float32 rounding (eps theta_1 in each) into B^T U's columns by
+# more than eps / _LEFT_LEAST (~6e-5): the left Rayleigh-Ritz is then not taken.
+_LEFT_LEAST = 1e-3
 
 
 def ritz_residuals(
@@ -214,7 +272,7 @@ def top_subspace(
     first_check: int | None,
     finite: Tensor | None,
     rank_scale: int,
-    lead: int = 0,
+    forward: Callable[[Tensor], Tensor | None] | None = None,
 ) -> tuple[Tensor, Tensor, Tensor | None, Tensor]:
     """:func:`block_krylov` (``krylov=True``) or :func:`subspace_iteration` (``depth`` steps,
     no stopping rule) on ``apply``: the one choice every caller of the two makes alike."""
@@ -228,7 +286,7 @@ def top_subspace(
             first_check=first_check,
             finite=finite,
             rank_scale=rank_scale,
-            lead=lead,
+            forward=forward,
         )
     return subspace_iteration(apply, start, depth, finite)
 

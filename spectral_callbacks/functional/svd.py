@@ -23,7 +23,9 @@ The depth is decided a posteriori (``n_iter=None``): after each Krylov block the
 the top k say how much one more power step could still raise each Ritz value, and the iteration
 stops once that is below ``tol`` (``krylov.ritz_residuals``). A warm start from the previous
 snapshot's subspace on slowly moving weights stops after its first block (4 m n b flops: ``W Q``
-and ``W^T (W Q)``); a flat spectrum or a subspace rotated by a loss spike goes deeper, and after a
+and ``W^T (W Q)``), plus one product ``W s_1`` where only sigma_1's tight bound fails there and
+the Rayleigh-Ritz of the left space ``W span(Q)`` (free from those products, half a power step
+further) passes it (``krylov.left_rayleigh_ritz``); a flat spectrum or a subspace rotated by a loss spike goes deeper, and after a
 failed test the next block holds only the residuals of the pairs that failed (often one column).
 By products, ``W V`` for the final Rayleigh-Ritz step is a combination of the ``W Q_j`` already
 made, and ``W^T Y`` is computed as ``(Y^T W)^T`` (BLAS reads a transposed W at about half the
@@ -44,7 +46,8 @@ Host synchronization (what a CUDA worker waits for): on an accelerator, masks (n
 matrices, the rank tolerance, stale ``init`` columns, Krylov columns that leak into the basis) are
 applied with ``torch.where``, never decided on the host; on the CPU, where a host read is free,
 the usual case skips them. Warm or cold is decided from whether ``init`` was given. What remains:
-one host read per Krylov step of the stopping rule (none with an explicit ``n_iter``), and the
+one host read per Krylov step of the stopping rule (none with an explicit ``n_iter``; two
+more where a warm start's left Rayleigh-Ritz is tried), and the
 error checks inside ``torch.linalg.eigh``/``svd``/``svdvals``/``eigvalsh`` (torch has no
 non-checking variants of these).
 Float32 products stay float32 even where the user enabled TF32 (``precision.matmul``, also for
@@ -121,13 +124,6 @@ _LARGE_SIDE = 2048
 _EXTRA_DEPTH = 4
 # A warm start from the previous snapshot's subspace normally stops after its first block.
 _EXPECTED_WARM_DEPTH = 1
-# A warm start's first block is grown by the residual of its leading column before the rule is
-# first tested (sigma_1's tight bound nearly always asks for it). Two columns (the top two of a
-# trained weight are often nearly equal) passed the first test where one column sometimes needed
-# a third Krylov step (GPT-2 small's 768 x 768, Qwen2's 4864 x 896), but MKL's products with two
-# columns cost as much as two with one (48 x 768 x 768: 14 against 8 ms), so one column costs
-# less on the stacks of benchmarks/model_snapshot.py.
-_LEAD_COLUMNS = 1
 # Stopping rule: a Krylov step is the last when the top Ritz pair (theta_1, x_1) of W^T W has
 # ||W^T W x_1 - theta_1 x_1||^2 <= tol * theta_1^2 (one more power step would raise theta_1 by at
 # most a fraction tol) and every other top-k pair meets 10 * tol. Measured along the Krylov depth of
@@ -397,7 +393,7 @@ def _top_svd(
     V: Tensor | None
     if chosen in ("randomized", "subspace"):
         expected = _expected_depth(m, n, n_iter, init is not None)
-        depth, first_check, lead = _iteration(m, n, n_iter, chosen, init is not None)
+        depth, first_check = _iteration(m, n, n_iter, chosen, init is not None)
         start = _start(A, width, generator, init)
         # A warm start's one or two blocks gain nothing from parts and pay their overhead
         # (GPT-2 small warm 0.422 s whole, 0.431 s in parts).
@@ -413,7 +409,6 @@ def _top_svd(
                 first_check,
                 krylov=chosen == "randomized",
                 rounded=rounded,
-                lead=lead,
             )
             for rows in rows_of_parts
         ]
@@ -466,21 +461,21 @@ def _expected_depth(m: int, n: int, n_iter: int | None, warm: bool) -> int:
 
 def _iteration(
     m: int, n: int, n_iter: int | None, chosen: str, warm: bool
-) -> tuple[int, int | None, int]:
-    """The iterative path's largest depth, the depth its stopping rule is first tested at
-    (``None``: no rule), and how many leading columns' residuals grow the first block (0: none).
+) -> tuple[int, int | None]:
+    """The iterative path's largest depth and the depth its stopping rule is first tested at
+    (``None``: no rule).
 
-    The stopping rule is tested from the first block of a warm start, grown first by the residuals
-    of its ``_LEAD_COLUMNS`` leading columns (which sigma_1's tight bound nearly always asks for),
-    and from the
-    expected depth of a cold one: each test costs an eigh of the Rayleigh quotient, which at a
-    cold depth's basis size (200-300 columns) costs more than a Krylov step. Subspace iteration (a
-    comparison method) has no rule: the expected cold depth.
+    The stopping rule is tested from the first block of a warm start (where sigma_1's tight bound
+    is nearly always decided by the left Rayleigh-Ritz, ``krylov.left_rayleigh_ritz``, at the
+    cost of one product with W) and from the expected depth of a cold one: each test costs an
+    eigh of the Rayleigh quotient, which at a cold depth's basis size (200-300 columns) costs
+    more than a Krylov step. Subspace iteration (a comparison method) has no rule: the expected
+    cold depth.
     """
     depth = default_n_iter(m, n) if n_iter is None else n_iter
     if n_iter is not None or chosen != "randomized":
-        return depth, None, 0
-    return depth + _EXTRA_DEPTH, 1 if warm else depth, _LEAD_COLUMNS if warm else 0
+        return depth, None
+    return depth + _EXTRA_DEPTH, 0 if warm else depth
 
 
 def _start(
@@ -557,7 +552,7 @@ def _adapted_svd(
         _check_init(init, torch.empty((), device="meta").expand(batch, m, n))
     probe = torch.empty((), dtype=compute_dtype, device=W.device).expand(batch, m, n)
     start = _start(probe, width, generator, init)
-    depth, first_check, lead = _iteration(m, n, n_iter, chosen, init is not None)
+    depth, first_check = _iteration(m, n, n_iter, chosen, init is not None)
 
     def attempt(one: slice) -> TopSVD:
         part = W[one]
@@ -576,7 +571,7 @@ def _adapted_svd(
             first_check=first_check,
             finite=None,
             rank_scale=max(m, n),
-            lead=lead,
+            forward=lambda X: part.matmul(X, _matmul),
         )
         BV = keep_finite(lefts if lefts is not None else part.matmul(basis, _matmul), finite)
         S = _singular_values(BV)
@@ -665,13 +660,15 @@ def _randomized(
     *,
     krylov: bool,
     rounded: bool = False,
-    lead: int = 0,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Block Krylov (or subspace iteration) + Rayleigh-Ritz on W itself; returns (S, V, finite)."""
     m, n = A.shape[-2:]
     costs = randomized_costs(m, n, start.shape[-1], expected, krylov=krylov, rounded=rounded)
     route = min(costs, key=costs.__getitem__)
     use_gram = route == "gram"
+    # B X for the left Rayleigh-Ritz of a warm start's first block (krylov.left_rayleigh_ritz):
+    # only where the images are B^T B X themselves, at B's own scale.
+    forward: Callable[[Tensor], Tensor | None] | None = None
     # Iterate in the space of the smaller side when W itself is not multiplied at full
     # precision (its Gram matrix, or W rounded to bfloat16), else on the right.
     wide = route != "products" and m < n
@@ -732,6 +729,11 @@ def _randomized(
                 return _matmul(Y.mT, B).mT, Y
             return _matmul((Y * c).mT, B).mT * c, Y
 
+        def multiply(X: Tensor) -> Tensor | None:  # B X, for the left Rayleigh-Ritz at B's scale
+            return _matmul(B, X) if unit[0] is None else None
+
+        forward = multiply
+
     basis, images, lefts, finite = top_subspace(
         apply,
         start,
@@ -742,10 +744,11 @@ def _randomized(
         first_check=first_check,
         finite=finite,
         rank_scale=max(m, n),
-        lead=lead,
+        forward=forward,
     )
-    # Rayleigh-Ritz on W itself: the singular values of the (rows, b) matrix B V. By products,
-    # B V is a combination of the images B Q_j already computed; with the Gram matrix it costs one
+    # Rayleigh-Ritz on W itself: the singular values of the (rows, b) matrix B V (or, where a
+    # warm start's left Rayleigh-Ritz decided, of the (d, b) matrix B^T U). By products, B V is a
+    # combination of the images B Q_j already computed; with the Gram matrix it costs one
     # product.
     BV = lefts
     if BV is None:  # one product with W in float32 (wide, B = W^T: as (basis^T W)^T)

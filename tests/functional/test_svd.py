@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Callable
 
@@ -613,8 +614,8 @@ def test_the_stopping_rule_stops_only_where_every_top_pair_meets_its_bound_or_at
     else:
         init = None
     block = start_block(W, b, g, init)
-    depth, first_check = 12, 1
-    X, images, _, finite = block_krylov(
+    depth, first_check = 12, 0 if start == "warm" else 1
+    X, images, values, finite = block_krylov(
         counted,
         block,
         k,
@@ -623,15 +624,92 @@ def test_the_stopping_rule_stops_only_where_every_top_pair_meets_its_bound_or_at
         first_check=first_check,
         finite=None,
         rank_scale=m,
-        lead=start == "warm",
+        forward=lambda X: W @ X,
     )
     reached = steps[0] - 1
     assert bool(finite) and first_check <= reached <= depth
     theta = (X * images).sum(-2)  # the Ritz values x_i^T W^T W x_i, descending
     assert torch.all(theta[:-1] >= theta[1:] * (1 - 1e-5))
     _, excess = ritz_residuals([X], [images], torch.eye(b), theta, k, tol, m)
-    if reached < depth:  # stopped by the rule: every pair within its bound (float32 rounding)
-        assert torch.all(excess <= 1 + 1e-3), (reached, excess.max())
+    assert values is not None
+    if values.shape[-2] == m:  # W X: every pair of W^T W decided on the right
+        if reached < depth:  # stopped by the rule: every pair within its bound (rounding)
+            assert torch.all(excess <= 1 + 1e-3), (reached, excess.max())
+        return
+    # Decided by the left Rayleigh-Ritz of the first block (krylov.left_rayleigh_ritz): values
+    # = W^T U, U orthonormal in span(W Q_0). The other pairs met their bounds on the right; the
+    # top left pair (u_1, s_1 = W^T u_1) meets sigma_1's bound on W W^T, whose residual
+    # ||W s_1 - ||s_1||^2 u_1||^2 = ||W s_1||^2 - ||s_1||^4, since u_1^T W s_1 = ||s_1||^2.
+    assert reached == 0 and torch.all(excess[1:] <= 1 + 1e-3), excess
+    L = values.double()
+    _, sigma, Rh = torch.linalg.svd(L, full_matrices=False)
+    assert torch.all(sigma <= reference(W, b) * (1 + 1e-5))  # Ritz values: lower bounds
+    s_1 = L @ Rh[0]
+    residual_sq = (W.double() @ s_1).square().sum() - sigma[0] ** 4
+    assert residual_sq <= tol * sigma[0] ** 4 * (1 + 1e-2) + 1e-10, (residual_sq, sigma[0])
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("angle", [0.07, 0.3])
+def test_a_first_block_that_misses_only_sigma_1_is_decided_by_the_left_rayleigh_ritz(
+    angle: float, seed: int
+) -> None:
+    # W = U diag(sigma) V^T with random U, V and a known spectrum; the start holds v_2..v_40
+    # exactly and q_1 = cos(a) v_1 + sin(a) v_41. On the right only the top pair misses its bound:
+    # ||r_1||^2 / theta_1^2 = cos^2 sin^2 (s_1^2 - s_41^2)^2 / theta_1^2 = 2.8 tol at a = 0.07
+    # (tol = 1e-3). On the left, span(W Q_0) holds cos s_1 u_1 + sin s_41 u_41: the mixing
+    # shrinks by s_41 / s_1 = 1/2, and its top pair's residual is 0.7 tol at a = 0.07 (decided
+    # there with one product W s_1, values exact in closed form), 13 tol at a = 0.3 (the
+    # iteration goes on, and ends on a block of W X). This holds for every U, V.
+    g = torch.Generator().manual_seed(seed)
+    m, n, k, b, tol = 300, 200, 32, 40, 1e-3
+    sigma = torch.cat(
+        [
+            torch.ones(1, dtype=torch.float64),
+            torch.linspace(0.9, 0.55, 39, dtype=torch.float64),
+            torch.linspace(0.5, 0.1, n - 40, dtype=torch.float64),
+        ]
+    )
+    U = torch.linalg.qr(torch.randn(m, n, generator=g, dtype=torch.float64)).Q
+    V = torch.linalg.qr(torch.randn(n, n, generator=g, dtype=torch.float64)).Q
+    W64 = U * sigma @ V.T
+    W = W64.float()
+    c, s = math.cos(angle), math.sin(angle)
+    start = V[:, :b].clone()
+    start[:, 0] = c * V[:, 0] + s * V[:, 40]
+    products: list[int] = []
+
+    def apply(X: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        Y = W @ X
+        return W.mT @ Y, Y
+
+    def forward(X: torch.Tensor) -> torch.Tensor:
+        products.append(X.shape[-1])
+        return W @ X
+
+    _, _, values, finite = block_krylov(
+        apply,
+        start.float(),
+        k,
+        8,
+        tol,
+        first_check=0,
+        finite=None,
+        rank_scale=m,
+        forward=forward,
+    )
+    assert bool(finite) and values is not None and products == [1]  # one product W s_1
+    found = torch.linalg.svdvals(values.double())
+    if angle > 0.1:  # the left pair missed too: the iteration went on, its values from W X
+        assert values.shape == (m, b)
+        return
+    assert values.shape == (n, b)  # W^T U
+    # The left Ritz value of u ~ c s_1 u_1 + s s_41 u_41: ||W^T u||^2 = (c^2 s_1^4 + s^2 s_41^4)
+    # / (c^2 s_1^2 + s^2 s_41^2); the others are sigma_2..sigma_40 exactly.
+    top = ((c**2 * sigma[0] ** 4 + s**2 * sigma[40] ** 4) / (c**2 + s**2 * sigma[40] ** 2)).sqrt()
+    expected = torch.cat([top.reshape(1), sigma[1:b]])
+    torch.testing.assert_close(found, expected, rtol=1e-5, atol=0)
+    assert torch.all(found <= sigma[:b] * (1 + 1e-6))  # lower bounds (Rayleigh-Ritz)
 
 
 @pytest.mark.parametrize("seed", SEEDS)
@@ -640,8 +718,8 @@ def test_a_warm_start_from_the_exact_subspace_stops_at_the_first_test_and_a_cold
     spectrum: str, seed: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # For every input: from the exact top subspace the first block holds the top-b singular
-    # pairs, so every residual is rounding and the rule, first tested after the block of the
-    # leading column's residual (depth 1), stops there (two Krylov steps), with the exact values.
+    # pairs, so every residual is rounding and the rule, first tested at the first block
+    # (depth 0), stops there (one Krylov step), with the exact values.
     # A cold start is first tested at its expected depth and goes at most _EXTRA_DEPTH deeper.
     # Every Ritz value is a lower bound of its singular value (Rayleigh-Ritz on W itself).
     g = torch.Generator().manual_seed(seed)
@@ -656,7 +734,7 @@ def test_a_warm_start_from_the_exact_subspace_stops_at_the_first_test_and_a_cold
     warm = randomized_svd(W, method="randomized", init=top_subspace, generator=g)
     cold = randomized_svd(W, method="randomized", generator=g)
     expected = svd_module.default_n_iter(m, n)
-    assert steps[0] == 2
+    assert steps[0] == 1
     assert expected + 1 <= steps[1] <= expected + svd_module._EXTRA_DEPTH + 1
     torch.testing.assert_close(warm.S.double(), exact, rtol=1e-4, atol=0)
     for top in (warm, cold):
