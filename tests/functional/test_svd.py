@@ -709,7 +709,7 @@ def test_a_first_block_that_misses_only_sigma_1_is_decided_by_the_left_rayleigh_
     top = ((c**2 * sigma[0] ** 4 + s**2 * sigma[40] ** 4) / (c**2 + s**2 * sigma[40] ** 2)).sqrt()
     expected = torch.cat([top.reshape(1), sigma[1:b]])
     torch.testing.assert_close(found, expected, rtol=1e-5, atol=0)
-    assert torch.all(found <= sigma[:b] * (1 + 1e-6))  # lower bounds (Rayleigh-Ritz)
+    assert torch.all(found <= sigma[:b] * (1 + 1e-5))  # lower bounds, to float32 rounding
 
 
 @pytest.mark.parametrize("seed", SEEDS)
