@@ -74,12 +74,11 @@ def stable_rank(S: Tensor, frobenius_sq: Tensor) -> Tensor:
         >>> stable_rank(torch.zeros(3), torch.tensor(0.0))
         tensor(nan)
     """
-    return _stable_rank(S, frobenius_sq, positive=False)
+    return _stable_rank(S[..., 0], frobenius_sq, positive=False)
 
 
-def _stable_rank(S: Tensor, frobenius_sq: Tensor, *, positive: bool) -> Tensor:
-    """``stable_rank``; ``positive``: sigma_1 is known to be > 0 (no mask)."""
-    sigma_1 = S[..., 0]
+def _stable_rank(sigma_1: Tensor, frobenius_sq: Tensor, *, positive: bool) -> Tensor:
+    """``stable_rank`` from ``sigma_1`` (...); ``positive``: it is known to be > 0 (no mask)."""
     ratio = frobenius_sq / sigma_1.square()
     return ratio if positive else torch.where(sigma_1 > 0, ratio, math.nan)
 
@@ -232,7 +231,8 @@ def _energy_rank(S: Tensor, frobenius_sq: Tensor, energy: float) -> Tensor:
     """``energy_rank`` of the float64 ``S``."""
     # Squares summed in float64 so the threshold comparison is not decided by float32 rounding.
     cumulative = S.square().cumsum(-1)  # (..., k), non-decreasing
-    target = (energy * (1 - 1e-12)) * frobenius_sq.to(torch.float64)
+    frobenius_64 = frobenius_sq if frobenius_sq.dtype == torch.float64 else frobenius_sq.double()
+    target = (energy * (1 - 1e-12)) * frobenius_64
     short = cumulative < target[..., None]  # a prefix: the ranks before the first one reached
     rank = short.sum(-1, dtype=torch.float32) + 1
     defined = (cumulative[..., -1] >= target) & (frobenius_sq > 0)  # False for a NaN spectrum
@@ -286,12 +286,14 @@ def metrics_from_spectrum(
     # whether any rank must be masked out; the usual spectrum has none.
     S64 = S.to(torch.float64)
     positive = _all_positive(S)
-    alpha, r2 = _fit(S64[..., first - 1 : last], first, positive)
+    window = S64 if (first, last) == (1, S.shape[-1]) else S64[..., first - 1 : last]
+    alpha, r2 = _fit(window, first, positive)
+    sigma_1 = S[..., 0]
     return {
-        "stable_rank": _stable_rank(S, frobenius_sq, positive=positive).float(),
+        "stable_rank": _stable_rank(sigma_1, frobenius_sq, positive=positive).float(),
         "alpha": alpha.float(),
         "alpha_r2": r2.float(),
-        "spectral_norm": S[..., 0].float(),
+        "spectral_norm": sigma_1 if S.dtype == torch.float32 else sigma_1.float(),
         "frobenius_norm": frobenius_sq.sqrt().float(),
         key: _energy_rank(S64, frobenius_sq, energy),
     }
