@@ -7,6 +7,7 @@ with FSDP1's own ``summon_full_params``, never by the tracker.
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import torch
@@ -53,8 +54,9 @@ def with_lora(model: torch.nn.Module) -> torch.nn.Module:
     return peft.get_peft_model(model, config)
 
 
-def fsdp1(model: torch.nn.Module) -> torch.nn.Module:
-    """FSDP1 as accelerate and the Hugging Face Trainer wrap GPT-2: one unit per block."""
+def fsdp1(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
+    """FSDP1 as accelerate and the Hugging Face Trainer wrap GPT-2: one unit per block, on
+    ``device`` (the CPU, or this rank's GPU)."""
     from torch.distributed.fsdp import FullyShardedDataParallel
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy
     from transformers.models.gpt2.modeling_gpt2 import GPT2Block
@@ -62,9 +64,16 @@ def fsdp1(model: torch.nn.Module) -> torch.nn.Module:
     return FullyShardedDataParallel(
         model,
         auto_wrap_policy=ModuleWrapPolicy({GPT2Block}),
-        device_id=torch.device("cpu"),
+        device_id=device,
         use_orig_params=True,
     )
+
+
+def here() -> torch.device:
+    """This rank's device: its GPU under NCCL (``spawn_ranks`` made it current), else the CPU."""
+    if torch.distributed.is_initialized() and torch.distributed.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def gathered_weights(wrapped: torch.nn.Module, model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -73,7 +82,10 @@ def gathered_weights(wrapped: torch.nn.Module, model: torch.nn.Module) -> dict[s
     from torch.distributed.fsdp import FullyShardedDataParallel
 
     with FullyShardedDataParallel.summon_full_params(wrapped, writeback=False):
-        return {(t.layer, t.role): t.matrix().double().clone() for t in find_targets(model)}
+        return {
+            (t.layer, t.role): t.matrix().to("cpu", torch.float64, copy=True)
+            for t in find_targets(model)
+        }
 
 
 def gathered_effective(
@@ -90,14 +102,14 @@ def gathered_effective(
     with FullyShardedDataParallel.summon_full_params(wrapped, writeback=False):
         for target in find_targets(model):
             layer = getattr(target, "layer_module", None)
-            base = target.rows.take(target.parameter.detach()).double()
+            base = target.rows.take(target.parameter.detach()).to("cpu", torch.float64, copy=True)
             if layer is None:
                 found[target.layer, target.role] = {"weight": base.clone()}
                 continue
             (name,) = target.adapters
             rows = replace(target.rows, transposed=False)  # B's rows: the output's
             up = layer.scaling[name] * rows.take(layer.lora_B[name].weight.detach()).double()
-            update = up @ layer.lora_A[name].weight.detach().double()
+            update = (up @ layer.lora_A[name].weight.detach().double()).cpu()
             found[target.layer, target.role] = {"weight": base + update, "update": update}
     return found
 
@@ -111,6 +123,7 @@ def tracked_fsdp1(
     state: dict[str, Any] | None = None,
     checkpoint: str | None = None,
     lora: bool = False,
+    measure: bool = False,
 ) -> dict[str, Any]:
     """Train ``steps`` under the tracker (0, 1, 2, every 4, the last), FSDP1-wrapped (``wrap``)
     or as the same model on every rank with no wrapper (the single-process reference: each rank
@@ -118,19 +131,24 @@ def tracked_fsdp1(
     process's trajectory. ``checkpoint``: saved there (FSDP1's full state dict) after a first run,
     loaded from it before a resumed one (``state``: the tracker's state to resume from).
     ``lora``: PEFT LoRA adapters (:func:`with_lora`) trained, the base frozen; the weights are
-    then the effective ones (:func:`gathered_effective`)."""
+    then the effective ones (:func:`gathered_effective`). ``measure``: each ``tracker.step`` runs
+    inside :class:`~tensor_memory.AllocationPeak` (with ``synchronous=True`` the whole snapshot,
+    its gathers and its SVD, run in that call) and the peaks are returned as ``peaks``."""
+    from tensor_memory import AllocationPeak
     from torch.distributed.fsdp import FullyShardedDataParallel
 
+    device = here()
     model, loss_of = gpt2_with_biases()
     if state is not None and checkpoint is not None:
         model.load_state_dict(torch.load(checkpoint))
     if lora:
         model = with_lora(model)
-    held = fsdp1(model) if wrap else model
+    held = fsdp1(model, device) if wrap else model.to(device)
     optimizer = torch.optim.AdamW([p for p in held.parameters() if p.requires_grad], lr=1e-2)
     first, last = steps
     gathered = gathered_effective if lora else gathered_weights
     weights: dict[int, Any] = {}
+    peaks: dict[int, int] = {}
     with SpectralTracker(
         held, logdir=logdir, state=state, start_step=first - 1, **OPTIONS, **(options or {})
     ) as tracker:
@@ -142,17 +160,22 @@ def tracked_fsdp1(
         }
         weights[first - 1] = gathered(held, model) if wrap else None
         for step in range(first, last + 1):
-            loss_of(held, *batch(0, step, "fsdp")).backward()
+            loss_of(held, *(t.to(device) for t in batch(0, step, "fsdp"))).backward()
             optimizer.step()
             optimizer.zero_grad()
-            tracker.step(step)
+            if measure:
+                with AllocationPeak(device) as peak:
+                    tracker.step(step)
+                peaks[step] = peak.peak
+            else:
+                tracker.step(step)
             weights[step] = gathered(held, model) if wrap else None
     if state is None and checkpoint is not None:
         # Through summon_full_params: FSDP1's FULL_STATE_DICT with CPU offload segfaults on the
         # CPU here (torch 2.13, in its post-state-dict hook).
         with FullyShardedDataParallel.summon_full_params(held, writeback=False):
             full = {
-                name.replace("_fsdp_wrapped_module.", ""): value.clone()
+                name.replace("_fsdp_wrapped_module.", ""): value.cpu().clone()
                 for name, value in model.state_dict().items()
             }
         if rank == 0:
@@ -164,6 +187,7 @@ def tracked_fsdp1(
         "references": references,
         # every watched matrix's name, (m, n) and element size, in target order
         "shapes": [(t.name, t.shape, t.parameter.element_size()) for t in tracker.targets],
+        "peaks": peaks,
         # what the budget counts for each adapted matrix's snapshot, and its parts' sizes
         "adapted": {
             (t.layer, t.role): (t.snapshot_bytes(), t.shape, t.parameter.element_size())
@@ -182,10 +206,8 @@ def refusals(rank: int) -> dict[str, str]:
     said = {}
     for use_orig_params in (False, True):
         model, loss_of = gpt2_with_biases()
-        wrapped = FullyShardedDataParallel(
-            model, device_id=torch.device("cpu"), use_orig_params=use_orig_params
-        )
-        loss_of(wrapped, *batch(rank, 1, "fsdp")).backward()  # FSDP1 really trains on the CPU
+        wrapped = FullyShardedDataParallel(model, device_id=here(), use_orig_params=use_orig_params)
+        loss_of(wrapped, *(t.to(here()) for t in batch(rank, 1, "fsdp"))).backward()  # it trains
         for held, what in ((wrapped, "wrapper"), (model, "inside")):
             try:
                 SpectralTracker(held, figures=False, logdir=None, writers=[_Discard()]).close()
@@ -214,10 +236,10 @@ def outer_unit(rank: int, world_size: int = 2) -> dict[str, Any]:
         wrapped = FullyShardedDataParallel(
             model,
             auto_wrap_policy=ModuleWrapPolicy({policy}),
-            device_id=torch.device("cpu"),
+            device_id=here(),
             use_orig_params=True,
         )
-        loss_of(wrapped, *batch(rank, 1, "fsdp")).backward()
+        loss_of(wrapped, *(t.to(here()) for t in batch(rank, 1, "fsdp"))).backward()
         for held, what in ((wrapped, "wrapper"), (model, "inside")):
             try:
                 tracker = SpectralTracker(held, figures=False, logdir=None, writers=[_Discard()])
@@ -237,16 +259,28 @@ class _Discard:
 def fsdp1_runs(rank: int, world_size: int, outdir: str) -> dict[str, Any]:
     """Everything the FSDP1 tests check, on one group of ranks (a spawn costs more than a run):
     a tracked run with ``delta="first"`` within a budget that holds one gathered unit and this
-    rank's share; the same model unwrapped; the model with LoRA adapters; a budget one byte too small; a run resumed from a
-    checkpoint (both with ``delta="first"``); the wrappings that are refused."""
+    rank's share; the same run inline with its allocations measured; the model with LoRA adapters;
+    a budget one byte too small; a run resumed from a checkpoint (both with ``delta="first"``); the
+    wrappings that are refused. (The single-process run of the same model is the test's own
+    process: ``single_process_run``.)
+    """
     from spectral_callbacks.monitor.options import ConfigurationError
 
     found: dict[str, Any] = {"refusals": refusals(rank), "outer_unit": outer_unit(rank)}
-    try:  # the bytes a snapshot holds on this rank: the refusal of a budget that holds one
-        # matrix (808 KiB with its working set) but not the share says them
-        tracked_fsdp1(rank, f"{outdir}/never", options=dict(max_snapshot_bytes=10**6), steps=(1, 0))
+    # The bytes a snapshot holds on this rank, as the budget counts them: the refusal of the
+    # smallest budget that holds the largest matrix alone says them (each of the <= 4 ranks owns
+    # one of the 4 MLP matrices, the costliest, so every rank's share and unit exceed it and
+    # every rank refuses; a rank that went on would hang in the gather).
+    try:
+        tracked_fsdp1(rank, f"{outdir}/never", options=dict(max_snapshot_bytes=1), steps=(1, 0))
     except ConfigurationError as error:
-        found["need"] = int(str(error).split("at once (")[1].split(" bytes")[0])
+        one = int(str(error).split("to at least ")[1].split(",")[0])
+    try:
+        tracked_fsdp1(rank, f"{outdir}/never", options=dict(max_snapshot_bytes=one), steps=(1, 0))
+    except ConfigurationError as error:
+        said = str(error)
+        found["need"] = int(said.split("at once (")[1].split(" bytes")[0])
+        found["unit"] = int(re.search(r"(\d+) bytes of them one gathered unit", said)[1])
     need = torch.tensor([found["need"]])
     torch.distributed.all_reduce(need, op=torch.distributed.ReduceOp.MAX)  # the largest share
     budget = int(need)
@@ -255,11 +289,14 @@ def fsdp1_runs(rank: int, world_size: int, outdir: str) -> dict[str, Any]:
         tracked_fsdp1(rank, f"{outdir}/never", options=dict(max_snapshot_bytes=found["need"] - 1))
     except ConfigurationError as error:
         found["too_small"] = str(error)
-    found["fsdp1"] = tracked_fsdp1(
-        rank, f"{outdir}/fsdp1", options=dict(delta="first", max_snapshot_bytes=budget)
-    )
-    found["single"] = tracked_fsdp1(
-        rank, f"{outdir}/single", wrap=False, options=dict(delta="first")
+    options = dict(delta="first", max_snapshot_bytes=budget)
+    found["fsdp1"] = tracked_fsdp1(rank, f"{outdir}/fsdp1", options=options)
+    found["memory"] = tracked_fsdp1(
+        rank,
+        f"{outdir}/memory",
+        options=dict(options, synchronous=True),
+        steps=(1, 4),
+        measure=True,
     )
     found["lora"] = tracked_fsdp1(rank, f"{outdir}/lora", lora=True)
     checkpoint = f"{outdir}/checkpoint.pt"
@@ -278,3 +315,9 @@ def fsdp1_runs(rank: int, world_size: int, outdir: str) -> dict[str, Any]:
         checkpoint=checkpoint,
     )
     return found
+
+
+def single_process_run(outdir: str) -> None:
+    """The same model, unwrapped, in the calling process (no process group: the single-process
+    engine), trained on the batches every FSDP1 rank trains on, logged to ``outdir/single``."""
+    tracked_fsdp1(0, f"{outdir}/single", wrap=False, options=dict(delta="first"))

@@ -4,7 +4,8 @@
 ``torchrun``) in a session of its own, so a timeout kills every rank it started.
 
 ``run_ranks(function, world_size, tmp_path, *args)`` spawns ``world_size`` processes (fresh
-interpreters, ``spawn``), joins them with ``init_process_group("gloo")`` over a file store, calls
+interpreters, ``spawn``), joins them with ``init_process_group("gloo")`` over a file store
+(``backend="nccl"``: rank r's GPU r made current first), calls
 ``function(rank, world_size, *args)`` in each and returns every rank's return value (which must be
 picklable by ``torch.save``). A rank that raises fails the test with its traceback; ranks that are
 not done after ``timeout`` seconds are killed and the test fails: a test never hangs.
@@ -87,12 +88,15 @@ def _entry(
     outdir: str,
     function: Callable[..., Any],
     args: tuple[Any, ...],
+    backend: str,
 ) -> None:
     torch.set_num_threads(1)  # the ranks share a small machine
     path = Path(outdir) / f"rank{rank}.pt"
     try:
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
         dist.init_process_group(
-            "gloo",
+            backend,
             init_method=f"file://{store}",
             rank=rank,
             world_size=world_size,
@@ -117,6 +121,7 @@ def run_ranks(
     *args: Any,
     timeout: float = TIMEOUT_SECONDS,
     allow_errors: bool = False,
+    backend: str = "gloo",
 ) -> list[Any]:
     """Every rank's return value (or, with ``allow_errors``, its traceback string)."""
     outdir = tmp_path / f"ranks-{time.monotonic_ns()}"
@@ -125,7 +130,8 @@ def run_ranks(
     context = multiprocessing.get_context("spawn")
     processes = [
         context.Process(
-            target=_entry, args=(rank, world_size, str(store), str(outdir), function, args)
+            target=_entry,
+            args=(rank, world_size, str(store), str(outdir), function, args, backend),
         )
         for rank in range(world_size)
     ]

@@ -1,14 +1,15 @@
 """FSDP1 (``FullyShardedDataParallel``, ``use_orig_params=True``, one unit per GPT-2 block) in a raw
-loop with SpectralTracker, 2 CPU processes with gloo: each snapshot gathers one unit at a time
-with FSDP1's own ``summon_full_params``, and every logged value equals a float64 SVD of the full
-matrix that the test gathers with the same public API, at every scheduled step; the same values
-as the unwrapped model; within a budget that holds one unit; resumed with the step-0 references;
-each rank keeping the ``delta=`` references of the matrices it decomposes only; with PEFT LoRA
-adapters, every effective matrix ``W_0 + s B A`` and its update exact too; a linear layer inside a
-block held by the root unit around the module given refused in one line.
+loop with SpectralTracker, on 2 and on 4 CPU processes with gloo (and, ``gpu``-marked, 2 and 4 GPUs
+with NCCL): each snapshot gathers one unit at a time with FSDP1's own ``summon_full_params``, and
+every logged value equals a float64 SVD of the full matrix that the test gathers with the same
+public API, at every scheduled step; the same values as the unwrapped model in one process; within
+a budget that holds one unit, the allocations of each snapshot measured; resumed with the step-0
+references; each rank keeping the ``delta=`` references of the matrices it decomposes only; with
+PEFT LoRA adapters, every effective matrix ``W_0 + s B A`` and its update exact too; a linear layer
+inside a block held by the root unit around the module given refused in one line.
 
-Every check reads one group of ranks (``partitioned_cases.fsdp1_runs``): a spawn costs more than
-the runs.
+Every check of one process count reads one group of ranks (``partitioned_cases.fsdp1_runs``): a
+spawn costs more than the runs.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from typing import Any
 
 import partitioned_cases as cases
 import pytest
+import torch
 from sharded_models import exact_metrics
 from spawn_ranks import run_ranks
 from tiny_models import read_scalars
@@ -30,10 +32,26 @@ SCHEDULED = [0, 1, 2, 4, 8, 10]
 ROLES = ("Q", "K", "V", "O", "MLP_up", "MLP_down")
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    outdir = tmp_path_factory.mktemp("fsdp1")
-    ranks = run_ranks(cases.fsdp1_runs, 2, outdir, str(outdir))
+def _gpus(count: int) -> Any:
+    return pytest.mark.skipif(torch.cuda.device_count() < count, reason=f"needs {count} GPUs")
+
+
+@pytest.fixture(
+    scope="module",
+    params=[
+        pytest.param(("gloo", 2), id="gloo-2"),
+        pytest.param(("gloo", 4), id="gloo-4"),
+        pytest.param(("nccl", 2), id="nccl-2", marks=[pytest.mark.gpu, _gpus(2)]),
+        pytest.param(("nccl", 4), id="nccl-4", marks=[pytest.mark.gpu, _gpus(4)]),
+    ],
+)
+def runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    backend, world_size = request.param
+    outdir = tmp_path_factory.mktemp(f"fsdp1-{backend}-{world_size}")
+    ranks = run_ranks(
+        cases.fsdp1_runs, world_size, outdir, str(outdir), backend=backend, timeout=300
+    )
+    cases.single_process_run(str(outdir))
     return {"outdir": outdir, "ranks": ranks}
 
 
@@ -112,6 +130,19 @@ def test_fsdp1_snapshots_within_a_budget_that_holds_one_gathered_unit(runs: dict
         assert rank["budget"] >= rank["need"]
         assert "of them one gathered unit" in rank["too_small"], rank["too_small"]
         assert rank["too_small"].startswith("`max_snapshot_bytes` (")
+
+
+def test_fsdp1_snapshots_allocate_at_most_the_budget_on_every_rank(runs: dict) -> None:
+    # The same run inline (synchronous=True), each tracker.step measured by the allocator:
+    # the gathers, the copies and the SVD of the snapshot each scheduled step takes.
+    measured = [0, 1, 2, 4]  # step 0 is taken by the tracker's construction, unmeasured
+    for rank in runs["ranks"]:
+        peaks = rank["memory"]["peaks"]
+        for step in measured[1:]:
+            # The measure sees the gathers: one unit is whole at once on this rank ...
+            assert peaks[step] >= rank["unit"], (step, peaks[step], rank["unit"])
+            # ... and never more than the budget the run was given.
+            assert peaks[step] <= rank["budget"], (step, peaks[step], rank["budget"])
 
 
 def test_a_resumed_fsdp1_run_keeps_the_step_0_compression_references(runs: dict) -> None:
