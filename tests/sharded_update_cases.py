@@ -1,8 +1,10 @@
 """What each rank runs for tests/monitor/engines/test_sharded_updates.py: a raw training loop with
-``SpectralTracker`` on a small Llama-layout GPT sharded by FSDP2 (``fully_shard`` per block) or
-tensor parallelism (``parallelize_module``), dense, with PEFT LoRA / DoRA adapters, or with
+``SpectralTracker`` on a small Llama-layout GPT sharded by FSDP2 (``fully_shard`` per block),
+tensor parallelism (``parallelize_module``) or both on a 2-D (dp, tp) mesh (``fsdp-tp``: tensor
+parallel blocks under ``fully_shard`` over dp), dense, with PEFT LoRA / DoRA adapters, or with
 ``delta="first"``; rank 0 returns the full effective matrices and updates of every scheduled step,
-formed in float64 by the test from ``full_tensor()`` of the base and the factors."""
+formed in float64 by the test from ``full_tensor()`` of the base and the factors. Under NCCL each
+rank's model lives on its GPU (``spawn_ranks`` made it current)."""
 
 from __future__ import annotations
 
@@ -25,27 +27,52 @@ OPTIONS = dict(
     every_n_steps=4, log_spaced_until=3, k=K, figures=False, drain_timeout=20.0, max_pending=8
 )
 ADAPTED = ["q_proj", "v_proj", "o_proj", "down_proj"]  # rows and (under TP) columns splits
+# FSDP2 over tensor parallelism splits a row-parallel base in tiles, where an adapter is refused:
+# there the column-parallel ones (whole rows on every rank) are adapted.
+ADAPTED_IN_ROWS = ["q_proj", "v_proj", "up_proj"]
+
+
+def device() -> torch.device:
+    """This rank's device: its GPU under NCCL, else the CPU."""
+    if torch.distributed.is_initialized() and torch.distributed.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def mesh_of(how: str, world_size: int) -> Any:
+    """A 1-D mesh of every rank, or for ``fsdp-tp`` a (dp, tp) mesh with tp = 2."""
+    if how == "fsdp-tp":
+        return init_device_mesh(device().type, (world_size // 2, 2), mesh_dim_names=("dp", "tp"))
+    return init_device_mesh(device().type, (world_size,))
+
+
+def data(rank: int, step: int, how: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's batch on its device: one per data-parallel rank (under ``fsdp-tp`` the two
+    tensor-parallel ranks of a dp rank share it)."""
+    if how == "fsdp-tp":
+        rank, how = rank // 2, "fsdp"
+    return tuple(t.to(device()) for t in batch(rank, step, how))  # type: ignore[return-value]
 
 
 def full(tensor: torch.Tensor) -> torch.Tensor:
     """The whole tensor in float64 (a training-group collective for a DTensor: test-only)."""
     whole = tensor.detach().full_tensor() if isinstance(tensor, DTensor) else tensor.detach()
-    return whole.double().clone()
+    return whole.to("cpu", torch.float64, copy=True)
 
 
-def build(kind: str, d: int = 64, rank: int = 4) -> nn.Module:
-    """The model, unsharded: a 2-layer Llama-layout GPT of width ``d``, with PEFT LoRA (or DoRA)
-    adapters of rank ``rank`` on ``ADAPTED`` (random ``B``, so the update is non-zero from step
-    0) for ``lora`` / ``dora``."""
+def build(kind: str, d: int = 64, rank: int = 4, adapted: list[str] = ADAPTED) -> nn.Module:
+    """The model, unsharded, on this rank's device: a 2-layer Llama-layout GPT of width ``d``,
+    with PEFT LoRA (or DoRA) adapters of rank ``rank`` on ``adapted`` (random ``B``, so the
+    update is non-zero from step 0) for ``lora`` / ``dora``."""
     torch.manual_seed(0)  # the same initial weights on every rank
-    model: nn.Module = TinyTPGPT(d=d, fused=False)
+    model: nn.Module = TinyTPGPT(d=d, fused=False).to(device())
     if kind in ("lora", "dora"):
         import peft
 
         config = peft.LoraConfig(
             r=rank,
             lora_alpha=2 * rank,
-            target_modules=ADAPTED,
+            target_modules=adapted,
             init_lora_weights=False,
             use_dora=kind == "dora",
         )
@@ -57,8 +84,13 @@ def shard(model: nn.Module, how: str, mesh: Any) -> None:
     """``fsdp``: ``fully_shard`` per block and the root. ``tp``: Q/K/V/up column-parallel and
     O/down row-parallel; an adapted layer's base as its plain layer would be, its ``B`` column-
     parallel beside a column-parallel base (``A`` replicated) and its ``A`` row-parallel beside a
-    row-parallel base (``B`` replicated): the layer's output is then what it is unsharded."""
+    row-parallel base (``B`` replicated): the layer's output is then what it is unsharded.
+    ``fsdp-tp``: ``tp`` over the mesh's ``tp`` dimension, then ``fsdp`` over its ``dp`` one."""
     inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+    if how == "fsdp-tp":
+        shard(model, "tp", mesh["tp"])
+        shard(model, "fsdp", mesh["dp"])
+        return
     if how == "fsdp":
         for block in blocks(inner):
             fully_shard_block(block, mesh)
@@ -118,32 +150,69 @@ def effective(target: Any) -> dict[str, Any]:
     return {"weight": weight, "update": up @ down, "base": base, "factors": (base, up, down, g)}
 
 
-def tracked(rank: int, world_size: int, how: str, kind: str, logdir: str) -> dict[str, Any]:
+def one_process_bytes(kind: str, how: str) -> int:
+    """The bytes one process's budget counts for a whole snapshot of the same model, unsharded
+    (``budget.plan_snapshot``: the copies, the largest working set, the kept subspaces): what
+    ``max_snapshot_bytes`` must hold for one process to take it at once."""
+    from spectral_callbacks.monitor.engines.budget import plan_snapshot
+    from spectral_callbacks.monitor.engines.compute import SpectrumCompute
+    from spectral_callbacks.monitor.snapshot import group_by_shape
+    from spectral_callbacks.targets import find_targets
+
+    groups = group_by_shape(find_targets(build(kind, adapted=adapted_for(how)).cpu()))
+    plan = plan_snapshot(groups, SpectrumCompute(K), None)
+    return sum(plan.copies.values()) + max(plan.working.values()) + plan.kept
+
+
+def adapted_for(how: str) -> list[str]:
+    return ADAPTED_IN_ROWS if how == "fsdp-tp" else ADAPTED
+
+
+def tracked(
+    rank: int, world_size: int, how: str, kind: str, logdir: str, measure: bool = False
+) -> dict[str, Any]:
     """Train STEPS steps under the tracker; rank 0 returns the effective matrices and updates of
-    every scheduled step, the targets, and each rank's split of each target."""
-    model = build(kind)
-    shard(model, how, init_device_mesh("cpu", (world_size,)))
+    every scheduled step, the targets, and each rank's split of each target. ``measure``: the
+    snapshots run inline (``synchronous=True``), each ``tracker.step`` inside
+    :class:`~tensor_memory.AllocationPeak`, its peak returned in ``peaks``, with the bytes of this
+    rank's local shards of the watched matrices (``local_bytes``)."""
+    from tensor_memory import AllocationPeak
+
+    model = build(kind, adapted=adapted_for(how))
+    shard(model, how, mesh_of(how, world_size))
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
     options: dict[str, Any] = {"delta": "first"} if kind == "delta" else {}
+    if measure:
+        options["synchronous"] = True
     seen: dict[int, dict[str, tuple]] = {}
+    peaks: dict[int, int] = {}
     with SpectralTracker(model, logdir=logdir, **OPTIONS, **options) as tracker:
         targets = tracker.targets
         seen[0] = {target.name: effective(target) for target in targets}
         for step in range(1, STEPS + 1):
-            loss = model(*batch(rank, step, how))
+            loss = model(*data(rank, step, how))
             loss.backward()
             optimizer.step()
             optimizer.zero_grad()
-            tracker.step(step)
+            if measure:
+                with AllocationPeak(device()) as peak:
+                    tracker.step(step)
+                peaks[step] = peak.peak
+            else:
+                tracker.step(step)
             if step in SCHEDULED:
                 seen[step] = {target.name: effective(target) for target in targets}
         engine = tracker._engine
         splits = {p.target.name: p.split for g in engine.groups.values() for p in g.pieces}
+    local = {t.parameter.to_local() for t in targets if isinstance(t.parameter, DTensor)}
     return {
+        "local_bytes": sum(t.numel() * t.element_size() for t in local),
+        "one_process_bytes": one_process_bytes(kind, how) if measure else None,
         "targets": [(t.name, t.layer, t.role, t.has_update) for t in targets],
         "seen": seen if rank == 0 else None,
         "splits": splits,
         "state": tracker.state_dict(),
+        "peaks": peaks,
     }
 
 
@@ -158,18 +227,39 @@ CASES = [
 ]
 
 
-def tracked_all(rank: int, world_size: int, logroot: str) -> dict[str, Any]:
-    """Every case of ``CASES`` in one pair of processes (each its own logdir)."""
-    return {
+# On 4 ranks: each strategy x {dense, LoRA, delta}, tensor parallelism on a 1-D mesh of 4 and
+# FSDP2 over it on a 2 x 2 mesh (its row-parallel weights in tiles).
+CASES_ON_4 = [
+    (how, kind) for how in ("fsdp", "tp", "fsdp-tp") for kind in ("dense", "lora", "delta")
+]
+
+
+def tracked_all(
+    rank: int, world_size: int, logroot: str, cases: list[tuple[str, str]] | None = None
+) -> dict[str, Any]:
+    """Every case of ``cases`` (default ``CASES``) in one group of processes (each its own
+    logdir); with ``cases`` also ``memory-*``: FSDP2 dense and with LoRA (and on 4 ranks FSDP2
+    over TP) inline, measured, and on 4 ranks ``tiles``: what a LoRA adapter on a base split in
+    tiles (``fsdp-tp``'s row-parallel O and MLP down) is told."""
+    found = {
         f"{how}-{kind}": tracked(rank, world_size, how, kind, f"{logroot}/{how}-{kind}")
-        for how, kind in CASES
+        for how, kind in (cases or CASES)
     }
+    if cases is not None:
+        measured = [("fsdp", "dense"), ("fsdp", "lora")]
+        if world_size == 4:
+            measured.append(("fsdp-tp", "dense"))
+            found["tiles"] = refused(rank, world_size, "fsdp-tp", "lora", ADAPTED)
+        for how, kind in measured:
+            logdir = f"{logroot}/memory-{how}-{kind}"
+            found[f"memory-{how}-{kind}"] = tracked(rank, world_size, how, kind, logdir, True)
+    return found
 
 
-def refused(rank: int, world_size: int, how: str, kind: str) -> str:
+def refused(rank: int, world_size: int, how: str, kind: str, adapted: list[str] = ADAPTED) -> str:
     """What building a tracker on the sharded model says (one line), or ``"no error"``."""
-    model = build(kind)
-    shard(model, how, init_device_mesh("cpu", (world_size,)))
+    model = build(kind, adapted=adapted)
+    shard(model, how, mesh_of(how, world_size))
     try:
         SpectralTracker(model, logdir=tempfile.mkdtemp(), **OPTIONS).close(0)
     except Exception as error:  # noqa: BLE001 - the message is what the test reads

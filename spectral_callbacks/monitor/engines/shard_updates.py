@@ -97,12 +97,17 @@ class FactorShard:
         return whole
 
 
-def factor_shard(parameter: Tensor, group_rank: int) -> FactorShard:
-    """Where this rank's part of ``parameter`` lies in the whole; no communication."""
+def factor_shard(parameter: Tensor, group_rank: int, lowest_rank: int = 0) -> FactorShard:
+    """Where this rank's part of ``parameter`` lies in the whole; no communication.
+
+    ``lowest_rank``: the lowest global rank of the SVD group. A factor on a smaller mesh than the
+    group's (under FSDP2 over tensor parallelism, the ``A`` of a column-parallel base is sharded
+    over dp only) is held again, block for block, by each parallel mesh (each tp rank): only the
+    mesh that holds ``lowest_rank`` sends it, so the sum counts it once."""
     if not isinstance(parameter, DTensor):
         whole = tuple(torch.arange(size) for size in parameter.shape)
         return FactorShard(parameter, whole if group_rank == 0 else None)
-    if is_replica(parameter):
+    if is_replica(parameter) or lowest_rank not in parameter.device_mesh.mesh.flatten().tolist():
         return FactorShard(parameter, None)
     index = tuple(local_indices(parameter, dim) for dim in range(parameter.dim()))
     return FactorShard(parameter, index)

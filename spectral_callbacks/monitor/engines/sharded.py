@@ -294,7 +294,7 @@ class ShardedEngine:
         self.worker_threads = options.worker_threads
         pieces = [local_piece(target, group_rank) for target in targets]
         refuse_unsupported(targets, pieces)
-        self.groups = _group(pieces, group_rank)
+        self.groups = _group(pieces, group_rank, min(dist.get_process_group_ranks(group)))
         self._subspaces: dict[str, torch.Tensor] = {}
         self._streams = ComputeStreams()
         self._jobs: collections.deque[_Job] = collections.deque()
@@ -599,9 +599,12 @@ class ShardedEngine:
             raise self._error
 
 
-def _group(pieces: Sequence[LocalPiece], group_rank: int) -> dict[str, ShardGroup]:
+def _group(
+    pieces: Sequence[LocalPiece], group_rank: int, lowest_rank: int
+) -> dict[str, ShardGroup]:
     """Shape groups in first-seen (target) order, keyed by global facts only (a kind that carries
-    an update groups apart: adapted layers, ``delta=`` targets)."""
+    an update groups apart: adapted layers, ``delta=`` targets); ``lowest_rank``: the SVD
+    group's lowest global rank (which copy of a factor held by parallel meshes sends it)."""
     members: dict[str, list[LocalPiece]] = {}
     for piece in pieces:
         target = piece.target
@@ -625,7 +628,7 @@ def _group(pieces: Sequence[LocalPiece], group_rank: int) -> dict[str, ShardGrou
                 for name, parameter in piece.target.factor_parameters().items():
                     if id(parameter) not in factors:  # shared (a fused layer's A): once
                         factors[id(parameter)] = len(shards)
-                        shards.append(factor_shard(parameter, group_rank))
+                        shards.append(factor_shard(parameter, group_rank, lowest_rank))
                     named[name] = factors[id(parameter)]
             index.append(named)
         groups[key] = ShardGroup(key, tuple(group), tuple(shards), tuple(index))

@@ -3,12 +3,16 @@ parallelism (``parallelize_module``) x {dense, PEFT LoRA, DoRA, ``delta="first"`
 ``SpectralTracker`` in a raw loop. Every logged value at every scheduled step against the float64
 SVD of the whole effective matrix (and of its update) formed in the test from ``full_tensor()``,
 and against what one unsharded process computes from the same matrices; what a rank sends; a
-resume keeps the step-0 references; what is refused is refused in one line."""
+resume keeps the step-0 references; what is refused is refused in one line. The same on 4 gloo
+processes (FSDP2, tensor parallelism, FSDP2 over tensor parallelism on a 2 x 2 mesh, x {dense,
+LoRA, delta}) with each snapshot's allocations measured, and ``gpu``-marked on 2 and 4 GPUs with
+NCCL."""
 
 from __future__ import annotations
 
 import math
 from pathlib import Path
+from typing import Any
 
 import pytest
 import sharded_update_cases as cases
@@ -67,13 +71,22 @@ def test_every_logged_value_is_the_float64_svd_of_the_whole_effective_matrix(
     runs, case: str
 ) -> None:
     ranks, logroot = runs
-    rank0, rank1 = ranks[0][case], ranks[1][case]
-    assert rank0["state"]["references"] == rank1["state"]["references"]  # every rank agrees
+    check_every_logged_value(ranks, logroot, case)
+
+
+def check_every_logged_value(ranks: list[dict], logroot: Path, case: str) -> None:
+    """Every logged value of ``case`` at every scheduled step against the float64 SVD of the whole
+    effective matrix and of its update, and against one unsharded process on the same matrices;
+    the same compression references on every rank."""
+    rank0 = ranks[0][case]
+    for rank in ranks[1:]:  # every rank agrees
+        assert rank[case]["state"]["references"] == rank0["state"]["references"]
     scalars = read_scalars(logroot / case)
-    kind = case.split("-")[1]
+    kind = case.rsplit("-", 1)[1]
     updates = [t for t in rank0["targets"] if t[3]]
     assert len(rank0["targets"]) == 12
-    assert len(updates) == {"dense": 0, "delta": 12}.get(kind, 8)  # q, v, o, down adapted
+    adapted = 2 * len(cases.adapted_for(case.rsplit("-", 1)[0]))  # in each of the 2 layers
+    assert len(updates) == {"dense": 0, "delta": 12}.get(kind, adapted)
     for name, layer, role, has_update in rank0["targets"]:
         for step in cases.SCHEDULED:
             seen = rank0["seen"][step][name]
@@ -186,3 +199,76 @@ def test_circuits_of_sharded_weights_are_refused_in_one_line(tmp_path: Path) -> 
         assert error.startswith(expected), lines
         assert "sharded (DTensor) weights are not gathered for circuits" in error
         assert "\n" not in error
+
+
+def _gpus(count: int) -> Any:
+    return pytest.mark.skipif(torch.cuda.device_count() < count, reason=f"needs {count} GPUs")
+
+
+@pytest.fixture(
+    scope="module",
+    params=[
+        pytest.param(("gloo", 4), id="gloo-4"),
+        pytest.param(("nccl", 2), id="nccl-2", marks=[pytest.mark.gpu, _gpus(2)]),
+        pytest.param(("nccl", 4), id="nccl-4", marks=[pytest.mark.gpu, _gpus(4)]),
+    ],
+)
+def group(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[list[dict], Path, list[str]]:
+    """Every case of ``CASES_ON_4`` (2 ranks: those without the 2 x 2 mesh) in one group."""
+    backend, world_size = request.param
+    root = tmp_path_factory.mktemp(f"updates-{backend}-{world_size}")
+    ran = [c for c in cases.CASES_ON_4 if world_size == 4 or c[0] != "fsdp-tp"]
+    ranks = run_ranks(
+        cases.tracked_all, world_size, root, str(root / "tb"), ran, backend=backend, timeout=500
+    )
+    return ranks, root / "tb", [f"{how}-{kind}" for how, kind in ran]
+
+
+def test_on_every_rank_count_every_logged_value_is_the_float64_svd_of_the_effective_matrix(
+    group,
+) -> None:
+    ranks, logroot, ran = group
+    for case in ran:
+        check_every_logged_value(ranks, logroot, case)
+    if len(ranks) == 4:  # FSDP2 over TP: column-parallel weights in rows, row-parallel in tiles
+        splits = ranks[0]["fsdp-tp-delta"]["splits"]
+        assert splits["layers.0.attention.q_proj.weight"] == "rows"
+        assert splits["layers.0.attention.o_proj.weight"] == "tiles"
+        assert splits["layers.0.mlp.down_proj.weight"] == "tiles"
+        lora = ranks[0]["fsdp-tp-lora"]["splits"]
+        assert lora["base_model.model.layers.0.attention.q_proj.base_layer.weight"] == "rows"
+
+
+def test_on_every_rank_count_a_snapshot_allocates_less_than_one_process_is_budgeted(
+    group,
+) -> None:
+    # Inline (synchronous=True), each tracker.step measured by the allocator: the snapshot's
+    # copies, the Krylov blocks, the factors it all-reduces. Each rank allocates less than the
+    # budget one process counts for the whole snapshot of the same model (the copies, the largest
+    # working set, the kept subspaces); and the measure sees the work: at least the bytes of the
+    # rank's own shards, which dense FSDP2 copies (every shard changed).
+    ranks, _, _ = group
+    for rank in ranks:
+        for case in ("memory-fsdp-dense", "memory-fsdp-lora", "memory-fsdp-tp-dense"):
+            run = rank.get(case)
+            if run is None:  # the 2 x 2 mesh needs 4 ranks
+                continue
+            for step in cases.SCHEDULED[1:]:
+                peak = run["peaks"][step]
+                assert peak < run["one_process_bytes"], (case, step, peak, run)
+        dense = rank["memory-fsdp-dense"]
+        for step in cases.SCHEDULED[1:]:
+            assert dense["peaks"][step] >= dense["local_bytes"], (step, dense)
+
+
+def test_an_adapter_on_a_base_split_in_tiles_is_refused_in_one_line(group) -> None:
+    ranks, _, _ = group
+    if len(ranks) < 4:
+        pytest.skip("tiles need the 2 x 2 mesh of 4 ranks")
+    for rank in ranks:
+        message = rank["tiles"]
+        assert message.startswith("ShardingError: "), message
+        assert "its base is sharded along both dimensions (tiles)" in message, message
+        assert "\n" not in message
