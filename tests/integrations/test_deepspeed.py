@@ -1,9 +1,9 @@
 """DeepSpeed ZeRO with the Hugging Face Trainer, two CPU processes (DeepSpeed's CPU accelerator,
-gloo): stages 1 and 2 keep every weight whole on every rank, stage 3 partitions them and each
-snapshot gathers them block by block (``deepspeed.zero.GatheredParameters``); at every stage the
-callback logs each scheduled step's spectrum equal to the float64 SVD of the weights; under stage 3
-with ``delta="first"`` the update ``W_t - W_0`` too, and with PEFT LoRA the effective weight
-``W_0 + s B A`` and the update ``s B A``.
+gloo; stage 3 with ``delta="first"`` on four as well): stages 1 and 2 keep every weight whole on
+every rank, stage 3 partitions them and each snapshot gathers them block by block
+(``deepspeed.zero.GatheredParameters``); at every stage the callback logs each scheduled step's
+spectrum equal to the float64 SVD of the weights; under stage 3 with ``delta="first"`` the update
+``W_t - W_0`` too, and with PEFT LoRA the effective weight ``W_0 + s B A`` and the update ``s B A``.
 """
 
 from __future__ import annotations
@@ -40,11 +40,11 @@ ROLES = {
 }
 
 
-def zero_run(tmp_path: Path, stage: int, *extra: str) -> tuple[int, str]:
+def zero_run(tmp_path: Path, stage: int, *extra: str, processes: int = 2) -> tuple[int, str]:
     env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu")
     for key in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(key, None)
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(processes)]
     command += ["--master_port", str(free_port()), str(SCRIPT), str(tmp_path), str(stage), *extra]
     finished = run_session(command, 400, env)
     return finished.returncode, finished.stdout
@@ -86,6 +86,33 @@ def test_zero3_delta_logs_the_exact_update_of_every_gathered_matrix(
 ) -> None:
     outdir, returncode, output = zero3
     assert returncode == 0, output[-3000:]
+    check_every_update(outdir)
+
+
+def test_zero3_on_four_processes_logs_the_exact_spectrum_and_update(tmp_path: Path) -> None:
+    # The same stage-3 run (delta="first") on 4 CPU processes: each rank holds an empty c_attn.
+    returncode, output = zero_run(tmp_path, 3, "delta", processes=4)
+    assert returncode == 0, output[-3000:]
+    for rank in range(4):
+        said = f"rank {rank}: DeepSpeedZeroOptimizer_Stage3, ZeRO stage 3, c_attn holds 0 values"
+        assert said in output
+    logged = read_scalars(tmp_path / "spectral")
+    weights = torch.load(tmp_path / "weights.pt")  # gathered by the test (hf_train.py)
+    for name in weights[0]:
+        layer = int(name.split(".")[2])
+        role = next(role for suffix, role in ROLES.items() if name.endswith(suffix))
+        for metric in ("stable_rank", "spectral_norm"):
+            values = logged[scalar_tag(metric, layer, role)]
+            assert sorted(values) == [0, 1, 2, 5, 6], (name, metric)
+            for step, value in values.items():
+                exact = exact_metrics(weights[step][name], 8)[metric]
+                assert value == pytest.approx(exact, rel=1e-4), (name, metric, step)
+    check_every_update(tmp_path)
+
+
+def check_every_update(outdir: Path) -> None:
+    """Every logged update metric of every watched matrix at every scheduled step against the
+    float64 SVD of ``W_t - W_0``, both gathered by the test with ``GatheredParameters``."""
     logged = read_scalars(outdir / "spectral")
     weights = torch.load(outdir / "weights.pt")  # gathered by the test (hf_train.py)
     assert len(weights[0]) == len(ROLES) * 2  # every watched matrix of blocks 0 and 1
