@@ -132,7 +132,7 @@ def effective(target: Any) -> dict[str, Any]:
     ``delta=``; an adapted target's ``factors`` ``(W_0, s B, A, g)`` too."""
     layer = getattr(target, "layer_module", None)
     if layer is None:
-        weight = full_matrix(target)
+        weight = full_matrix(target).cpu()
         reference = getattr(target, "reference", None)
         if reference is None:
             return {"weight": weight, "update": None}

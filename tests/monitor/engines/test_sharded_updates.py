@@ -257,10 +257,10 @@ def test_on_every_rank_count_a_snapshot_allocates_less_than_one_process_is_budge
                 continue
             for step in cases.SCHEDULED[1:]:
                 peak = run["peaks"][step]
-                assert peak < run["one_process_bytes"], (case, step, peak, run)
+                assert peak < run["one_process_bytes"], (case, step, peak, run["one_process_bytes"])
         dense = rank["memory-fsdp-dense"]
         for step in cases.SCHEDULED[1:]:
-            assert dense["peaks"][step] >= dense["local_bytes"], (step, dense)
+            assert dense["peaks"][step] >= dense["local_bytes"], (step, dense["local_bytes"])
 
 
 def test_an_adapter_on_a_base_split_in_tiles_is_refused_in_one_line(group) -> None:
