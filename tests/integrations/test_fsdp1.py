@@ -138,6 +138,7 @@ def test_fsdp1_snapshots_allocate_at_most_the_budget_on_every_rank(runs: dict) -
     measured = [0, 1, 2, 4]  # step 0 is taken by the tracker's construction, unmeasured
     for rank in runs["ranks"]:
         peaks = rank["memory"]["peaks"]
+        print("peaks", peaks, "unit", rank["unit"], "budget", rank["budget"])  # shown with -s
         for step in measured[1:]:
             # The measure sees the gathers: one unit is whole at once on this rank ...
             assert peaks[step] >= rank["unit"], (step, peaks[step], rank["unit"])

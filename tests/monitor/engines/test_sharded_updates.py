@@ -255,6 +255,7 @@ def test_on_every_rank_count_a_snapshot_allocates_less_than_one_process_is_budge
             run = rank.get(case)
             if run is None:  # the 2 x 2 mesh needs 4 ranks
                 continue
+            print(case, "peaks", run["peaks"], "one process", run["one_process_bytes"])  # -s
             for step in cases.SCHEDULED[1:]:
                 peak = run["peaks"][step]
                 assert peak < run["one_process_bytes"], (case, step, peak, run["one_process_bytes"])
