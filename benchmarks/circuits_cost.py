@@ -9,15 +9,15 @@ steps every weight moves by a small random step (a warm start faces real movemen
 Columns (milliseconds per snapshot, the median over the warm snapshots; the first, which calibrates
 the SVD method, is shown apart):
 
-* ``main ms``: the copy on the training thread (``spectral_monitor/main_thread_ms``): circuits copy
-  Q/K/V/O a second time for their heads;
+* ``main ms``: the copy on the training thread (``spectral_monitor/main_thread_ms``): the heads
+  read the snapshot's copies of Q/K/V/O (watched here as dense matrices), no second copy;
 * ``compute ms``: the spectra (and circuits) (``spectral_monitor/svd_ms``);
 * ``snapshot ms``: both; ``snapshot cpu ms``: this thread's CPU time of the snapshot's
   ``tracker.step`` (on a loaded machine the wall times also count other processes' turns); the
   ratios: on / off.
 
-Also the circuits alone, timed directly: the copy (``HeadCircuit.stack_batch``) and their compute
-(``CircuitBatch.circuit_metrics``), for the 144 heads.
+Also the circuits alone, timed directly: the copy they take where Q/K/V/O are not watched
+(``HeadCircuit.stack_batch``) and their compute (``CircuitBatch.exact_metrics``), for the 144 heads.
 
 Run: ``python benchmarks/circuits_cost.py`` (about a minute on one idle core); ``--smoke``: 2 layers
 x 64, 4 heads, in seconds.

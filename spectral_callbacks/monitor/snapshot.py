@@ -126,14 +126,38 @@ def take_snapshot(
     with torch.no_grad():
         for gather, members in rounds:
             with gather():
-                tensors.update({group.key: _stack(group) for group in members})
+                tensors.update(_stacks(members))
     # The compute stream waits on this event before it reads the stacks (engine.py); the training
     # stream itself waits for nothing: the copies are simply the next work in its order.
     copied = {device: record_event(device) for device in cuda}
     return Snapshot(step, tensors, time.perf_counter() - start, copied, copy_started)
 
 
-def _stack(group: ShapeGroup) -> Stack:
-    """The group's snapshot, as its kind of target copies it: a fresh ``(B, m, n)`` tensor of a
-    dense group (later updates cannot reach it), or the batch a kind copies for itself."""
-    return group.targets[0].stack_batch(group.targets)
+def _stacks(groups: Sequence[ShapeGroup]) -> dict[str, Stack]:
+    """Each group's snapshot, as its kind of target copies it: a fresh ``(B, m, n)`` tensor of a
+    dense group (later updates cannot reach it), or the batch a kind copies for itself.
+
+    A kind that reads other targets' copies (``Target.reads_copies``: attention heads read Q/K/V/O)
+    is stacked after the dense groups, given their stacks, and put first in the result: the engine
+    computes in this order, so it reads them before anything computes (or changes) them.
+    """
+    readers = [group for group in groups if group.targets[0].reads_copies]
+    stacks: dict[str, Stack] = {}
+    copies: dict[int, tuple[torch.Tensor, int]] = {}  # id(target) -> (dense stack, slot)
+    for group in groups:
+        if group.targets[0].reads_copies:
+            continue
+        stack = stacks[group.key] = group.targets[0].stack_batch(group.targets)
+        if _dense(group.targets[0]) and isinstance(stack, torch.Tensor):
+            copies.update({id(target): (stack, i) for i, target in enumerate(group.targets)})
+    read = {
+        group.key: group.targets[0].stack_batch_reading(group.targets, copies) for group in readers
+    }
+    return read | stacks
+
+
+def _dense(target: Target) -> bool:
+    """Whether the target's kind snapshots with ``Target``'s own stack (slot i: target i's
+    values), not a batch of its own (adapters, quantized or delta weights)."""
+    owner = next(kind for kind in type(target).__mro__ if "stack_batch" in vars(kind))
+    return owner is Target

@@ -4,7 +4,8 @@ r"""The heads of each attention layer, as targets of their own: the QK and OV ci
 ``AttentionLayout`` per layer: which targets form its query, key, value and output, how many query
 heads ``H`` and K/V heads ``G`` it has. Each query head becomes a ``HeadCircuit`` target (role
 ``heads``, or ``heads_cross`` for cross-attention) that knows how to copy what its circuit needs
-(``stack_batch``: the layer's Q/K/V/O, copied on the caller's thread like any snapshot) and whose
+(``stack_batch``: the layer's Q/K/V/O, copied on the caller's thread like any snapshot, or views
+of the snapshot's own copies of them where they are watched as dense matrices) and whose
 batch computes ``functional.circuits.circuit_metrics`` off the training thread. The engine and the
 reporting see one more kind of target; the per-head values are logged like a mixture's experts
 (the mean, min and max over a layer's heads, the histogram over them, each head's own scalar).
@@ -63,7 +64,7 @@ import math
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from torch import Tensor, nn
@@ -188,6 +189,7 @@ class HeadCircuit(Target):
     """
 
     layout: AttentionLayout = field(default=None, repr=False, compare=False)  # type: ignore[assignment]
+    reads_copies: ClassVar[bool] = True
 
     @classmethod
     def of_head(
@@ -222,7 +224,8 @@ class HeadCircuit(Target):
         return key, device
 
     def snapshot_bytes(self) -> int:
-        """This head's share of its layer's copies (the heads of a layer add up to them)."""
+        """This head's share of its layer's copies (the heads of a layer add up to them): an
+        upper bound, counted also where they are views of the dense copies."""
         total, heads = self.layout.copy_bytes(), self.layout.num_heads
         return total // heads + (total % heads if self.head == 0 else 0)
 
@@ -241,6 +244,14 @@ class HeadCircuit(Target):
     def stack_batch(cls, targets: Sequence[Self]) -> CircuitBatch:
         """Copies of the Q/K/V/O parts of the layers ``targets`` belong to (on the calling
         thread, like every snapshot copy), and which head of which layer each target is."""
+        return cls.stack_batch_reading(targets, {})
+
+    @classmethod
+    def stack_batch_reading(
+        cls, targets: Sequence[Self], copies: Mapping[int, tuple[Tensor, int]]
+    ) -> CircuitBatch:
+        """:meth:`stack_batch`, where a part whose layers the snapshot's dense copies already
+        hold at evenly spaced slots of one stack is a view of it (no second copy)."""
         layers: dict[int, int] = {}  # id(layout) -> index in the batch
         layouts: list[AttentionLayout] = []
         for target in targets:
@@ -249,8 +260,8 @@ class HeadCircuit(Target):
                 layouts.append(target.layout)
         first = layouts[0]
         with torch.no_grad():
-            copies = {
-                id(part): _stacked_copy([layout.parts()[i] for layout in layouts])
+            stacked = {
+                id(part): _stacked_copy([layout.parts()[i] for layout in layouts], copies)
                 for i, part in enumerate(first.parts())
             }  # (L, rows, columns) per part
             small = tuple(
@@ -262,12 +273,23 @@ class HeadCircuit(Target):
         scales = torch.tensor([math.nan if lay.scale is None else lay.scale for lay in layouts])
         # (L,) copied with the snapshot: a scale the first forward reads later is the next one's
         index = [(layers[id(t.layout)], int(t.head or 0)) for t in targets]  # head: always set
-        return CircuitBatch(first, tuple(copies.values()), tuple(index), small, scales)
+        return CircuitBatch(first, tuple(stacked.values()), tuple(index), small, scales)
 
 
-def _stacked_copy(targets: Sequence[Target]) -> Tensor:
-    """``(L, rows, columns)``: the current matrices of ``targets`` (of one shape), each copied
-    once, straight into its slot."""
+def _stacked_copy(
+    targets: Sequence[Target], copies: Mapping[int, tuple[Tensor, int]] | None = None
+) -> Tensor:
+    """``(L, rows, columns)``: the current matrices of ``targets`` (of one shape): a view of the
+    dense stack in ``copies`` (``id(target) -> (stack, slot)``, the same snapshot's) that holds
+    them all at evenly spaced slots, else each copied once, straight into its slot."""
+    found = [copies.get(id(target)) for target in targets] if copies else []
+    if found and all(entry is not None for entry in found):
+        stacks = {id(entry[0]) for entry in found if entry is not None}
+        slots = [entry[1] for entry in found if entry is not None]
+        step = slots[1] - slots[0] if len(slots) > 1 else 1
+        if len(stacks) == 1 and step > 0 and slots == list(range(slots[0], slots[-1] + 1, step)):
+            stack = found[0][0]  # type: ignore[index]
+            return stack[slots[0] : slots[-1] + 1 : step]
     first = targets[0]
     out = torch.empty(
         (len(targets), *first.shape), dtype=first.parameter.dtype, device=first.parameter.device

@@ -25,7 +25,7 @@ from __future__ import annotations
 import dataclasses
 import re
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -101,6 +101,8 @@ class Target:
       slot's shape first);
     * :meth:`batch_key` and :meth:`stack_batch`: which targets are snapshotted as one batch, and
       that batch (a ``(B, m, n)`` tensor, or a ``functional.batch.MatrixBatch``);
+      :meth:`stack_batch_reading` where the kind reads other targets' copies of the same
+      snapshot (:attr:`reads_copies`);
     * :meth:`snapshot_bytes`: what one snapshot copies for this target (the memory budget), and
       :meth:`working_bytes` what computing its metrics needs where the kind computes them itself;
     * :attr:`has_update`: whether its batch carries an update (the ``spectral_update_*`` family);
@@ -140,6 +142,9 @@ class Target:
     #: Whether the batch of this kind carries an update whose spectrum is logged as the
     #: ``spectral_update_*`` family (``MatrixBatch.update_spectrum``). A dense matrix has none.
     has_update: ClassVar[bool] = False
+    #: Whether this kind's batch may read the dense copies the same snapshot took of other targets
+    #: (:meth:`stack_batch_reading`): it is then stacked after them and computed before them.
+    reads_copies: ClassVar[bool] = False
 
     @classmethod
     def from_parameter(
@@ -243,6 +248,15 @@ class Target:
         A dense matrix: :func:`dense_stack`.
         """
         return dense_stack(targets)
+
+    @classmethod
+    def stack_batch_reading(
+        cls, targets: Sequence[Self], copies: Mapping[int, tuple[torch.Tensor, int]]
+    ) -> Stack:
+        """:meth:`stack_batch`, given the dense copies the same snapshot has taken already:
+        ``id(target) -> (its group's (B, m, n) stack, its slot)``. Only a kind that
+        :attr:`reads_copies` uses them."""
+        return cls.stack_batch(targets)
 
     def snapshot_bytes(self) -> int:
         """The bytes a snapshot copies for this target: its ``shape`` in the parameter's dtype."""

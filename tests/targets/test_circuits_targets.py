@@ -337,3 +337,50 @@ def test_a_layer_whose_scale_is_not_declared_logs_no_scaled_value_and_no_bound()
         ).close()
     metrics = {parse_tag(tag).metric for tag in writer.logged[0] if "/heads" in tag}
     assert metrics == {"qk_stable_rank", "ov_spectral_norm", "ov_stable_rank"}
+
+
+def test_the_heads_read_the_snapshots_dense_copies_before_anything_computes_them() -> None:
+    # Q/K/V/O watched as dense matrices are copied once: the heads' batch holds views of those
+    # stacks, and is computed first, so a compute function that overwrites the dense stacks it is
+    # given (as scratch) cannot change what the heads log.
+    from spectral_callbacks.monitor.engines.compute import SpectrumCompute
+    from spectral_callbacks.monitor.snapshot import group_by_shape, take_snapshot
+    from spectral_callbacks.targets.circuits import CircuitBatch
+
+    torch.manual_seed(0)
+    model = MODELS["GQA4"]()
+    targets = find_targets(model)
+    snapshot = take_snapshot(group_by_shape([*targets, *find_circuits(model, targets)]), step=0)
+    first = next(iter(snapshot.tensors.values()))
+    assert isinstance(first, CircuitBatch)
+    dense = {
+        stack.untyped_storage().data_ptr()
+        for stack in snapshot.tensors.values()
+        if isinstance(stack, torch.Tensor)
+    }
+    assert all(copy.untyped_storage().data_ptr() in dense for copy in first.copies)
+
+    spectra = SpectrumCompute()
+
+    def overwriting(group, batch):
+        values = spectra(group, batch)
+        if isinstance(batch, torch.Tensor):
+            batch.zero_()
+        return values
+
+    writer = Recorder()
+    tracker = SpectralTracker(
+        model, writers=[writer], circuits=True, compute=overwriting, synchronous=True,
+        figures=False, start_step=0,
+    )  # fmt: skip
+    tracker.close()
+    want = reference_spectra(model)
+    checked = 0
+    for tag, value in writer.logged[0].items():
+        parsed = parse_tag(tag)
+        if parsed is not None and parsed.head is not None:
+            assert value == pytest.approx(
+                want[(parsed.layer, parsed.head)][parsed.metric], rel=1e-5
+            )
+            checked += 1
+    assert checked >= 4 * len(want)
