@@ -1,13 +1,15 @@
 """A short real DDP run (CPU, gloo) with SpectralMonitor, for tests/integrations/test_ddp.py.
 
 ``python tests/ddp_train.py OUTDIR [--devices N] [--steps S] [--fail-rank R --fail-step F]
-[--max-pending P] [--unhelpful]``
+[--max-pending P] [--unhelpful] [--delta]``
 
 Lightning's ``strategy="ddp"`` re-runs this script once per extra rank (environment variables
 tell each process its rank), so it must be a file, not a function in the test. Rank 0 saves the
 watched matrices at every optimizer step to ``OUTDIR/weights.pt`` (DDP keeps them identical on
 every rank) so the test can compute the single-process reference on exactly these weights, and
-the callback's state (what a checkpoint would hold) to ``OUTDIR/monitor_state.pt``.
+the callback's state (what a checkpoint would hold) to ``OUTDIR/monitor_state.pt``. With
+``--delta`` (``delta="first"``) each rank saves the references it holds after the first step,
+by name, to ``OUTDIR/references_rank<r>.pt``.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.loggers import TensorBoardLogger
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -74,6 +76,23 @@ class RankZeroWeights(WeightRecorder):
             torch.save(self.weights, self.path)
 
 
+class HeldReferences(Callback):
+    """Saves the ``delta=`` references this rank's monitor holds after the first step."""
+
+    def __init__(self, monitor: Any, outdir: Path) -> None:
+        self.monitor, self.outdir, self.saved = monitor, outdir, False
+
+    def on_train_batch_end(self, trainer: Trainer, *args: Any) -> None:
+        if not self.saved:  # before the end of the run, which releases them
+            held = {
+                t.name: t.reference.clone()
+                for t in self.monitor.tracker.targets
+                if getattr(t, "reference", None) is not None
+            }
+            torch.save(held, self.outdir / f"references_rank{trainer.global_rank}.pt")
+            self.saved = True
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("outdir", type=Path)
@@ -85,6 +104,7 @@ def main() -> None:
     # failure run keeps the default, which decides how much rank 0 has gathered when rank 1 fails.
     parser.add_argument("--max-pending", type=int, default=2)
     parser.add_argument("--unhelpful", action="store_true")  # roles from the first forward
+    parser.add_argument("--delta", action="store_true")  # delta="first": the update W_t - W_0
     args = parser.parse_args()
     # A CI machine may be loaded enough that a (niced) worker misses the 1 s due wait; the test
     # checks exact values at every step, so give each rank more time (the late path has its own
@@ -109,7 +129,10 @@ def main() -> None:
         k=8,
         max_pending=args.max_pending,
         drain_timeout=30.0,
+        delta="first" if args.delta else None,
     )
+    if args.delta:
+        callbacks.append(HeldReferences(monitor, args.outdir))
     trainer = Trainer(
         accelerator="cpu",
         devices=args.devices,

@@ -32,13 +32,14 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from spectral_callbacks.messages import rank_zero_info, rank_zero_warn
-from spectral_callbacks.monitor.engines.distributed import owned_names, world
+from spectral_callbacks.monitor.engines.distributed import world
 from spectral_callbacks.monitor.engines.partitioned import (
     Gathering,
     gathering_of,
     held_in_gathers,
     partitioning,
 )
+from spectral_callbacks.monitor.engines.protocol import decomposed_here
 from spectral_callbacks.monitor.options import ConfigurationError, MonitorOptions
 from spectral_callbacks.targets.first_forward import COMPILED, FirstForward
 from spectral_callbacks.targets.roles import FlowMap
@@ -223,12 +224,12 @@ class WatchPlan:
         heads (their logit scales the forward's ``scales``, or set later: ``scales_later``),
         handed to the tracker."""
         final: list[Target] = targets
-        if self.options.delta is not None:
-            final = self._with_references(final)
-        if self.options.circuits is not False:
-            self._heads = self._find_circuits(final, targets.heads_read, scales, scales_later)
+        if self.options.circuits is not False:  # first: the ranks' shares count the heads too
+            self._heads = self._find_circuits(targets, targets.heads_read, scales, scales_later)
             self.scales_pending = scales_later and bool(self._heads)
-            final = final + self._heads
+        if self.options.delta is not None:
+            final = self._with_references(final, self._heads)
+        final = final + self._heads
         if self.gathering is not None:
             self.gathering.check(final, self.caller)
         assert self._hand is not None, "the targets are handed over once"
@@ -445,21 +446,20 @@ class WatchPlan:
         except TargetError as error:
             raise ConfigurationError(f"{self.caller}: {error}") from error
 
-    def _with_references(self, targets: list[Target]) -> list[Target]:
+    def _with_references(self, targets: list[Target], heads: list[Target]) -> list[Target]:
         """The dense targets as ``DeltaTarget``s keeping their reference (``delta=``).
 
-        Gathered (FSDP1, ZeRO-3), a rank copies and decomposes only its own share of the matrices
-        (``DistributedEngine``'s partition of these same targets), so it keeps only their
-        references: the copy of every watched matrix on every rank would cost world size times
-        the model's watched bytes in all.
+        Where the ranks split the matrices between them (DDP, FSDP1, ZeRO-3), a rank copies and
+        decomposes only its own share (the engine's partition of ``targets`` followed by
+        ``heads``, the order the engine gets them), so it keeps only their references: a copy
+        of every watched matrix on every rank would cost world size times the watched bytes in
+        all.
         """
         from spectral_callbacks.targets.delta import with_references
         from spectral_callbacks.targets.errors import TargetError
 
         assert self.options.delta is not None
-        kept = None
-        if self.gathering is not None:
-            kept = owned_names(targets, *world())
+        kept = decomposed_here(targets + heads, self.gathering)
         try:
             with self._whole():
                 return with_references(targets, self.options.delta, self.caller, kept=kept)

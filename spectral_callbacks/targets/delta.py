@@ -188,8 +188,9 @@ def with_references(
         free = _free_bytes(device)
         if size > free:
             raise TargetError(
-                f"{caller}: `delta` keeps a reference copy of every watched matrix: {size / 2**20:.0f} "
-                f"MiB on {device}, but only {free / 2**20:.0f} MiB is free there; watch fewer "
+                f"{caller}: `delta` keeps a reference copy of every watched matrix this process "
+                f"decomposes: {size / 2**20:.0f} MiB on {device}, but only "
+                f"{free / 2**20:.0f} MiB is free there; watch fewer "
                 "matrices (roles=, include=) or leave `delta` unset"
             )
     missing, wrong, out = [], [], []

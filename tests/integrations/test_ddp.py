@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy, ModelParallelStrategy
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from sharded_models import exact_metrics
 from spawn_ranks import run_session
 from tiny_models import TinyGPT, exact_compute, exact_stable_rank, read_scalars
 
@@ -49,13 +50,15 @@ def tiny_targets() -> list:
 
 
 @pytest.fixture(scope="module")
-def ddp_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, dict, dict]:
+def ddp_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, dict, dict, list[dict]]:
     outdir = tmp_path_factory.mktemp("ddp")
-    finished = run_script(outdir, "--devices", "2", "--max-pending", "8")  # never a skip
+    # max_pending 8: never a skip; delta="first": the update W_t - W_0 too
+    finished = run_script(outdir, "--devices", "2", "--max-pending", "8", "--delta")
     assert finished.returncode == 0, finished.stdout[-3000:]
     weights = torch.load(outdir / "weights.pt")
     state = torch.load(outdir / "monitor_state.pt")
-    return read_scalars(outdir / "tb" / "version_0"), weights, state
+    held = [torch.load(outdir / f"references_rank{rank}.pt") for rank in (0, 1)]
+    return read_scalars(outdir / "tb" / "version_0"), weights, state, held
 
 
 # --- real 2-process DDP ---------------------------------------------------------------------
@@ -63,7 +66,7 @@ def ddp_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, dict, dict]
 
 @pytest.mark.slow
 def test_ddp_logs_the_exact_stable_rank_of_every_matrix_at_every_scheduled_step(ddp_run) -> None:
-    scalars, weights, _ = ddp_run
+    scalars, weights, _, _ = ddp_run
     targets = tiny_targets()
     assert len(targets) == 12
     for target in targets:
@@ -97,7 +100,7 @@ def test_ddp_reads_the_roles_from_every_ranks_first_forward(tmp_path: Path) -> N
 
 @pytest.mark.slow
 def test_ddp_each_rank_computes_its_share_of_the_matrices(ddp_run) -> None:
-    scalars, _, _ = ddp_run
+    scalars, _, _, _ = ddp_run
     owners = multi.partition(tiny_targets(), world_size=2)
     for rank in (0, 1):
         matrices = scalars[monitor_tag(f"rank{rank}/matrices")]
@@ -113,8 +116,39 @@ def test_ddp_each_rank_computes_its_share_of_the_matrices(ddp_run) -> None:
 
 
 @pytest.mark.slow
+def test_each_ddp_rank_keeps_the_delta_references_of_its_own_share_only(ddp_run) -> None:
+    _, weights, _, held = ddp_run
+    targets = tiny_targets()
+    owners = multi.partition(targets, world_size=2)
+    for rank, references in enumerate(held):
+        share = {t.name: t.shape for t, owner in zip(targets, owners, strict=True) if owner == rank}
+        assert 0 < len(share) < len(targets)
+        # exactly the references of the matrices this rank decomposes, whole, by name and bytes
+        # (float32), which are copies of the weights the run started from
+        assert {name: tuple(ref.shape) for name, ref in references.items()} == share, rank
+        kept = sum(ref.numel() * ref.element_size() for ref in references.values())
+        assert kept == sum(4 * m * n for m, n in share.values()), rank
+        for name, reference in references.items():
+            assert torch.equal(reference.double(), weights[0][name]), (rank, name)
+
+
+@pytest.mark.slow
+def test_ddp_logs_the_exact_update_of_every_matrix_from_the_share_of_references(ddp_run) -> None:
+    scalars, weights, _, _ = ddp_run
+    for target in tiny_targets():  # each matrix's update measured on the rank that holds W_0
+        for metric in ("update_stable_rank", "update_spectral_norm"):
+            logged = scalars[scalar_tag(metric, target.layer, target.role, target.num_layers)]
+            assert sorted(logged) == SCHEDULED, (metric, target.name)
+            for step in SCHEDULED[1:]:  # step 0: a zero update, no spectrum to compare
+                value = logged[step]
+                update = weights[step][target.name] - weights[0][target.name]
+                truth = exact_metrics(update, 8)[metric.removeprefix("update_")]
+                assert value == pytest.approx(truth, rel=1e-4), (metric, target.name, step)
+
+
+@pytest.mark.slow
 def test_ddp_rank_zero_state_holds_every_compression_reference(ddp_run) -> None:
-    scalars, _, state = ddp_run
+    scalars, _, state, _ = ddp_run
     targets = tiny_targets()
     assert set(state["references"]) == {target.name for target in targets}
     for target in targets:  # the step-0 stable rank of every matrix, whichever rank computed it

@@ -53,3 +53,44 @@ def test_the_names_hand_the_final_targets_with_references_and_then_let_the_track
     assert [t.name for t in targets] == [t.name for t in find_targets(model)]
     assert all(isinstance(t, DeltaTarget) for t in targets)
     assert plan._hand is None  # handed over: the tracker is not kept alive by the plan
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+def test_each_rank_keeps_the_references_of_its_share_of_the_targets_and_heads(
+    monkeypatch: pytest.MonkeyPatch, world_size: int
+) -> None:
+    from hf_models import tiny_llama
+
+    from spectral_callbacks.monitor.engines import distributed
+
+    torch.manual_seed(0)
+    # GQA: K and V (32 x 64) cost less than a head (64 x 64), so the heads come before them in
+    # the partition's order (on 3 ranks they move their owners)
+    model = tiny_llama(bias=True)
+    options = MonitorOptions.from_kwargs(
+        "T", delta="first", circuits=True, roles_from_first_forward=False
+    )
+    kept: list[set[str]] = []
+    for rank in range(world_size):  # what each rank of a DDP run decides, one after the other
+        monkeypatch.setattr(distributed, "world", lambda rank=rank: (rank, world_size))
+        handed: list[list[Any]] = []
+        WatchPlan(model, options, "T", lambda targets, begin, to=handed: to.append(targets)).start()
+        [targets] = handed
+        dense = [t for t in targets if isinstance(t, DeltaTarget)]
+        heads = [t for t in targets if t.attention_layer is not None]
+        assert len(dense) == 14 and heads and len(targets) == len(dense) + len(heads)
+        mine = {t.name for t in dense if t.reference is not None}
+        for t in dense:
+            if t.name in mine:
+                assert torch.equal(t.reference, t.matrix())  # a copy of the weights now
+        # the engine's share of every target it gets, the heads included, in the same order
+        owners = distributed.partition(targets, world_size)
+        share = {t.name for t, o in zip(targets, owners, strict=True) if o == rank}
+        assert mine == share & {t.name for t in dense}, rank
+        kept.append(mine)
+    # every reference is kept once, on the rank that decomposes its matrix (one process: all)
+    assert sorted(n for mine in kept for n in mine) == sorted(t.name for t in dense)
+    if world_size == 3:  # the heads move the partition: a share of the matrices alone differs
+        alone = distributed.partition(dense, world_size)
+        owned = [{t.name for t, o in zip(dense, alone, strict=True) if o == r} for r in range(3)]
+        assert owned != kept

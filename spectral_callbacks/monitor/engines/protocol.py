@@ -161,7 +161,7 @@ def make_engine(
         return _sharded_engine(compute, targets, options, inline=inline, skipped=skipped)
     budget = resolve_budget(options.max_snapshot_bytes, targets)
     rank, world_size = distributed.world()
-    if world_size == 1 and gathering is None:
+    if not _split_across_ranks(targets, gathering):
         return SnapshotEngine(
             compute,
             group_by_shape(targets),
@@ -183,6 +183,31 @@ def make_engine(
         skipped=skipped,
         units=None if gathering is None else gathering.units(targets),
     )
+
+
+def decomposed_here(targets: Sequence[Target], gathering: Gathering | None) -> set[str] | None:
+    """The names of the targets this process copies and decomposes where :func:`make_engine`
+    splits them across the ranks (a ``DistributedEngine``: DDP, FSDP1, ZeRO-3), its share of
+    :func:`~spectral_callbacks.monitor.engines.distributed.partition`; ``None`` where it
+    decomposes every one (one process) or the ranks decompose each matrix together (sharded
+    DTensor weights: each rank holds its own shards).
+
+    ``targets``: every watched matrix, in the order the engine gets them (the same on every rank).
+    """
+    from spectral_callbacks.monitor.engines import distributed
+
+    if not _split_across_ranks(targets, gathering):
+        return None
+    return distributed.owned_names(targets, *distributed.world())
+
+
+def _split_across_ranks(targets: Sequence[Target], gathering: Gathering | None) -> bool:
+    """Whether each rank decomposes a share of the whole matrices (``DistributedEngine``)."""
+    from spectral_callbacks.monitor.engines import distributed
+
+    if any(isinstance(target.parameter, DTensor) for target in targets):
+        return False
+    return distributed.world()[1] > 1 or gathering is not None
 
 
 def _sharded_engine(
