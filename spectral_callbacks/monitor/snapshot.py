@@ -147,13 +147,18 @@ def _stacks(groups: Sequence[ShapeGroup]) -> dict[str, Stack]:
     for group in groups:
         if group.targets[0].reads_copies:
             continue
-        stack = stacks[group.key] = group.targets[0].stack_batch(group.targets)
+        stack = stacks[group.key] = _stack(group)
         if _dense(group.targets[0]) and isinstance(stack, torch.Tensor):
             copies.update({id(target): (stack, i) for i, target in enumerate(group.targets)})
     read = {
         group.key: group.targets[0].stack_batch_reading(group.targets, copies) for group in readers
     }
     return read | stacks
+
+
+def _stack(group: ShapeGroup) -> Stack:
+    """A group's snapshot as its kind of target copies it (``Target.stack_batch``)."""
+    return group.targets[0].stack_batch(group.targets)
 
 
 def _dense(target: Target) -> bool:
