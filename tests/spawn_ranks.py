@@ -34,6 +34,24 @@ from torch.distributed.tensor import DTensor
 TIMEOUT_SECONDS = 180.0
 
 
+def backend_params(gloo: tuple[int, ...], nccl: tuple[int, ...] = (2, 4)) -> list[Any]:
+    """``pytest.param((backend, world_size))`` for each process count: gloo ones run here, NCCL
+    ones are ``gpu``-marked and skipped where fewer GPUs than ranks are present."""
+    gloo_params = [pytest.param(("gloo", n), id=f"gloo-{n}") for n in gloo]
+    nccl_params = [
+        pytest.param(
+            ("nccl", n),
+            id=f"nccl-{n}",
+            marks=[
+                pytest.mark.gpu,
+                pytest.mark.skipif(torch.cuda.device_count() < n, reason=f"needs {n} GPUs"),
+            ],
+        )
+        for n in nccl
+    ]
+    return gloo_params + nccl_params
+
+
 def _leaves(value: Any) -> Iterator[Any]:
     """The non-container values inside nested tuples, lists and dicts (a torch function's args)."""
     if isinstance(value, (tuple, list)):

@@ -19,9 +19,8 @@ from typing import Any
 
 import partitioned_cases as cases
 import pytest
-import torch
 from sharded_models import exact_metrics
-from spawn_ranks import run_ranks
+from spawn_ranks import backend_params, run_ranks
 from tiny_models import read_scalars
 
 from spectral_callbacks.monitor.engines.distributed import partition
@@ -32,19 +31,7 @@ SCHEDULED = [0, 1, 2, 4, 8, 10]
 ROLES = ("Q", "K", "V", "O", "MLP_up", "MLP_down")
 
 
-def _gpus(count: int) -> Any:
-    return pytest.mark.skipif(torch.cuda.device_count() < count, reason=f"needs {count} GPUs")
-
-
-@pytest.fixture(
-    scope="module",
-    params=[
-        pytest.param(("gloo", 2), id="gloo-2"),
-        pytest.param(("gloo", 4), id="gloo-4"),
-        pytest.param(("nccl", 2), id="nccl-2", marks=[pytest.mark.gpu, _gpus(2)]),
-        pytest.param(("nccl", 4), id="nccl-4", marks=[pytest.mark.gpu, _gpus(4)]),
-    ],
-)
+@pytest.fixture(scope="module", params=backend_params(gloo=(2, 4)))
 def runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict:
     backend, world_size = request.param
     outdir = tmp_path_factory.mktemp(f"fsdp1-{backend}-{world_size}")

@@ -12,12 +12,11 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Any
 
 import pytest
 import sharded_update_cases as cases
 import torch
-from spawn_ranks import run_ranks
+from spawn_ranks import backend_params, run_ranks
 from tiny_models import read_scalars
 
 from spectral_callbacks.functional import metrics_from_spectrum, spectral_metrics, update_metrics
@@ -201,18 +200,7 @@ def test_circuits_of_sharded_weights_are_refused_in_one_line(tmp_path: Path) -> 
         assert "\n" not in error
 
 
-def _gpus(count: int) -> Any:
-    return pytest.mark.skipif(torch.cuda.device_count() < count, reason=f"needs {count} GPUs")
-
-
-@pytest.fixture(
-    scope="module",
-    params=[
-        pytest.param(("gloo", 4), id="gloo-4"),
-        pytest.param(("nccl", 2), id="nccl-2", marks=[pytest.mark.gpu, _gpus(2)]),
-        pytest.param(("nccl", 4), id="nccl-4", marks=[pytest.mark.gpu, _gpus(4)]),
-    ],
-)
+@pytest.fixture(scope="module", params=backend_params(gloo=(4,)))
 def group(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 ) -> tuple[list[dict], Path, list[str]]:
