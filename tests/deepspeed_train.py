@@ -1,13 +1,16 @@
 """The tiny GPT-2 of hf_train.py trained by the Hugging Face Trainer under DeepSpeed ZeRO, on CPUs.
 
-``torchrun --nproc_per_node 2 tests/deepspeed_train.py OUTDIR STAGE [lora] [delta] [resume]``
-(``DS_ACCELERATOR=cpu``; ``lora``: PEFT LoRA on ``c_attn``; ``delta``: the callback's
+``torchrun --nproc_per_node 2 tests/deepspeed_train.py OUTDIR STAGE [lora] [delta] [resume]
+[then-lora]`` (``DS_ACCELERATOR=cpu``; ``lora``: PEFT LoRA on ``c_attn``; ``delta``: the callback's
 ``delta="first"``, the update ``W_t - W_0`` from references it copies at the start):
 6 optimizer steps with SpectralTrainerCallback writing to ``OUTDIR/spectral``; rank 0 saves the
 watched matrices after every step to ``OUTDIR/weights.pt`` and each rank prints the optimizer
 DeepSpeed wraps and the size of a watched weight it holds. ``resume``: the 6 steps end with a
 Trainer checkpoint, and a second Trainer in the same processes resumes from it to step 10, logging
-to ``OUTDIR/resumed`` and saving its weights to ``OUTDIR/resumed.pt``. Used by
+to ``OUTDIR/resumed`` and saving its weights to ``OUTDIR/resumed.pt``. ``then-lora``: last, a
+third Trainer in the same processes trains a fresh model with PEFT LoRA (no ``delta``), logging to
+``OUTDIR/lora/spectral`` and saving its weights to ``OUTDIR/lora/weights.pt`` (one launch, its
+start-up paid once, for both the dense and the LoRA checks). Used by
 tests/integrations/test_deepspeed.py.
 """
 
@@ -89,6 +92,19 @@ def main() -> None:
         if os.environ.get("RANK") == "0":
             (outdir / "weights.pt").rename(outdir / "resumed.pt")
             (outdir / "first.pt").rename(outdir / "weights.pt")
+    if "then-lora" in flags:
+        (outdir / "lora").mkdir(exist_ok=True)
+        train(
+            outdir / "lora",
+            steps=6,
+            report_to=[],
+            every_n_steps=5,
+            logdir=outdir / "lora" / "spectral",
+            figures=False,
+            arguments=dict(deepspeed=config, use_cpu=False),
+            extra_callbacks=[ShowZero()],
+            lora=True,
+        )
 
 
 if __name__ == "__main__":

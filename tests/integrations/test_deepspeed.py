@@ -1,15 +1,18 @@
 """DeepSpeed ZeRO with the Hugging Face Trainer, two CPU processes (DeepSpeed's CPU accelerator,
-gloo; stage 3 with ``delta="first"`` on four as well): stages 1 and 2 keep every weight whole on
-every rank, stage 3 partitions them and each snapshot gathers them block by block
+gloo; stage 3 with ``delta="first"`` and with PEFT LoRA on four as well): stages 1 and 2 keep every
+weight whole on every rank, stage 3 partitions them and each snapshot gathers them block by block
 (``deepspeed.zero.GatheredParameters``); at every stage the callback logs each scheduled step's
 spectrum equal to the float64 SVD of the weights; under stage 3 with ``delta="first"`` the update
 ``W_t - W_0`` too, and with PEFT LoRA the effective weight ``W_0 + s B A`` and the update ``s B A``.
+Stage 3 with ``delta="first"`` logs what the unwrapped model logs in one process (this one) on the
+same weights.
 """
 
 from __future__ import annotations
 
 import math
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -20,15 +23,19 @@ from sharded_models import exact_metrics
 from spawn_ranks import run_session
 from tiny_models import exact_stable_rank, read_scalars
 
+from spectral_callbacks import SpectralTracker
 from spectral_callbacks.functional.metrics import UPDATE_METRICS, UPDATE_TOP
 from spectral_callbacks.integrations.hf import STATE_FILE
 from spectral_callbacks.names import scalar_tag
+from spectral_callbacks.targets import find_targets
 
 pytest.importorskip("deepspeed", reason="deepspeed is not installed: pip install -e .[dev]")
-pytestmark = pytest.mark.slow  # four 2-process DeepSpeed runs, ~1 min each
+pytestmark = pytest.mark.slow  # three 2-process DeepSpeed runs and one 4-process, 1-4 min each
 
-SCRIPT = Path(__file__).resolve().parents[1] / "deepspeed_train.py"
+TESTS = Path(__file__).resolve().parents[1]
+SCRIPT = TESTS / "deepspeed_train.py"
 Q0 = scalar_tag("stable_rank", 0, "Q")
+REQUIRED = ("stable_rank", "spectral_norm", "frobenius_norm", "alpha")  # logged for every matrix
 # the role of each watched matrix of a GPT-2 block, by the end of its name
 ROLES = {
     "attn.c_attn.weight[Q]": "Q",
@@ -89,15 +96,25 @@ def test_zero3_delta_logs_the_exact_update_of_every_gathered_matrix(
     check_every_update(outdir)
 
 
-def test_zero3_on_four_processes_logs_the_exact_spectrum_and_update(tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def zero3_on_four(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, int, str]:
+    """One ZeRO-3 launch on 4 CPU processes: the Trainer run with ``delta="first"`` (in OUTDIR),
+    then, in the same processes, a fresh model with PEFT LoRA (in OUTDIR/lora)."""
+    outdir = tmp_path_factory.mktemp("zero3-on-four")
+    return (outdir, *zero_run(outdir, 3, "delta", "then-lora", processes=4))
+
+
+def test_zero3_on_four_processes_logs_the_exact_spectrum_and_update(
+    zero3_on_four: tuple[Path, int, str],
+) -> None:
     # The same stage-3 run (delta="first") on 4 CPU processes: each rank holds an empty c_attn.
-    returncode, output = zero_run(tmp_path, 3, "delta", processes=4)
+    outdir, returncode, output = zero3_on_four
     assert returncode == 0, output[-3000:]
     for rank in range(4):
         said = f"rank {rank}: DeepSpeedZeroOptimizer_Stage3, ZeRO stage 3, c_attn holds 0 values"
         assert said in output
-    logged = read_scalars(tmp_path / "spectral")
-    weights = torch.load(tmp_path / "weights.pt")  # gathered by the test (hf_train.py)
+    logged = read_scalars(outdir / "spectral")
+    weights = torch.load(outdir / "weights.pt")  # gathered by the test (hf_train.py)
     for name in weights[0]:
         layer = int(name.split(".")[2])
         role = next(role for suffix, role in ROLES.items() if name.endswith(suffix))
@@ -107,7 +124,55 @@ def test_zero3_on_four_processes_logs_the_exact_spectrum_and_update(tmp_path: Pa
             for step, value in values.items():
                 exact = exact_metrics(weights[step][name], 8)[metric]
                 assert value == pytest.approx(exact, rel=1e-4), (name, metric, step)
-    check_every_update(tmp_path)
+    check_every_update(outdir)
+
+
+@pytest.mark.parametrize("launch", ["zero3", "zero3_on_four"])
+def test_zero3_logs_what_the_unwrapped_model_logs_on_the_same_weights(
+    request: pytest.FixtureRequest, tmp_path: Path, launch: str
+) -> None:
+    outdir, returncode, output = request.getfixturevalue(launch)
+    assert returncode == 0, output[-3000:]
+    zero3 = read_scalars(outdir / "spectral")
+    single = single_process_logs(torch.load(outdir / "weights.pt"), tmp_path / "single")
+    spectral = [tag for tag in single if tag.startswith("spectral_") and "monitor" not in tag]
+    assert len(spectral) > 12 * 4
+    assert scalar_tag("update_spectral_norm", 1, "MLP_down") in spectral  # the update family too
+    for tag in spectral:
+        assert sorted(zero3[tag]) == sorted(single[tag]), tag
+        for step, value in single[tag].items():
+            assert zero3[tag][step] == pytest.approx(value, rel=1e-4, abs=1e-6, nan_ok=True), tag
+
+
+def single_process_logs(
+    weights: dict[int, dict[str, torch.Tensor]], logdir: Path
+) -> dict[str, dict[int, float]]:
+    """What the unwrapped tiny GPT-2 logs in this process (no process group: the single-process
+    engine) under the callback's options and ``delta="first"``, its watched matrices set at each
+    step to ``weights[step]`` (the ZeRO-3 run's, gathered by its test callback) and the tracker
+    stepped as the Trainer's callback steps it: begun at 0, stepped at 1 to 6, closed at 6."""
+    sys.path.insert(0, str(TESTS))
+    from hf_train import OPTIONS, tiny_gpt2
+
+    model = tiny_gpt2()
+    targets = find_targets(model)
+    assert sorted(target.name for target in targets) == sorted(weights[0])
+
+    def set_weights(step: int) -> None:
+        with torch.no_grad():
+            for target in targets:
+                target.matrix().copy_(weights[step][target.name])  # a view of the parameter
+                assert target.matrix().double().equal(weights[step][target.name]), target.name
+
+    options = dict(OPTIONS, every_n_steps=5, figures=False, delta="first", synchronous=True)
+    set_weights(0)
+    tracker = SpectralTracker(model, logdir=logdir, **options)
+    tracker.begin(0)
+    for step in range(1, 7):
+        set_weights(step)
+        tracker.step(step)
+    tracker.close(6)
+    return read_scalars(logdir)
 
 
 def check_every_update(outdir: Path) -> None:
@@ -192,6 +257,68 @@ def test_zero3_lora_logs_the_exact_spectrum_and_update_of_the_effective_weights(
                 key = f"{name}:update" if metric.startswith("update_") else name
                 exact = exact_metrics(weights[step][key], 8)[metric.removeprefix("update_")]
                 assert value == pytest.approx(exact, rel=1e-4), (metric, layer, step)
+
+
+def test_zero3_lora_on_four_processes_logs_the_exact_spectrum_and_update_of_the_effective_weights(
+    zero3_on_four: tuple[Path, int, str],
+) -> None:
+    outdir, returncode, output = zero3_on_four
+    assert returncode == 0, output[-3000:]
+    for rank in range(4):  # the base is partitioned: an empty placeholder on each rank, each run
+        said = f"rank {rank}: DeepSpeedZeroOptimizer_Stage3, ZeRO stage 3, c_attn holds 0 values"
+        assert output.count(said) == 2, rank  # the dense run, then the LoRA one
+    logged = read_scalars(outdir / "lora" / "spectral")
+    weights = torch.load(outdir / "lora" / "weights.pt")  # W0 + s B A, gathered (hf_train.py)
+    names = [name for name in weights[0] if not name.endswith(":update")]
+    assert len(names) == len(ROLES) * 2  # every watched matrix of blocks 0 and 1
+    adapted = [name for name in names if f"{name}:update" in weights[0]]
+    assert len(adapted) == 3 * 2  # Q, K and V of the fused c_attn in both blocks
+    checked = set()
+    for name in names:
+        layer = int(re.search(r"\.h\.(\d+)\.", name)[1])
+        role = next(
+            r for suffix, r in ROLES.items() if name.replace("base_layer.", "").endswith(suffix)
+        )
+        for step in (0, 1, 2, 5, 6):
+            # every logged metric of the top-8 spectrum (the REQUIRED ones at least)
+            for metric, exact in exact_metrics(weights[step][name], 8).items():
+                tag = scalar_tag(metric, layer, role)
+                if tag not in logged and metric not in REQUIRED:
+                    continue
+                assert sorted(logged[tag]) == [0, 1, 2, 5, 6], (name, metric)
+                close = pytest.approx(exact, rel=1e-4, abs=1e-6, nan_ok=True)
+                assert logged[tag][step] == close, (name, metric, step)
+                checked.add(tag)
+            # compression: against this run's step-0 stable rank (checked above)
+            stable_rank = logged[scalar_tag("stable_rank", layer, role)]
+            compression = logged[scalar_tag("compression", layer, role)][step]
+            assert compression == pytest.approx(
+                100 * (1 - stable_rank[step] / stable_rank[0]), abs=1e-3
+            )
+            checked.add(scalar_tag("compression", layer, role))
+            if name not in adapted:  # a frozen matrix with no adapter: no update family
+                assert scalar_tag("update_stable_rank", layer, role) not in logged, name
+                continue
+            update = weights[step][f"{name}:update"]
+            seen = {m: logged[scalar_tag(m, layer, role)][step] for m in UPDATE_METRICS}
+            checked |= {scalar_tag(m, layer, role) for m in UPDATE_METRICS}
+            expected = exact_update(update, weights[step][name] - update)  # base W_0
+            assert seen["update_rank"] == 2, name  # r = 2 (hf_train.with_lora)
+            for metric in ("update_sv_3", "update_sv_4"):  # a rank-2 update has two
+                assert math.isnan(seen[metric]), (name, metric, step)
+            for metric in UPDATE_METRICS:
+                if metric in ("update_rank", "update_sv_3", "update_sv_4"):
+                    continue
+                if metric == "update_energy_rank_90":  # an integer: within float32 rounding
+                    low = energy_rank_90(update, 1 - 1e-4)
+                    high = energy_rank_90(update, 1 + 1e-4)
+                    assert low <= seen[metric] <= high, (name, step)
+                    continue
+                close = pytest.approx(expected[metric], rel=1e-4, abs=1e-6)
+                assert seen[metric] == close, (name, metric, step)
+    # no per-matrix value is logged that this test does not compare (the monitor's own aside)
+    per_matrix = {tag for tag in logged if "/L" in tag and not tag.startswith("spectral_monitor/")}
+    assert per_matrix == checked, per_matrix ^ checked
 
 
 def test_a_resumed_zero3_run_keeps_the_step_0_compression_references(
