@@ -46,12 +46,15 @@ import smoke
 ROOT = Path(__file__).resolve().parents[1]
 PARTS = ("tests", "overhead", "svd", "figures")
 # Seconds each part may take on an H200 (8 minutes in all, with start-up to spare). The tests get
-# the most: one pytest per file (ten files), each with ~5-10 s of imports and CUDA start-up, and
+# the most: one pytest per file (sixteen runs), each with ~5-10 s of imports and CUDA start-up, and
 # two files spawn ranks; an overhead run is ~10 s on an H200.
 BUDGETS = {"tests": 320.0, "overhead": 85.0, "svd": 35.0, "figures": 20.0}
 # Seconds kept for each GPU test run still to come, so one slow file cannot take the time of all
-# the files after it (each is stopped at its share and reports what it finished).
-RESERVED_PER_RUN = 20.0
+# the files after it (each is stopped at its share and reports what it finished): a pytest's
+# imports and CUDA start-up, with room for a few tests.
+RESERVED_PER_RUN = 15.0
+# What marks a file as holding GPU tests: the marker itself, or the NCCL params that carry it.
+GPU_MARKS = ("mark.gpu", "backend_params(")
 # The stream and memory tests run first: what no CPU test can show (overlap with training, the
 # allocator's peak against the budget's bound, cold and warm), before the per-kind value checks.
 FIRST = ("tests/cuda/test_cuda.py", "svd_runs_while or peak or memory or cold_snapshot")
@@ -112,12 +115,13 @@ def format_table(rows: Sequence[Row], title: str) -> str:
 
 
 def gpu_test_files() -> list[Path]:
-    """The test files that hold GPU tests (``@pytest.mark.gpu``), in every folder of tests/, in
-    path order."""
+    """The test files that hold GPU tests (``@pytest.mark.gpu``, or NCCL params from
+    ``spawn_ranks.backend_params``, which carry that mark), in every folder of tests/, in path
+    order."""
     return [
         path
         for path in sorted((ROOT / "tests").rglob("test_*.py"))
-        if "mark.gpu" in path.read_text(encoding="utf-8")
+        if any(mark in path.read_text(encoding="utf-8") for mark in GPU_MARKS)
     ]
 
 
