@@ -290,7 +290,8 @@ def metrics_from_spectrum(
     alpha, r2 = _fit(window, first, positive)
     sigma_1 = S[..., 0]
     return {
-        "stable_rank": _stable_rank(sigma_1, frobenius_sq, positive=positive).float(),
+        # sigma_1 squared in float64: in float32 it overflows past ~1.8e19 (stable rank 0).
+        "stable_rank": _stable_rank(S64[..., 0], frobenius_sq, positive=positive).float(),
         "alpha": alpha.float(),
         "alpha_r2": r2.float(),
         "spectral_norm": sigma_1 if S.dtype == torch.float32 else sigma_1.float(),

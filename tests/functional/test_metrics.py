@@ -305,3 +305,18 @@ def test_metrics_from_spectrum_masks_ranks_only_where_a_value_is_not_positive(
         want_alpha, want_r2 = reference_fit(row, 1)
         assert alpha.item() == pytest.approx(want_alpha, abs=1e-6)
         assert r2.item() == pytest.approx(1.0 if row.unique().numel() == 1 else want_r2, abs=1e-6)
+
+
+@pytest.mark.parametrize("scale", [2.0**-40, 2.0**64, 2.0**100])
+def test_metrics_of_a_matrix_far_from_unit_scale_are_its_unit_scale_metrics(scale):
+    # Scaling W by a power of two is exact in float32 and leaves every scale-free metric as it
+    # is; a float32 square of sigma_1 (~1e19 and up) or of a row norm overflows on the way.
+    W = torch.randn(64, 48, generator=torch.Generator().manual_seed(run_seed()))
+    S64 = torch.linalg.svdvals(W.double())
+    out = spectral_metrics(W * scale)
+    want = (S64.square().sum() / S64[0].square()).item()
+    assert out["stable_rank"].item() == pytest.approx(want, rel=1e-5)
+    assert out["spectral_norm"].item() == pytest.approx(S64[0].item() * scale, rel=1e-5)
+    assert out["frobenius_norm"].item() == pytest.approx(S64.norm().item() * scale, rel=1e-5)
+    unit = spectral_metrics(W)
+    assert out["alpha"].item() == pytest.approx(unit["alpha"].item(), rel=1e-4)
