@@ -231,7 +231,11 @@ def test_a_matrix_far_from_unit_scale_reads_its_values_cold_and_warm(
         assert torch.isnan(top.S[2:]).all()
     if abs(exponent) <= 40 and method == "randomized":  # the same iteration, scaled exactly
         torch.testing.assert_close(cold.S / scale, unit.S, rtol=1e-4, atol=0, equal_nan=True)
-    torch.testing.assert_close(warm.S[good] / scale, unit_warm.S[good], rtol=1e-3, atol=0)
+    # Warm, the unit-scale call may stop a step earlier: its first block's sigma_1 bound can be
+    # decided by the left Rayleigh-Ritz, which a rescaled iteration does not take. Both meet the
+    # stopping rule's contract: sigma_1 to 1e-3, the other top values to 1e-2 (as against the truth).
+    torch.testing.assert_close(warm.S[good, 0] / scale, unit_warm.S[good, 0], rtol=1e-3, atol=0)
+    torch.testing.assert_close(warm.S[good] / scale, unit_warm.S[good], rtol=1e-2, atol=0)
     for top, truth in (
         (cold, exact),
         (warm, exact * 1.001),
