@@ -19,6 +19,9 @@ snapshots in order:
 * the errors of sigma_1 and stable rank, cold and warm, against float64 ``svdvals`` (worst over
   ``--check`` matrices per group).
 
+Between the two, ``stateless_vs_exact.analyze_row``: ``analyze_model`` of a GPT-2 small (12 x 768,
+``--analyze-layers``) against the best exact method per shape group on every matrix.
+
 Run: ``PYTHONPATH=. python benchmarks/performance_table.py`` (about ten minutes on an idle core);
 ``--smoke``: toy sizes.
 """
@@ -128,14 +131,29 @@ def stack_row(name: str, args: argparse.Namespace, g: torch.Generator) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--stacks", nargs="+", default=["gpt2", "qwen2-10x896"])
+    parser.add_argument("--stacks", nargs="*", default=["gpt2", "qwen2-10x896"])
     parser.add_argument(
         "--shapes", type=stateless_vs_exact.parse_shapes, default=stateless_vs_exact.SHAPES
     )
     parser.add_argument("--spectra", default=",".join(stateless_vs_exact.SPECTRA))
     parser.add_argument("--repeats", type=int, default=3, help="rounds; the fastest counts")
     parser.add_argument("--check", type=int, default=4, help="matrices per group checked")
-    args = smoke.parse_args(parser, argv, stacks=["toy"], shapes=[(64, 64), (128, 64)], repeats=1)
+    parser.add_argument(
+        "--analyze-layers",
+        type=int,
+        default=12,
+        help="the analyze_model row's GPT-2 depth (0: no row)",
+    )
+    parser.add_argument("--analyze-width", type=int, default=768)
+    args = smoke.parse_args(
+        parser,
+        argv,
+        stacks=["toy"],
+        shapes=[(64, 64), (128, 64)],
+        repeats=1,
+        analyze_layers=1,
+        analyze_width=64,
+    )
     torch.set_num_threads(1)
     stateless_vs_exact.CLOCK[0] = time.thread_time
     shape_args = argparse.Namespace(
@@ -145,7 +163,16 @@ def main(argv: list[str] | None = None) -> None:
     print(f"CPU, 1 thread, thread CPU time, load average {os.getloadavg()[0]:.1f} at the start\n")
     print("Single shapes, stateless calls (ms):\n")
     worst = stateless_vs_exact.print_shape_table(args.shapes, args.spectra, shape_args, g)
-    print(f"\nworst stateless speedup {worst:.2f}\n\nWhole stacks, the callback's snapshots (s):\n")
+    print(f"\nworst stateless speedup {worst:.2f}")
+    if args.analyze_layers:
+        analyze_args = argparse.Namespace(
+            layers=args.analyze_layers,
+            width=args.analyze_width,
+            repeats=args.repeats,
+            svdvals_max=2048 * 2048,
+        )
+        print(stateless_vs_exact.analyze_row(analyze_args), flush=True)
+    print("\nWhole stacks, the callback's snapshots (s):\n")
     print(
         "| stack | best exact s | ours cold s | ours warm s | exact/cold | exact/warm | floor s "
         "| exact/floor | err sigma_1 cold / warm | err stable rank cold / warm |"
