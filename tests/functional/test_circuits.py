@@ -94,11 +94,16 @@ def test_heads_that_do_not_divide_the_rows_are_refused():
         circuit_singular_values(torch.zeros(2, 5, 3), torch.zeros(2, 5, 4))
 
 
+def _orthonormal_columns(*shape, generator):
+    """float64 ``(..., rows, columns)`` with orthonormal columns, drawn from ``generator``."""
+    return torch.linalg.qr(torch.randn(*shape, dtype=torch.float64, generator=generator)).Q
+
+
 def test_an_ill_conditioned_factor_keeps_its_small_singular_values_accurate():
     # cond(left) = 1e7 in rotated directions: a Gram route alone loses the small values (cond^2).
     generator = torch.Generator().manual_seed(5)
-    U = torch.linalg.qr(torch.randn(2, 64, 8, generator=generator, dtype=torch.float64)).Q
-    V = torch.linalg.qr(torch.randn(2, 8, 8, generator=generator, dtype=torch.float64)).Q
+    U = _orthonormal_columns(2, 64, 8, generator=generator)
+    V = _orthonormal_columns(2, 8, 8, generator=generator)
     left = U @ torch.diag(torch.logspace(0, -7, 8, dtype=torch.float64)) @ V.mT
     right = torch.randn(2, 64, 8, generator=generator, dtype=torch.float64)
     formed = torch.linalg.svdvals(left @ right.mT)[..., :8]
@@ -115,9 +120,9 @@ def test_metrics_keep_float64_accuracy_on_circuits_of_known_spectrum(seed):
     s = torch.logspace(0, -12, d_h, dtype=torch.float64)
     s[1] = 1.0 - 1e-9
     s = s * torch.rand(heads, 1, dtype=torch.float64, generator=generator).add(0.5)  # per head
-    U = torch.linalg.qr(torch.randn(heads, d, d_h, dtype=torch.float64, generator=generator)).Q
-    V = torch.linalg.qr(torch.randn(heads, d, d_h, dtype=torch.float64, generator=generator)).Q
-    C = torch.linalg.qr(torch.randn(heads, d_h, d_h, dtype=torch.float64, generator=generator)).Q
+    U = _orthonormal_columns(heads, d, d_h, generator=generator)
+    V = _orthonormal_columns(heads, d, d_h, generator=generator)
+    C = _orthonormal_columns(heads, d_h, d_h, generator=generator)
     q = (U * s[:, None, :]) @ C  # (H, d, d_h): W_Q^T of each head
     k = V @ C  # W_Q^T W_K = U diag(s) C C^T V^T = U diag(s) V^T
     query, key = q.mT.reshape(heads * d_h, d), k.mT.reshape(heads * d_h, d)
@@ -191,8 +196,8 @@ def test_float32_metrics_on_circuits_of_known_spectrum(seed):
     heads, d, d_h = 3, 96, 8
     s = torch.logspace(0, -3, d_h, dtype=torch.float64)
     s[1] = 1.0 - 1e-4
-    U = torch.linalg.qr(torch.randn(heads, d, d_h, dtype=torch.float64, generator=generator)).Q
-    V = torch.linalg.qr(torch.randn(heads, d, d_h, dtype=torch.float64, generator=generator)).Q
+    U = _orthonormal_columns(heads, d, d_h, generator=generator)
+    V = _orthonormal_columns(heads, d, d_h, generator=generator)
     query = (U * s).mT.reshape(heads * d_h, d).float()
     key = V.mT.reshape(heads * d_h, d).float()
     metrics = circuit_metrics(query, key, key, key.T, heads, heads, scale=1.0)
@@ -205,8 +210,8 @@ def test_float32_metrics_on_circuits_of_known_spectrum(seed):
 
 def _conditioned(heads, d, d_h, condition, generator):
     """(heads, d, d_h) factors U diag(s) V^T with s from 1 down to 1 / condition, and U, V."""
-    U = torch.linalg.qr(torch.randn(heads, d, d_h, dtype=torch.float64, generator=generator)).Q
-    V = torch.linalg.qr(torch.randn(heads, d_h, d_h, dtype=torch.float64, generator=generator)).Q
+    U = _orthonormal_columns(heads, d, d_h, generator=generator)
+    V = _orthonormal_columns(heads, d_h, d_h, generator=generator)
     s = torch.logspace(0, -math.log10(condition), d_h, dtype=torch.float64)
     return U * s @ V.mT, U, V, s
 
@@ -219,7 +224,7 @@ def test_float32_heads_float32_cannot_carry_are_redone_in_float64():
     generator = torch.Generator().manual_seed(7)
     d, d_h = 64, 8
     A, U, V, s = _conditioned(1, d, d_h, 1e5, generator)
-    W = torch.linalg.qr(torch.randn(1, d, d_h, dtype=torch.float64, generator=generator)).Q
+    W = _orthonormal_columns(1, d, d_h, generator=generator)
     B = W * s.flip(0) @ V.mT  # A B^T = U diag(s * s.flip) W^T: every value 1e-5
     q_factors = torch.cat(
         [
@@ -271,7 +276,7 @@ def test_float32_error_stays_within_its_bound_for_factors_it_keeps(seed):
     d, d_h = 96, 8
     condition = 0.9 * _FLOAT32_CONDITION
     A, U, V, s = _conditioned(4, d, d_h, condition, generator)
-    W = torch.linalg.qr(torch.randn(4, d, d_h, dtype=torch.float64, generator=generator)).Q
+    W = _orthonormal_columns(4, d, d_h, generator=generator)
     B = W * s.flip(0) @ V.mT
     query, key = A.mT.reshape(4 * d_h, d).float(), B.mT.reshape(4 * d_h, d).float()
     assert _triangle(query_factors(query, 4), torch.float32).dtype == torch.float32  # kept
