@@ -12,7 +12,10 @@ from __future__ import annotations
 
 import functools
 import math
+from types import ModuleType
+from typing import TypeVar
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -37,6 +40,13 @@ __all__ = [
 
 # A line through two points always has R^2 = 1; three is the least that can show a poor fit.
 MIN_FIT_POINTS = 3
+
+#: What the metrics' private cores compute on: torch tensors (any device), or numpy views of CPU
+#: tensors (``metrics_from_spectrum``'s host path). Each core is written once against the
+#: namespace of its input (``_namespace``), with the functions both share.
+Array = Tensor | np.ndarray
+#: One of the two, the same throughout a call of a core.
+A = TypeVar("A", Tensor, np.ndarray)
 
 
 #: How many of the update's top singular values are logged (``update_sv_1`` ...): r = 8 .. 64
@@ -77,10 +87,17 @@ def stable_rank(S: Tensor, frobenius_sq: Tensor) -> Tensor:
     return _stable_rank(S[..., 0], frobenius_sq, positive=False)
 
 
-def _stable_rank(sigma_1: Tensor, frobenius_sq: Tensor, *, positive: bool) -> Tensor:
+def _stable_rank(sigma_1: A, frobenius_sq: A, *, positive: bool) -> A:
     """``stable_rank`` from ``sigma_1`` (...); ``positive``: it is known to be > 0 (no mask)."""
-    ratio = frobenius_sq / sigma_1.square()
-    return ratio if positive else torch.where(sigma_1 > 0, ratio, math.nan)
+    xp = _namespace(sigma_1)
+    ratio = frobenius_sq / xp.square(sigma_1)
+    return ratio if positive else xp.where(sigma_1 > 0, ratio, math.nan)
+
+
+def _namespace(X: Array) -> ModuleType:
+    """``numpy`` for a numpy array or scalar, else ``torch``: the functions and methods a core
+    calls exist in both, with the same arguments (``axis``, ``keepdims``, ``dtype``)."""
+    return np if isinstance(X, np.ndarray | np.generic) else torch
 
 
 def powerlaw_alpha(S: Tensor, fit_window: tuple[int, int] | None = None) -> tuple[Tensor, Tensor]:
@@ -127,23 +144,31 @@ def _all_positive(S: Tensor) -> bool:
     return S.device.type == "cpu" and S.amin().item() > 0
 
 
-def _fit(S: Tensor, first: int, positive: bool) -> tuple[Tensor, Tensor]:
+def _fit(S: A, first: int, positive: bool) -> tuple[A, A]:
     """``powerlaw_alpha`` on the float64 window ``S`` (..., size) of ranks ``first ..``: float64
-    ``(alpha, r2)``. ``positive``: every value is known to be > 0, so every rank takes part.
+    ``(alpha, r2)``. ``positive``: every value is known to be > 0, so every rank takes part; then
+    ``S`` may be a numpy array (``metrics_from_spectrum``'s host path), else it is a tensor.
 
-    Few kernels, each over k numbers: on a small matrix these small operations, not the SVD, are
-    most of a call. With every rank in the fit the masks are all ones and the centered log ranks
-    are the same at every call (kept), which leaves about a third of the kernels.
+    Few operations, each over k numbers: on a small matrix these, not the SVD, are most of a
+    call. With every rank in the fit the masks are all ones and the centered log ranks are the
+    same at every call (kept), which leaves about a third of the operations.
     """
     size = S.shape[-1]
-    if positive and size >= MIN_FIT_POINTS:
-        dx, var_x = _centered_log_ranks(first, size, S.device)  # (size,), float
-        y = S.log()
-        dy = y - y.sum(-1, keepdim=True) / size
+    if positive:
+        xp = _namespace(S)
+        if size < MIN_FIT_POINTS:
+            nan = xp.full_like(xp.sum(S, axis=-1), math.nan)  # (...), whatever the size
+            return nan, nan
+        dx, var_x = _centered_log_ranks(first, size, S.device if xp is torch else None)
+        # Shifted by the first value first: the fit is the same, and a flat window's deviations
+        # are then exactly 0 (R^2 = 1) whichever order the sum below adds its values in.
+        y = xp.log(S / S[..., :1])
+        dy = y - y.sum(axis=-1, keepdims=True) / size  # (..., size)
         cov = dy @ dx
-        var_y = torch.linalg.vecdot(dy, dy)
-        r2 = cov.square() / (var_y * var_x)
-        return cov / -var_x, torch.where(var_y > 0, r2, 1.0)
+        var_y = xp.linalg.vecdot(dy, dy)
+        r2 = xp.square(cov) / (var_y * var_x)  # 0 / 0 for a flat window: R^2 = 1 below
+        return cov / -var_x, xp.where(var_y > 0, r2, 1.0)
+    assert isinstance(S, Tensor)  # the masked fit runs in torch
     x = _log_ranks(first, size, S.device)  # (k,)
     valid = S > 0  # NaN compares False, so a NaN spectrum has no valid point
     weight = valid.to(torch.float64)
@@ -169,12 +194,13 @@ def _log_ranks(first: int, size: int, device: torch.device) -> Tensor:
 
 
 @functools.cache
-def _centered_log_ranks(first: int, size: int, device: torch.device) -> tuple[Tensor, float]:
+def _centered_log_ranks(first: int, size: int, device: torch.device | None) -> tuple[Array, float]:
     """``log i`` of the ranks ``first .. first + size - 1`` minus their mean, and the sum of its
-    squares: the fit's ``dx`` and ``var(x)`` when every rank takes part."""
-    x = _log_ranks(first, size, device)
+    squares: the fit's ``dx`` and ``var(x)`` when every rank takes part (``device`` ``None``: a
+    numpy array, for numpy spectra)."""
+    x = _log_ranks(first, size, device or torch.device("cpu"))
     dx = x - x.sum() / size
-    return dx, float(dx @ dx)
+    return dx if device is not None else dx.numpy(), float(dx @ dx)
 
 
 def compression(stable_rank: Tensor, reference: Tensor | float) -> Tensor:
@@ -224,19 +250,19 @@ def energy_rank(S: Tensor, frobenius_sq: Tensor, energy: float = 0.9) -> Tensor:
         tensor(nan)
     """
     _check_energy(energy)
-    return _energy_rank(S.to(torch.float64), frobenius_sq, energy)
+    return _energy_rank(S.to(torch.float64), frobenius_sq.to(torch.float64), energy)
 
 
-def _energy_rank(S: Tensor, frobenius_sq: Tensor, energy: float) -> Tensor:
-    """``energy_rank`` of the float64 ``S``."""
+def _energy_rank(S: A, frobenius_sq: A, energy: float) -> A:
+    """``energy_rank`` of the float64 ``S`` and ``frobenius_sq``: float32."""
+    xp = _namespace(S)
     # Squares summed in float64 so the threshold comparison is not decided by float32 rounding.
-    cumulative = S.square().cumsum(-1)  # (..., k), non-decreasing
-    frobenius_64 = frobenius_sq if frobenius_sq.dtype == torch.float64 else frobenius_sq.double()
-    target = (energy * (1 - 1e-12)) * frobenius_64
+    cumulative = xp.square(S).cumsum(axis=-1)  # (..., k), non-decreasing
+    target = (energy * (1 - 1e-12)) * frobenius_sq
     short = cumulative < target[..., None]  # a prefix: the ranks before the first one reached
-    rank = short.sum(-1, dtype=torch.float32) + 1
+    rank = short.sum(axis=-1, dtype=xp.float32) + 1
     defined = (cumulative[..., -1] >= target) & (frobenius_sq > 0)  # False for a NaN spectrum
-    return torch.where(defined, rank, math.nan)
+    return xp.where(defined, rank, math.nan)
 
 
 def energy_rank_key(energy: float) -> str:
@@ -246,6 +272,12 @@ def energy_rank_key(energy: float) -> str:
     ('energy_rank_90', 'energy_rank_50', 'energy_rank_99_9')
     """
     _check_energy(energy)
+    return _energy_key(energy)
+
+
+@functools.cache
+def _energy_key(energy: float) -> str:
+    """``energy_rank_key`` of a checked fraction (kept: the same one comes back at every call)."""
     percent = round(energy * 100, 6)
     text = str(int(percent)) if percent == int(percent) else f"{percent:g}".replace(".", "_")
     return f"energy_rank_{text}"
@@ -281,23 +313,64 @@ def metrics_from_spectrum(
     frobenius_sq = torch.as_tensor(frobenius_sq, device=S.device)
     first, last = _window(fit_window, S.shape[-1])
     key = energy_rank_key(energy)
-    # Each intermediate made once for every metric: on a small matrix each small kernel costs
-    # about as much as a tenth of its SVD. One host read (on the CPU) of the least value says
-    # whether any rank must be masked out; the usual spectrum has none.
-    S64 = S.to(torch.float64)
-    positive = _all_positive(S)
-    window = S64 if (first, last) == (1, S.shape[-1]) else S64[..., first - 1 : last]
-    alpha, r2 = _fit(window, first, positive)
-    sigma_1 = S[..., 0]
+    host = _host_arrays(S, frobenius_sq)
+    values: tuple[Array, ...]
+    if host is not None:
+        values = _metrics(*host, first, last, energy, positive=True)
+    else:
+        S64, frobenius_64 = S.to(torch.float64), frobenius_sq.to(torch.float64)
+        values = _metrics(S64, frobenius_64, first, last, energy, positive=False)
+    stable, alpha, r2, norm, rank = values
     return {
-        # sigma_1 squared in float64: in float32 it overflows past ~1.8e19 (stable rank 0).
-        "stable_rank": _stable_rank(S64[..., 0], frobenius_sq, positive=positive).float(),
-        "alpha": alpha.float(),
-        "alpha_r2": r2.float(),
-        "spectral_norm": sigma_1 if S.dtype == torch.float32 else sigma_1.float(),
-        "frobenius_norm": frobenius_sq.sqrt().float(),
-        key: _energy_rank(S64, frobenius_sq, energy),
+        "stable_rank": _float32(stable),
+        "alpha": _float32(alpha),
+        "alpha_r2": _float32(r2),
+        "spectral_norm": _float32(S[..., 0]),
+        # In the given dtype: torch's float32 square root is not always the rounded float64 one.
+        "frobenius_norm": _float32(
+            norm if frobenius_sq.dtype == torch.float64 else frobenius_sq.sqrt()
+        ),
+        key: _float32(rank),
     }
+
+
+def _host_arrays(S: Tensor, frobenius_sq: Tensor) -> tuple[np.ndarray, np.ndarray] | None:
+    """``S`` and ``frobenius_sq`` as float64 numpy arrays where every metric can be computed on
+    the host without a mask: on the CPU (and without a graph to keep), where every value of ``S``
+    is > 0 (one host read; a NaN is not); else ``None``.
+
+    Every metric is a few operations on k numbers: on a 2-core EPYC after a decomposition a
+    torch kernel on 32 numbers costs about 5 us of dispatch, numpy about half of that (a 64 x 64
+    call's metrics, ~35 torch kernels, took longer than its eigvalsh). Masks to apply, or an
+    accelerator (where a host read would make the device wait): torch, in the same cores.
+    """
+    if S.device.type != "cpu" or S.requires_grad or frobenius_sq.requires_grad:
+        return None
+    s = S.numpy().astype(np.float64, copy=False)
+    if s.size == 0 or not s.min() > 0:  # an empty batch: nothing to read
+        return None
+    return s, frobenius_sq.numpy().astype(np.float64, copy=False)
+
+
+def _metrics(
+    S: A, frobenius_sq: A, first: int, last: int, energy: float, *, positive: bool
+) -> tuple[A, A, A, A, A]:
+    """``(stable rank, alpha, R^2, frobenius norm, energy rank)`` of the float64 ``S`` (..., k) and
+    ``frobenius_sq`` (...), numpy arrays or tensors; ``positive``: every value of ``S`` is > 0."""
+    window = S if (first, last) == (1, S.shape[-1]) else S[..., first - 1 : last]
+    with np.errstate(divide="ignore", invalid="ignore"):  # 0 / 0: a flat window, a zero matrix
+        alpha, r2 = _fit(window, first, positive)
+        # sigma_1 squared in float64: in float32 it overflows past ~1.8e19 (stable rank 0).
+        stable = _stable_rank(S[..., 0], frobenius_sq, positive=positive)
+        norm = _namespace(frobenius_sq).sqrt(frobenius_sq)
+        return stable, alpha, r2, norm, _energy_rank(S, frobenius_sq, energy)
+
+
+def _float32(X: Array) -> Tensor:
+    """``X`` as a float32 tensor (a numpy result on the CPU, without a copy where it is one)."""
+    if isinstance(X, Tensor):
+        return X if X.dtype == torch.float32 else X.float()
+    return torch.from_numpy(np.asarray(X, dtype=np.float32))
 
 
 def spectral_metrics(

@@ -320,3 +320,118 @@ def test_metrics_of_a_matrix_far_from_unit_scale_are_its_unit_scale_metrics(scal
     assert out["frobenius_norm"].item() == pytest.approx(S64.norm().item() * scale, rel=1e-5)
     unit = spectral_metrics(W)
     assert out["alpha"].item() == pytest.approx(unit["alpha"].item(), rel=1e-4)
+
+
+def float64_metrics(S: torch.Tensor, frobenius_sq: torch.Tensor, energy: float) -> dict[str, list]:
+    """Each metric of every row of ``S`` (..., k) from float64 and least squares, row by row."""
+    rows = S.double().reshape(-1, S.shape[-1])
+    frob = frobenius_sq.double().reshape(-1)
+    out: dict[str, list] = {"stable_rank": [], "alpha": [], "alpha_r2": [], "energy": []}
+    for row, f in zip(rows, frob, strict=True):
+        out["stable_rank"].append((f / row[0] ** 2).item())
+        alpha, r2 = reference_fit(row, 1)
+        out["alpha"].append(alpha)
+        out["alpha_r2"].append(r2)
+        held = row.square().cumsum(-1)
+        reached = (held >= energy * f).nonzero()
+        out["energy"].append(reached[0].item() + 1.0 if len(reached) else math.nan)
+    return out
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("batch", [(), (1,), (5,), (2, 3)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_the_host_metrics_of_a_positive_spectrum_are_the_float64_metrics(
+    batch: tuple[int, ...], dtype: torch.dtype, seed: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Every value > 0 on the CPU: the metrics are computed in numpy on the host, one batch at
+    # once, and are the float64 metrics of each row (and, where torch runs the same cores, the
+    # same numbers to float64 rounding).
+    g = torch.Generator().manual_seed(seed)
+    k = 32
+    S = torch.rand(*batch, k, generator=g, dtype=torch.float64).sort(-1, descending=True).values
+    decay = torch.rand(*batch, 1, generator=g, dtype=torch.float64) * 2
+    S = S * torch.arange(1, k + 1, dtype=torch.float64).pow(-decay) * 10.0 ** (4 * decay - 4)
+    S = S.to(dtype)
+    tail = 1 + torch.rand(batch, generator=g, dtype=torch.float64)  # energy beyond the top k
+    frobenius_sq = S.double().square().sum(-1) * tail
+    hosts: list[bool] = []
+    host_arrays = metrics_module._host_arrays
+
+    def spy(*args: torch.Tensor) -> Any:
+        arrays = host_arrays(*args)
+        hosts.append(arrays is not None)
+        return arrays
+
+    monkeypatch.setattr(metrics_module, "_host_arrays", spy)
+    out = metrics_from_spectrum(S, frobenius_sq, energy=0.6)
+    assert hosts == [True]
+    assert all(v.dtype == torch.float32 and v.shape == batch for v in out.values())
+    want = float64_metrics(S, frobenius_sq, 0.6)
+    flat = {name: out[name].flatten().tolist() for name in out}
+    assert flat["stable_rank"] == pytest.approx(want["stable_rank"], rel=1e-6)
+    assert flat["alpha"] == pytest.approx(want["alpha"], rel=1e-6, abs=1e-6)
+    assert flat["alpha_r2"] == pytest.approx(want["alpha_r2"], rel=1e-6, abs=1e-6)
+    assert flat["energy_rank_60"] == pytest.approx(want["energy"], nan_ok=True)
+    assert flat["spectral_norm"] == S[..., 0].float().flatten().tolist()
+    assert flat["frobenius_norm"] == frobenius_sq.sqrt().float().flatten().tolist()
+    # The same cores in torch (what an accelerator or a masked spectrum runs).
+    torch_values = metrics_module._metrics(S.double(), frobenius_sq, 1, k, 0.6, positive=True)
+    for name, value in zip(
+        ("stable_rank", "alpha", "alpha_r2", "frobenius_norm", "energy_rank_60"),
+        torch_values,
+        strict=True,
+    ):
+        torch.testing.assert_close(out[name], value.float(), rtol=1e-6, atol=1e-7, equal_nan=True)
+
+
+@pytest.mark.parametrize("k", [3, 5, 7, 17, 32])
+def test_a_flat_window_is_an_exact_fit_whatever_its_value(k: int) -> None:
+    # A flat window has var(y) = 0 exactly, so R^2 = 1 and alpha = 0, for any value (the mean of
+    # k equal logs is not always that log in floating point; the fit shifts by the first value).
+    values = torch.rand(
+        50, 1, generator=torch.Generator().manual_seed(run_seed()), dtype=torch.float64
+    )
+    S = (values * 10.0 ** torch.randint(-20, 20, (50, 1))).expand(50, k)
+    for spectrum in (S, S.float()):
+        out = metrics_from_spectrum(spectrum, spectrum.double().square().sum(-1))
+        assert torch.equal(out["alpha_r2"], torch.ones(50)), spectrum.dtype
+        assert torch.equal(out["alpha"].abs(), torch.zeros(50)), spectrum.dtype
+        alpha, r2 = powerlaw_alpha(spectrum)
+        assert torch.equal(r2, torch.ones(50)) and torch.equal(alpha.abs(), torch.zeros(50))
+
+
+def test_a_spectrum_that_is_not_positive_everywhere_takes_torch_and_keeps_each_rows_metrics() -> (
+    None
+):
+    # One row with zeros below the rank tolerance, one NaN row, in a batch of positive rows: the
+    # batch takes the masked torch path; the positive rows read as on the host.
+    g = torch.Generator().manual_seed(run_seed())
+    S = torch.rand(4, 16, generator=g, dtype=torch.float64).sort(-1, descending=True).values + 0.1
+    frobenius_sq = S.square().sum(-1) * 1.05  # 90 % of the energy lies within the top k
+    alone = metrics_from_spectrum(S, frobenius_sq)
+    S_mixed = S.clone()
+    S_mixed[1, 10:] = 0.0
+    S_mixed[2] = math.nan
+    out = metrics_from_spectrum(S_mixed, frobenius_sq)
+    assert not alone["energy_rank_90"].isnan().any()
+    for name in out:
+        torch.testing.assert_close(
+            out[name][[0, 3]], alone[name][[0, 3]], rtol=1e-6, atol=1e-7, equal_nan=True
+        )
+        assert out[name][2].isnan() or name in ("frobenius_norm",), name
+    alpha, r2 = reference_fit(S_mixed[1], 1)  # the zeros left out of the fit
+    assert out["alpha"][1].item() == pytest.approx(alpha, rel=1e-6)
+    assert out["alpha_r2"][1].item() == pytest.approx(r2, rel=1e-6)
+
+
+def test_a_spectrum_that_carries_a_graph_or_an_empty_batch_gets_its_metrics() -> None:
+    S = torch.tensor([[4.0, 2.0, 1.0, 0.5]], dtype=torch.float64, requires_grad=True)
+    frobenius_sq = torch.tensor([22.0], dtype=torch.float64)  # 90 % within the top 4
+    out = metrics_from_spectrum(S, frobenius_sq)  # torch (numpy cannot hold a graph)
+    plain = metrics_from_spectrum(S.detach(), frobenius_sq)  # the host
+    for name in out:
+        torch.testing.assert_close(out[name].detach(), plain[name], rtol=1e-6, atol=0)
+    assert not plain["energy_rank_90"].isnan()
+    empty = metrics_from_spectrum(torch.ones(0, 8), torch.ones(0, dtype=torch.float64))
+    assert set(empty) == KEYS and all(v.shape == (0,) for v in empty.values())
