@@ -50,6 +50,7 @@ _EXACT_FRACTION = 0.5
 _COST_CALL = 2.0e8
 
 
+@functools.cache
 def choose_method(
     m: int,
     n: int,
@@ -61,7 +62,8 @@ def choose_method(
     batch: int = 1,
 ) -> str:
     """The cheapest method for a batch of ``m x n`` matrices by a flop count (deterministic, no
-    timing).
+    timing; each answer is kept: the count costs about a 64 x 64 matrix's Gram product in
+    Python, and the same few shapes come back at every call).
 
     On an accelerator the float64 Gram path is never chosen: many GPUs run float64 at a small
     fraction of their float32 rate, and a float32 Gram matrix would square W's rounding.
