@@ -11,6 +11,7 @@ rows - is the callers' business.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -19,6 +20,7 @@ import spectral_callbacks.functional.precision as precision
 
 __all__ = [
     "Basis",
+    "Subspace",
     "block_krylov",
     "cholesky_qr",
     "column_norms",
@@ -36,6 +38,24 @@ __all__ = [
 ]
 
 
+class Subspace(NamedTuple):
+    """What :func:`block_krylov` and :func:`subspace_iteration` found."""
+
+    basis: Tensor
+    """The top-b Ritz vectors ``X`` (..., d, b)."""
+    images: Tensor | None
+    """``apply(X)``, columns ~ ``sigma_i^2 x_i``; None where ``start`` is given."""
+    left: Tensor | None
+    """A matrix whose singular values are the Ritz values found: ``B X`` when ``apply`` makes
+    the products with B, a float64 (..., b, b) factor of the left Rayleigh-Ritz's Gram matrix
+    when it decided; else None."""
+    finite: Tensor
+    """Which matrices are finite (...)."""
+    start: Tensor | None = None
+    """Orthonormal columns spanning the images (the next warm start), where the iteration formed
+    them; else None (``orthonormal_columns(images)``)."""
+
+
 def block_krylov(
     apply: Callable[[Tensor], tuple[Tensor, Tensor | None]],
     start: Tensor,
@@ -47,7 +67,7 @@ def block_krylov(
     finite: Tensor | None,
     rank_scale: int,
     forward: Callable[[Tensor], Tensor | None] | None = None,
-) -> tuple[Tensor, Tensor, Tensor | None, Tensor]:
+) -> Subspace:
     """Top-b Ritz vectors of the block Krylov space of ``apply`` (Musco & Musco 2015, Alg. 2).
 
     With ``first_check`` set, the stopping rule is tested after every step from that one on (each
@@ -56,10 +76,9 @@ def block_krylov(
     ``apply``'s images are not ``B^T B X`` at B's own scale), a test after the first block that
     fails only on the top pair is taken again on the Rayleigh-Ritz of the left space
     ``B span(Q_0)`` (:func:`left_rayleigh_ritz`: free from the images, half a power step
-    further), decided by one product ``B s_1`` and two more host reads. Returns the
-    Ritz vectors ``X`` (..., d, b), their images ``apply(X)``, a matrix ``L`` whose singular
-    values are the Ritz values found (``B X`` when ``apply`` makes the products with B, the
-    left Rayleigh-Ritz's ``B^T U`` when it decided; else None), and which matrices are finite.
+    further), decided by one product ``B s_1`` and two more host reads. That first test reads
+    every residual norm and the left Rayleigh-Ritz off one float64 Gram matrix of the first
+    block's images (:func:`_first_block_gram`), not off (..., d, b) residual blocks.
     """
     d, b = start.shape[-2:]
     # The basis [Q_0, Q_1, ...], the images apply(Q_j) (the Rayleigh quotient and the next block)
@@ -77,9 +96,24 @@ def block_krylov(
         image = image.to(start.dtype)  # apply may compute in a lower precision
         blocks.append(block)
         used += width
+        # A warm start's first test reads every residual norm, the left Rayleigh-Ritz and its
+        # next start off two float64 Gram matrices of the first block (_first_block_grams), not
+        # off (..., d, b) residual and Ritz image blocks.
+        first = (
+            step == 0
+            and first_check == 0
+            and forward is not None
+            and left is not None
+            and depth > 0
+            and width < d
+        )
         # Rayleigh quotient T = basis^T (W^T W) basis of the Krylov space, grown by its new block
         # column (T is symmetric: the new row is its transpose), not recomputed each step.
-        column = project(blocks, image)  # (..., used, width)
+        if first:
+            column64, G, P = _first_block_grams(block, image)
+            column = column64.to(start.dtype)
+        else:
+            column = project(blocks, image)  # (..., used, width)
         if finite is None:  # a NaN/Inf of W (or a float32 overflow) shows in its first image,
             # on the diagonal of the block's own projection q^T W^T W q = ||W q||^2
             finite = torch.isfinite(column.diagonal(dim1=-2, dim2=-1)).all(-1)
@@ -99,65 +133,155 @@ def block_krylov(
         if last or check:
             # eigh reads only the lower triangle, which holds each column's transpose and the
             # new diagonal block's own lower half: no symmetrized copy of T (3 passes over it).
-            theta, vectors = torch.linalg.eigh(T)  # ascending
+            theta, vectors = torch.linalg.eigh(keep_finite(column64, finite) if first else T)
             theta, vectors = (
                 theta[..., -b:].flip(-1),
                 vectors[..., -b:].flip(-1),
-            )  # top-b, descending
+            )  # top-b, descending (float64 at a first test)
+            if first:
+                T64, G, P = (keep_finite(X, finite) for X in (column64, G, P))
+                gram = _first_block_gram(T64, G, P, vectors, theta, k)
+                theta64, theta, vectors = theta, theta.to(start.dtype), vectors.to(start.dtype)
             # The top-b Ritz vectors and their images: what the stopping rule tests, and what is
-            # returned when it passes (formed once, not once for each).
-            ritz, ritz_images = combine(blocks, vectors), combine(images, vectors)
+            # returned when it passes (formed once, not once for each); at a first test, the
+            # images only where it goes on.
+            ritz = combine(blocks, vectors)
+            ritz_images: Tensor | None = None if first else combine(images, vectors)
         # The next Krylov block and its projection on the basis (the Rayleigh quotient's new
         # column), unless the rule says what is missing.
         grow: Tensor = images[-1]
         projection: Tensor | None = column
         if check and not last:
-            residual = ritz_images[..., :k] - ritz[..., :k] * theta[..., None, :k]  # (..., d, k)
-            excess = residual_excess(residual, theta, k, tol, rank_scale)
+            if first:
+                excess = _excess(gram.residuals.to(theta.dtype), theta, k, tol, rank_scale)
+            else:
+                assert ritz_images is not None
+                residual = (
+                    ritz_images[..., :k] - ritz[..., :k] * theta[..., None, :k]
+                )  # (..., d, k)
+                excess = residual_excess(residual, theta, k, tol, rank_scale)
             # The stopping rule needs one host read per step (a sync on an accelerator; only a
             # few small kernels are queued behind it).
             missing = int((excess > 1).sum(-1).max())
             last = missing == 0
-            if step == 0 and missing == 1 and forward is not None and lefts:
-                left = left_rayleigh_ritz(
-                    forward, lefts[0], vectors, ritz_images, theta, tol, rank_scale, excess
-                )
-                if left is not None:
-                    return ritz, ritz_images, left, finite
-            # Only the pairs that failed need new directions: the next block is their
-            # residuals (the worst `missing` of each matrix), not b new columns. A warm start
-            # typically misses only sigma_1's tight bound, so it grows by one column, not 40;
-            # Rayleigh-Ritz holds on any subspace, and the rule still decides at the end.
-            worst = excess.argsort(-1, descending=True)[..., None, :missing]
-            grow = residual.gather(-1, worst.expand(*residual.shape[:-1], missing))
-            projection = None
+            if first:
+                assert forward is not None
+                decided = None
+                if missing == 1:
+                    decided = left_rayleigh_ritz(
+                        forward,
+                        lefts[0],
+                        images[0],
+                        vectors,
+                        theta64,
+                        gram.H,
+                        tol,
+                        rank_scale,
+                        excess,
+                    )
+                if decided is not None and decided[1] is not None:
+                    return Subspace(ritz, None, decided[0], finite, decided[1])
+                ritz_images = combine(images, vectors)
+                if decided is not None:
+                    return Subspace(ritz, ritz_images, decided[0], finite)
+                residual = ritz_images[..., :k] - ritz[..., :k] * theta[..., None, :k]
+            if not last:
+                # Only the pairs that failed need new directions: the next block is their
+                # residuals (the worst `missing` of each matrix), not b new columns. A warm
+                # start typically misses only sigma_1's tight bound, so it grows by one column,
+                # not 40; Rayleigh-Ritz holds on any subspace, and the rule still decides at the
+                # end.
+                worst = excess.argsort(-1, descending=True)[..., None, :missing]
+                grow = residual.gather(-1, worst.expand(*residual.shape[:-1], missing))
+                projection = None
         if last:
+            assert ritz_images is not None
             left_vectors = combine(lefts, vectors) if lefts else None
-            return ritz, ritz_images, left_vectors, finite
+            return Subspace(ritz, ritz_images, left_vectors, finite)
         # The next block, trimmed so the basis never has more than d columns.
         block = orthogonalize_against(grow, blocks, projection)[..., :room]
     raise AssertionError("unreachable: the last step returns")
 
 
+def _first_block_grams(Q: Tensor, Z: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """``Q^T Z``, ``Z^T Z`` and ``Q^T Q`` (..., b, b) in float64, for the first block ``Q`` and
+    its images ``Z = apply(Q)``, a few matrices at a time: a float64 copy of a whole
+    (..., d, b) batch costs more in fresh memory than the conversion itself (10 x 4864 x 40:
+    8-10 ms against 6 ms by parts)."""
+    b = Z.shape[-1]
+    if Z.ndim < 3:
+        Q64, Z64 = Q.to(torch.float64), Z.to(torch.float64)
+        return Q64.mT @ Z64, Z64.mT @ Z64, Q64.mT @ Q64
+    Qs, Zs = Q.expand_as(Z).reshape(-1, *Z.shape[-2:]), Z.reshape(-1, *Z.shape[-2:])
+    step = max(1, _GRAM64_BYTES // (Z.shape[-2] * b * 8))
+    parts: list[tuple[Tensor, Tensor, Tensor]] = []
+    for i in range(0, Zs.shape[0], step):
+        Q64, Z64 = Qs[i : i + step].to(torch.float64), Zs[i : i + step].to(torch.float64)
+        parts.append((Q64.mT @ Z64, Z64.mT @ Z64, Q64.mT @ Q64))
+    T, G, P = (torch.cat(part).reshape(*Z.shape[:-2], b, b) for part in zip(*parts, strict=True))
+    return T, G, P
+
+
+# The float64 parts of _first_block_grams: within a core's L2 cache.
+_GRAM64_BYTES = 1 << 20
+
+
+class _FirstBlockGram(NamedTuple):
+    H: Tensor
+    """``(Z x)^T (Z x)`` (..., b, b) in float64: the Gram matrix of the Ritz images."""
+    residuals: Tensor
+    """The top-k right residual norms ``||Z x_i - theta_i Q_0 x_i||`` (..., k), float64."""
+
+
+def _first_block_gram(
+    T: Tensor, G: Tensor, P: Tensor, vectors: Tensor, theta: Tensor, k: int
+) -> _FirstBlockGram:
+    """The first block's Ritz images' Gram matrix and the top-k residual norms read off it.
+
+    With ``Z = apply(Q_0)``, ``T = Q_0^T Z``, ``G = Z^T Z``, ``P = Q_0^T Q_0`` and the Ritz
+    pairs ``(theta_i, x_i)`` (all float64), the residual ``r_i = Z x_i - theta_i Q_0 x_i`` has
+    ``||r_i||^2 = (x^T G x)_ii - 2 theta_i (x^T T x)_ii + theta_i^2 (x^T P x)_ii``: no (d, k)
+    residual block, nor its norms, nor (for the left Rayleigh-Ritz and the values) the Ritz
+    images and their Gram matrix. In float64 and with T and P themselves, not ``theta_i`` and
+    1, because of the cancellation: float32's rounding, or T's asymmetry and P's distance from
+    the identity at float32's rounding (a start counts as orthonormal within 1000 eps), would
+    move ``||r_i||^2`` by up to ``eps32 theta_1 theta_i``, above the rounding floor of
+    :func:`residual_excess` for a pair far below theta_1.
+    """
+    H = vectors.mT @ G @ vectors
+    x, theta_k = vectors[..., :k], theta[..., :k]
+    squares = (
+        H.diagonal(dim1=-2, dim2=-1)[..., :k]
+        - 2 * theta_k * (x * (T @ x)).sum(-2)
+        + theta_k.square() * (x * (P @ x)).sum(-2)
+    )
+    return _FirstBlockGram(H, squares.clamp_min(0).sqrt())
+
+
 def left_rayleigh_ritz(
     forward: Callable[[Tensor], Tensor | None],
     left: Tensor,
+    images: Tensor,
     vectors: Tensor,
-    ritz_images: Tensor,
     theta: Tensor,
+    H: Tensor,
     tol: float,
     rank_scale: int,
     excess: Tensor,
-) -> Tensor | None:
-    """``B^T U`` (..., d, b) for an orthonormal basis ``U`` of ``B span(Q_0)``, when its top Ritz
-    pair passes the stopping rule; else None.
+) -> tuple[Tensor, Tensor | None] | None:
+    """The left Rayleigh-Ritz of the first block, when its top pair passes the stopping rule:
+    a float64 factor ``F`` (..., b, b) whose singular values are its Ritz values, and the
+    orthonormal next start spanning the Ritz images (None where :func:`_orthonormal_images`
+    cannot form it); else None.
 
     The first block's Rayleigh-Ritz on the right, ``Q_0^T B^T B Q_0 = x theta x^T``, also gives
     the left space ``span(B Q_0)`` its orthonormal basis ``U = B Q_0 x theta^{-1/2}`` and, free,
-    ``B^T U = (B^T B Q_0 x) theta^{-1/2}``, whose singular values are the Ritz values of ``B B^T``
-    there: lower bounds of ``sigma_i``, each one half power step past the first block's. Its top
-    pair ``(u_1, s_1 = B^T u_1)`` is tested by the rule of :func:`ritz_residuals` on ``B B^T``,
-    whose residual ``B s_1 - ||s_1||^2 u_1`` costs one product with B (a warm start's
+    ``B^T U = Z x theta^{-1/2}`` (``Z = B^T B Q_0``, ``images``), whose singular values are the
+    Ritz values of ``B B^T`` there: lower bounds of ``sigma_i``, each one half power step past the
+    first block's. They and its top right singular vector w come from its Gram matrix
+    ``theta^{-1/2} H theta^{-1/2}`` (``H = (Z x)^T Z x`` in float64, :func:`_first_block_gram`).
+    Its top pair ``(u_1, s_1 = B^T u_1)`` is tested by the rule of :func:`ritz_residuals` on
+    ``B B^T``, whose residual ``B s_1 - ||s_1||^2 u_1`` costs one product with B (a warm start's
     ``sigma_1`` otherwise asks for a Krylov step: two). Taken only where every other pair passed
     on the right (``excess``, (..., k)) and ``theta_b >= _LEFT_LEAST theta_1``: ``theta^{-1/2}``
     multiplies the rounding of the small values by ``theta_1 / theta_i``.
@@ -166,22 +290,44 @@ def left_rayleigh_ritz(
         (theta[..., -1] >= _LEFT_LEAST * theta[..., 0]).all()
     ):
         return None
-    zero = torch.zeros((), dtype=theta.dtype, device=theta.device)
-    scale = torch.where(theta > 0, theta.rsqrt(), zero)
-    images = ritz_images * scale[..., None, :]  # B^T U, (..., d, b)
-    # The top right singular vector w of B^T U (a direction: float32 is enough), and the top
-    # pair u_1 = U w, s_1 = B^T U w.
-    w = torch.linalg.eigh(precision.matmul(images.mT, images)).eigenvectors[..., -1:]
+    theta64 = theta.to(torch.float64)
+    scale = torch.where(theta64 > 0, theta64.rsqrt(), torch.zeros((), dtype=theta64.dtype))
+    gram = scale[..., :, None] * H * scale[..., None, :]  # (B^T U)^T B^T U, float64
+    values, axes = torch.linalg.eigh(gram)  # ascending
+    # The top pair u_1 = U w, s_1 = B^T U w = Z x theta^{-1/2} w (a direction: float32 is enough).
+    w = precision.matmul(vectors, (scale[..., :, None] * axes[..., -1:]).to(vectors.dtype))
     s = precision.matmul(images, w)  # (..., d, 1)
     product = forward(s)  # B B^T u_1, (..., rows, 1)
     if product is None:
         return None
-    u = precision.matmul(left, precision.matmul(vectors, scale[..., :, None] * w))
+    u = precision.matmul(left, w)
     value = s.square().sum(-2)  # ||s_1||^2 = u_1^T B B^T u_1, (..., 1)
     residual = product - u * value[..., None, :]
     if bool((residual_excess(residual, value, 1, tol, rank_scale) > 1).any()):
         return None
-    return images
+    # F = Lambda^{1/2} axes^T: F^T F is the Gram matrix, so its singular values are the values.
+    factor = values.clamp_min(0).sqrt()[..., :, None] * axes.mT
+    return factor, _orthonormal_images(images, vectors, H)
+
+
+def _orthonormal_images(images: Tensor, vectors: Tensor, H: Tensor) -> Tensor | None:
+    """``orthonormal_columns(Z x)`` from the Gram matrix ``H = (Z x)^T Z x`` (float64): the
+    columns' norms are its diagonal, their CholeskyQR factor its Cholesky factor, so the start
+    is one product ``Z (x D^{-1} R^{-1})``; None where a column keeps less than half of its norm
+    beyond the columns before it (then :func:`orthonormal_columns` decides, by Householder QR),
+    or off the CPU, where that check is a host read."""
+    if images.device.type != "cpu":
+        return None
+    norms = H.diagonal(dim1=-2, dim2=-1).sqrt()  # (..., b)
+    if not bool((norms > 0).all()):
+        return None
+    L, info = torch.linalg.cholesky_ex(H / (norms[..., :, None] * norms[..., None, :]))
+    if bool(info.any()) or not bool(L.diagonal(dim1=-2, dim2=-1).amin() >= 0.5):
+        return None
+    eye = torch.eye(L.shape[-1], dtype=L.dtype, device=L.device)
+    inverse = torch.linalg.solve_triangular(L.mT, eye, upper=True)  # R^{-1}
+    mix = vectors.to(torch.float64) @ (inverse / norms[..., :, None])
+    return precision.matmul(images, mix.to(images.dtype))
 
 
 # Where the smallest of the first block's Ritz values theta_b (~ sigma_b^2) is below this fraction
@@ -223,7 +369,12 @@ def ritz_residuals(
 def residual_excess(residual: Tensor, theta: Tensor, k: int, tol: float, rank_scale: int) -> Tensor:
     """Each top-k pair's excess ``(..., k)`` over its bound (:func:`ritz_residuals`), from its
     residual ``(..., d, k)``."""
-    r = column_norms(residual)  # (..., k); residuals scale with theta ~ sigma^2
+    return _excess(column_norms(residual), theta, k, tol, rank_scale)
+
+
+def _excess(r: Tensor, theta: Tensor, k: int, tol: float, rank_scale: int) -> Tensor:
+    """Each top-k pair's excess (..., k) from its residual norm ``r`` (..., k)."""
+    # residuals scale with theta ~ sigma^2
     theta_k = theta[..., :k]
     bound = torch.full_like(theta_k, 10 * tol)
     bound[..., 0] = tol
@@ -242,7 +393,7 @@ def subspace_iteration(
     start: Tensor,
     n_iter: int,
     finite: Tensor | None,
-) -> tuple[Tensor, Tensor, Tensor | None, Tensor]:
+) -> Subspace:
     """Subspace iteration: orth((W^T W)^q Omega), re-orthonormalized at every step; returns its
     Ritz vectors, their images and ``B X`` (as ``block_krylov``) and which matrices are finite."""
     V = start
@@ -258,7 +409,7 @@ def subspace_iteration(
     mm = precision.matmul
     vectors = torch.linalg.eigh(mm(V.mT, image)).eigenvectors.flip(-1)  # descending Ritz values
     left = None if left is None else mm(keep_finite(left, finite), vectors)
-    return mm(V, vectors), mm(image, vectors), left, finite
+    return Subspace(mm(V, vectors), mm(image, vectors), left, finite)
 
 
 def top_subspace(
@@ -273,7 +424,7 @@ def top_subspace(
     finite: Tensor | None,
     rank_scale: int,
     forward: Callable[[Tensor], Tensor | None] | None = None,
-) -> tuple[Tensor, Tensor, Tensor | None, Tensor]:
+) -> Subspace:
     """:func:`block_krylov` (``krylov=True``) or :func:`subspace_iteration` (``depth`` steps,
     no stopping rule) on ``apply``: the one choice every caller of the two makes alike."""
     if krylov:

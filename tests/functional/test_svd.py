@@ -11,11 +11,14 @@ import torch
 from device_checks import tf32_matmuls
 from seeds import run_seed
 
+import spectral_callbacks.functional.krylov as krylov_module
 import spectral_callbacks.functional.precision as precision
 import spectral_callbacks.functional.svd as svd_module
 from spectral_callbacks.functional import randomized_svd
 from spectral_callbacks.functional.calibration import MethodCalibration
 from spectral_callbacks.functional.krylov import (
+    _first_block_gram,
+    _first_block_grams,
     block_krylov,
     cholesky_qr,
     column_norms,
@@ -619,7 +622,7 @@ def test_the_stopping_rule_stops_only_where_every_top_pair_meets_its_bound_or_at
         init = None
     block = start_block(W, b, g, init)
     depth, first_check = 12, 0 if start == "warm" else 1
-    X, images, values, finite = block_krylov(
+    found = block_krylov(
         counted,
         block,
         k,
@@ -631,7 +634,17 @@ def test_the_stopping_rule_stops_only_where_every_top_pair_meets_its_bound_or_at
         forward=lambda X: W @ X,
     )
     reached = steps[0] - 1
+    X, values, finite = found.basis, found.left, found.finite
     assert bool(finite) and first_check <= reached <= depth
+    if found.images is None:  # the next start was formed instead: orthonormal, spanning them
+        images = W.mT @ (W @ X)
+        start = found.start
+        assert start is not None
+        torch.testing.assert_close(start.mT @ start, torch.eye(b), atol=1e-5, rtol=0)
+        kept = (start @ (start.mT @ images)).norm(dim=-2) / images.norm(dim=-2)
+        assert torch.all((kept - 1).abs() <= 1e-5), kept
+    else:
+        images = found.images
     theta = (X * images).sum(-2)  # the Ritz values x_i^T W^T W x_i, descending
     assert torch.all(theta[:-1] >= theta[1:] * (1 - 1e-5))
     _, excess = ritz_residuals([X], [images], torch.eye(b), theta, k, tol, m)
@@ -641,16 +654,64 @@ def test_the_stopping_rule_stops_only_where_every_top_pair_meets_its_bound_or_at
             assert torch.all(excess <= 1 + 1e-3), (reached, excess.max())
         return
     # Decided by the left Rayleigh-Ritz of the first block (krylov.left_rayleigh_ritz): values
-    # = W^T U, U orthonormal in span(W Q_0). The other pairs met their bounds on the right; the
+    # is a (b, b) factor with the singular values of W^T U, U orthonormal in span(W Q_0) =
+    # span(W X), formed here in float64. The other pairs met their bounds on the right; the
     # top left pair (u_1, s_1 = W^T u_1) meets sigma_1's bound on W W^T, whose residual
     # ||W s_1 - ||s_1||^2 u_1||^2 = ||W s_1||^2 - ||s_1||^4, since u_1^T W s_1 = ||s_1||^2.
     assert reached == 0 and torch.all(excess[1:] <= 1 + 1e-3), excess
-    L = values.double()
+    assert values.shape == (b, b)
+    U = torch.linalg.qr(W.double() @ X.double()).Q
+    L = W.double().mT @ U
     _, sigma, Rh = torch.linalg.svd(L, full_matrices=False)
+    torch.testing.assert_close(torch.linalg.svdvals(values.double()), sigma, rtol=1e-5, atol=0)
     assert torch.all(sigma <= reference(W, b) * (1 + 1e-5))  # Ritz values: lower bounds
     s_1 = L @ Rh[0]
     residual_sq = (W.double() @ s_1).square().sum() - sigma[0] ** 4
     assert residual_sq <= tol * sigma[0] ** 4 * (1 + 1e-2) + 1e-10, (residual_sq, sigma[0])
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("spectrum", ["flat", "steep", "cliff"])
+@pytest.mark.parametrize("noise", [0.0, 1e-3, 0.1])
+def test_the_first_block_residual_norms_read_off_its_gram_matrices_are_its_float64_residuals(
+    spectrum: str, noise: float, seed: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A warm start's first test reads ||Z x_i - theta_i Q_0 x_i|| (Z = W^T W Q_0) off float64
+    # Gram matrices of Q_0 and Z (krylov._first_block_gram) instead of forming the residuals.
+    # Against the residuals formed in float64 from the same float32 Q_0 and Z, for every U, V:
+    # within 1e-4 of each norm plus a hundredth of the rounding floor (rank_scale eps theta_1),
+    # on spectra with sigma_32 / sigma_1 from 0.9 to 1e-6, starts from the exact top subspace to
+    # a rotated one, a start only orthonormal to 1e-5 (start_block takes it as it is), and a
+    # batch split into several float64 parts.
+    monkeypatch.setattr(krylov_module, "_GRAM64_BYTES", 200 * 40 * 8)  # one matrix per part
+    g = torch.Generator().manual_seed(seed)
+    batch, m, n, b, k = 3, 300, 200, 40, 32
+    i = torch.arange(1, n + 1, dtype=torch.float64)
+    sigma = {
+        "flat": 1 - 0.5 * i / n,
+        "steep": i**-2.0,
+        "cliff": torch.where(i <= 20, 1.0, 1e-3 / i),
+    }[spectrum]
+    U = torch.linalg.qr(torch.randn(batch, m, n, generator=g, dtype=torch.float64)).Q
+    V = torch.linalg.qr(torch.randn(batch, n, n, generator=g, dtype=torch.float64)).Q
+    W = (U * sigma @ V.mT).float()
+    near = V[..., :b] + noise * torch.randn(batch, n, b, generator=g, dtype=torch.float64)
+    Q0 = torch.linalg.qr(near).Q
+    Q0 = (Q0 + 1e-5 / n**0.5 * torch.randn(batch, n, b, generator=g, dtype=torch.float64)).float()
+    defect = (Q0.double().mT @ Q0.double() - torch.eye(b, dtype=torch.float64)).abs().amax()
+    assert 1e-6 < defect <= 1e3 * torch.finfo(torch.float32).eps
+    Z = W.mT @ (W @ Q0)
+    T, G, P = _first_block_grams(Q0, Z)
+    Q64, Z64 = Q0.double(), Z.double()
+    torch.testing.assert_close(T, Q64.mT @ Z64, rtol=1e-12, atol=0)
+    torch.testing.assert_close(G, Z64.mT @ Z64, rtol=1e-12, atol=0)
+    torch.testing.assert_close(P, Q64.mT @ Q64, rtol=1e-12, atol=0)
+    theta, x = torch.linalg.eigh(T)
+    theta, x = theta[..., -b:].flip(-1), x[..., -b:].flip(-1)
+    norms = _first_block_gram(T, G, P, x, theta, k).residuals
+    exact = (Z64 @ x - Q64 @ x * theta[..., None, :])[..., :k].norm(dim=-2)
+    floor = m * torch.finfo(torch.float32).eps * theta[..., :1]
+    assert torch.all((norms - exact).abs() <= 1e-4 * exact + 1e-2 * floor)
 
 
 @pytest.mark.parametrize("seed", SEEDS)
@@ -691,7 +752,7 @@ def test_a_first_block_that_misses_only_sigma_1_is_decided_by_the_left_rayleigh_
         products.append(X.shape[-1])
         return W @ X
 
-    _, _, values, finite = block_krylov(
+    found = block_krylov(
         apply,
         start.float(),
         k,
@@ -702,18 +763,28 @@ def test_a_first_block_that_misses_only_sigma_1_is_decided_by_the_left_rayleigh_
         rank_scale=m,
         forward=forward,
     )
-    assert bool(finite) and values is not None and products == [1]  # one product W s_1
-    found = torch.linalg.svdvals(values.double())
+    values = found.left
+    assert bool(found.finite) and values is not None and products == [1]  # one product W s_1
     if angle > 0.1:  # the left pair missed too: the iteration went on, its values from W X
         assert values.shape == (m, b)
         return
-    assert values.shape == (n, b)  # W^T U
+    assert values.shape == (b, b)  # a factor of (W^T U)^T W^T U
+    found_values = torch.linalg.svdvals(values.double())
     # The left Ritz value of u ~ c s_1 u_1 + s s_41 u_41: ||W^T u||^2 = (c^2 s_1^4 + s^2 s_41^4)
     # / (c^2 s_1^2 + s^2 s_41^2); the others are sigma_2..sigma_40 exactly.
     top = ((c**2 * sigma[0] ** 4 + s**2 * sigma[40] ** 4) / (c**2 + s**2 * sigma[40] ** 2)).sqrt()
     expected = torch.cat([top.reshape(1), sigma[1:b]])
-    torch.testing.assert_close(found, expected, rtol=1e-5, atol=0)
-    assert torch.all(found <= sigma[:b] * (1 + 1e-5))  # lower bounds, to float32 rounding
+    torch.testing.assert_close(found_values, expected, rtol=1e-5, atol=0)
+    assert torch.all(found_values <= sigma[:b] * (1 + 1e-5))  # lower bounds, to float32 rounding
+    # The next start spans the Ritz images W^T W Q_0 x = V diag(sigma^2) V^T Q_0 x, orthonormal.
+    assert found.images is None and found.start is not None
+    images = (V * sigma.square() @ V.T) @ start
+    kept = (found.start.double() @ (found.start.double().mT @ images)).norm(dim=-2)
+    torch.testing.assert_close(kept, images.norm(dim=-2), rtol=1e-5, atol=0)
+    eye = torch.eye(b, dtype=torch.float64)
+    torch.testing.assert_close(
+        found.start.double().mT @ found.start.double(), eye, atol=1e-5, rtol=0
+    )
 
 
 @pytest.mark.parametrize("seed", SEEDS)
