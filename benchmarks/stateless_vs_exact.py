@@ -67,7 +67,7 @@ from spectral_callbacks.functional.method_choice import (  # noqa: E402
     randomized_costs,
     stopping_rule_cost,
 )
-from spectral_callbacks.functional.svd import _sizes  # noqa: E402
+from spectral_callbacks.functional.svd import _first_test, _sizes  # noqa: E402
 
 SHAPES = [
     (64, 64),
@@ -157,10 +157,12 @@ def exact_then_metrics(W: torch.Tensor) -> dict[str, torch.Tensor]:
 
 
 def model_ratio(m: int, n: int) -> float:
-    """The flop count's exact / randomized cost of one cold call (below 1: exact is cheaper)."""
+    """The flop count's exact / randomized cost of one cold call at a flat spectrum's depth
+    (below 1: exact is cheaper)."""
     _, width, depth = _sizes(m, n, 32, 8, None, False)
     randomized = min(randomized_costs(m, n, width, depth, krylov=True).values())
-    return exact_cost(m, n, torch.float32) / (randomized + stopping_rule_cost(width, depth))
+    tests = stopping_rule_cost(width, depth, _first_test(None, False))
+    return exact_cost(m, n, torch.float32) / (randomized + tests)
 
 
 def repeats_for(W: torch.Tensor, repeats: int) -> int:
@@ -176,7 +178,7 @@ def shape_row(
     m, n = shape
     W, truth = build(shape, spectrum, g)
     _, width, depth = _sizes(m, n, 32, 8, None, False)
-    chosen = choose_method(m, n, width, depth, torch.float32)
+    chosen = choose_method(m, n, width, depth, torch.float32, first_test=_first_test(None, False))
     exact = exact_contenders(W, args.svdvals_max)
     ours: dict[str, Callable[[], object]] = {
         "metrics": lambda: spectral_metrics(W),

@@ -45,6 +45,7 @@ from spectral_callbacks.functional.svd import (
     _EXTRA_DEPTH,
     DEFAULT_K,
     DEFAULT_N_OVERSAMPLES,
+    _first_test,
     default_n_iter,
 )
 
@@ -81,7 +82,17 @@ def svd_working_bytes(
     depth = cold + _EXTRA_DEPTH
     if method == "auto":
         methods = {
-            choose_method(m, n, width, cold, compute_dtype, device_type, True, batch),
+            choose_method(
+                m,
+                n,
+                width,
+                cold,
+                compute_dtype,
+                device_type,
+                True,
+                batch,
+                _first_test(n_iter, False),
+            ),
             choose_method(
                 m, n, width, _EXPECTED_WARM_DEPTH, compute_dtype, device_type, False, batch
             ),

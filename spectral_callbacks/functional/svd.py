@@ -90,7 +90,12 @@ from spectral_callbacks.functional.krylov import (
     start_block,
     top_subspace,
 )
-from spectral_callbacks.functional.method_choice import bf16_tiles, choose_method, randomized_costs
+from spectral_callbacks.functional.method_choice import (
+    bf16_tiles,
+    choose_method,
+    randomized_costs,
+    route_depth,
+)
 from spectral_callbacks.functional.precision import gram
 from spectral_callbacks.functional.precision import matmul as _matmul
 
@@ -124,6 +129,12 @@ DEFAULT_N_ITER_LARGE = 8
 _SMALL_SIDE = 768
 _LARGE_SIDE = 2048
 _EXTRA_DEPTH = 4
+# A cold start is first tested at depth 2 (3 blocks, a 120-column Rayleigh quotient: its eigh
+# about 1.1 ms against 3.3 at 200 columns, one thread), where a fast-decaying spectrum has
+# converged (sigma_i = 1/i at 768^2, 768 x 3072, 2048^2; at 1024^2 one pair short, one column
+# later) and a flat one is far from it (its test decides no more, krylov._EARLY_REACH). Depth 1
+# passed only for steeper spectra (i^-2), and decided nothing for 1/i: 15-20 pairs missing.
+_EARLY_CHECK = 2
 # A warm start from the previous snapshot's subspace normally stops after its first block.
 _EXPECTED_WARM_DEPTH = 1
 # Stopping rule: a Krylov step is the last when the top Ritz pair (theta_1, x_1) of W^T W has
@@ -354,7 +365,10 @@ def randomized_svd(
 
     if method != "auto":
         return run(method)
-    prior = choose_method(m, n, width, expected, compute_dtype, A.device.type, rounded, batch)
+    first_test = _first_test(n_iter, init is not None)
+    prior = choose_method(
+        m, n, width, expected, compute_dtype, A.device.type, rounded, batch, first_test
+    )
     if calibrated is None or prior not in CALIBRATED:
         return run(prior)
     chosen = calibrated.chosen.get(key)
@@ -395,8 +409,10 @@ def _top_svd(
     V: Tensor | None
     if chosen in ("randomized", "subspace"):
         expected = _expected_depth(m, n, n_iter, init is not None)
-        depth, first_check = _iteration(m, n, n_iter, chosen, init is not None)
-        start = _start(A, width, generator, init)
+        depth, first_check, early_check = _iteration(m, n, n_iter, chosen, init is not None)
+        # A cold start iterates in the space of the smaller side, drawn there (a wide W's
+        # right start would cost a QR of an n x b block and a product to map it across).
+        start = _start(A.mT if init is None and m < n else A, width, generator, init)
         # A warm start's one or two blocks gain nothing from parts and pay their overhead
         # (GPT-2 small warm 0.422 s whole, 0.431 s in parts).
         rows_of_parts = _chunks(A, width) if init is None else [slice(None)]
@@ -410,7 +426,9 @@ def _top_svd(
                 expected,
                 first_check,
                 krylov=chosen == "randomized",
+                early_check=early_check,
                 rounded=rounded,
+                cold=init is None,
             )
             for rows in rows_of_parts
         ]
@@ -463,21 +481,28 @@ def _expected_depth(m: int, n: int, n_iter: int | None, warm: bool) -> int:
 
 def _iteration(
     m: int, n: int, n_iter: int | None, chosen: str, warm: bool
-) -> tuple[int, int | None]:
-    """The iterative path's largest depth and the depth its stopping rule is first tested at
-    (``None``: no rule).
+) -> tuple[int, int | None, int | None]:
+    """The iterative path's largest depth, the depth its stopping rule is tested at from then on
+    (``None``: no rule), and the depth a cold start's early tests begin at (``None``: none).
 
     The stopping rule is tested from the first block of a warm start (where sigma_1's tight bound
     is nearly always decided by the left Rayleigh-Ritz, ``krylov.left_rayleigh_ritz``, at the
     cost of one product with W) and from the expected depth of a cold one: each test costs an
     eigh of the Rayleigh quotient, which at a cold depth's basis size (200-300 columns) costs
-    more than a Krylov step. Subspace iteration (a comparison method) has no rule: the expected
-    cold depth.
+    more than a Krylov step. Before that a cold start is tested early (:func:`_first_test`,
+    ``krylov.block_krylov``), where a fast-decaying spectrum has already converged. Subspace
+    iteration (a comparison method) has no rule: the expected cold depth.
     """
     depth = default_n_iter(m, n) if n_iter is None else n_iter
     if n_iter is not None or chosen != "randomized":
-        return depth, None
-    return depth + _EXTRA_DEPTH, 0 if warm else depth
+        return depth, None, None
+    return depth + _EXTRA_DEPTH, 0 if warm else depth, _first_test(n_iter, warm)
+
+
+def _first_test(n_iter: int | None, warm: bool) -> int | None:
+    """The depth a cold call's stopping rule is first tested at, before its expected depth
+    (``None``: a warm call, tested from its first block, or a fixed ``n_iter``)."""
+    return None if n_iter is not None or warm else _EARLY_CHECK
 
 
 def _start(
@@ -537,7 +562,10 @@ def _adapted_svd(
     k, width, expected = _sizes(m, n, k, n_oversamples, n_iter, init is not None)
     chosen = method
     if method == "auto":
-        chosen = choose_method(m, n, width, expected, compute_dtype, W.device.type, False, batch)
+        first_test = _first_test(n_iter, init is not None)
+        chosen = choose_method(
+            m, n, width, expected, compute_dtype, W.device.type, False, batch, first_test
+        )
     if chosen not in ("randomized", "subspace"):
         dense = W.dense(compute_dtype)
         return randomized_svd(
@@ -554,7 +582,7 @@ def _adapted_svd(
         _check_init(init, torch.empty((), device="meta").expand(batch, m, n))
     probe = torch.empty((), dtype=compute_dtype, device=W.device).expand(batch, m, n)
     start = _start(probe, width, generator, init)
-    depth, first_check = _iteration(m, n, n_iter, chosen, init is not None)
+    depth, first_check, early_check = _iteration(m, n, n_iter, chosen, init is not None)
 
     def attempt(one: slice) -> TopSVD:
         part = W[one]
@@ -574,6 +602,7 @@ def _adapted_svd(
             finite=None,
             rank_scale=max(m, n),
             forward=lambda X: part.matmul(X, _matmul),
+            early_check=early_check,
         )
         finite = found.finite
         BV = found.left if found.left is not None else part.matmul(found.basis, _matmul)
@@ -660,10 +689,14 @@ def _randomized(
     *,
     krylov: bool,
     rounded: bool = False,
+    early_check: int | None = None,
+    cold: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Block Krylov (or subspace iteration) + Rayleigh-Ritz on W itself; returns (S, V, finite)."""
     m, n = A.shape[-2:]
-    costs = randomized_costs(m, n, start.shape[-1], expected, krylov=krylov, rounded=rounded)
+    # The way to apply W^T W, compared where the stopping rule may first end the call.
+    priced = route_depth(expected, early_check)
+    costs = randomized_costs(m, n, start.shape[-1], priced, krylov=krylov, rounded=rounded)
     route = min(costs, key=costs.__getitem__)
     use_gram = route == "gram"
     # B X for the left Rayleigh-Ritz of a warm start's first block (krylov.left_rayleigh_ritz):
@@ -671,7 +704,7 @@ def _randomized(
     forward: Callable[[Tensor], Tensor | None] | None = None
     # Iterate in the space of the smaller side when W itself is not multiplied at full
     # precision (its Gram matrix, or W rounded to bfloat16), else on the right.
-    wide = route != "products" and m < n
+    wide = m < n and (route != "products" or cold)
     B = A.mT if wide else A  # iterate on the right space of B: (..., rows, d)
     if use_gram:
         # TF32 on: B split once (two copies, as the memory bound counts), not both operands.
@@ -684,7 +717,7 @@ def _randomized(
         largest = squares.amax(-1)
         in_range = (largest >= 2.0**-_GRAM_EXPONENT) & (largest <= 2.0**_GRAM_EXPONENT)
         finite = torch.isfinite(squares).all(-1) & ((largest == 0) | in_range)
-        if wide:  # (..., m, b): the left image of the right start
+        if wide and start.shape[-2] != m:  # (..., m, b): the left image of a right start
             start = orthonormalize(keep_finite(_matmul(A, start), finite))
 
         def apply(X: Tensor) -> tuple[Tensor, Tensor | None]:
@@ -697,10 +730,12 @@ def _randomized(
         low = torch.bfloat16
         A_low = A.to(low)
         finite = None
-        if wide:  # (..., m, b): the left image of the right start; a NaN/Inf shows in its sum
+        if wide and start.shape[-2] != m:  # (..., m, b): the left image of a right start;
+            # a NaN/Inf shows in its sum
             image = _matmul(A_low, start.to(low)).to(A.dtype)
             finite = torch.isfinite(image.sum((-2, -1)))
             start = orthonormalize(keep_finite(image, finite))
+        if wide:
 
             def apply(X: Tensor) -> tuple[Tensor, Tensor | None]:
                 Y = _matmul(X.to(low).mT, A_low).mT  # W^T X as (X^T W)^T
@@ -716,21 +751,32 @@ def _randomized(
         finite = None
         unit: list[Tensor | None] = []  # the powers of two of _unit_scale, from the first block
 
+        # B X and B^T Y without a transposed W, which BLAS reads at half the speed (or torch
+        # copies): W^T Y as (Y^T W)^T.
+        def times_B(X: Tensor) -> Tensor:
+            return _matmul(X.mT, A).mT if wide else _matmul(A, X)
+
+        def times_Bt(Y: Tensor) -> Tensor:
+            return _matmul(A, Y) if wide else _matmul(Y.mT, A).mT
+
+        if wide and start.shape[-2] != m:  # (..., m, b): the left image of a right start (init)
+            image = _matmul(A, start)
+            finite = torch.isfinite(image.sum((-2, -1)))
+            start = orthonormalize(keep_finite(image, finite))
+
         def apply(X: Tensor) -> tuple[Tensor, Tensor | None]:
-            Y = _matmul(B, X)  # (..., rows, b)
+            Y = times_B(X)  # (..., rows, b)
             if not unit:
                 unit.append(_unit_scale(Y))
             c = unit[0]
-            # W^T Y as (Y^T W)^T: the same GEMM without a transposed W, which BLAS reads at half
-            # the speed (or torch copies). Far from unit scale, c^2 W^T W X: the same Krylov space
-            # and Ritz vectors, every product within float32's range; the values are read off
-            # the unscaled Y = W X.
+            # Far from unit scale, c^2 B^T B X: the same Krylov space and Ritz vectors, every
+            # product within float32's range; the values are read off the unscaled Y = B X.
             if c is None:
-                return _matmul(Y.mT, B).mT, Y
-            return _matmul((Y * c).mT, B).mT * c, Y
+                return times_Bt(Y), Y
+            return times_Bt(Y * c) * c, Y
 
         def multiply(X: Tensor) -> Tensor | None:  # B X, for the left Rayleigh-Ritz at B's scale
-            return _matmul(B, X) if unit[0] is None else None
+            return times_B(X) if unit[0] is None else None
 
         forward = multiply
 
@@ -745,6 +791,7 @@ def _randomized(
         finite=finite,
         rank_scale=max(m, n),
         forward=forward,
+        early_check=early_check,
     )
     # Rayleigh-Ritz on W itself: the singular values of the (rows, b) matrix B V (or, where a
     # warm start's left Rayleigh-Ritz decided, of the (b, b) factor of B^T U's Gram matrix). By

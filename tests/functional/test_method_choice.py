@@ -14,12 +14,14 @@ import pytest
 import torch
 from seeds import run_seed
 
+import spectral_callbacks.functional.method_choice as method_choice
 import spectral_callbacks.functional.svd as svd_module
 from spectral_callbacks.functional import randomized_svd, spectral_metrics
 from spectral_callbacks.functional.method_choice import (
     choose_method,
     exact_cost,
     randomized_costs,
+    route_depth,
     stopping_rule_cost,
 )
 
@@ -29,7 +31,8 @@ SEEDS = [0, run_seed()]
 def cold_choice(m: int, n: int, dtype: torch.dtype = torch.float32, batch: int = 1) -> str:
     """What ``randomized_svd(W)`` with no ``init`` and no calibration runs on ``(batch, m, n)``."""
     _, width, depth = svd_module._sizes(m, n, 32, 8, None, False)
-    return choose_method(m, n, width, depth, dtype, batch=batch)
+    first_test = svd_module._first_test(None, False)
+    return choose_method(m, n, width, depth, dtype, batch=batch, first_test=first_test)
 
 
 def decaying(m: int, n: int, a: float, seed: int) -> torch.Tensor:
@@ -79,10 +82,51 @@ def test_the_choice_is_the_cheaper_of_the_two_costs_with_the_calls_fixed_cost() 
                     assert cold_choice(m, n, batch=batch) == "gram"
                     continue
                 products = min(randomized_costs(m, n, width, depth, krylov=True).values())
-                randomized = batch * (products + stopping_rule_cost(width, depth)) + 2.0e8
+                # Two tests at the expected depth's basis, one at the early test's.
+                tests = stopping_rule_cost(width, depth, svd_module._EARLY_CHECK)
+                per_column_cubed = method_choice._COST_RAYLEIGH_RITZ
+                assert tests == per_column_cubed * (
+                    2 * ((depth + 1) * width) ** 3 + (3 * width) ** 3
+                )
+                randomized = batch * (products + tests) + 2.0e8
                 exact = batch * exact_cost(m, n, torch.float32)
                 expected = "randomized" if randomized <= exact else "gram"
                 assert cold_choice(m, n, batch=batch) == expected, (m, n, batch)
+
+
+@pytest.mark.parametrize("shape", [(768, 3072), (3072, 768)])
+def test_a_cold_call_compares_the_ways_to_apply_the_gram_matrix_at_its_first_test(
+    shape: tuple[int, int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # At a flat spectrum's expected depth (5) the count prices the explicit Gram matrix below
+    # the products with W; a cold call, which a low-rank matrix ends at its first test (depth
+    # 2), compares them there and multiplies by W (measured, 1 thread, thread CPU ms, products
+    # against Gram: 3072 x 768 flat 62 / 67, sigma_i = 1/i 29 / 55). A fixed depth compares
+    # them at that depth; so does a warm call (its expected depth, 1, is its first test).
+    m, n = shape
+    _, width, depth = svd_module._sizes(m, n, 32, 8, None, False)
+
+    def cheapest(at: int) -> str:
+        costs = randomized_costs(m, n, width, at, krylov=True)
+        return min(costs, key=costs.__getitem__)
+
+    assert (depth, cheapest(depth), cheapest(svd_module._EARLY_CHECK)) == (5, "gram", "products")
+    assert route_depth(depth, svd_module._first_test(None, False)) == svd_module._EARLY_CHECK
+    assert route_depth(depth, svd_module._first_test(depth, False)) == depth
+    assert route_depth(1, svd_module._first_test(None, True)) == 1
+    routes: list[str] = []
+    costs = svd_module.randomized_costs
+
+    def spied(*args: object, **kwargs: object) -> dict[str, float]:
+        found = costs(*args, **kwargs)  # type: ignore[arg-type]
+        routes.append(min(found, key=found.__getitem__))
+        return found
+
+    monkeypatch.setattr(svd_module, "randomized_costs", spied)
+    W = torch.randn(m, n, generator=torch.Generator().manual_seed(0)) / n**0.5
+    randomized_svd(W, method="randomized")
+    randomized_svd(W, method="randomized", n_iter=depth)
+    assert routes == ["products", "gram"]
 
 
 def test_a_bigger_batch_spreads_the_calls_fixed_cost_and_float64_doubles_the_exact_cost() -> None:
