@@ -70,9 +70,9 @@ def choose_method(
     W^T W there, with its stopping rule (and, with ``first_test``, a cold call's earlier test).
     The way a cold call takes is compared at its first test instead (:func:`route_depth`); on
     the shapes where that differs, measured at a flat matrix's full depth, it was no slower than
-    the way priced here (see there), so the count fitted to the cheaper way stays the estimate. On an accelerator the
-    float64 Gram path is never chosen: many GPUs run float64 at a small fraction of their float32
-    rate, and a float32 Gram matrix would square W's rounding.
+    the way priced here (see there), so the count fitted to the cheaper way stays the estimate.
+    On an accelerator the float64 Gram path is never chosen: many GPUs run float64 at a small
+    fraction of their float32 rate, and a float32 Gram matrix would square W's rounding.
     """
     small = min(m, n)
     if width >= _EXACT_FRACTION * small:
