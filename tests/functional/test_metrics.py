@@ -435,3 +435,21 @@ def test_a_spectrum_that_carries_a_graph_or_an_empty_batch_gets_its_metrics() ->
     assert not plain["energy_rank_90"].isnan()
     empty = metrics_from_spectrum(torch.ones(0, 8), torch.ones(0, dtype=torch.float64))
     assert set(empty) == KEYS and all(v.shape == (0,) for v in empty.values())
+
+
+def test_the_host_metrics_of_known_power_laws() -> None:
+    # sigma_i = i^-a on ranks 1..32: alpha = a and R^2 = 1 exactly, stable rank = ||W||_F^2, and
+    # the energy rank is the least r whose first r squares hold the fraction (float64 count).
+    a = torch.tensor([0.25, 0.5, 1.0, 1.5, 2.0], dtype=torch.float64)[:, None]
+    S = torch.arange(1, 33, dtype=torch.float64).pow(-a)  # (5, 32)
+    frobenius_sq = S.square().sum(-1) * 1.01
+    out = metrics_from_spectrum(S, frobenius_sq, energy=0.8)
+    assert metrics_module._host_arrays(S, frobenius_sq) is not None  # the host computed these
+    torch.testing.assert_close(out["alpha"], a[:, 0].float())
+    torch.testing.assert_close(out["alpha_r2"], torch.ones(5))
+    torch.testing.assert_close(out["stable_rank"], frobenius_sq.float())
+    held = S.square().cumsum(-1)
+    want = ((held < 0.8 * frobenius_sq[:, None]).sum(-1) + 1).float()
+    want[held[:, -1] < 0.8 * frobenius_sq] = math.nan
+    torch.testing.assert_close(out["energy_rank_80"], want, equal_nan=True)
+    assert not want.isnan().all()
