@@ -28,6 +28,11 @@ the Rayleigh-Ritz of the left space ``W span(Q)`` (free from those products, hal
 further) passes it (``krylov.left_rayleigh_ritz``, read with the right residuals off float64
 Gram matrices of the first block, ``krylov._first_block_gram``); a flat spectrum or a subspace rotated by a loss spike goes deeper, and after a
 failed test the next block holds only the residuals of the pairs that failed (often one column).
+A cold start is tested from the expected depth of a flat spectrum, and before that from depth 2
+while it is within 10x of its bounds, with sigma_1's bound a tenth as wide: a fast-decaying
+spectrum (a trained or low-rank matrix) stops there, after 3-4 blocks instead of 6-7, and a flat
+one, far from its bounds at depth 2, goes on as without that test. A dense cold start iterates in the space of the smaller side, from a start drawn
+there.
 By products, ``W V`` for the final Rayleigh-Ritz step is a combination of the ``W Q_j`` already
 made, and ``W^T Y`` is computed as ``(Y^T W)^T`` (BLAS reads a transposed W at about half the
 speed).
