@@ -41,19 +41,22 @@ __all__ = [
 class Subspace(NamedTuple):
     """What :func:`block_krylov` and :func:`subspace_iteration` found."""
 
-    basis: Tensor
-    """The top-b Ritz vectors ``X`` (..., d, b)."""
+    basis: Tensor | None
+    """The top-b Ritz vectors ``X`` (..., d, b); None where ``start`` is given and nothing reads
+    them (every matrix finite, on the CPU)."""
     images: Tensor | None
     """``apply(X)``, columns ~ ``sigma_i^2 x_i``; None where ``start`` is given."""
     left: Tensor | None
-    """A matrix whose singular values are the Ritz values found: ``B X`` when ``apply`` makes
-    the products with B, a float64 (..., b, b) factor of the left Rayleigh-Ritz's Gram matrix
-    when it decided; else None."""
+    """A matrix whose singular values are the Ritz values found: ``B X`` where ``apply`` makes
+    the products with B; else None."""
     finite: Tensor
     """Which matrices are finite (...)."""
     start: Tensor | None = None
     """Orthonormal columns spanning the images (the next warm start), where the iteration formed
     them; else None (``orthonormal_columns(images)``)."""
+    values: Tensor | None = None
+    """The Ritz values (..., b), descending, in float64, where the iteration read them itself
+    (the left Rayleigh-Ritz of a warm start's first block); ``left`` is then None."""
 
 
 def block_krylov(
@@ -153,7 +156,7 @@ def block_krylov(
             # The top-b Ritz vectors and their images: what the stopping rule tests, and what is
             # returned when it passes (formed once, not once for each); at a first test, the
             # images only where it goes on.
-            ritz = combine(blocks, vectors)
+            ritz: Tensor | None = None if first else combine(blocks, vectors)
             ritz_images: Tensor | None = None if first else combine(images, vectors)
         # The next Krylov block and its projection on the basis (the Rayleigh quotient's new
         # column), unless the rule says what is missing.
@@ -163,7 +166,7 @@ def block_krylov(
             if first:
                 excess = _excess(gram.residuals.to(theta.dtype), theta, k, tol, rank_scale)
             else:
-                assert ritz_images is not None
+                assert ritz is not None and ritz_images is not None
                 residual = (
                     ritz_images[..., :k] - ritz[..., :k] * theta[..., None, :k]
                 )  # (..., d, k)
@@ -191,11 +194,15 @@ def block_krylov(
                         rank_scale,
                         excess,
                     )
-                if decided is not None and decided[1] is not None:
-                    return Subspace(ritz, None, decided[0], finite, decided[1])
-                ritz_images = combine(images, vectors)
-                if decided is not None:
-                    return Subspace(ritz, ritz_images, decided[0], finite)
+                values, next_start = (None, None) if decided is None else decided
+                if values is not None and next_start is not None:
+                    # The Ritz vectors stand in for the start of a non-finite matrix only.
+                    if next_start.device.type != "cpu" or not bool(finite.all()):
+                        ritz = combine(blocks, vectors)
+                    return Subspace(ritz, None, None, finite, next_start, values)
+                ritz, ritz_images = combine(blocks, vectors), combine(images, vectors)
+                if values is not None:
+                    return Subspace(ritz, ritz_images, None, finite, values=values)
                 residual = ritz_images[..., :k] - ritz[..., :k] * theta[..., None, :k]
             if early and worst > _EARLY_REACH:
                 # Far from its bounds (a flat spectrum): no more early tests, and the next
@@ -211,7 +218,7 @@ def block_krylov(
                 grow = residual.gather(-1, order.expand(*residual.shape[:-1], missing))
                 projection = None
         if last:
-            assert ritz_images is not None
+            assert ritz is not None and ritz_images is not None
             left_vectors = combine(lefts, vectors) if lefts else None
             return Subspace(ritz, ritz_images, left_vectors, finite)
         # The next block, trimmed so the basis never has more than d columns.
@@ -306,7 +313,7 @@ def left_rayleigh_ritz(
     excess: Tensor,
 ) -> tuple[Tensor, Tensor | None] | None:
     """The left Rayleigh-Ritz of the first block, when its top pair passes the stopping rule:
-    a float64 factor ``F`` (..., b, b) whose singular values are its Ritz values, and the
+    its Ritz values (..., b), descending, in float64, and the
     orthonormal next start spanning the Ritz images (None where :func:`_orthonormal_images`
     cannot form it); else None.
 
@@ -341,9 +348,8 @@ def left_rayleigh_ritz(
     residual = product - u * value[..., None, :]
     if bool((residual_excess(residual, value, 1, tol, rank_scale) > 1).any()):
         return None
-    # F = Lambda^{1/2} axes^T: F^T F is the Gram matrix, so its singular values are the values.
-    factor = values.clamp_min(0).sqrt()[..., :, None] * axes.mT
-    return factor, _orthonormal_images(images, vectors, H)
+    # Singular values from the Gram matrix's eigenvalues (ascending); rounding's tiny negatives: 0.
+    return values.flip(-1).clamp_min(0).sqrt(), _orthonormal_images(images, vectors, H)
 
 
 def _orthonormal_images(images: Tensor, vectors: Tensor, H: Tensor) -> Tensor | None:

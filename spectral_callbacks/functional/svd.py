@@ -610,8 +610,14 @@ def _adapted_svd(
             early_check=early_check,
         )
         finite = found.finite
-        BV = found.left if found.left is not None else part.matmul(found.basis, _matmul)
-        S = _singular_values(keep_finite(BV, finite)).to(compute_dtype)
+        if found.values is not None:
+            S = found.values.to(compute_dtype)
+        else:
+            BV = found.left
+            if BV is None:
+                assert found.basis is not None
+                BV = part.matmul(found.basis, _matmul)
+            S = _singular_values(keep_finite(BV, finite))
         return TopSVD(_tidy(S[..., :k], finite, max(m, n), compute_dtype), _next_start(found))
 
     def fallback(one: slice) -> TopSVD:  # the matrix formed here, as the exact choice does above
@@ -798,16 +804,19 @@ def _randomized(
         forward=forward,
         early_check=early_check,
     )
-    # Rayleigh-Ritz on W itself: the singular values of the (rows, b) matrix B V (or, where a
-    # warm start's left Rayleigh-Ritz decided, of the (b, b) factor of B^T U's Gram matrix). By
+    # Rayleigh-Ritz on W itself: the singular values of the (rows, b) matrix B V (where a warm
+    # start's left Rayleigh-Ritz decided, those of B^T U, read off its Gram matrix already). By
     # products, B V is a combination of the images B Q_j already computed; with the Gram matrix
     # it costs one product.
     finite = found.finite
+    if found.values is not None:  # never wide: that path iterates by products on W itself
+        return found.values.to(A.dtype), _next_start(found), finite
     BV = found.left
     if BV is None:  # one product with W in float32 (wide, B = W^T: as (basis^T W)^T)
+        assert found.basis is not None
         BV = _matmul(found.basis.mT, A).mT if wide else _matmul(B, found.basis)
     BV = keep_finite(BV, finite)
-    S = _singular_values(BV).to(A.dtype)
+    S = _singular_values(BV)
     if wide:  # B V's columns are ~ sigma_i u_i, u_i the right singular vectors of A = B^T
         return S, orthonormal_columns(BV), finite
     return S, _next_start(found), finite
@@ -820,6 +829,7 @@ def _next_start(found: Subspace) -> Tensor:
     past = found.start if found.start is not None else found.images  # start: orthonormal
     assert past is not None
     if past.device.type != "cpu" or not bool(found.finite.all()):
+        assert found.basis is not None
         past = torch.where(found.finite[..., None, None], past, found.basis)
     # The images' columns ~ sigma_i^2 v_i: nearly orthogonal once normalized.
     return past if found.start is not None else orthonormal_columns(past)

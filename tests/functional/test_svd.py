@@ -646,36 +646,39 @@ def test_the_stopping_rule_stops_only_where_every_top_pair_meets_its_bound_or_at
         forward=lambda X: W @ X,
     )
     reached = steps[0] - 1
-    X, values, finite = found.basis, found.left, found.finite
-    assert bool(finite) and first_check <= reached <= depth
-    if found.images is None:  # the next start was formed instead: orthonormal, spanning them
-        images = W.mT @ (W @ X)
-        start = found.start
-        assert start is not None
-        torch.testing.assert_close(start.mT @ start, torch.eye(b), atol=1e-5, rtol=0)
-        kept = (start @ (start.mT @ images)).norm(dim=-2) / images.norm(dim=-2)
-        assert torch.all((kept - 1).abs() <= 1e-5), kept
-    else:
-        images = found.images
-    theta = (X * images).sum(-2)  # the Ritz values x_i^T W^T W x_i, descending
-    assert torch.all(theta[:-1] >= theta[1:] * (1 - 1e-5))
-    _, excess = ritz_residuals([X], [images], torch.eye(b), theta, k, tol, m)
-    assert values is not None
-    if values.shape[-2] == m:  # W X: every pair of W^T W decided on the right
+    assert bool(found.finite) and first_check <= reached <= depth
+    if found.values is None:  # W X: every pair of W^T W decided on the right
+        X, images = found.basis, found.images
+        assert X is not None and images is not None and found.left is not None
+        assert found.left.shape == (m, b)
+        theta = (X * images).sum(-2)  # the Ritz values x_i^T W^T W x_i, descending
+        assert torch.all(theta[:-1] >= theta[1:] * (1 - 1e-5))
+        _, excess = ritz_residuals([X], [images], torch.eye(b), theta, k, tol, m)
         if reached < depth:  # stopped by the rule: every pair within its bound (rounding)
             assert torch.all(excess <= 1 + 1e-3), (reached, excess.max())
         return
-    # Decided by the left Rayleigh-Ritz of the first block (krylov.left_rayleigh_ritz): values
-    # is a (b, b) factor with the singular values of W^T U, U orthonormal in span(W Q_0) =
-    # span(W X), formed here in float64. The other pairs met their bounds on the right; the
-    # top left pair (u_1, s_1 = W^T u_1) meets sigma_1's bound on W W^T, whose residual
+    # Decided by the left Rayleigh-Ritz of the first block (krylov.left_rayleigh_ritz). Block 0's
+    # Ritz pairs, formed here in float64: all but the top one met their bounds on the right.
+    assert reached == 0
+    W64, Q0 = W.double(), block.double()
+    theta, x = torch.linalg.eigh(Q0.mT @ W64.mT @ W64 @ Q0)
+    X = Q0 @ x[:, -b:].flip(-1)
+    theta, images = theta[-b:].flip(-1), W64.mT @ (W64 @ X)
+    _, excess = ritz_residuals([X], [images], torch.eye(b, dtype=torch.float64), theta, k, tol, m)
+    assert torch.all(excess[1:] <= 1 + 1e-3), excess
+    # The next start: orthonormal, spanning the images.
+    start = found.start
+    assert found.images is None and start is not None
+    torch.testing.assert_close(start.mT @ start, torch.eye(b), atol=1e-5, rtol=0)
+    kept = (start.double() @ (start.double().mT @ images)).norm(dim=-2) / images.norm(dim=-2)
+    assert torch.all((kept - 1).abs() <= 1e-5), kept
+    # The values: the singular values of W^T U, U orthonormal in span(W Q_0); the top left pair
+    # (u_1, s_1 = W^T u_1) meets sigma_1's bound on W W^T, whose residual
     # ||W s_1 - ||s_1||^2 u_1||^2 = ||W s_1||^2 - ||s_1||^4, since u_1^T W s_1 = ||s_1||^2.
-    assert reached == 0 and torch.all(excess[1:] <= 1 + 1e-3), excess
-    assert values.shape == (b, b)
-    U = torch.linalg.qr(W.double() @ X.double()).Q
-    L = W.double().mT @ U
+    U = torch.linalg.qr(W64 @ Q0).Q
+    L = W64.mT @ U
     _, sigma, Rh = torch.linalg.svd(L, full_matrices=False)
-    torch.testing.assert_close(torch.linalg.svdvals(values.double()), sigma, rtol=1e-5, atol=0)
+    torch.testing.assert_close(found.values, sigma, rtol=1e-5, atol=0)
     assert torch.all(sigma <= reference(W, b) * (1 + 1e-5))  # Ritz values: lower bounds
     s_1 = L @ Rh[0]
     residual_sq = (W.double() @ s_1).square().sum() - sigma[0] ** 4
@@ -775,13 +778,12 @@ def test_a_first_block_that_misses_only_sigma_1_is_decided_by_the_left_rayleigh_
         rank_scale=m,
         forward=forward,
     )
-    values = found.left
-    assert bool(found.finite) and values is not None and products == [1]  # one product W s_1
+    assert bool(found.finite) and products == [1]  # one product W s_1
     if angle > 0.1:  # the left pair missed too: the iteration went on, its values from W X
-        assert values.shape == (m, b)
+        assert found.values is None and found.left is not None and found.left.shape == (m, b)
         return
-    assert values.shape == (b, b)  # a factor of (W^T U)^T W^T U
-    found_values = torch.linalg.svdvals(values.double())
+    assert found.values is not None and found.left is None
+    found_values = found.values
     # The left Ritz value of u ~ c s_1 u_1 + s s_41 u_41: ||W^T u||^2 = (c^2 s_1^4 + s^2 s_41^4)
     # / (c^2 s_1^2 + s^2 s_41^2); the others are sigma_2..sigma_40 exactly.
     top = ((c**2 * sigma[0] ** 4 + s**2 * sigma[40] ** 4) / (c**2 + s**2 * sigma[40] ** 2)).sqrt()
