@@ -14,8 +14,9 @@ snapshots in order:
 * ``ours cold``: the first snapshot, its method calibration included;
 * ``ours warm``: the steady warm snapshot (the last, warm-started from the one before; fastest of
   ``--repeats``, each from the same subspace);
-* ``floor``: the GEMMs of one Krylov block on every matrix, ``W @ Omega`` and ``W^T @ Y`` as
-  ``(Y^T W)^T``, block size k + n_oversamples = 40 (what a warm snapshot cannot do without);
+* ``floor``: the GEMMs of one Krylov block on every matrix, ``W @ Omega`` as
+  ``(Omega^T W^T)^T`` and ``W^T @ Y`` as ``(Y^T W)^T`` (the snapshot's own products), block size
+  k + n_oversamples = 40 (what a warm snapshot cannot do without);
 * the errors of sigma_1 and stable rank, cold and warm, against float64 ``svdvals`` (worst over
   ``--check`` matrices per group).
 
@@ -93,7 +94,7 @@ def stack_row(name: str, args: argparse.Namespace, g: torch.Generator) -> str:
 
     def floor() -> None:
         for (_, stack), X in zip(runs, blocks, strict=True):
-            Y = stack[-1] @ X
+            Y = (X.mT @ stack[-1].mT).mT  # as the snapshot's first product is made
             _ = (Y.mT @ stack[-1]).mT
 
     best = []
