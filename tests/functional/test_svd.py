@@ -414,9 +414,8 @@ def test_an_overflowing_matrix_is_redone_and_a_nan_one_stays_nan() -> None:
     W[1, 3, 4] = float("nan")
     top = randomized_svd(W, 8, method="randomized")
     assert torch.isnan(top.S[1]).all()
-    torch.testing.assert_close(
-        top.S[0].double() / 2.0**70, reference(W[0] / 2.0**70, 8), rtol=1e-4, atol=0
-    )
+    # A cold call stops at a test (early on this 1/i spectrum): the rule's contract, as for W[2].
+    assert_within_the_rule(top.S[0].double() / 2.0**70, reference(W[0] / 2.0**70, 8))
     assert_within_the_rule(top.S[2], reference(W[2], 8))
 
 
