@@ -48,6 +48,16 @@ def reference(W: torch.Tensor, k: int) -> torch.Tensor:
     return torch.linalg.svdvals(W.double())[..., :k]
 
 
+def flat_or_decaying(
+    m: int, n: int, spectrum: str, seed: int, generator: torch.Generator
+) -> torch.Tensor:
+    """float32 ``(m, n)``: Gaussian entries / sqrt(n) drawn from ``generator`` (``"flat"``, the
+    hard case), else the power law sigma_i = i^-0.5 of ``decaying`` (``seed``)."""
+    if spectrum == "flat":
+        return torch.randn(m, n, generator=generator) / n**0.5
+    return decaying((m, n), 0.5, seed).float()
+
+
 def assert_within_the_rule(S: torch.Tensor, truth: torch.Tensor) -> None:
     """The stopping rule's contract at the default tol (docs/metrics.md): sigma_1 within 2.4 tol
     of the truth, the other top values within their residual bound's reach (10 tol), with a
@@ -817,10 +827,7 @@ def test_a_warm_start_from_the_exact_subspace_stops_at_the_first_test_and_a_cold
     # on W itself).
     g = torch.Generator().manual_seed(seed)
     m, n = 600, 500
-    if spectrum == "flat":
-        W = torch.randn(m, n, generator=g) / n**0.5
-    else:
-        W = decaying((m, n), 0.5, seed).float()
+    W = flat_or_decaying(m, n, spectrum, seed, g)
     exact = reference(W, 32)
     steps = _krylov_steps(monkeypatch)
     top_subspace = torch.linalg.svd(W.double(), full_matrices=False).Vh[:40].mT.float()
@@ -943,10 +950,7 @@ def test_a_cold_call_on_a_wide_matrix_iterates_in_its_smaller_side_from_a_start_
     monkeypatch.setattr(svd_module, "randomized_costs", lambda *args, **kwargs: {route: 0.0})
     g = torch.Generator().manual_seed(seed)
     m, n = 300, 700
-    if spectrum == "flat":
-        W = torch.randn(m, n, generator=g) / n**0.5
-    else:
-        W = decaying((m, n), 0.5, seed).float()
+    W = flat_or_decaying(m, n, spectrum, seed, g)
     rows: list[int] = []
     original = svd_module.top_subspace
 
