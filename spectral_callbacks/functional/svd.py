@@ -1000,7 +1000,8 @@ def _check_init(init: object, W: Tensor) -> None:
     ok = ok and (init.ndim == 2 or tuple(init.shape[:-2]) == batch)
     if not ok:
         raise ValueError(
-            f"`init` must have shape (n, j) or {(*batch, n, 'j')} to fit `W` of shape "
+            f"`init` must have shape ({', '.join(map(str, (*batch, n)))}, j)"
+            f"{f' (or ({n}, j), one start for every matrix)' if batch else ''} to fit `W` of shape "
             f"{tuple(W.shape)}, got {tuple(init.shape)}; pass `.V` of the previous call on a "
             "matrix of the same shape, or None"
         )

@@ -574,9 +574,14 @@ def test_an_exact_first_call_hands_back_a_subspace_when_warm_calls_will_pay(
             torch.ones(3, 3),
             {"init": torch.ones(4, 2)},
             ValueError,
-            r"`init` must have shape \(n, j\)",
+            r"`init` must have shape \(3, j\) to fit `W` of shape \(3, 3\), got \(4, 2\)",
         ),
-        (torch.ones(2, 3, 3), {"init": torch.ones(5, 3, 2)}, ValueError, r"`init` must have shape"),
+        (
+            torch.ones(2, 3, 3),
+            {"init": torch.ones(5, 3, 2)},
+            ValueError,
+            r"`init` must have shape \(2, 3, j\) \(or \(3, j\), one start for every matrix\)",
+        ),
         (torch.ones(3, 3), {"init": "V"}, TypeError, r"`init` must be a floating-point"),
     ],
 )
