@@ -50,7 +50,7 @@ _EXACT_FRACTION = 0.5
 _COST_CALL = 2.0e8
 
 
-@functools.cache
+@functools.lru_cache(maxsize=4096)  # bounded: a stateless caller may bring ever new shapes
 def choose_method(
     m: int,
     n: int,

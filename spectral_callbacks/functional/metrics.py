@@ -185,7 +185,7 @@ def _fit(S: A, first: int, positive: bool) -> tuple[A, A]:
     return torch.where(enough, alpha, math.nan), torch.where(enough, r2, math.nan)
 
 
-@functools.cache
+@functools.lru_cache(maxsize=256)  # bounded: a caller may ask for ever new windows
 def _log_ranks(first: int, size: int, device: torch.device) -> Tensor:
     """``log i`` for the ranks ``first .. first + size - 1`` in float64 (kept: the same few
     windows come back at every call)."""
@@ -193,7 +193,7 @@ def _log_ranks(first: int, size: int, device: torch.device) -> Tensor:
     return ranks.log()
 
 
-@functools.cache
+@functools.lru_cache(maxsize=256)
 def _centered_log_ranks(first: int, size: int, device: torch.device | None) -> tuple[Array, float]:
     """``log i`` of the ranks ``first .. first + size - 1`` minus their mean, and the sum of its
     squares: the fit's ``dx`` and ``var(x)`` when every rank takes part (``device`` ``None``: a
@@ -275,7 +275,7 @@ def energy_rank_key(energy: float) -> str:
     return _energy_key(energy)
 
 
-@functools.cache
+@functools.lru_cache(maxsize=256)
 def _energy_key(energy: float) -> str:
     """``energy_rank_key`` of a checked fraction (kept: the same one comes back at every call)."""
     percent = round(energy * 100, 6)
