@@ -609,16 +609,11 @@ def _adapted_svd(
             forward=lambda X: part.matmul(X, _matmul),
             early_check=early_check,
         )
-        finite = found.finite
         if found.values is not None:
             S = found.values.to(compute_dtype)
         else:
-            BV = found.left
-            if BV is None:
-                assert found.basis is not None
-                BV = part.matmul(found.basis, _matmul)
-            S = _singular_values(keep_finite(BV, finite))
-        return TopSVD(_tidy(S[..., :k], finite, max(m, n), compute_dtype), _next_start(found))
+            S = _singular_values(_ritz_image(found, lambda X: part.matmul(X, _matmul)))
+        return TopSVD(_tidy(S[..., :k], found.finite, max(m, n), compute_dtype), _next_start(found))
 
     def fallback(one: slice) -> TopSVD:  # the matrix formed here, as the exact choice does above
         S, finite, V = exact_after_failure(W[one].dense(compute_dtype), width)
@@ -814,15 +809,24 @@ def _randomized(
     finite = found.finite
     if found.values is not None:  # never wide: that path iterates by products on W itself
         return found.values.to(A.dtype), _next_start(found), finite
-    BV = found.left
-    if BV is None:  # one product with W in float32 (wide, B = W^T: as (basis^T W)^T)
-        assert found.basis is not None
-        BV = _matmul(found.basis.mT, A).mT if wide else _matmul(B, found.basis)
-    BV = keep_finite(BV, finite)
+    # One product with W in float32 where the iteration did not form B V (wide, B = W^T: as
+    # (basis^T W)^T).
+    BV = _ritz_image(found, lambda X: _matmul(X.mT, A).mT if wide else _matmul(B, X))
     S = _singular_values(BV)
     if wide:  # B V's columns are ~ sigma_i u_i, u_i the right singular vectors of A = B^T
         return S, orthonormal_columns(BV), finite
     return S, _next_start(found), finite
+
+
+def _ritz_image(found: Subspace, times_B: Callable[[Tensor], Tensor]) -> Tensor:
+    """``B V`` of the Ritz vectors found, whose singular values are the Ritz values: the
+    iteration's own (``found.left``) where it formed it, else one product ``times_B(V)``; a
+    non-finite matrix's zeroed."""
+    BV = found.left
+    if BV is None:
+        assert found.basis is not None
+        BV = times_B(found.basis)
+    return keep_finite(BV, found.finite)
 
 
 def _next_start(found: Subspace) -> Tensor:
